@@ -1,0 +1,82 @@
+// Codec kernel bandwidth on one core, next to memcpy's and ATen's cast.
+//
+//   build/codec_bench [--elements N] [--reps R]
+//
+// GB/s counts bytes read + bytes written. "vs memcpy" is the kernel's GB/s over memcpy's GB/s on the
+// same buffers in the same run (issue target: >= 0.5).
+#include <ddpkit/codecs/cast.h>
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <functional>
+#include <string>
+#include <vector>
+
+namespace {
+
+struct Stats {
+  double min_ms, p50_ms, p99_ms;
+};
+
+Stats time_it(int reps, const std::function<void()>& fn) {
+  fn();  // warm: page faults, caches
+  std::vector<double> ms;
+  for (int i = 0; i < reps; ++i) {
+    const auto t0 = std::chrono::steady_clock::now();
+    fn();
+    ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+  }
+  std::sort(ms.begin(), ms.end());
+  return {ms.front(), ms[ms.size() / 2], ms[std::min(ms.size() - 1, ms.size() * 99 / 100)]};
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  int64_t n = 25 * 1000 * 1000;  // the 25M-parameter MLP's gradient
+  int reps = 15;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    if (!std::strcmp(argv[i], "--elements")) n = std::atoll(argv[i + 1]);
+    else if (!std::strcmp(argv[i], "--reps")) reps = std::atoi(argv[i + 1]);
+    else {
+      std::fprintf(stderr, "usage: codec_bench [--elements N] [--reps R]\n");
+      return 2;
+    }
+  }
+  at::set_num_threads(1);
+  at::Tensor f32 = at::randn({n}), f32_out = at::empty({n});
+  at::Tensor h = at::empty({n}, at::kHalf), b = at::empty({n}, at::kBFloat16);
+  ddpkit::codecs::cast_scaled_into(f32, h, 0.5);
+  ddpkit::codecs::cast_scaled_into(f32, b, 0.5);
+  std::vector<at::Tensor> parts{h, h.clone()};
+  at::Tensor hsum = at::empty({n}, at::kHalf);
+
+  const double f32_bytes = 4.0 * n, lp_bytes = 2.0 * n;
+  const Stats memcpy_stats = time_it(reps, [&] { std::memcpy(f32_out.data_ptr(), f32.data_ptr(), f32_bytes); });
+  const double memcpy_gbs = 2 * f32_bytes / (memcpy_stats.p50_ms * 1e6);
+
+  std::printf("# codec kernels, one core, %lld elements, SIMD level %s, %d reps\n", static_cast<long long>(n),
+              ddpkit::codecs::simd_level_name(), reps);
+  std::printf("# GB/s = (bytes read + bytes written) / p50 time\n");
+  std::printf("%-28s %10s %10s %10s %10s %10s\n", "kernel", "min_ms", "p50_ms", "p99_ms", "GB/s", "vs_memcpy");
+  auto row = [&](const char* name, double bytes, const Stats& s) {
+    const double gbs = bytes / (s.p50_ms * 1e6);
+    std::printf("%-28s %10.2f %10.2f %10.2f %10.2f %10.2f\n", name, s.min_ms, s.p50_ms, s.p99_ms, gbs, gbs / memcpy_gbs);
+  };
+  row("memcpy fp32", 2 * f32_bytes, memcpy_stats);
+  row("fp32->fp16 x scale (ddpkit)", f32_bytes + lp_bytes, time_it(reps, [&] { ddpkit::codecs::cast_scaled_into(f32, h, 0.5); }));
+  row("fp16->fp32 (ddpkit)", f32_bytes + lp_bytes, time_it(reps, [&] { ddpkit::codecs::cast_scaled_into(h, f32_out, 1.0); }));
+  row("fp32->bf16 x scale (ddpkit)", f32_bytes + lp_bytes, time_it(reps, [&] { ddpkit::codecs::cast_scaled_into(f32, b, 0.5); }));
+  row("bf16->fp32 (ddpkit)", f32_bytes + lp_bytes, time_it(reps, [&] { ddpkit::codecs::cast_scaled_into(b, f32_out, 1.0); }));
+  row("fp16 sum of 2 (ddpkit)", 3 * lp_bytes, time_it(reps, [&] { ddpkit::codecs::sum_low_precision_into(parts, hsum); }));
+  row("fp32->fp16 (ATen .to)", f32_bytes + lp_bytes, time_it(reps, [&] { h.copy_(f32); }));
+  row("fp32->fp16 x scale (ATen)", f32_bytes + lp_bytes, time_it(reps, [&] { h.copy_(f32); h.div_(2); }));
+  row("fp16->fp32 (ATen)", f32_bytes + lp_bytes, time_it(reps, [&] { f32_out.copy_(h); }));
+  row("fp32->bf16 (ATen .to)", f32_bytes + lp_bytes, time_it(reps, [&] { b.copy_(f32); }));
+  return 0;
+}

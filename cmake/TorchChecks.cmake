@@ -1,0 +1,25 @@
+# Facts about the libtorch we found, turned into compile definitions once, here.
+find_package(Threads REQUIRED)
+set(DDPKIT_TORCH_DEFINITIONS "")
+
+# Debian's TorchConfig carries USE_C10D_GLOO on torch_cpu; a bare libtorch may not.
+get_target_property(_torch_cpu_defs torch_cpu INTERFACE_COMPILE_DEFINITIONS)
+if(NOT _torch_cpu_defs MATCHES "USE_C10D_GLOO")
+  list(APPEND DDPKIT_TORCH_DEFINITIONS USE_C10D_GLOO)
+endif()
+
+# The c10d Gloo header includes <gloo/...>: Debian ships them in libgloo-dev.
+find_path(DDPKIT_GLOO_INCLUDE gloo/algorithm.h HINTS ${TORCH_INCLUDE_DIRS})
+if(NOT DDPKIT_GLOO_INCLUDE)
+  message(FATAL_ERROR "gloo headers not found: install libgloo-dev (scripts/install-deps.sh)")
+endif()
+
+# NCCL: present when libtorch was built with CUDA (torch_cuda carries USE_C10D_NCCL).
+set(DDPKIT_HAVE_NCCL OFF)
+if(TARGET torch_cuda)
+  get_target_property(_torch_cuda_defs torch_cuda INTERFACE_COMPILE_DEFINITIONS)
+  if(_torch_cuda_defs MATCHES "USE_C10D_NCCL")
+    set(DDPKIT_HAVE_NCCL ON)
+  endif()
+endif()
+message(STATUS "ddpkit: libtorch ${Torch_VERSION}, NCCL backend: ${DDPKIT_HAVE_NCCL}, flags: ${TORCH_CXX_FLAGS}")

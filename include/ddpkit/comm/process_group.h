@@ -1,0 +1,155 @@
+// Process groups: c10d stores + a c10d backend (Gloo on CPU, NCCL where libtorch has CUDA), with
+// a timeout on everything and one ordered issuing thread per group.
+//
+// Why the issuing thread: Gloo pairs collectives across ranks by a sequence number taken when a
+// collective is *issued*. If two threads issue (the autograd thread and a future callback, say),
+// ranks can number them differently and exchange the wrong buffers or hang. Every collective
+// issued through a ddpkit::ProcessGroup is therefore handed to its sequencer, which issues them
+// one by one in the order they were handed over; a multi-step algorithm (the low-precision
+// allreduce below, or a user's chain via run_ordered) runs entirely on that thread, so its
+// steps are issued in the same order on every rank. See docs/threading.md.
+#pragma once
+
+#include <ddpkit/compat.h>
+#include <ddpkit/error.h>
+
+#include <ATen/ATen.h>
+#include <ATen/core/ivalue.h>
+#include <torch/arg.h>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+
+namespace ddpkit {
+
+using FuturePtr = c10::intrusive_ptr<c10::ivalue::Future>;
+
+// A future that will hold one tensor, placed on `device` (CUDA futures must name their device).
+FuturePtr make_tensor_future(c10::Device device = c10::kCPU);
+// A future that is already complete with `value`.
+FuturePtr completed_future(const at::Tensor& value);
+
+// Bytes this rank put on the wire, by the bus-bandwidth model of nccl-tests: an allreduce of B
+// bytes over n ranks counts 2(n-1)/n*B, allgather/alltoall/broadcast (n-1)/n*B of the full tensor.
+struct CommStats {
+  uint64_t bytes_sent = 0;
+  uint64_t collectives = 0;
+};
+
+struct ProcessGroupOptions {
+  // "gloo" (CPU tensors) or "nccl" (CUDA tensors; only when libtorch was built with CUDA).
+  TORCH_ARG(std::string, backend) = "gloo";
+  // Bound on every collective and on the rendezvous. A dead or missing peer surfaces as a
+  // CommError within this time.
+  TORCH_ARG(std::chrono::milliseconds, timeout) = std::chrono::minutes(5);
+  // Gloo worker threads (collectives in flight at once).
+  TORCH_ARG(int, gloo_threads) = 2;
+  // Address Gloo listens on. Empty: GLOO_SOCKET_IFNAME's interface if set, 127.0.0.1 when
+  // MASTER_ADDR is a loopback address or unset, else the address this host's name resolves to.
+  TORCH_ARG(std::string, gloo_hostname) = "";
+  // Key prefix in the store, so several groups can share one store.
+  TORCH_ARG(std::string, group_name) = "default";
+};
+
+class ProcessGroup {
+ public:
+  ProcessGroup(c10::intrusive_ptr<c10d::Store> store, int rank, int world_size,
+               ProcessGroupOptions options = {});
+  ~ProcessGroup();
+  ProcessGroup(const ProcessGroup&) = delete;
+  ProcessGroup& operator=(const ProcessGroup&) = delete;
+
+  int rank() const { return rank_; }
+  int size() const { return world_size_; }
+  const std::string& backend_name() const { return options_.backend(); }
+  std::chrono::milliseconds timeout() const { return options_.timeout(); }
+  const c10::intrusive_ptr<c10d::Store>& store() const { return store_; }
+
+  // Collectives. All are asynchronous and in place where the c10d one is; each returns a future
+  // whose value is the result tensor, or whose error is a CommError naming the operation.
+  // allreduce supports float16/bfloat16 SUM on Gloo too (Gloo has no bf16 and a slow fp16 sum):
+  // chunks are exchanged in the low-precision type and summed in fp32 (see low_precision_allreduce).
+  FuturePtr allreduce(const at::Tensor& tensor, c10d::ReduceOp op = c10d::ReduceOp::SUM);
+  FuturePtr broadcast(const at::Tensor& tensor, int root);
+  // outputs[r] receives rank r's input; all shapes equal.
+  FuturePtr allgather(const std::vector<at::Tensor>& outputs, const at::Tensor& input);
+  // Equal split along dim 0: chunk r of input goes to rank r; chunk r of output comes from rank r.
+  FuturePtr alltoall(const at::Tensor& output, const at::Tensor& input);
+  FuturePtr barrier();
+
+  // Runs `fn` on the sequencer: collectives it issues (through this group) are ordered with all
+  // others, and it may block on them. Its return value completes the returned future.
+  FuturePtr run_ordered(std::function<at::Tensor()> fn, c10::Device device = c10::kCPU);
+
+  // Waits for a future from this API and returns its tensor, rethrowing its error.
+  static at::Tensor wait(const FuturePtr& future);
+
+  CommStats stats() const;
+  void reset_stats();
+
+  // The underlying c10d backend, for collectives ddpkit does not wrap. Issuing on it directly
+  // bypasses the ordering guarantee above.
+  compat::Backend& backend() { return *backend_; }
+
+ private:
+  using Job = std::function<void()>;
+  void post(Job job);
+  void sequencer_loop();
+  bool on_sequencer() const { return std::this_thread::get_id() == sequencer_.get_id(); }
+  // Issues `op` on the sequencer and completes `result` with `value` when the Work completes.
+  FuturePtr issue(const std::string& what, uint64_t bus_bytes, const at::Tensor& value,
+                  std::function<c10::intrusive_ptr<c10d::Work>()> op);
+  void low_precision_allreduce(const at::Tensor& tensor, const FuturePtr& result);
+  void link(const c10::intrusive_ptr<c10d::Work>& work, const FuturePtr& result,
+            const at::Tensor& value, const std::string& what);
+  void count(uint64_t bus_bytes);
+
+  c10::intrusive_ptr<c10d::Store> store_;
+  int rank_;
+  int world_size_;
+  ProcessGroupOptions options_;
+  c10::intrusive_ptr<compat::Backend> backend_;
+
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  std::deque<Job> jobs_;
+  bool stopping_ = false;
+  std::thread sequencer_;
+
+  std::atomic<uint64_t> bytes_sent_{0};
+  std::atomic<uint64_t> collectives_{0};
+};
+
+// How to find the peers. With no store and init_method "env://", the torchrun variables
+// MASTER_ADDR, MASTER_PORT, RANK and WORLD_SIZE are read (rank/world_size given here win).
+struct InitOptions {
+  TORCH_ARG(std::string, backend) = "gloo";
+  TORCH_ARG(std::chrono::milliseconds, timeout) = std::chrono::minutes(5);
+  TORCH_ARG(int, rank) = -1;
+  TORCH_ARG(int, world_size) = -1;
+  // "env://", "tcp://HOST:PORT" (TCPStore, rank 0 serves) or "file:///PATH" (FileStore).
+  TORCH_ARG(std::string, init_method) = "env://";
+  // An explicit store (e.g. c10d::HashStore shared by rank threads) overrides init_method.
+  TORCH_ARG(c10::intrusive_ptr<c10d::Store>, store) = {};
+  TORCH_ARG(int, gloo_threads) = 2;
+  TORCH_ARG(std::string, gloo_hostname) = "";
+};
+
+// Rendezvous and create a process group; the first one created also becomes the default group.
+std::shared_ptr<ProcessGroup> init_process_group(const InitOptions& options = {});
+// The group made by the first init_process_group (error if none).
+std::shared_ptr<ProcessGroup> default_process_group();
+void destroy_process_group();
+
+// Which backends this build of libtorch offers ("gloo", and "nccl" with CUDA).
+std::vector<std::string> available_backends();
+
+}  // namespace ddpkit

@@ -1,0 +1,49 @@
+// Every difference between libtorch 1.13 (Debian) and pytorch.org 2.x that ddpkit touches lives here.
+// See docs/compat.md for the facts behind each item.
+#pragma once
+
+#include <torch/version.h>  // 1.13 includes it only from torch/all.h: include it explicitly.
+
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+
+#include <functional>
+#include <utility>
+
+#define DDPKIT_TORCH_AT_LEAST(major, minor) \
+  (TORCH_VERSION_MAJOR > (major) ||         \
+   (TORCH_VERSION_MAJOR == (major) && TORCH_VERSION_MINOR >= (minor)))
+
+namespace ddpkit {
+namespace compat {
+
+// The object collectives are called on: ProcessGroup in 1.13, Backend from 2.0 on. Both have the
+// same collective signatures and return c10::intrusive_ptr<c10d::Work>.
+#if DDPKIT_TORCH_AT_LEAST(2, 0)
+using Backend = c10d::Backend;
+#else
+using Backend = c10d::ProcessGroup;
+#endif
+
+// Gloo gained _reduce_scatter_base/_allgather_base fallbacks in 2.2. ddpkit does not rely on them:
+// its low-precision allreduce is built from alltoall_base + allgather, which exist everywhere.
+constexpr bool kGlooHasReduceScatterBase = DDPKIT_TORCH_AT_LEAST(2, 2);
+
+// A post hook on a grad accumulator. operator() is unchanged from 1.13 to 2.x; compiled_args
+// (added ~2.1, later const) is deliberately not overridden.
+class LambdaPostHook final : public torch::autograd::FunctionPostHook {
+ public:
+  explicit LambdaPostHook(std::function<void()> fn) : fn_(std::move(fn)) {}
+  torch::autograd::variable_list operator()(
+      const torch::autograd::variable_list& outputs,
+      const torch::autograd::variable_list& /*inputs*/) override {
+    fn_();
+    return outputs;
+  }
+
+ private:
+  std::function<void()> fn_;
+};
+
+}  // namespace compat
+}  // namespace ddpkit

@@ -1,0 +1,7 @@
+// Everything a training program needs from ddpkit.
+#pragma once
+#include <ddpkit/codecs/cast.h>
+#include <ddpkit/comm/process_group.h>
+#include <ddpkit/ddp/distributed_data_parallel.h>
+#include <ddpkit/hooks/default_hooks.h>
+#include <ddpkit/reducer/reducer.h>

@@ -1,0 +1,35 @@
+// The default communication hooks (torch.distributed.algorithms.ddp_comm_hooks.default_hooks).
+// Each factory returns a CommHook bound to a process group; register it with
+// DistributedDataParallel::register_comm_hook(hook, name).
+#pragma once
+
+#include <ddpkit/comm/process_group.h>
+#include <ddpkit/reducer/grad_bucket.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace ddpkit {
+namespace hooks {
+
+// Divide by world size, then SUM-allreduce (dividing first keeps fp16 from overflowing).
+// Sparse buckets are allreduced sparse.
+CommHook allreduce_hook(std::shared_ptr<ProcessGroup> pg);
+// Cast to float16 and divide in one pass, allreduce in float16, cast back into the bucket.
+CommHook fp16_compress_hook(std::shared_ptr<ProcessGroup> pg);
+// The same with bfloat16; runs on CPU/Gloo too (PyTorch's needs CUDA + NCCL).
+CommHook bf16_compress_hook(std::shared_ptr<ProcessGroup> pg);
+// Run any hook on a float16 (bfloat16) copy of the bucket and cast its result back.
+CommHook fp16_compress_wrapper(CommHook hook);
+CommHook bf16_compress_wrapper(CommHook hook);
+// Returns the local gradients unchanged: measures the cost of everything but communication.
+CommHook noop_hook();
+
+// By name, for command lines: allreduce, fp16, bf16, noop, fp16_wrapper, bf16_wrapper
+// (the wrappers around allreduce_hook). Unknown names are an error listing the known ones.
+CommHook make_hook(const std::string& name, std::shared_ptr<ProcessGroup> pg);
+std::vector<std::string> hook_names();
+
+}  // namespace hooks
+}  // namespace ddpkit

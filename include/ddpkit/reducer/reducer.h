@@ -1,0 +1,125 @@
+// The Reducer: autograd post-accumulate hooks -> buckets -> comm hook -> futures -> .grad.
+//
+// Each parameter's grad accumulator gets a post hook (the accumulator is kept alive here: the
+// variable holds it only weakly, and a dropped accumulator silently drops its hooks). When the
+// last gradient of a bucket is ready, the bucket is launched if every bucket before it has been:
+// buckets launch strictly in index order, so communication overlaps the rest of backward and every
+// rank issues the same collectives in the same order. An autograd-engine final callback waits for
+// the futures at the end of backward and writes results into .grad. See docs/design.md.
+#pragma once
+
+#include <ddpkit/comm/process_group.h>
+#include <ddpkit/reducer/bucket_assignment.h>
+#include <ddpkit/reducer/grad_bucket.h>
+
+#include <torch/csrc/autograd/function.h>
+
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+namespace ddpkit {
+
+struct ReducerOptions {
+  size_t first_bucket_bytes = 1024 * 1024;   // the first bucket's cap: gets communication going early
+  size_t bucket_bytes_cap = 25 * 1024 * 1024;
+  bool find_unused_parameters = false;
+  bool gradient_as_bucket_view = false;
+  bool static_graph = false;
+};
+
+class Reducer {
+ public:
+  // params: leaf tensors that require grad; names: for error messages; expect_sparse: per param.
+  Reducer(std::vector<at::Tensor> params, std::vector<std::string> names,
+          std::vector<bool> expect_sparse, std::shared_ptr<ProcessGroup> pg, ReducerOptions options);
+  ~Reducer();
+  Reducer(const Reducer&) = delete;
+  Reducer& operator=(const Reducer&) = delete;
+
+  // Registers the hook that communicates every bucket. Once only.
+  void register_comm_hook(CommHook hook, std::string name);
+  bool has_comm_hook() const { return static_cast<bool>(hook_); }
+
+  // Before forward: if the first synchronized iteration has finished and buckets were not rebuilt
+  // yet, rebuilds them in gradient-ready order as recorded by `source_rank` (a broadcast: every
+  // rank must call this at the same point). Also errors if the last backward never finished.
+  void prepare_for_forward(int source_rank = 0);
+  // After a forward whose backward must synchronize gradients; outputs are searched for the
+  // parameters they depend on when unused parameters must be found.
+  void prepare_for_backward(const std::vector<at::Tensor>& outputs);
+  // For a rank that has run out of data (join): issue exactly the collectives one synchronized
+  // backward issues (used-parameter map, every bucket through the hook) with zero gradients.
+  void shadow_backward();
+
+  // The divisor of the no-hook path (world size by default).
+  void set_divisor(int64_t divisor);
+  // Current bucket assignment: parameter indices per bucket, in launch order.
+  std::vector<std::vector<size_t>> bucket_indices() const;
+  int64_t iterations() const { return iterations_; }
+  bool buckets_rebuilt() const { return rebuilt_; }
+  // Parameters found globally unused in the last synchronized iteration (find_unused/static_graph).
+  std::vector<size_t> unused_parameters() const;
+  const std::vector<at::Tensor>& parameters() const { return params_; }
+
+ private:
+  struct Bucket {
+    std::vector<size_t> vars;
+    std::vector<int64_t> offsets;
+    std::vector<std::vector<int64_t>> shapes;
+    at::Tensor buffer;               // dense: flat contents; sparse: set when ready
+    std::vector<at::Tensor> views;   // dense: per-var views of buffer
+    bool sparse = false;
+    size_t pending = 0;
+    FuturePtr future;
+  };
+
+  void build_buckets(const BucketAssignment& assignment);
+  void autograd_hook(size_t var);
+  void on_backward_start();
+  void mark_var_ready(size_t var, bool unused);
+  void launch_ready_buckets();
+  void launch_bucket(size_t index);
+  void finalize_backward();
+  void reset_iteration_state();
+  std::vector<bool> find_used_parameters(const std::vector<at::Tensor>& outputs) const;
+  at::Tensor wait_bucket(size_t index);
+  std::string hook_name() const;
+
+  std::vector<at::Tensor> params_;
+  std::vector<std::string> names_;
+  std::vector<bool> expect_sparse_;
+  std::shared_ptr<ProcessGroup> pg_;
+  ReducerOptions options_;
+  std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;
+  std::vector<uintptr_t> hook_keys_;
+
+  CommHook hook_;
+  std::string hook_name_;
+
+  mutable std::mutex mutex_;
+  std::vector<Bucket> buckets_;
+  std::vector<std::pair<size_t, size_t>> locator_;  // var -> (bucket, slot)
+
+  // Per-iteration state.
+  bool expect_hooks_ = false;
+  bool backward_started_ = false;
+  std::vector<bool> var_ready_;
+  size_t next_bucket_ = 0;
+  std::vector<bool> locally_used_;      // valid when used_map_needed_
+  bool used_map_needed_ = false;
+  FuturePtr used_map_future_;
+  at::Tensor used_map_;
+  at::Tensor divisor_;                  // 0-dim, for the no-hook path
+
+  // Across iterations.
+  int64_t iterations_ = 0;
+  bool rebuilt_ = false;
+  bool rebuild_pending_ = false;
+  std::vector<size_t> ready_order_;
+  std::vector<bool> globally_unused_;   // from the last used-map allreduce
+  bool static_unused_known_ = false;
+};
+
+}  // namespace ddpkit

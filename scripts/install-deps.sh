@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Installs every Debian package ddpkit needs, only those missing. Idempotent; CI calls it.
+set -euo pipefail
+
+packages=(
+  build-essential cmake ninja-build ccache pkg-config
+  libtorch-dev libgloo-dev         # libtorch 1.13 (CPU) and the Gloo headers c10d includes
+  libopenblas0-pthread             # optimized BLAS: Debian's reference BLAS is ~20x slower
+  googletest libgtest-dev libgmock-dev
+  dataset-fashion-mnist            # IDX files under /usr/share/datasets/fashion-mnist
+  python3-torch                    # PyTorch's own Python DDP, for side-by-side benchmarks
+  zlib1g-dev                       # the CLI gunzips the dataset itself
+)
+
+missing=()
+for p in "${packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+
+if [ ${#missing[@]} -eq 0 ]; then
+  echo "install-deps: all ${#packages[@]} packages present"
+  exit 0
+fi
+
+echo "install-deps: installing ${missing[*]}"
+SUDO=""
+[ "$(id -u)" -eq 0 ] || SUDO="sudo"
+export DEBIAN_FRONTEND=noninteractive
+$SUDO apt-get update -qq
+$SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"

@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# Builds and runs every test (GoogleTest under ctest: ranks as threads, real processes, the CLI).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+./scripts/build.sh
+cd build
+ctest --output-on-failure --timeout 600 "$@"

@@ -1,0 +1,326 @@
+#include <ddpkit/codecs/cast.h>
+#include <ddpkit/error.h>
+
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <immintrin.h>
+
+#include <atomic>
+#include <cstdlib>
+#include <string>
+#include <cstring>
+
+namespace ddpkit {
+namespace codecs {
+namespace {
+
+// Elements per task when ATen runs with several threads; large enough to amortise dispatch.
+constexpr int64_t kGrain = 1 << 16;
+
+// ---- scalar reference (also the tails of the vector loops) -------------------------------------
+inline uint16_t f2h(float x) { return c10::Half(x).x; }
+inline float h2f(uint16_t h) { return static_cast<float>(c10::Half(h, c10::Half::from_bits())); }
+inline uint16_t f2b(float x) { return c10::BFloat16(x).x; }
+inline float b2f(uint16_t b) {
+  uint32_t bits = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+void f2h_scalar(const float* in, uint16_t* out, int64_t n, float s) {
+  for (int64_t i = 0; i < n; ++i) out[i] = f2h(in[i] * s);
+}
+void h2f_scalar(const uint16_t* in, float* out, int64_t n, float s) {
+  for (int64_t i = 0; i < n; ++i) out[i] = h2f(in[i]) * s;
+}
+void f2b_scalar(const float* in, uint16_t* out, int64_t n, float s) {
+  for (int64_t i = 0; i < n; ++i) out[i] = f2b(in[i] * s);
+}
+void b2f_scalar(const uint16_t* in, float* out, int64_t n, float s) {
+  for (int64_t i = 0; i < n; ++i) out[i] = b2f(in[i]) * s;
+}
+template <bool kBf16>
+void sum_scalar(const uint16_t* const* in, int k, uint16_t* out, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    float acc = 0.f;
+    for (int r = 0; r < k; ++r) acc += kBf16 ? b2f(in[r][i]) : h2f(in[r][i]);
+    out[i] = kBf16 ? f2b(acc) : f2h(acc);
+  }
+}
+
+// ---- AVX2 + F16C: 8 lanes ------------------------------------------------------------------------
+#define DDPKIT_AVX2 __attribute__((target("avx2,f16c,fma")))
+
+DDPKIT_AVX2 inline __m128i bf16_round_avx2(__m256 v) {
+  const __m256i x = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(x, 16), _mm256_set1_epi32(1));
+  const __m256i biased = _mm256_add_epi32(x, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
+  __m256i r = _mm256_srli_epi32(biased, 16);
+  const __m256 nan = _mm256_cmp_ps(v, v, _CMP_UNORD_Q);
+  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), _mm256_castps_si256(nan));
+  // Pack 8 x u32 (all <= 0xffff) into 8 x u16: packus works per 128-bit lane, so fix the order.
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);
+  return _mm256_castsi256_si128(packed);
+}
+DDPKIT_AVX2 inline __m256 bf16_load_avx2(const uint16_t* p) {
+  const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+}
+DDPKIT_AVX2 inline __m256 f16_load_avx2(const uint16_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+DDPKIT_AVX2 void f2h_avx2(const float* in, uint16_t* out, int64_t n, float s) {
+  const __m256 vs = _mm256_set1_ps(s);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = _mm256_mul_ps(_mm256_loadu_ps(in + i), vs);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+  }
+  f2h_scalar(in + i, out + i, n - i, s);
+}
+DDPKIT_AVX2 void h2f_avx2(const uint16_t* in, float* out, int64_t n, float s) {
+  const __m256 vs = _mm256_set1_ps(s);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, _mm256_mul_ps(f16_load_avx2(in + i), vs));
+  h2f_scalar(in + i, out + i, n - i, s);
+}
+DDPKIT_AVX2 void f2b_avx2(const float* in, uint16_t* out, int64_t n, float s) {
+  const __m256 vs = _mm256_set1_ps(s);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = _mm256_mul_ps(_mm256_loadu_ps(in + i), vs);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), bf16_round_avx2(v));
+  }
+  f2b_scalar(in + i, out + i, n - i, s);
+}
+DDPKIT_AVX2 void b2f_avx2(const uint16_t* in, float* out, int64_t n, float s) {
+  const __m256 vs = _mm256_set1_ps(s);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, _mm256_mul_ps(bf16_load_avx2(in + i), vs));
+  b2f_scalar(in + i, out + i, n - i, s);
+}
+template <bool kBf16>
+DDPKIT_AVX2 void sum_avx2(const uint16_t* const* in, int k, uint16_t* out, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    __m256 acc = _mm256_setzero_ps();
+    for (int r = 0; r < k; ++r)
+      acc = _mm256_add_ps(acc, kBf16 ? bf16_load_avx2(in[r] + i) : f16_load_avx2(in[r] + i));
+    const __m128i h = kBf16 ? bf16_round_avx2(acc) : _mm256_cvtps_ph(acc, _MM_FROUND_TO_NEAREST_INT);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), h);
+  }
+  if (i < n) {
+    const uint16_t* tails[64];
+    DDPKIT_CHECK(k <= 64, "sum_low_precision_into supports at most 64 inputs, got ", k);
+    for (int r = 0; r < k; ++r) tails[r] = in[r] + i;
+    sum_scalar<kBf16>(tails, k, out + i, n - i);
+  }
+}
+
+// ---- AVX-512: 16 lanes ---------------------------------------------------------------------------
+#define DDPKIT_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,f16c")))
+
+DDPKIT_AVX512 inline __m256i bf16_round_avx512(__m512 v) {
+  const __m512i x = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(x, 16), _mm512_set1_epi32(1));
+  const __m512i biased = _mm512_add_epi32(x, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+  __m512i r = _mm512_srli_epi32(biased, 16);
+  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  r = _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7fc0));
+  return _mm512_cvtepi32_epi16(r);
+}
+DDPKIT_AVX512 inline __m512 bf16_load_avx512(const uint16_t* p) {
+  const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+}
+DDPKIT_AVX512 inline __m512 f16_load_avx512(const uint16_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+DDPKIT_AVX512 void f2h_avx512(const float* in, uint16_t* out, int64_t n, float s) {
+  const __m512 vs = _mm512_set1_ps(s);
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m512 v = _mm512_mul_ps(_mm512_loadu_ps(in + i), vs);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i),
+                        _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+  f2h_scalar(in + i, out + i, n - i, s);
+}
+DDPKIT_AVX512 void h2f_avx512(const uint16_t* in, float* out, int64_t n, float s) {
+  const __m512 vs = _mm512_set1_ps(s);
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(out + i, _mm512_mul_ps(f16_load_avx512(in + i), vs));
+  h2f_scalar(in + i, out + i, n - i, s);
+}
+DDPKIT_AVX512 void f2b_avx512(const float* in, uint16_t* out, int64_t n, float s) {
+  const __m512 vs = _mm512_set1_ps(s);
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m512 v = _mm512_mul_ps(_mm512_loadu_ps(in + i), vs);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), bf16_round_avx512(v));
+  }
+  f2b_scalar(in + i, out + i, n - i, s);
+}
+DDPKIT_AVX512 void b2f_avx512(const uint16_t* in, float* out, int64_t n, float s) {
+  const __m512 vs = _mm512_set1_ps(s);
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(out + i, _mm512_mul_ps(bf16_load_avx512(in + i), vs));
+  b2f_scalar(in + i, out + i, n - i, s);
+}
+template <bool kBf16>
+DDPKIT_AVX512 void sum_avx512(const uint16_t* const* in, int k, uint16_t* out, int64_t n) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int r = 0; r < k; ++r)
+      acc = _mm512_add_ps(acc, kBf16 ? bf16_load_avx512(in[r] + i) : f16_load_avx512(in[r] + i));
+    const __m256i h = kBf16 ? bf16_round_avx512(acc)
+                            : _mm512_cvtps_ph(acc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), h);
+  }
+  if (i < n) {
+    const uint16_t* tails[64];
+    DDPKIT_CHECK(k <= 64, "sum_low_precision_into supports at most 64 inputs, got ", k);
+    for (int r = 0; r < k; ++r) tails[r] = in[r] + i;
+    sum_scalar<kBf16>(tails, k, out + i, n - i);
+  }
+}
+
+// ---- dispatch ------------------------------------------------------------------------------------
+struct Kernels {
+  void (*f2h)(const float*, uint16_t*, int64_t, float);
+  void (*h2f)(const uint16_t*, float*, int64_t, float);
+  void (*f2b)(const float*, uint16_t*, int64_t, float);
+  void (*b2f)(const uint16_t*, float*, int64_t, float);
+  void (*sum_h)(const uint16_t* const*, int, uint16_t*, int64_t);
+  void (*sum_b)(const uint16_t* const*, int, uint16_t*, int64_t);
+};
+
+const Kernels kScalar{f2h_scalar, h2f_scalar, f2b_scalar, b2f_scalar, sum_scalar<false>, sum_scalar<true>};
+const Kernels kAvx2{f2h_avx2, h2f_avx2, f2b_avx2, b2f_avx2, sum_avx2<false>, sum_avx2<true>};
+const Kernels kAvx512{f2h_avx512, h2f_avx512, f2b_avx512, b2f_avx512, sum_avx512<false>, sum_avx512<true>};
+
+SimdLevel best_level() {
+  if (const char* forced = std::getenv("DDPKIT_SIMD")) {
+    const std::string f(forced);
+    if (f == "scalar") return SimdLevel::Scalar;
+    if (f == "avx2" && cpu_supports(SimdLevel::Avx2)) return SimdLevel::Avx2;
+    if (f == "avx512" && cpu_supports(SimdLevel::Avx512)) return SimdLevel::Avx512;
+  }
+  if (cpu_supports(SimdLevel::Avx512)) return SimdLevel::Avx512;
+  if (cpu_supports(SimdLevel::Avx2)) return SimdLevel::Avx2;
+  return SimdLevel::Scalar;
+}
+
+std::atomic<SimdLevel>& level_slot() {
+  static std::atomic<SimdLevel> level{best_level()};
+  return level;
+}
+
+const Kernels& kernels() {
+  switch (level_slot().load(std::memory_order_relaxed)) {
+    case SimdLevel::Avx512: return kAvx512;
+    case SimdLevel::Avx2: return kAvx2;
+    default: return kScalar;
+  }
+}
+
+bool is_fast_lowp(at::ScalarType t) { return t == at::kHalf || t == at::kBFloat16; }
+
+}  // namespace
+
+bool cpu_supports(SimdLevel level) {
+  switch (level) {
+    case SimdLevel::Scalar: return true;
+    case SimdLevel::Avx2:
+      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c") &&
+             __builtin_cpu_supports("fma");
+    case SimdLevel::Avx512:
+      return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+             __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("f16c");
+  }
+  return false;
+}
+
+SimdLevel simd_level() { return level_slot().load(); }
+
+const char* simd_level_name() {
+  switch (simd_level()) {
+    case SimdLevel::Avx512: return "avx512";
+    case SimdLevel::Avx2: return "avx2+f16c";
+    default: return "scalar";
+  }
+}
+
+void set_simd_level(SimdLevel level) {
+  DDPKIT_CHECK(cpu_supports(level), "this CPU does not support SIMD level ", static_cast<int>(level));
+  level_slot().store(level);
+}
+
+void cast_scaled_into(const at::Tensor& src, const at::Tensor& dst, double scale) {
+  DDPKIT_CHECK(src.numel() == dst.numel(), "cast_scaled_into: src has ", src.numel(),
+               " elements but dst has ", dst.numel());
+  const bool fast = src.device().is_cpu() && dst.device().is_cpu() && src.is_contiguous() &&
+                    dst.is_contiguous() &&
+                    ((src.scalar_type() == at::kFloat && is_fast_lowp(dst.scalar_type())) ||
+                     (is_fast_lowp(src.scalar_type()) && dst.scalar_type() == at::kFloat));
+  if (!fast) {
+    // Generic path (GPU tensors, float64, strided views): ATen does the cast.
+    if (scale == 1.0) {
+      dst.view_as(src).copy_(src);
+    } else {
+      dst.view_as(src).copy_(src.to(at::promote_types(src.scalar_type(), at::kFloat)) * scale);
+    }
+    return;
+  }
+  const Kernels& k = kernels();
+  const float s = static_cast<float>(scale);
+  const auto sdt = src.scalar_type();
+  const auto ddt = dst.scalar_type();
+  at::parallel_for(0, src.numel(), kGrain, [&](int64_t b, int64_t e) {
+    if (sdt == at::kFloat) {
+      const float* in = src.data_ptr<float>() + b;
+      auto* out = static_cast<uint16_t*>(dst.data_ptr()) + b;
+      (ddt == at::kHalf ? k.f2h : k.f2b)(in, out, e - b, s);
+    } else {
+      const auto* in = static_cast<const uint16_t*>(src.data_ptr()) + b;
+      float* out = dst.data_ptr<float>() + b;
+      (sdt == at::kHalf ? k.h2f : k.b2f)(in, out, e - b, s);
+    }
+  });
+}
+
+at::Tensor cast_scaled(const at::Tensor& src, at::ScalarType dtype, double scale) {
+  auto dst = at::empty(src.sizes(), src.options().dtype(dtype).memory_format(at::MemoryFormat::Contiguous));
+  cast_scaled_into(src.contiguous(), dst, scale);
+  return dst;
+}
+
+void sum_low_precision_into(const std::vector<at::Tensor>& inputs, const at::Tensor& out) {
+  DDPKIT_CHECK(!inputs.empty(), "sum_low_precision_into needs at least one input");
+  const auto dt = out.scalar_type();
+  DDPKIT_CHECK(is_fast_lowp(dt), "sum_low_precision_into takes float16 or bfloat16, got ", dt);
+  DDPKIT_CHECK(out.is_contiguous() && out.device().is_cpu(), "sum_low_precision_into: out must be a contiguous CPU tensor");
+  std::vector<const uint16_t*> ptrs;
+  for (const auto& t : inputs) {
+    DDPKIT_CHECK(t.scalar_type() == dt && t.numel() == out.numel() && t.is_contiguous() && t.device().is_cpu(),
+                 "sum_low_precision_into: every input must be a contiguous CPU ", dt, " tensor of ",
+                 out.numel(), " elements");
+    ptrs.push_back(static_cast<const uint16_t*>(t.data_ptr()));
+  }
+  const Kernels& k = kernels();
+  auto* o = static_cast<uint16_t*>(out.data_ptr());
+  const int count = static_cast<int>(ptrs.size());
+  at::parallel_for(0, out.numel(), kGrain, [&](int64_t b, int64_t e) {
+    std::vector<const uint16_t*> shifted(ptrs.size());
+    for (size_t r = 0; r < ptrs.size(); ++r) shifted[r] = ptrs[r] + b;
+    (dt == at::kHalf ? k.sum_h : k.sum_b)(shifted.data(), count, o + b, e - b);
+  });
+}
+
+}  // namespace codecs
+}  // namespace ddpkit

@@ -1,0 +1,452 @@
+#include <ddpkit/codecs/cast.h>
+#include <ddpkit/comm/process_group.h>
+
+#include <torch/csrc/distributed/c10d/FileStore.hpp>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+#ifdef USE_C10D_NCCL
+#include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
+#endif
+
+#include <cstdlib>
+#include <sstream>
+
+namespace ddpkit {
+
+std::string describe_comm_failure(const std::string& op, int rank, int world_size,
+                                  std::exception_ptr cause) {
+  std::string msg;
+  try {
+    std::rethrow_exception(cause);
+  } catch (const c10::Error& e) {
+    msg = e.what_without_backtrace();
+  } catch (const std::exception& e) {
+    msg = e.what();
+  } catch (...) {
+    msg = "unknown error";
+  }
+  // CommErrors raised further down already carry the context; do not wrap them twice.
+  if (msg.rfind("ddpkit: ", 0) == 0) return msg;
+  return "ddpkit: " + op + " failed on rank " + std::to_string(rank) + " of " +
+         std::to_string(world_size) + ": " + msg;
+}
+
+FuturePtr make_tensor_future(c10::Device device) {
+  std::vector<c10::Device> devices;
+  if (!device.is_cpu()) devices.push_back(device);
+  return c10::make_intrusive<c10::ivalue::Future>(c10::TensorType::get(), std::move(devices));
+}
+
+FuturePtr completed_future(const at::Tensor& value) {
+  auto f = make_tensor_future(value.defined() ? value.device() : c10::Device(c10::kCPU));
+  f->markCompleted(c10::IValue(value));
+  return f;
+}
+
+namespace {
+
+std::string describe_tensor(const at::Tensor& t) {
+  std::ostringstream os;
+  os << t.numel() * t.element_size() << " B " << t.scalar_type();
+  return os.str();
+}
+
+uint64_t bytes_of(const at::Tensor& t) {
+  return static_cast<uint64_t>(t.numel()) * static_cast<uint64_t>(t.element_size());
+}
+
+bool is_loopback(const std::string& host) {
+  return host.empty() || host == "localhost" || host.rfind("127.", 0) == 0 || host == "::1";
+}
+
+std::shared_ptr<::gloo::transport::Device> make_gloo_device(const ProcessGroupOptions& o) {
+  if (const char* ifname = std::getenv("GLOO_SOCKET_IFNAME")) {
+    return c10d::ProcessGroupGloo::createDeviceForInterface(ifname);
+  }
+  if (!o.gloo_hostname().empty()) {
+    return c10d::ProcessGroupGloo::createDeviceForHostname(o.gloo_hostname());
+  }
+  const char* master = std::getenv("MASTER_ADDR");
+  if (is_loopback(master ? master : "")) {
+    return c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1");
+  }
+  return c10d::ProcessGroupGloo::createDefaultDevice();
+}
+
+}  // namespace
+
+ProcessGroup::ProcessGroup(c10::intrusive_ptr<c10d::Store> store, int rank, int world_size,
+                           ProcessGroupOptions options)
+    : store_(std::move(store)), rank_(rank), world_size_(world_size), options_(std::move(options)) {
+  DDPKIT_CHECK(store_, "ProcessGroup needs a store");
+  DDPKIT_CHECK(world_size_ >= 1, "world_size must be >= 1, got ", world_size_);
+  DDPKIT_CHECK(rank_ >= 0 && rank_ < world_size_, "rank must be in [0, ", world_size_, "), got ", rank_);
+  DDPKIT_CHECK(options_.timeout().count() > 0, "timeout must be positive, got ", options_.timeout().count(), " ms");
+  DDPKIT_CHECK(options_.backend() == "gloo" || options_.backend() == "nccl", "unknown backend '", options_.backend(),
+               "' (expected gloo or nccl)");
+  auto prefixed = c10::make_intrusive<c10d::PrefixStore>(options_.group_name() + "/", store_);
+  const std::string what = "rendezvous of process group '" + options_.group_name() + "' (" +
+                           options_.backend() + ", timeout " +
+                           std::to_string(options_.timeout().count()) + " ms)";
+  try {
+    if (options_.backend() == "gloo") {
+      DDPKIT_CHECK(options_.gloo_threads() >= 1, "gloo_threads must be >= 1, got ", options_.gloo_threads());
+      auto gopts = c10d::ProcessGroupGloo::Options::create(options_.timeout());
+      gopts->devices.push_back(make_gloo_device(options_));
+      gopts->threads = options_.gloo_threads();
+      backend_ = c10::make_intrusive<c10d::ProcessGroupGloo>(prefixed, rank_, world_size_, gopts);
+    } else if (options_.backend() == "nccl") {
+#ifdef USE_C10D_NCCL
+      auto nopts = c10d::ProcessGroupNCCL::Options::create();
+      nopts->timeout = options_.timeout();
+      backend_ = c10::make_intrusive<c10d::ProcessGroupNCCL>(prefixed, rank_, world_size_, nopts);
+#else
+      DDPKIT_CHECK(false, "backend 'nccl' is not available: this libtorch was built without CUDA/NCCL"
+                   " (available: gloo)");
+#endif
+    }
+  } catch (const std::exception&) {
+    throw CommError(describe_comm_failure(what, rank_, world_size_, std::current_exception()));
+  }
+  sequencer_ = std::thread([this] { sequencer_loop(); });
+}
+
+ProcessGroup::~ProcessGroup() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    stopping_ = true;
+  }
+  cv_.notify_all();
+  if (sequencer_.joinable()) sequencer_.join();
+}
+
+void ProcessGroup::sequencer_loop() {
+  for (;;) {
+    Job job;
+    {
+      std::unique_lock<std::mutex> lock(mutex_);
+      cv_.wait(lock, [&] { return stopping_ || !jobs_.empty(); });
+      if (jobs_.empty()) return;  // stopping and drained
+      job = std::move(jobs_.front());
+      jobs_.pop_front();
+    }
+    job();  // jobs catch their own errors and put them into their futures
+  }
+}
+
+void ProcessGroup::post(Job job) {
+  if (on_sequencer()) {  // inside run_ordered: issue inline, in program order
+    job();
+    return;
+  }
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    DDPKIT_CHECK(!stopping_, "process group is shutting down");
+    jobs_.push_back(std::move(job));
+  }
+  cv_.notify_one();
+}
+
+void ProcessGroup::count(uint64_t bus_bytes) {
+  bytes_sent_.fetch_add(bus_bytes, std::memory_order_relaxed);
+  collectives_.fetch_add(1, std::memory_order_relaxed);
+}
+
+CommStats ProcessGroup::stats() const { return {bytes_sent_.load(), collectives_.load()}; }
+
+void ProcessGroup::reset_stats() {
+  bytes_sent_ = 0;
+  collectives_ = 0;
+}
+
+void ProcessGroup::link(const c10::intrusive_ptr<c10d::Work>& work, const FuturePtr& result,
+                        const at::Tensor& value, const std::string& what) {
+  const int rank = rank_, world = world_size_;
+  work->getFuture()->addCallback([result, value, what, rank, world](c10::ivalue::Future& f) {
+    if (f.hasError()) {
+      result->setError(std::make_exception_ptr(
+          CommError(describe_comm_failure(what, rank, world, f.exception_ptr()))));
+    } else {
+      result->markCompleted(c10::IValue(value));
+    }
+  });
+}
+
+FuturePtr ProcessGroup::issue(const std::string& what, uint64_t bus_bytes, const at::Tensor& value,
+                              std::function<c10::intrusive_ptr<c10d::Work>()> op) {
+  auto result = make_tensor_future(value.device());
+  post([this, result, value, what, bus_bytes, op = std::move(op)] {
+    try {
+      count(bus_bytes);
+      link(op(), result, value, what);
+    } catch (...) {
+      result->setError(std::make_exception_ptr(
+          CommError(describe_comm_failure(what, rank_, world_size_, std::current_exception()))));
+    }
+  });
+  return result;
+}
+
+FuturePtr ProcessGroup::allreduce(const at::Tensor& tensor, c10d::ReduceOp op) {
+  const auto dt = tensor.scalar_type();
+  const bool low_precision = (dt == at::kHalf || dt == at::kBFloat16) && options_.backend() == "gloo";
+  if (low_precision && world_size_ > 1 && !tensor.is_sparse()) {
+    DDPKIT_CHECK(op == c10d::ReduceOp::SUM, "allreduce of ", dt, " on gloo supports only SUM");
+    auto result = make_tensor_future(tensor.device());
+    post([this, tensor, result] { low_precision_allreduce(tensor, result); });
+    return result;
+  }
+  const uint64_t n = static_cast<uint64_t>(world_size_);
+  const uint64_t bus = tensor.is_sparse() ? 0 : 2 * (n - 1) * bytes_of(tensor) / n;
+  return issue("allreduce (" + describe_tensor(tensor) + ")", bus, tensor, [this, tensor, op] {
+    std::vector<at::Tensor> v{tensor};
+    c10d::AllreduceOptions o;
+    o.reduceOp = op;
+    o.timeout = options_.timeout();
+    return backend_->allreduce(v, o);
+  });
+}
+
+// Reduce-scatter + allgather built from alltoall_base and allgather (both exist on Gloo in every
+// libtorch), exchanging the low-precision type and accumulating in fp32: per rank it sends
+// 2(n-1)/n of the tensor, like a ring allreduce. Runs on the sequencer, so its two steps are
+// issued in the same order on every rank.
+void ProcessGroup::low_precision_allreduce(const at::Tensor& tensor, const FuturePtr& result) {
+  const std::string what = "allreduce (" + describe_tensor(tensor) + ", low-precision path)";
+  try {
+    const int64_t n = world_size_;
+    const int64_t numel = tensor.numel();
+    const int64_t chunk = (numel + n - 1) / n;
+    const bool padded = chunk * n != numel || !tensor.is_contiguous();
+    at::Tensor flat = tensor.reshape({-1});
+    at::Tensor work_buf = flat;
+    if (padded) {
+      work_buf = at::zeros({chunk * n}, tensor.options());
+      work_buf.narrow(0, 0, numel).copy_(flat);
+    }
+    // Gloo moves bytes but refuses bf16 (and sums fp16 slowly): transport as float16 bits (a 2-byte type Gloo accepts; no arithmetic happens on them).
+    at::Tensor recv = at::empty_like(work_buf);
+    at::Tensor send_bits = work_buf.view(at::kHalf), recv_bits = recv.view(at::kHalf);
+    const uint64_t bytes = bytes_of(work_buf);
+    count(bytes * (n - 1) / n);
+    std::vector<int64_t> equal_splits;
+    c10d::AllToAllOptions ao;
+    ao.timeout = options_.timeout();
+    auto a2a = backend_->alltoall_base(recv_bits, send_bits, equal_splits, equal_splits, ao);
+    a2a->wait(options_.timeout());
+
+    at::Tensor mine = at::empty({chunk}, tensor.options());
+    codecs::sum_low_precision_into(recv.view({n, chunk}).unbind(0), mine);
+
+    std::vector<at::Tensor> outputs = send_bits.view({n, chunk}).unbind(0);
+    std::vector<std::vector<at::Tensor>> out_lists{outputs};
+    std::vector<at::Tensor> in_list{mine.view(at::kHalf)};
+    c10d::AllgatherOptions go;
+    go.timeout = options_.timeout();
+    count(bytes * (n - 1) / n);
+    auto ag = backend_->allgather(out_lists, in_list, go);
+    const int rank = rank_, world = world_size_;
+    ag->getFuture()->addCallback([=](c10::ivalue::Future& f) {
+      if (f.hasError()) {
+        result->setError(std::make_exception_ptr(
+            CommError(describe_comm_failure(what, rank, world, f.exception_ptr()))));
+        return;
+      }
+      try {
+        if (padded) tensor.view({-1}).copy_(work_buf.narrow(0, 0, numel));
+        result->markCompleted(c10::IValue(tensor));
+      } catch (...) {
+        result->setError(std::current_exception());
+      }
+    });
+  } catch (...) {
+    result->setError(std::make_exception_ptr(
+        CommError(describe_comm_failure(what, rank_, world_size_, std::current_exception()))));
+  }
+}
+
+FuturePtr ProcessGroup::broadcast(const at::Tensor& tensor, int root) {
+  DDPKIT_CHECK(root >= 0 && root < world_size_, "broadcast root must be in [0, ", world_size_, "), got ", root);
+  const uint64_t n = static_cast<uint64_t>(world_size_);
+  return issue("broadcast from rank " + std::to_string(root) + " (" + describe_tensor(tensor) + ")",
+               (n - 1) * bytes_of(tensor) / n, tensor, [this, tensor, root] {
+                 std::vector<at::Tensor> v{tensor};
+                 c10d::BroadcastOptions o;
+                 o.rootRank = root;
+                 o.timeout = options_.timeout();
+                 return backend_->broadcast(v, o);
+               });
+}
+
+FuturePtr ProcessGroup::allgather(const std::vector<at::Tensor>& outputs, const at::Tensor& input) {
+  DDPKIT_CHECK(static_cast<int>(outputs.size()) == world_size_, "allgather needs ", world_size_,
+               " outputs, got ", outputs.size());
+  const uint64_t n = static_cast<uint64_t>(world_size_);
+  auto out_copy = outputs;
+  return issue("allgather (" + describe_tensor(input) + " per rank)", (n - 1) * bytes_of(input), input,
+               [this, out_copy, input] {
+                 std::vector<std::vector<at::Tensor>> out{out_copy};
+                 std::vector<at::Tensor> in{input};
+                 c10d::AllgatherOptions o;
+                 o.timeout = options_.timeout();
+                 return backend_->allgather(out, in, o);
+               });
+}
+
+FuturePtr ProcessGroup::alltoall(const at::Tensor& output, const at::Tensor& input) {
+  DDPKIT_CHECK(input.size(0) % world_size_ == 0, "alltoall: dim 0 (", input.size(0),
+               ") must divide evenly among ", world_size_, " ranks");
+  const uint64_t n = static_cast<uint64_t>(world_size_);
+  return issue("alltoall (" + describe_tensor(input) + ")", (n - 1) * bytes_of(input) / n, output,
+               [this, output, input] {
+                 at::Tensor out = output, in = input;
+                 std::vector<int64_t> equal;
+                 c10d::AllToAllOptions o;
+                 o.timeout = options_.timeout();
+                 return backend_->alltoall_base(out, in, equal, equal, o);
+               });
+}
+
+FuturePtr ProcessGroup::barrier() {
+  // An allreduce of one element: unlike c10d barrier it goes through the same ordered path and
+  // carries the same error decoration.
+  auto t = at::zeros({1}, at::kFloat);
+  return issue("barrier", 0, t, [this, t] {
+    std::vector<at::Tensor> v{t};
+    c10d::AllreduceOptions o;
+    o.timeout = options_.timeout();
+    return backend_->allreduce(v, o);
+  });
+}
+
+FuturePtr ProcessGroup::run_ordered(std::function<at::Tensor()> fn, c10::Device device) {
+  auto result = make_tensor_future(device);
+  post([this, result, fn = std::move(fn)] {
+    try {
+      result->markCompleted(c10::IValue(fn()));
+    } catch (...) {
+      result->setError(std::make_exception_ptr(
+          CommError(describe_comm_failure("ordered job", rank_, world_size_, std::current_exception()))));
+    }
+  });
+  return result;
+}
+
+at::Tensor ProcessGroup::wait(const FuturePtr& future) {
+  future->wait();
+  if (future->hasError()) {
+    try {
+      std::rethrow_exception(future->exception_ptr());
+    } catch (const CommError&) {
+      throw;
+    } catch (const std::exception& e) {
+      throw CommError(std::string("ddpkit: ") + e.what());
+    }
+  }
+  return future->value().toTensor();
+}
+
+// ---- init ----------------------------------------------------------------------------------------
+namespace {
+
+std::mutex g_default_mutex;
+std::shared_ptr<ProcessGroup> g_default;
+
+int env_int(const char* name, int fallback) {
+  const char* v = std::getenv(name);
+  if (!v || !*v) return fallback;
+  char* end = nullptr;
+  const long x = std::strtol(v, &end, 10);
+  DDPKIT_CHECK(end && *end == '\0', "environment variable ", name, "='", v, "' is not an integer");
+  return static_cast<int>(x);
+}
+
+std::string env_str(const char* name) {
+  const char* v = std::getenv(name);
+  return v ? v : "";
+}
+
+}  // namespace
+
+std::shared_ptr<ProcessGroup> init_process_group(const InitOptions& o) {
+  int rank = o.rank() >= 0 ? o.rank() : env_int("RANK", -1);
+  int world = o.world_size() >= 0 ? o.world_size() : env_int("WORLD_SIZE", -1);
+  DDPKIT_CHECK(rank >= 0, "init_process_group: rank unknown: pass InitOptions().rank(r) or set RANK");
+  DDPKIT_CHECK(world >= 1, "init_process_group: world size unknown: pass InitOptions().world_size(n) or set WORLD_SIZE");
+  DDPKIT_CHECK(rank < world, "init_process_group: rank ", rank, " is not below world size ", world);
+
+  c10::intrusive_ptr<c10d::Store> store = o.store();
+  std::string where = "explicit store";
+  if (!store) {
+    const std::string& m = o.init_method();
+    try {
+      if (m.rfind("file://", 0) == 0) {
+        where = m;
+        store = c10::make_intrusive<c10d::FileStore>(m.substr(7), world);
+      } else {
+        std::string host;
+        int port = -1;
+        if (m == "env://") {
+          host = env_str("MASTER_ADDR");
+          port = env_int("MASTER_PORT", -1);
+          DDPKIT_CHECK(!host.empty(), "init_process_group: MASTER_ADDR is not set (init_method env://)");
+          DDPKIT_CHECK(port > 0, "init_process_group: MASTER_PORT is not set (init_method env://)");
+        } else if (m.rfind("tcp://", 0) == 0) {
+          const auto hp = m.substr(6);
+          const auto colon = hp.rfind(':');
+          DDPKIT_CHECK(colon != std::string::npos, "init_method '", m, "' lacks a port (tcp://HOST:PORT)");
+          host = hp.substr(0, colon);
+          port = std::atoi(hp.substr(colon + 1).c_str());
+        } else {
+          DDPKIT_CHECK(false, "unknown init_method '", m, "' (expected env://, tcp://HOST:PORT or file:///PATH)");
+        }
+        DDPKIT_CHECK(port > 0 && port < 65536, "init_process_group: port ", port, " is out of range");
+        where = "TCPStore " + host + ":" + std::to_string(port);
+        c10d::TCPStoreOptions so;
+        so.port = static_cast<uint16_t>(port);
+        so.isServer = rank == 0;
+        so.numWorkers = static_cast<size_t>(world);
+        so.waitWorkers = true;
+        so.timeout = o.timeout();
+        store = c10::make_intrusive<c10d::TCPStore>(host, so);
+      }
+    } catch (const c10::Error& e) {
+      const std::string msg = e.what_without_backtrace();
+      if (msg.rfind("ddpkit: ", 0) == 0) throw;
+      throw CommError("ddpkit: init_process_group: rendezvous at " + where + " failed on rank " +
+                      std::to_string(rank) + " of " + std::to_string(world) + " (timeout " +
+                      std::to_string(o.timeout().count()) + " ms): " + msg);
+    }
+    store->setTimeout(o.timeout());
+  }
+  auto pg = std::make_shared<ProcessGroup>(store, rank, world,
+                                           ProcessGroupOptions()
+                                               .backend(o.backend())
+                                               .timeout(o.timeout())
+                                               .gloo_threads(o.gloo_threads())
+                                               .gloo_hostname(o.gloo_hostname()));
+  std::lock_guard<std::mutex> lock(g_default_mutex);
+  if (!g_default) g_default = pg;
+  return pg;
+}
+
+std::shared_ptr<ProcessGroup> default_process_group() {
+  std::lock_guard<std::mutex> lock(g_default_mutex);
+  DDPKIT_CHECK(g_default, "no default process group: call ddpkit::init_process_group() first");
+  return g_default;
+}
+
+void destroy_process_group() {
+  std::lock_guard<std::mutex> lock(g_default_mutex);
+  g_default.reset();
+}
+
+std::vector<std::string> available_backends() {
+#ifdef USE_C10D_NCCL
+  return {"gloo", "nccl"};
+#else
+  return {"gloo"};
+#endif
+}
+
+}  // namespace ddpkit

@@ -1,0 +1,87 @@
+#include <ddpkit/codecs/cast.h>
+#include <ddpkit/hooks/default_hooks.h>
+
+namespace ddpkit {
+namespace hooks {
+namespace {
+
+// Low-precision allreduce of the bucket: cast+scale in one pass, allreduce, cast back in place.
+// The cast back runs in the future's callback: local work, no collective.
+CommHook compress_hook(std::shared_ptr<ProcessGroup> pg, at::ScalarType dtype, const char* name) {
+  return [pg = std::move(pg), dtype, name](GradBucket& bucket) -> FuturePtr {
+    DDPKIT_CHECK(!bucket.is_sparse(), name, ": bucket ", bucket.index(),
+                 " holds a sparse gradient; compression hooks take dense buckets only");
+    at::Tensor buffer = bucket.buffer();
+    at::Tensor compressed = codecs::cast_scaled(buffer, dtype, 1.0 / pg->size());
+    return pg->allreduce(compressed)->then(
+        [buffer, compressed](c10::ivalue::Future& f) -> c10::IValue {
+          f.value();  // rethrows a failed allreduce
+          codecs::cast_scaled_into(compressed, buffer, 1.0);
+          return c10::IValue(buffer);
+        },
+        c10::TensorType::get());
+  };
+}
+
+CommHook compress_wrapper(CommHook inner, at::ScalarType dtype, const char* name) {
+  DDPKIT_CHECK(inner, name, ": the wrapped hook is empty");
+  return [inner = std::move(inner), dtype, name](GradBucket& bucket) -> FuturePtr {
+    DDPKIT_CHECK(!bucket.is_sparse(), name, ": bucket ", bucket.index(), " holds a sparse gradient");
+    at::Tensor original = bucket.buffer();
+    bucket.set_buffer(codecs::cast_scaled(original, dtype, 1.0));
+    return inner(bucket)->then(
+        [original](c10::ivalue::Future& f) -> c10::IValue {
+          codecs::cast_scaled_into(f.value().toTensor(), original, 1.0);
+          return c10::IValue(original);
+        },
+        c10::TensorType::get());
+  };
+}
+
+}  // namespace
+
+CommHook allreduce_hook(std::shared_ptr<ProcessGroup> pg) {
+  DDPKIT_CHECK(pg, "allreduce_hook: process group is null");
+  return [pg = std::move(pg)](GradBucket& bucket) -> FuturePtr {
+    at::Tensor buffer = bucket.buffer();
+    buffer.div_(pg->size());
+    return pg->allreduce(buffer);
+  };
+}
+
+CommHook fp16_compress_hook(std::shared_ptr<ProcessGroup> pg) {
+  DDPKIT_CHECK(pg, "fp16_compress_hook: process group is null");
+  return compress_hook(std::move(pg), at::kHalf, "fp16_compress_hook");
+}
+
+CommHook bf16_compress_hook(std::shared_ptr<ProcessGroup> pg) {
+  DDPKIT_CHECK(pg, "bf16_compress_hook: process group is null");
+  return compress_hook(std::move(pg), at::kBFloat16, "bf16_compress_hook");
+}
+
+CommHook fp16_compress_wrapper(CommHook hook) { return compress_wrapper(std::move(hook), at::kHalf, "fp16_compress_wrapper"); }
+CommHook bf16_compress_wrapper(CommHook hook) {
+  return compress_wrapper(std::move(hook), at::kBFloat16, "bf16_compress_wrapper");
+}
+
+CommHook noop_hook() {
+  return [](GradBucket& bucket) -> FuturePtr { return completed_future(bucket.buffer()); };
+}
+
+std::vector<std::string> hook_names() { return {"allreduce", "fp16", "bf16", "noop", "fp16_wrapper", "bf16_wrapper"}; }
+
+CommHook make_hook(const std::string& name, std::shared_ptr<ProcessGroup> pg) {
+  if (name == "allreduce") return allreduce_hook(pg);
+  if (name == "fp16") return fp16_compress_hook(pg);
+  if (name == "bf16") return bf16_compress_hook(pg);
+  if (name == "noop") return noop_hook();
+  if (name == "fp16_wrapper") return fp16_compress_wrapper(allreduce_hook(pg));
+  if (name == "bf16_wrapper") return bf16_compress_wrapper(allreduce_hook(pg));
+  std::string known;
+  for (const auto& n : hook_names()) known += (known.empty() ? "" : ", ") + n;
+  DDPKIT_CHECK(false, "unknown comm hook '", name, "' (known: ", known, ")");
+  return {};
+}
+
+}  // namespace hooks
+}  // namespace ddpkit

@@ -1,0 +1,542 @@
+// GradBucket, bucket assignment and the Reducer: one translation unit, one subsystem.
+#include <ddpkit/reducer/reducer.h>
+
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/variable.h>
+
+#include <algorithm>
+#include <map>
+#include <sstream>
+#include <unordered_set>
+
+namespace ddpkit {
+
+// ---- GradBucket ----------------------------------------------------------------------------------
+GradBucket::GradBucket(size_t index, size_t bucket_count, at::Tensor buffer, std::vector<int64_t> offsets,
+                       std::vector<std::vector<int64_t>> shapes, std::vector<at::Tensor> parameters,
+                       bool sparse)
+    : index_(index), bucket_count_(bucket_count), buffer_(std::move(buffer)), offsets_(std::move(offsets)),
+      shapes_(std::move(shapes)), parameters_(std::move(parameters)), sparse_(sparse) {}
+
+std::vector<at::Tensor> GradBucket::gradients() const {
+  if (sparse_) return {buffer_};
+  std::vector<at::Tensor> out;
+  out.reserve(shapes_.size());
+  for (size_t i = 0; i < shapes_.size(); ++i) {
+    int64_t n = 1;
+    for (auto d : shapes_[i]) n *= d;
+    out.push_back(buffer_.narrow(0, offsets_[i], n).view(shapes_[i]));
+  }
+  return out;
+}
+
+void GradBucket::set_buffer(at::Tensor buffer) {
+  DDPKIT_CHECK(buffer.defined(), "GradBucket::set_buffer: undefined tensor for bucket ", index_);
+  buffer_ = std::move(buffer);
+}
+
+// ---- bucket assignment ---------------------------------------------------------------------------
+BucketAssignment compute_bucket_assignment_by_size(const std::vector<at::Tensor>& tensors,
+                                                   const std::vector<size_t>& size_limits,
+                                                   const std::vector<bool>& expect_sparse,
+                                                   const std::vector<size_t>& order) {
+  DDPKIT_CHECK(!tensors.empty(), "bucket assignment needs at least one tensor");
+  DDPKIT_CHECK(!size_limits.empty(), "bucket assignment needs at least one size limit");
+  DDPKIT_CHECK(expect_sparse.empty() || expect_sparse.size() == tensors.size(), "expect_sparse has ",
+               expect_sparse.size(), " entries for ", tensors.size(), " tensors");
+  DDPKIT_CHECK(order.empty() || order.size() == tensors.size(), "order has ", order.size(),
+               " entries for ", tensors.size(), " tensors");
+
+  struct Entry {
+    std::vector<size_t> indices;
+    size_t limit;
+    size_t first_position;  // position in visiting order of its first tensor
+  };
+  struct Accumulator {
+    std::vector<size_t> indices;
+    size_t bytes = 0;
+    size_t limit_index = 0;
+    size_t first_position = 0;
+  };
+  // Ordered map: leftovers come out in a deterministic order on every rank.
+  using Key = std::pair<int, std::string>;
+  std::map<Key, Accumulator> open;
+  std::vector<Entry> closed;
+
+  for (size_t pos = 0; pos < tensors.size(); ++pos) {
+    const size_t index = order.empty() ? pos : order[pos];
+    DDPKIT_CHECK(index < tensors.size(), "order names tensor ", index, " of ", tensors.size());
+    const at::Tensor& t = tensors[index];
+    if (!expect_sparse.empty() && expect_sparse[index]) {
+      closed.push_back({{index}, 0, pos});
+      continue;
+    }
+    DDPKIT_CHECK(!t.is_sparse(), "tensor ", index, " is sparse: mark it in expect_sparse");
+    auto& acc = open[Key(static_cast<int>(t.scalar_type()), t.device().str())];
+    if (acc.indices.empty()) acc.first_position = pos;
+    acc.indices.push_back(index);
+    acc.bytes += static_cast<size_t>(t.numel()) * t.element_size();
+    const size_t limit = size_limits[std::min(acc.limit_index, size_limits.size() - 1)];
+    if (acc.bytes >= limit) {
+      closed.push_back({std::move(acc.indices), limit, acc.first_position});
+      acc.indices.clear();
+      acc.bytes = 0;
+      acc.limit_index = std::min(acc.limit_index + 1, size_limits.size() - 1);
+    }
+  }
+  for (auto& kv : open) {
+    if (!kv.second.indices.empty()) {
+      const size_t limit = size_limits[std::min(kv.second.limit_index, size_limits.size() - 1)];
+      closed.push_back({std::move(kv.second.indices), limit, kv.second.first_position});
+    }
+  }
+  if (order.empty()) {
+    std::stable_sort(closed.begin(), closed.end(), [](const Entry& a, const Entry& b) {
+      return *std::min_element(a.indices.begin(), a.indices.end()) <
+             *std::min_element(b.indices.begin(), b.indices.end());
+    });
+  }
+  BucketAssignment out;
+  for (auto& e : closed) {
+    out.buckets.push_back(std::move(e.indices));
+    out.size_limits.push_back(e.limit);
+  }
+  return out;
+}
+
+// ---- Reducer -------------------------------------------------------------------------------------
+namespace {
+
+std::string join_names(const std::vector<std::string>& names, size_t max_items = 8) {
+  std::ostringstream os;
+  for (size_t i = 0; i < names.size() && i < max_items; ++i) os << (i ? ", " : "") << names[i];
+  if (names.size() > max_items) os << ", ... (" << names.size() << " in all)";
+  return os.str();
+}
+
+// A tensor sharing `buffer`'s storage at `offset` with `shape`, that autograd does not treat as
+// a view: libtorch's Optimizer::zero_grad() calls detach_() on gradients, which refuses views.
+at::Tensor alias_of(const at::Tensor& buffer, int64_t offset, const std::vector<int64_t>& shape) {
+  at::NoGradGuard no_grad;
+  std::vector<int64_t> strides(shape.size(), 1);
+  for (int64_t d = static_cast<int64_t>(shape.size()) - 2; d >= 0; --d) strides[d] = strides[d + 1] * shape[d + 1];
+  return at::empty({0}, buffer.options()).set_(buffer.storage(), buffer.storage_offset() + offset, shape, strides);
+}
+
+std::string describe(const at::Tensor& t) {
+  std::ostringstream os;
+  os << t.numel() << " elements, " << t.scalar_type() << ", " << t.device() << (t.is_sparse() ? ", sparse" : "");
+  return os.str();
+}
+
+}  // namespace
+
+Reducer::Reducer(std::vector<at::Tensor> params, std::vector<std::string> names, std::vector<bool> expect_sparse,
+                 std::shared_ptr<ProcessGroup> pg, ReducerOptions options)
+    : params_(std::move(params)), names_(std::move(names)), expect_sparse_(std::move(expect_sparse)),
+      pg_(std::move(pg)), options_(options) {
+  DDPKIT_CHECK(pg_, "Reducer needs a process group");
+  DDPKIT_CHECK(!params_.empty(), "DistributedDataParallel needs at least one parameter that requires grad");
+  if (names_.size() != params_.size()) {
+    names_.clear();
+    for (size_t i = 0; i < params_.size(); ++i) names_.push_back("parameter " + std::to_string(i));
+  }
+  if (expect_sparse_.empty()) expect_sparse_.assign(params_.size(), false);
+  DDPKIT_CHECK(expect_sparse_.size() == params_.size(), "expect_sparse has ", expect_sparse_.size(),
+               " entries for ", params_.size(), " parameters");
+  DDPKIT_CHECK(options_.first_bucket_bytes > 0 && options_.bucket_bytes_cap > 0,
+               "bucket caps must be positive (first ", options_.first_bucket_bytes, " B, cap ",
+               options_.bucket_bytes_cap, " B)");
+  for (size_t i = 0; i < params_.size(); ++i) {
+    DDPKIT_CHECK(params_[i].requires_grad() && params_[i].is_leaf(), "parameter '", names_[i],
+                 "' must be a leaf tensor that requires grad");
+  }
+  divisor_ = at::scalar_tensor(static_cast<double>(pg_->size()), at::kDouble);
+
+  // Initial buckets: reverse registration order approximates gradient-ready order.
+  std::vector<size_t> reversed(params_.size());
+  for (size_t i = 0; i < params_.size(); ++i) reversed[i] = params_.size() - 1 - i;
+  build_buckets(compute_bucket_assignment_by_size(
+      params_, {options_.first_bucket_bytes, options_.bucket_bytes_cap}, expect_sparse_, reversed));
+
+  for (size_t i = 0; i < params_.size(); ++i) {
+    auto acc = torch::autograd::impl::grad_accumulator(params_[i]);
+    DDPKIT_CHECK(acc, "parameter '", names_[i], "' has no grad accumulator");
+    hook_keys_.push_back(acc->add_post_hook(std::make_unique<compat::LambdaPostHook>([this, i] { autograd_hook(i); })));
+    accumulators_.push_back(std::move(acc));
+  }
+  var_ready_.assign(params_.size(), false);
+  globally_unused_.assign(params_.size(), false);
+}
+
+Reducer::~Reducer() {
+  for (size_t i = 0; i < accumulators_.size(); ++i) accumulators_[i]->del_post_hook(hook_keys_[i]);
+}
+
+void Reducer::register_comm_hook(CommHook hook, std::string name) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  DDPKIT_CHECK(hook, "register_comm_hook: the hook is empty");
+  DDPKIT_CHECK(!hook_, "register_comm_hook: a comm hook ('", hook_name_, "') is already registered; ",
+               "register_comm_hook may be called only once");
+  DDPKIT_CHECK(!backward_started_, "register_comm_hook: cannot register during backward");
+  hook_ = std::move(hook);
+  hook_name_ = name.empty() ? "user hook" : std::move(name);
+}
+
+std::string Reducer::hook_name() const { return hook_ ? "comm hook '" + hook_name_ + "'" : "default allreduce"; }
+
+void Reducer::set_divisor(int64_t divisor) {
+  DDPKIT_CHECK(divisor >= 1, "gradient divisor must be >= 1, got ", divisor);
+  divisor_ = at::scalar_tensor(static_cast<double>(divisor), at::kDouble);
+}
+
+void Reducer::build_buckets(const BucketAssignment& assignment) {
+  std::vector<Bucket> buckets;
+  locator_.assign(params_.size(), {0, 0});
+  for (size_t b = 0; b < assignment.buckets.size(); ++b) {
+    Bucket bucket;
+    bucket.vars = assignment.buckets[b];
+    const at::Tensor& first = params_[bucket.vars.front()];
+    bucket.sparse = expect_sparse_[bucket.vars.front()];
+    int64_t total = 0;
+    for (size_t slot = 0; slot < bucket.vars.size(); ++slot) {
+      const at::Tensor& p = params_[bucket.vars[slot]];
+      locator_[bucket.vars[slot]] = {b, slot};
+      bucket.offsets.push_back(total);
+      bucket.shapes.push_back(p.sizes().vec());
+      total += p.numel();
+    }
+    if (!bucket.sparse) {
+      bucket.buffer = at::zeros({total}, first.options().requires_grad(false));
+      for (size_t slot = 0; slot < bucket.vars.size(); ++slot) {
+        at::Tensor view = alias_of(bucket.buffer, bucket.offsets[slot], bucket.shapes[slot]);
+        if (options_.gradient_as_bucket_view) {
+          // Keep any gradient already accumulated (e.g. under no_sync) and make .grad the view.
+          at::Tensor& grad = params_[bucket.vars[slot]].mutable_grad();
+          if (grad.defined()) {
+            view.copy_(grad);
+            grad = view;
+          }
+        }
+        bucket.views.push_back(std::move(view));
+      }
+    }
+    buckets.push_back(std::move(bucket));
+  }
+  buckets_ = std::move(buckets);
+}
+
+std::vector<std::vector<size_t>> Reducer::bucket_indices() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::vector<std::vector<size_t>> out;
+  for (const auto& b : buckets_) out.push_back(b.vars);
+  return out;
+}
+
+std::vector<size_t> Reducer::unused_parameters() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::vector<size_t> out;
+  for (size_t i = 0; i < globally_unused_.size(); ++i)
+    if (globally_unused_[i]) out.push_back(i);
+  return out;
+}
+
+void Reducer::prepare_for_forward(int source_rank) {
+  std::unique_lock<std::mutex> lock(mutex_);
+  DDPKIT_CHECK(!backward_started_,
+               "the previous backward pass did not finish its gradient reduction (an exception, or a backward "
+               "that never reached the end); this DistributedDataParallel instance cannot continue");
+  if (!rebuild_pending_) return;
+  // Agree on one order: the source rank's recorded gradient-ready order, completed with the
+  // parameters it never saw in reverse registration order.
+  const int64_t n = static_cast<int64_t>(params_.size());
+  at::Tensor order = at::empty({n}, at::kLong);
+  if (pg_->rank() == source_rank) {
+    std::vector<bool> seen(params_.size(), false);
+    int64_t k = 0;
+    auto* o = order.data_ptr<int64_t>();
+    for (size_t v : ready_order_) {
+      if (!seen[v]) {
+        seen[v] = true;
+        o[k++] = static_cast<int64_t>(v);
+      }
+    }
+    for (int64_t v = n - 1; v >= 0; --v)
+      if (!seen[v]) o[k++] = v;
+  }
+  lock.unlock();  // a collective: do not hold the lock while waiting
+  if (order.device() != params_.front().device() && pg_->backend_name() == "nccl") {
+    at::Tensor dev = order.to(params_.front().device());
+    ProcessGroup::wait(pg_->broadcast(dev, source_rank));
+    order = dev.cpu();
+  } else {
+    ProcessGroup::wait(pg_->broadcast(order, source_rank));
+  }
+  lock.lock();
+  std::vector<size_t> ord(params_.size());
+  for (int64_t i = 0; i < n; ++i) ord[i] = static_cast<size_t>(order.data_ptr<int64_t>()[i]);
+  build_buckets(compute_bucket_assignment_by_size(
+      params_, {options_.first_bucket_bytes, options_.bucket_bytes_cap}, expect_sparse_, ord));
+  rebuilt_ = true;
+  rebuild_pending_ = false;
+  ready_order_.clear();
+}
+
+std::vector<bool> Reducer::find_used_parameters(const std::vector<at::Tensor>& outputs) const {
+  std::unordered_set<const torch::autograd::Node*> seen;
+  std::vector<torch::autograd::Node*> stack;
+  for (const auto& out : outputs) {
+    if (!out.defined() || !out.requires_grad()) continue;
+    if (auto fn = out.grad_fn()) {
+      if (seen.insert(fn.get()).second) stack.push_back(fn.get());
+    } else if (out.is_leaf()) {
+      auto acc = torch::autograd::impl::try_get_grad_accumulator(out);
+      if (acc && seen.insert(acc.get()).second) stack.push_back(acc.get());
+    }
+  }
+  while (!stack.empty()) {
+    auto* node = stack.back();
+    stack.pop_back();
+    for (const auto& edge : node->next_edges()) {
+      auto* next = edge.function.get();
+      if (next && seen.insert(next).second) stack.push_back(next);
+    }
+  }
+  std::vector<bool> used(params_.size());
+  for (size_t i = 0; i < params_.size(); ++i) used[i] = seen.count(accumulators_[i].get()) > 0;
+  return used;
+}
+
+void Reducer::reset_iteration_state() {
+  std::fill(var_ready_.begin(), var_ready_.end(), false);
+  for (auto& b : buckets_) {
+    b.pending = b.vars.size();
+    b.future.reset();
+  }
+  next_bucket_ = 0;
+  used_map_future_.reset();
+  backward_started_ = false;
+}
+
+void Reducer::prepare_for_backward(const std::vector<at::Tensor>& outputs) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  DDPKIT_CHECK(!backward_started_, "prepare_for_backward: the previous backward is still reducing");
+  reset_iteration_state();
+  used_map_needed_ = options_.find_unused_parameters || (options_.static_graph && !static_unused_known_);
+  if (used_map_needed_) {
+    locally_used_ = find_used_parameters(outputs);
+  } else if (options_.static_graph) {
+    locally_used_.assign(params_.size(), true);
+    for (size_t i = 0; i < params_.size(); ++i) locally_used_[i] = !globally_unused_[i];
+  } else {
+    locally_used_.assign(params_.size(), true);
+  }
+  expect_hooks_ = true;
+}
+
+void Reducer::autograd_hook(size_t var) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!expect_hooks_) return;  // forward ran without grad sync (no_sync, or not through DDP)
+  if (!backward_started_) on_backward_start();
+  mark_var_ready(var, false);
+}
+
+void Reducer::on_backward_start() {
+  backward_started_ = true;
+  torch::autograd::Engine::get_default_engine().queue_callback([this] { finalize_backward(); });
+  if (used_map_needed_) {
+    // Issued before any bucket: the same position in the collective order on every rank.
+    used_map_ = at::empty({static_cast<int64_t>(params_.size())}, at::kInt);
+    auto* u = used_map_.data_ptr<int32_t>();
+    for (size_t i = 0; i < params_.size(); ++i) u[i] = locally_used_[i] ? 1 : 0;
+    at::Tensor m = used_map_;
+    if (pg_->backend_name() == "nccl") m = used_map_.to(params_.front().device());
+    used_map_ = m;
+    used_map_future_ = pg_->allreduce(m);
+  }
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (!locally_used_[i] && !var_ready_[i]) mark_var_ready(i, true);
+  }
+}
+
+void Reducer::mark_var_ready(size_t var, bool unused) {
+  if (var_ready_[var]) {
+    throw c10::Error(
+        {__func__, __FILE__, static_cast<uint32_t>(__LINE__)},
+        "ddpkit: parameter '" + names_[var] +
+            "' was marked ready twice in one backward pass. Each parameter may produce its gradient once per "
+            "iteration (reentrant backward, or a parameter used in several autograd graphs, is not supported)");
+  }
+  var_ready_[var] = true;
+  if (!rebuilt_ && !unused) ready_order_.push_back(var);
+  const auto [b, slot] = locator_[var];
+  Bucket& bucket = buckets_[b];
+  at::Tensor& param = params_[var];
+  const at::Tensor& grad = param.grad();
+  const bool has_grad = !unused && grad.defined();
+
+  if (bucket.sparse) {
+    if (has_grad) {
+      DDPKIT_CHECK(grad.is_sparse(), "parameter '", names_[var], "' was expected to produce a sparse gradient");
+      bucket.buffer = hook_ ? grad : grad.div(divisor_.item<double>());
+    } else {
+      bucket.buffer = at::zeros(param.sizes(), param.options().layout(at::kSparse).requires_grad(false));
+    }
+  } else {
+    at::Tensor& view = bucket.views[slot];
+    if (!has_grad) {
+      view.zero_();
+    } else {
+      DDPKIT_CHECK(!grad.is_sparse(), "parameter '", names_[var],
+                   "' produced a sparse gradient; DistributedDataParallel detects sparse Embedding/EmbeddingBag "
+                   "modules, or pass expect_sparse_gradients");
+      const bool is_view = grad.data_ptr() == view.data_ptr() && grad.strides() == view.strides();
+      if (is_view) {
+        if (!hook_) view.div_(divisor_);
+      } else {
+        if (hook_) {
+          view.copy_(grad);
+        } else {
+          at::div_out(view, grad, divisor_);
+        }
+        if (options_.gradient_as_bucket_view) param.mutable_grad() = view;
+      }
+    }
+  }
+  if (--bucket.pending == 0) launch_ready_buckets();
+}
+
+void Reducer::launch_ready_buckets() {
+  while (next_bucket_ < buckets_.size() && buckets_[next_bucket_].pending == 0) launch_bucket(next_bucket_++);
+}
+
+void Reducer::launch_bucket(size_t index) {
+  Bucket& bucket = buckets_[index];
+  if (!hook_) {
+    bucket.future = pg_->allreduce(bucket.buffer);
+    return;
+  }
+  std::vector<at::Tensor> params;
+  for (size_t v : bucket.vars) params.push_back(params_[v]);
+  GradBucket gb(index, buckets_.size(), bucket.buffer, bucket.offsets, bucket.shapes, std::move(params), bucket.sparse);
+  try {
+    bucket.future = hook_(gb);
+  } catch (const std::exception& e) {
+    throw CommError("ddpkit: " + hook_name() + " threw for bucket " + std::to_string(index) + " on rank " +
+                    std::to_string(pg_->rank()) + ": " + e.what());
+  }
+  DDPKIT_CHECK(bucket.future, hook_name(), " returned a null future for bucket ", index);
+}
+
+at::Tensor Reducer::wait_bucket(size_t index) {
+  Bucket& bucket = buckets_[index];
+  bucket.future->wait();
+  if (bucket.future->hasError()) {
+    throw CommError(describe_comm_failure(hook_name() + " for bucket " + std::to_string(index), pg_->rank(),
+                                          pg_->size(), bucket.future->exception_ptr()));
+  }
+  const c10::IValue& v = bucket.future->value();
+  DDPKIT_CHECK(v.isTensor(), hook_name(), " completed bucket ", index, " with a ", v.tagKind(),
+               ", expected one tensor");
+  at::Tensor result = v.toTensor();
+  const at::Tensor& ref = bucket.buffer;
+  const bool ok = result.defined() && result.is_sparse() == ref.is_sparse() && result.scalar_type() == ref.scalar_type() &&
+                  result.device() == ref.device() &&
+                  (ref.is_sparse() ? result.sizes() == ref.sizes() : result.numel() == ref.numel());
+  DDPKIT_CHECK(ok, hook_name(), " returned ", (result.defined() ? describe(result) : std::string("an undefined tensor")),
+               " for bucket ", index, "; expected ", describe(ref), " (the bucket's buffer)");
+  return result;
+}
+
+void Reducer::finalize_backward() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  expect_hooks_ = false;
+  if (next_bucket_ < buckets_.size()) {
+    std::vector<std::string> missing;
+    for (size_t i = 0; i < params_.size(); ++i)
+      if (!var_ready_[i]) missing.push_back(names_[i]);
+    reset_iteration_state();
+    DDPKIT_CHECK(false, "backward finished but these parameters produced no gradient: ", join_names(missing),
+                 ". If some parameters are unused in forward, construct DistributedDataParallel with "
+                 "find_unused_parameters(true); make sure the loss depends on all forward outputs");
+  }
+  if (used_map_future_) {
+    at::Tensor global = ProcessGroup::wait(used_map_future_).cpu();
+    const auto* g = global.data_ptr<int32_t>();
+    for (size_t i = 0; i < params_.size(); ++i) globally_unused_[i] = g[i] == 0;
+    if (options_.static_graph) static_unused_known_ = true;
+  }
+  try {
+    for (size_t b = 0; b < buckets_.size(); ++b) {
+      Bucket& bucket = buckets_[b];
+      at::Tensor result = wait_bucket(b);
+      if (bucket.sparse) {
+        if (!globally_unused_[bucket.vars.front()]) params_[bucket.vars.front()].mutable_grad() = result;
+        continue;
+      }
+      const at::Tensor flat = result.reshape({-1});
+      const bool in_place = result.data_ptr() == bucket.buffer.data_ptr();
+      for (size_t slot = 0; slot < bucket.vars.size(); ++slot) {
+        const size_t var = bucket.vars[slot];
+        if (globally_unused_[var]) continue;  // keeps no gradient, as in PyTorch
+        at::Tensor& grad = params_[var].mutable_grad();
+        if (options_.gradient_as_bucket_view) {
+          if (!in_place) bucket.views[slot].copy_(flat.narrow(0, bucket.offsets[slot], bucket.views[slot].numel())
+                                                      .view(bucket.shapes[slot]));
+          grad = bucket.views[slot];
+        } else {
+          const at::Tensor src = in_place ? bucket.views[slot]
+                                          : flat.narrow(0, bucket.offsets[slot], bucket.views[slot].numel())
+                                                .view(bucket.shapes[slot]);
+          if (grad.defined()) {
+            grad.copy_(src);
+          } else {
+            grad = src.clone();
+          }
+        }
+      }
+    }
+  } catch (...) {
+    reset_iteration_state();
+    throw;
+  }
+  reset_iteration_state();
+  ++iterations_;
+  if (!rebuilt_) rebuild_pending_ = true;
+}
+
+void Reducer::shadow_backward() {
+  std::unique_lock<std::mutex> lock(mutex_);
+  DDPKIT_CHECK(!backward_started_, "shadow_backward during a backward pass");
+  reset_iteration_state();
+  const bool used_map_needed = options_.find_unused_parameters || (options_.static_graph && !static_unused_known_);
+  if (used_map_needed) {
+    at::Tensor zeros = at::zeros({static_cast<int64_t>(params_.size())}, at::kInt);
+    if (pg_->backend_name() == "nccl") zeros = zeros.to(params_.front().device());
+    used_map_future_ = pg_->allreduce(zeros);
+  }
+  for (size_t b = 0; b < buckets_.size(); ++b) {
+    Bucket& bucket = buckets_[b];
+    if (bucket.sparse) {
+      const at::Tensor& p = params_[bucket.vars.front()];
+      bucket.buffer = at::zeros(p.sizes(), p.options().layout(at::kSparse).requires_grad(false));
+    } else {
+      bucket.buffer.zero_();
+    }
+    bucket.pending = 0;
+    launch_bucket(b);
+  }
+  next_bucket_ = buckets_.size();
+  if (used_map_future_) {
+    at::Tensor global = ProcessGroup::wait(used_map_future_).cpu();
+    const auto* g = global.data_ptr<int32_t>();
+    for (size_t i = 0; i < params_.size(); ++i) globally_unused_[i] = g[i] == 0;
+    if (options_.static_graph) static_unused_known_ = true;
+  }
+  for (size_t b = 0; b < buckets_.size(); ++b) wait_bucket(b);
+  reset_iteration_state();
+  ++iterations_;
+  if (!rebuilt_) rebuild_pending_ = true;
+}
+
+}  // namespace ddpkit

@@ -1,0 +1,146 @@
+// Real processes: the test re-executes itself as workers (DDPKIT_TEST_WORKER=role) that
+// rendezvous over TCPStore on loopback.
+#include "harness.h"
+
+#include <torch/nn/modules/linear.h>
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <fstream>
+#include <iostream>
+
+namespace ddpkit {
+namespace {
+
+constexpr int kKilledPeerTimeoutS = 10;
+
+int free_port() {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a);
+  socklen_t len = sizeof a;
+  getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
+  close(fd);
+  return ntohs(a.sin_port);
+}
+
+// Starts `world` workers (or only `start` of them) running `role`; returns their pids.
+std::vector<pid_t> start_workers(const std::string& role, int world, int start, int port, const std::string& out_prefix) {
+  std::vector<pid_t> pids;
+  for (int r = 0; r < start; ++r) {
+    pid_t pid = fork();
+    if (pid == 0) {
+      setenv("DDPKIT_TEST_WORKER", role.c_str(), 1);
+      setenv("MASTER_ADDR", "127.0.0.1", 1);
+      setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
+      setenv("RANK", std::to_string(r).c_str(), 1);
+      setenv("WORLD_SIZE", std::to_string(world).c_str(), 1);
+      setenv("DDPKIT_TEST_OUT", (out_prefix + std::to_string(r)).c_str(), 1);
+      execl("/proc/self/exe", "ddpkit_process_tests", nullptr);
+      _exit(127);
+    }
+    pids.push_back(pid);
+  }
+  return pids;
+}
+
+int wait_exit(pid_t pid) {
+  int status = 0;
+  waitpid(pid, &status, 0);
+  return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+}
+
+std::string slurp(const std::string& path) {
+  std::ifstream f(path);
+  return std::string((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+}
+
+TEST(Processes, TrainingOverTcpStoreAgreesAcrossRanks) {
+  const std::string out = "/tmp/ddpkit_pt_train_" + std::to_string(getpid()) + "_";
+  auto pids = start_workers("train", 3, 3, free_port(), out);
+  for (pid_t p : pids) EXPECT_EQ(wait_exit(p), 0);
+  const std::string r0 = slurp(out + "0");
+  EXPECT_FALSE(r0.empty());
+  EXPECT_EQ(r0, slurp(out + "1"));
+  EXPECT_EQ(r0, slurp(out + "2"));
+  for (int r = 0; r < 3; ++r) std::remove((out + std::to_string(r)).c_str());
+}
+
+TEST(Processes, KilledPeerGivesSurvivorsAnErrorWithinTheTimeout) {
+  const std::string out = "/tmp/ddpkit_pt_kill_" + std::to_string(getpid()) + "_";
+  const auto t0 = std::chrono::steady_clock::now();
+  auto pids = start_workers("killed_peer", 3, 3, free_port(), out);
+  std::vector<int> codes;
+  for (pid_t p : pids) codes.push_back(wait_exit(p));
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_EQ(codes[2], 9) << "rank 2 kills itself";
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(codes[r], 42) << "rank " << r << " should have caught a CommError; said: " << slurp(out + std::to_string(r));
+    const std::string msg = slurp(out + std::to_string(r));
+    EXPECT_THAT(msg, ::testing::HasSubstr("on rank " + std::to_string(r) + " of 3"));
+    EXPECT_THAT(msg, ::testing::AnyOf(::testing::HasSubstr("allreduce"), ::testing::HasSubstr("bucket")));
+  }
+  EXPECT_LT(seconds, kKilledPeerTimeoutS + 20);
+  for (int r = 0; r < 3; ++r) std::remove((out + std::to_string(r)).c_str());
+}
+
+TEST(Processes, MissingPeerTimesOutAtRendezvous) {
+  const std::string out = "/tmp/ddpkit_pt_missing_" + std::to_string(getpid()) + "_";
+  const auto t0 = std::chrono::steady_clock::now();
+  auto pids = start_workers("missing_peer", 2, 1, free_port(), out);  // rank 1 never starts
+  EXPECT_EQ(wait_exit(pids[0]), 42) << slurp(out + "0");
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_LT(seconds, 30);
+  EXPECT_THAT(slurp(out + "0"), ::testing::HasSubstr("rank 0 of 2"));
+  std::remove((out + "0").c_str());
+}
+
+// ---- workers -------------------------------------------------------------------------------------
+int worker(const std::string& role) {
+  at::set_num_threads(1);
+  std::ofstream out(std::getenv("DDPKIT_TEST_OUT"));
+  const auto timeout = std::chrono::seconds(role == "missing_peer" ? 3 : kKilledPeerTimeoutS);
+  try {
+    auto pg = init_process_group(InitOptions().timeout(timeout));
+    torch::manual_seed(11 + pg->rank());
+    auto model = std::make_shared<torch::nn::LinearImpl>(64, 64);
+    DistributedDataParallel<std::shared_ptr<torch::nn::LinearImpl>> ddp(model, pg);
+    for (int step = 0; step < 1000; ++step) {
+      if (role == "killed_peer" && pg->rank() == 2 && step == 3) {
+        std::cout.flush();
+        _exit(9);
+      }
+      for (auto& p : model->parameters()) p.mutable_grad() = at::Tensor();
+      ddp.forward(at::randn({4, 64})).sum().backward();
+      if (role == "train" && step == 5) {
+        for (auto& p : model->parameters()) out << p.grad().sum().item<double>() << "\n";
+        return 0;
+      }
+    }
+    out << "finished without error";
+    return 1;
+  } catch (const CommError& e) {
+    out << e.what();
+    return 42;
+  } catch (const std::exception& e) {
+    out << "not a CommError: " << e.what();
+    return 1;
+  }
+}
+
+}  // namespace
+}  // namespace ddpkit
+
+int main(int argc, char** argv) {
+  if (const char* role = std::getenv("DDPKIT_TEST_WORKER")) return ddpkit::worker(role);
+  ::testing::InitGoogleTest(&argc, argv);
+  return RUN_ALL_TESTS();
+}

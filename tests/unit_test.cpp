@@ -1,0 +1,188 @@
+// Bucket assignment, codecs and process-group collectives.
+#include "harness.h"
+
+namespace ddpkit {
+namespace {
+
+using testing::spawn_ranks;
+
+std::vector<at::Tensor> tensors_of(std::vector<std::pair<int64_t, at::ScalarType>> spec) {
+  std::vector<at::Tensor> out;
+  for (auto& s : spec) out.push_back(at::empty({s.first}, s.second));
+  return out;
+}
+
+// The four cases of PyTorch's test_c10d_common.py ComputeBucketAssignmentTest.
+TEST(BucketAssignment, SingleLimitSingleDtype) {
+  auto t = tensors_of({{100, at::kFloat}, {200, at::kFloat}, {100, at::kFloat}, {50, at::kFloat}});
+  auto a = compute_bucket_assignment_by_size(t, {400});
+  EXPECT_EQ(a.buckets, (std::vector<std::vector<size_t>>{{0}, {1}, {2}, {3}}));
+  for (auto l : a.size_limits) EXPECT_EQ(l, 400u);
+}
+
+TEST(BucketAssignment, SingleLimitMultiDtype) {
+  auto t = tensors_of({{50, at::kFloat}, {25, at::kDouble}, {50, at::kFloat}, {25, at::kDouble}, {50, at::kFloat},
+                       {25, at::kDouble}});
+  auto a = compute_bucket_assignment_by_size(t, {400});
+  EXPECT_EQ(a.buckets, (std::vector<std::vector<size_t>>{{0, 2}, {1, 3}, {4}, {5}}));
+}
+
+TEST(BucketAssignment, MultiLimitSingleDtype) {
+  auto t = tensors_of({{10, at::kFloat}, {10, at::kFloat}, {10, at::kFloat}, {10, at::kFloat}});
+  auto a = compute_bucket_assignment_by_size(t, {40, 80});
+  EXPECT_EQ(a.buckets, (std::vector<std::vector<size_t>>{{0}, {1, 2}, {3}}));
+  EXPECT_EQ(a.size_limits, (std::vector<size_t>{40, 80, 80}));
+}
+
+TEST(BucketAssignment, MultiLimitMultiDtype) {
+  auto t = tensors_of({{50, at::kFloat}, {25, at::kDouble}, {50, at::kFloat}, {25, at::kDouble}, {50, at::kFloat},
+                       {25, at::kDouble}});
+  auto a = compute_bucket_assignment_by_size(t, {200, 400});
+  EXPECT_EQ(a.buckets, (std::vector<std::vector<size_t>>{{0}, {1}, {2, 4}, {3, 5}}));
+  EXPECT_EQ(a.size_limits, (std::vector<size_t>{200, 200, 400, 400}));
+}
+
+TEST(BucketAssignment, SparseGetsOwnBucketAndOrderIsKept) {
+  auto t = tensors_of({{10, at::kFloat}, {10, at::kFloat}, {10, at::kFloat}});
+  auto a = compute_bucket_assignment_by_size(t, {1000}, {false, true, false}, {2, 1, 0});
+  EXPECT_EQ(a.buckets, (std::vector<std::vector<size_t>>{{1}, {2, 0}}));
+}
+
+TEST(BucketAssignment, BadInputIsNamed) {
+  auto t = tensors_of({{10, at::kFloat}});
+  EXPECT_THAT(testing::error_of([&] { compute_bucket_assignment_by_size(t, {}); }),
+              ::testing::HasSubstr("at least one size limit"));
+  EXPECT_THAT(testing::error_of([&] { compute_bucket_assignment_by_size(t, {10}, {true, false}); }),
+              ::testing::HasSubstr("expect_sparse has 2 entries for 1 tensors"));
+}
+
+// Every SIMD level must give exactly the bits of c10::Half / c10::BFloat16 rounding.
+class CodecLevels : public ::testing::TestWithParam<codecs::SimdLevel> {};
+
+at::Tensor codec_input(int64_t n) {
+  at::Tensor x = at::randn({n}) * 100;
+  // Specials: zero, -zero, inf, nan, subnormal-range values, fp16 overflow.
+  auto* p = x.data_ptr<float>();
+  p[0] = 0.f;
+  p[1] = -0.f;
+  p[2] = std::numeric_limits<float>::infinity();
+  p[3] = std::numeric_limits<float>::quiet_NaN();
+  p[4] = 1e-6f;
+  p[5] = 70000.f;
+  p[6] = 1.00390625f;  // exactly halfway between two bf16 values: rounds to even
+  return x;
+}
+
+// Bit equality, except that any NaN matches any NaN (ATen's vector bf16 cast writes 0xffff where
+// c10::BFloat16 writes 0x7fc0).
+bool same_bits(const at::Tensor& got, const at::Tensor& want) {
+  at::Tensor nan = want.to(at::kFloat).isnan();
+  return at::equal(got.to(at::kFloat).isnan(), nan) &&
+         at::equal(got.view(at::kShort).masked_fill(nan, 0), want.view(at::kShort).masked_fill(nan, 0));
+}
+
+TEST_P(CodecLevels, MatchesC10Rounding) {
+  if (!codecs::cpu_supports(GetParam())) GTEST_SKIP() << "CPU lacks this level";
+  const auto saved = codecs::simd_level();
+  codecs::set_simd_level(GetParam());
+  const int64_t n = 1000 + 13;  // a vector tail too
+  at::Tensor x = codec_input(n);
+  for (auto dt : {at::kHalf, at::kBFloat16}) {
+    for (double scale : {1.0, 0.5, 1.0 / 3}) {
+      at::Tensor got = codecs::cast_scaled(x, dt, scale);
+      at::Tensor want = (x * static_cast<float>(scale)).to(dt);
+      EXPECT_TRUE(same_bits(got, want)) << dt << " scale " << scale;
+      at::Tensor back = at::empty({n}, at::kFloat);
+      codecs::cast_scaled_into(got, back, 1.0);
+      EXPECT_TRUE(at::allclose(back, want.to(at::kFloat), 0, 0, /*equal_nan=*/true)) << dt;
+    }
+    // Sum in fp32, one rounding.
+    std::vector<at::Tensor> parts;
+    for (int k = 0; k < 3; ++k) parts.push_back((at::randn({n}) * 10).to(dt));
+    at::Tensor out = at::empty({n}, dt);
+    codecs::sum_low_precision_into(parts, out);
+    at::Tensor want = (parts[0].to(at::kFloat) + parts[1].to(at::kFloat) + parts[2].to(at::kFloat)).to(dt);
+    EXPECT_TRUE(same_bits(out, want)) << dt;
+  }
+  codecs::set_simd_level(saved);
+}
+
+INSTANTIATE_TEST_SUITE_P(AllLevels, CodecLevels,
+                         ::testing::Values(codecs::SimdLevel::Scalar, codecs::SimdLevel::Avx2, codecs::SimdLevel::Avx512));
+
+TEST(Codecs, BadArgumentsAreNamed) {
+  EXPECT_THAT(testing::error_of([] { codecs::cast_scaled_into(at::zeros({4}), at::zeros({5}, at::kHalf)); }),
+              ::testing::HasSubstr("src has 4 elements but dst has 5"));
+  EXPECT_THAT(testing::error_of([] { codecs::sum_low_precision_into({at::zeros({4}, at::kHalf)}, at::zeros({4})); }),
+              ::testing::HasSubstr("takes float16 or bfloat16"));
+}
+
+// ---- process group ----------------------------------------------------------------------------
+TEST(ProcessGroup, CollectivesAcrossThreeRanks) {
+  spawn_ranks(3, [](int rank, std::shared_ptr<ProcessGroup> pg) {
+    at::Tensor t = at::full({5}, static_cast<float>(rank + 1));
+    ProcessGroup::wait(pg->allreduce(t));
+    EXPECT_TRUE(at::allclose(t, at::full({5}, 6.f)));
+    at::Tensor b = at::full({3}, static_cast<float>(rank));
+    ProcessGroup::wait(pg->broadcast(b, 2));
+    EXPECT_TRUE(at::allclose(b, at::full({3}, 2.f)));
+    auto all = testing::allgather(*pg, at::full({2}, static_cast<float>(rank)));
+    for (int r = 0; r < 3; ++r) EXPECT_TRUE(at::allclose(all[r], at::full({2}, static_cast<float>(r))));
+    at::Tensor in = at::arange(6, at::kFloat) + 10 * rank, out = at::empty({6});
+    ProcessGroup::wait(pg->alltoall(out, in));
+    // Chunk r of out comes from rank r's chunk `rank`.
+    for (int r = 0; r < 3; ++r)
+      EXPECT_TRUE(at::allclose(out.narrow(0, 2 * r, 2), at::arange(2 * rank, 2 * rank + 2, at::kFloat) + 10 * r));
+    ProcessGroup::wait(pg->barrier());
+    EXPECT_GT(pg->stats().bytes_sent, 0u);
+  });
+}
+
+// fp16/bf16 SUM goes through alltoall + fp32 accumulation + allgather; odd sizes are padded.
+TEST(ProcessGroup, LowPrecisionAllreduceSumsInFloat32) {
+  for (int world : {2, 3}) {
+    spawn_ranks(world, [world](int rank, std::shared_ptr<ProcessGroup> pg) {
+      for (auto dt : {at::kHalf, at::kBFloat16}) {
+        const int64_t n = 1001;
+        auto gen = at::make_generator<at::CPUGeneratorImpl>(7);
+        std::vector<at::Tensor> inputs;
+        for (int r = 0; r < world; ++r) inputs.push_back(at::randn({n}, gen).to(dt));
+        at::Tensor mine = inputs[rank].clone();
+        ProcessGroup::wait(pg->allreduce(mine));
+        at::Tensor want = at::zeros({n});
+        for (auto& in : inputs) want += in.to(at::kFloat);
+        EXPECT_TRUE(at::equal(mine.view(at::kShort), want.to(dt).view(at::kShort))) << dt << " world " << world;
+      }
+    });
+  }
+}
+
+TEST(ProcessGroup, BadArgumentsAreNamed) {
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  EXPECT_THAT(testing::error_of([&] { ProcessGroup(store, 2, 2); }), ::testing::HasSubstr("rank must be in [0, 2), got 2"));
+  EXPECT_THAT(testing::error_of([&] { ProcessGroup(store, 0, 1, ProcessGroupOptions().backend("mpi2")); }),
+              ::testing::HasSubstr("unknown backend 'mpi2'"));
+  EXPECT_THAT(testing::error_of([] { init_process_group(InitOptions().rank(0).world_size(1).init_method("foo://x")); }),
+              ::testing::HasSubstr("unknown init_method 'foo://x'"));
+}
+
+TEST(ProcessGroup, FileStoreRendezvous) {
+  const std::string path = "/tmp/ddpkit_filestore_" + std::to_string(getpid());
+  std::remove(path.c_str());
+  std::vector<std::thread> ts;
+  std::atomic<int> ok{0};
+  for (int r = 0; r < 2; ++r)
+    ts.emplace_back([&, r] {
+      auto pg = init_process_group(
+          InitOptions().rank(r).world_size(2).init_method("file://" + path).gloo_hostname("127.0.0.1").timeout(std::chrono::seconds(30)));
+      at::Tensor t = at::ones({4});
+      ProcessGroup::wait(pg->allreduce(t));
+      if (at::allclose(t, at::full({4}, 2.f))) ++ok;
+    });
+  for (auto& t : ts) t.join();
+  std::remove(path.c_str());
+  EXPECT_EQ(ok.load(), 2);
+}
+
+}  // namespace
+}  // namespace ddpkit

@@ -1,0 +1,56 @@
+// Shared pieces of the ddpkit command line: flag parsing, launcher, data sets.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <map>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace ddpkit {
+namespace cli {
+
+// A usage error: main prints it with the subcommand's usage and exits 2.
+struct UsageError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+// --name value / --name=value / --flag. Known flags are declared up front; anything else is a
+// UsageError naming it.
+class Flags {
+ public:
+  Flags(std::vector<std::string> args, std::map<std::string, std::string> defaults, std::vector<std::string> switches);
+  std::string str(const std::string& name) const;
+  int integer(const std::string& name) const;
+  double real(const std::string& name) const;
+  bool on(const std::string& name) const;
+  std::vector<int64_t> int_list(const std::string& name) const;
+
+ private:
+  std::map<std::string, std::string> values_;
+  std::map<std::string, bool> switches_;
+};
+
+// Runs `nproc` copies of this program with torchrun-style variables (MASTER_ADDR=127.0.0.1, a
+// free MASTER_PORT, RANK, LOCAL_RANK, WORLD_SIZE) and the same arguments. If one fails, the others
+// are stopped. Returns the exit code to use (0, or the first failure's).
+int launch_local(int nproc, const std::vector<std::string>& argv);
+// True when a torchrun-style environment names this process's rank.
+bool in_distributed_env();
+
+struct Dataset {
+  at::Tensor inputs;   // [N, features] float32
+  at::Tensor labels;   // [N] int64
+  int64_t num_classes = 0;
+};
+struct Split {
+  Dataset train, test;
+};
+// Fashion-MNIST from IDX files (gzip or plain) in `dir`; pixels scaled to [0,1] and normalised.
+Split load_fashion_mnist(const std::string& dir);
+// Inputs from N(0,1), labels = argmax of a fixed random linear teacher: learnable, deterministic.
+Split make_synthetic(int64_t features, int64_t classes, int64_t train_size, int64_t test_size, uint64_t seed);
+
+}  // namespace cli
+}  // namespace ddpkit

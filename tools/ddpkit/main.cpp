@@ -1,0 +1,65 @@
+// The ddpkit command line. Thin: parse flags, call the library.
+#include "cli.h"
+
+#include <ddpkit/codecs/cast.h>
+#include <ddpkit/error.h>
+#include <torch/version.h>
+
+#include <iostream>
+
+namespace ddpkit {
+namespace cli {
+extern const char* kTrainUsage;
+int run_train(const std::vector<std::string>& args, const std::vector<std::string>& argv);
+}  // namespace cli
+}  // namespace ddpkit
+
+namespace {
+const char* kUsage = R"(usage: ddpkit <command> [flags]
+
+commands:
+  train     data-parallel training (ddpkit train --help)
+  version   versions of ddpkit, libtorch, and the codec SIMD level
+)";
+}
+
+int main(int argc, char** argv) {
+  using namespace ddpkit::cli;
+  std::vector<std::string> all(argv, argv + argc);
+  all[0] = "ddpkit";
+  if (argc < 2 || all[1] == "--help" || all[1] == "-h" || all[1] == "help") {
+    std::cout << kUsage;
+    return argc < 2 ? 2 : 0;
+  }
+  const std::string cmd = all[1];
+  std::vector<std::string> args(all.begin() + 2, all.end());
+  const char* usage = kUsage;
+  try {
+    if (cmd == "train") {
+      usage = kTrainUsage;
+      for (const auto& a : args)
+        if (a == "--help" || a == "-h") {
+          std::cout << kTrainUsage;
+          return 0;
+        }
+      return run_train(args, all);
+    }
+    if (cmd == "version") {
+      std::cout << "ddpkit 0.1.0, libtorch " << TORCH_VERSION << ", codecs " << ddpkit::codecs::simd_level_name() << "\n";
+      return 0;
+    }
+    throw UsageError("unknown command '" + cmd + "'");
+  } catch (const UsageError& e) {
+    std::cerr << "ddpkit: " << e.what() << "\n\n" << usage;
+    return 2;
+  } catch (const ddpkit::CommError& e) {
+    std::cerr << e.what() << "\n";
+    return 3;
+  } catch (const c10::Error& e) {
+    std::cerr << e.what_without_backtrace() << "\n";
+    return 1;
+  } catch (const std::exception& e) {
+    std::cerr << "ddpkit: " << e.what() << "\n";
+    return 1;
+  }
+}

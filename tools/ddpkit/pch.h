@@ -1,0 +1,3 @@
+#pragma once
+#include <torch/torch.h>
+#include <ddpkit/ddpkit.h>

@@ -1,0 +1,285 @@
+// `ddpkit train`: data-parallel training of an MLP or CNN on Fashion-MNIST or synthetic data.
+#include "cli.h"
+
+#include <torch/torch.h>
+#include <ddpkit/ddpkit.h>
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <iomanip>
+#include <iostream>
+#include <sstream>
+
+namespace ddpkit {
+namespace cli {
+
+const char* kTrainUsage = R"(usage: ddpkit train [flags]
+
+Trains data-parallel across --nproc local processes (or joins a torchrun-style environment:
+MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE). Rank 0 prints progress, per-epoch loss and test
+accuracy, and a last line that is one JSON object.
+
+  --nproc N               local processes to launch (default 2)
+  --model mlp|cnn         (default mlp)
+  --dataset fashion-mnist|synthetic   (default fashion-mnist)
+  --data-dir DIR          Fashion-MNIST IDX files (default /usr/share/datasets/fashion-mnist)
+  --mlp-dims A,B,...      MLP layer sizes (default 784,512,256,10; synthetic: 1024,4096,4096,1024)
+  --hook NAME             none (DDP's built-in allreduce), allreduce, fp16, bf16, noop,
+                          fp16_wrapper, bf16_wrapper (default none)
+  --bucket-cap-mb X       bucket cap in MiB (default 25)
+  --epochs N              (default 3)
+  --steps N               stop after N steps (default 0: run all epochs)
+  --batch-size N          per rank (default 64)
+  --lr X                  SGD learning rate, momentum 0.9 (default 0.05)
+  --seed N                (default 1)
+  --threads N             intra-op threads per rank (default 1)
+  --backend gloo|nccl     (default gloo)
+  --timeout-s N           collective timeout (default 300)
+  --synthetic-size N      synthetic training samples (default 8192)
+  --gradient-as-bucket-view
+  --find-unused-parameters
+  --no-ddp                train locally in one process, without DistributedDataParallel
+  --no-eval               skip test-set evaluation
+  --quiet                 no progress bar
+)";
+
+namespace {
+
+struct MlpImpl : torch::nn::Module {
+  explicit MlpImpl(const std::vector<int64_t>& dims) {
+    for (size_t i = 0; i + 1 < dims.size(); ++i)
+      layers.push_back(register_module("fc" + std::to_string(i), torch::nn::Linear(dims[i], dims[i + 1])));
+  }
+  at::Tensor forward(at::Tensor x) {
+    for (size_t i = 0; i < layers.size(); ++i) {
+      x = layers[i]->forward(x);
+      if (i + 1 < layers.size()) x = torch::relu(x);
+    }
+    return x;
+  }
+  std::vector<torch::nn::Linear> layers;
+};
+
+struct CnnImpl : torch::nn::Module {
+  explicit CnnImpl(int64_t classes)
+      : conv1(register_module("conv1", torch::nn::Conv2d(torch::nn::Conv2dOptions(1, 16, 5)))),
+        conv2(register_module("conv2", torch::nn::Conv2d(torch::nn::Conv2dOptions(16, 32, 5)))),
+        fc1(register_module("fc1", torch::nn::Linear(32 * 4 * 4, 128))),
+        fc2(register_module("fc2", torch::nn::Linear(128, classes))) {}
+  at::Tensor forward(at::Tensor x) {
+    x = x.view({-1, 1, 28, 28});
+    x = torch::max_pool2d(torch::relu(conv1->forward(x)), 2);
+    x = torch::max_pool2d(torch::relu(conv2->forward(x)), 2);
+    x = torch::relu(fc1->forward(x.flatten(1)));
+    return fc2->forward(x);
+  }
+  torch::nn::Conv2d conv1, conv2;
+  torch::nn::Linear fc1, fc2;
+};
+
+// Type-erased model: forward plus the module.
+struct Model {
+  std::shared_ptr<torch::nn::Module> module;
+  std::function<at::Tensor(const at::Tensor&)> forward;
+};
+
+double median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  return v.size() % 2 ? v[v.size() / 2] : 0.5 * (v[v.size() / 2 - 1] + v[v.size() / 2]);
+}
+
+class Progress {
+ public:
+  Progress(bool enabled) : enabled_(enabled), tty_(isatty(STDERR_FILENO)) {}
+  void update(const std::string& label, int64_t done, int64_t total, double loss, double ms) {
+    if (!enabled_) return;
+    const auto now = std::chrono::steady_clock::now();
+    if (done != total && now - last_ < std::chrono::milliseconds(tty_ ? 100 : 5000)) return;
+    last_ = now;
+    const int width = 30;
+    const int filled = total ? static_cast<int>(width * done / total) : width;
+    std::ostringstream os;
+    os << (tty_ ? "\r" : "") << label << " [" << std::string(filled, '#') << std::string(width - filled, '.') << "] "
+       << std::setw(3) << (total ? 100 * done / total : 100) << "% " << done << "/" << total << " loss "
+       << std::fixed << std::setprecision(4) << loss << " " << std::setprecision(1) << ms << " ms/step";
+    std::cerr << os.str() << (tty_ ? "" : "\n") << std::flush;
+  }
+  void finish() {
+    if (enabled_ && tty_) std::cerr << "\n";
+  }
+
+ private:
+  bool enabled_, tty_;
+  std::chrono::steady_clock::time_point last_{};
+};
+
+}  // namespace
+
+int run_train(const std::vector<std::string>& args, const std::vector<std::string>& argv) {
+  Flags f(args,
+          {{"nproc", "2"}, {"model", "mlp"}, {"dataset", "fashion-mnist"},
+           {"data-dir", "/usr/share/datasets/fashion-mnist"}, {"mlp-dims", ""}, {"hook", "none"},
+           {"bucket-cap-mb", "25"}, {"epochs", "3"}, {"steps", "0"}, {"batch-size", "64"}, {"lr", "0.05"},
+           {"seed", "1"}, {"threads", "1"}, {"backend", "gloo"}, {"timeout-s", "300"}, {"synthetic-size", "8192"}},
+          {"gradient-as-bucket-view", "find-unused-parameters", "no-ddp", "no-eval", "quiet"});
+  const std::string model_name = f.str("model"), dataset = f.str("dataset"), hook_name = f.str("hook");
+  if (model_name != "mlp" && model_name != "cnn") throw UsageError("--model must be mlp or cnn, got '" + model_name + "'");
+  if (dataset != "fashion-mnist" && dataset != "synthetic")
+    throw UsageError("--dataset must be fashion-mnist or synthetic, got '" + dataset + "'");
+  if (hook_name != "none") {
+    const auto names = hooks::hook_names();
+    if (std::find(names.begin(), names.end(), hook_name) == names.end())
+      throw UsageError("--hook '" + hook_name + "' is unknown (none, allreduce, fp16, bf16, noop, fp16_wrapper, bf16_wrapper)");
+  }
+  const int nproc = f.integer("nproc"), epochs = f.integer("epochs"), max_steps = f.integer("steps");
+  const int batch = f.integer("batch-size"), threads = f.integer("threads");
+  const double lr = f.real("lr"), cap = f.real("bucket-cap-mb");
+  if (nproc < 1) throw UsageError("--nproc must be >= 1");
+  if (epochs < 1) throw UsageError("--epochs must be >= 1");
+  if (max_steps < 0) throw UsageError("--steps must be >= 0");
+  if (batch < 1) throw UsageError("--batch-size must be >= 1");
+  if (threads < 1) throw UsageError("--threads must be >= 1");
+  if (!(lr > 0)) throw UsageError("--lr must be positive");
+  if (!(cap > 0)) throw UsageError("--bucket-cap-mb must be positive");
+  const bool use_ddp = !f.on("no-ddp");
+  if (model_name == "cnn" && !f.str("mlp-dims").empty()) throw UsageError("--mlp-dims applies to --model mlp only");
+
+  if (use_ddp && !in_distributed_env()) return launch_local(nproc, argv);
+
+  at::set_num_threads(threads);
+  std::shared_ptr<ProcessGroup> pg;
+  if (use_ddp) {
+    pg = init_process_group(InitOptions().backend(f.str("backend")).timeout(std::chrono::seconds(f.integer("timeout-s"))));
+  }
+  const int rank = pg ? pg->rank() : 0, world = pg ? pg->size() : 1;
+  const bool lead = rank == 0;
+  torch::manual_seed(f.integer("seed"));
+
+  Split data;
+  std::vector<int64_t> dims;
+  if (dataset == "fashion-mnist") {
+    data = load_fashion_mnist(f.str("data-dir"));
+    dims = f.str("mlp-dims").empty() ? std::vector<int64_t>{784, 512, 256, 10} : f.int_list("mlp-dims");
+    if (dims.front() != 784 || dims.back() != 10)
+      throw UsageError("--mlp-dims for fashion-mnist must start with 784 and end with 10");
+  } else {
+    dims = f.str("mlp-dims").empty() ? std::vector<int64_t>{1024, 4096, 4096, 1024} : f.int_list("mlp-dims");
+    if (model_name == "cnn") dims = {784, 10};
+    if (dims.size() < 2) throw UsageError("--mlp-dims needs at least two sizes");
+    const int64_t n = f.integer("synthetic-size");
+    if (n < 1) throw UsageError("--synthetic-size must be >= 1");
+    data = make_synthetic(dims.front(), dims.back(), n, std::max<int64_t>(n / 4, 1), 1234);
+  }
+
+  Model model;
+  if (model_name == "mlp") {
+    auto m = std::make_shared<MlpImpl>(dims);
+    model.module = m;
+    model.forward = [m](const at::Tensor& x) { return m->forward(x); };
+  } else {
+    auto m = std::make_shared<CnnImpl>(data.train.num_classes);
+    model.module = m;
+    model.forward = [m](const at::Tensor& x) { return m->forward(x); };
+  }
+
+  std::unique_ptr<DistributedDataParallelBase> ddp;
+  std::function<at::Tensor(const at::Tensor&)> train_forward = model.forward;
+  if (use_ddp) {
+    ddp = std::make_unique<DistributedDataParallelBase>(
+        model.module, pg,
+        DistributedDataParallelOptions()
+            .bucket_cap_mb(cap)
+            .gradient_as_bucket_view(f.on("gradient-as-bucket-view"))
+            .find_unused_parameters(f.on("find-unused-parameters")));
+    if (hook_name != "none") ddp->register_comm_hook(hooks::make_hook(hook_name, pg), hook_name);
+    train_forward = [d = ddp.get(), fwd = model.forward](const at::Tensor& x) {
+      return d->forward_with([&] { return fwd(x); });
+    };
+  }
+
+  torch::optim::SGD optimizer(model.module->parameters(), torch::optim::SGDOptions(lr).momentum(0.9));
+  const int64_t n_train = data.train.inputs.size(0);
+  const int64_t per_rank = n_train / world;
+  const int64_t steps_per_epoch = per_rank / batch;
+  if (steps_per_epoch < 1) throw UsageError("--batch-size is larger than this rank's share of the data");
+  const int64_t total_steps = max_steps > 0 ? std::min<int64_t>(max_steps, steps_per_epoch * epochs) : steps_per_epoch * epochs;
+  const int run_epochs = static_cast<int>((total_steps + steps_per_epoch - 1) / steps_per_epoch);
+
+  Progress progress(lead && !f.on("quiet"));
+  std::vector<double> step_ms;
+  double accuracy = -1, last_loss = 0;
+  int64_t step = 0;
+  double train_seconds = 0;
+  const CommStats before = pg ? pg->stats() : CommStats{};
+  for (int epoch = 0; epoch < run_epochs && step < total_steps; ++epoch) {
+    // DistributedSampler: one permutation for all ranks (same seed), rank r takes r, r+W, ...
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(f.integer("seed")) * 1000 + epoch);
+    at::Tensor perm = at::randperm(n_train, gen, at::kLong).slice(0, rank, world * per_rank, world);
+    double epoch_loss = 0;
+    int64_t epoch_steps = 0;
+    const auto epoch_start = std::chrono::steady_clock::now();
+    for (int64_t i = 0; i < steps_per_epoch && step < total_steps; ++i, ++step) {
+      at::Tensor idx = perm.slice(0, i * batch, (i + 1) * batch);
+      at::Tensor x = data.train.inputs.index_select(0, idx), y = data.train.labels.index_select(0, idx);
+      const auto t0 = std::chrono::steady_clock::now();
+      optimizer.zero_grad();
+      at::Tensor loss = torch::cross_entropy_loss(train_forward(x), y);
+      loss.backward();
+      optimizer.step();
+      const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+      step_ms.push_back(ms);
+      last_loss = loss.item<double>();
+      epoch_loss += last_loss;
+      ++epoch_steps;
+      progress.update("epoch " + std::to_string(epoch + 1) + "/" + std::to_string(run_epochs), i + 1,
+                      std::min<int64_t>(steps_per_epoch, total_steps - (step - i)), last_loss, median(step_ms));
+    }
+    train_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - epoch_start).count();
+    progress.finish();
+    if (!f.on("no-eval")) {
+      // Each rank scores a shard of the test set with the plain module; counts are summed.
+      torch::NoGradGuard no_grad;
+      model.module->eval();
+      const int64_t n_test = data.test.inputs.size(0);
+      at::Tensor counts = at::zeros({2}, at::kDouble);
+      for (int64_t s = rank * 1000; s < n_test; s += world * 1000) {
+        const int64_t e = std::min(n_test, s + 1000);
+        at::Tensor pred = model.forward(data.test.inputs.slice(0, s, e)).argmax(1);
+        counts[0] += pred.eq(data.test.labels.slice(0, s, e)).sum().item<double>();
+        counts[1] += static_cast<double>(e - s);
+      }
+      if (pg) ProcessGroup::wait(pg->allreduce(counts));
+      accuracy = counts[0].item<double>() / counts[1].item<double>();
+      model.module->train();
+    }
+    if (lead) {
+      std::cerr << "epoch " << epoch + 1 << ": mean loss " << std::fixed << std::setprecision(4)
+                << epoch_loss / std::max<int64_t>(epoch_steps, 1);
+      if (accuracy >= 0) std::cerr << "  test accuracy " << std::setprecision(4) << accuracy;
+      std::cerr << "\n";
+    }
+  }
+  const CommStats after = pg ? pg->stats() : CommStats{};
+  if (lead) {
+    std::ostringstream js;
+    js << std::fixed << "{\"hook\": \"" << (use_ddp ? hook_name : std::string("local")) << "\", \"world_size\": " << world
+       << ", \"steps\": " << step << ", \"median_step_ms\": " << std::setprecision(3) << median(step_ms)
+       << ", \"samples_per_s\": " << std::setprecision(1)
+       << (train_seconds > 0 ? static_cast<double>(step) * batch * world / train_seconds : 0.0)
+       << ", \"bytes_sent_per_step\": " << (step ? (after.bytes_sent - before.bytes_sent) / step : 0)
+       << ", \"test_accuracy\": ";
+    if (accuracy >= 0) js << std::setprecision(4) << accuracy; else js << "null";
+    js << ", \"final_loss\": " << std::setprecision(4) << last_loss << "}";
+    std::cout << js.str() << std::endl;
+  }
+  if (pg) ProcessGroup::wait(pg->barrier());
+  return 0;
+}
+
+}  // namespace cli
+}  // namespace ddpkit
