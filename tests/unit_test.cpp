@@ -157,6 +157,31 @@ TEST(ProcessGroup, LowPrecisionAllreduceSumsInFloat32) {
   }
 }
 
+// The opt-in fp32 paths (two alltoalls; slices over several connections) sum like Gloo's ring.
+TEST(ProcessGroup, Fp32AllreducePathsAgree) {
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  std::vector<std::thread> ts;
+  std::atomic<int> ok{0};
+  const int world = 3;
+  for (int r = 0; r < world; ++r)
+    ts.emplace_back([&, r] {
+      auto base = ProcessGroupOptions().gloo_hostname("127.0.0.1");
+      ProcessGroup ring(store, r, world, ProcessGroupOptions(base).group_name("ring"));
+      ProcessGroup two_phase(store, r, world, ProcessGroupOptions(base).group_name("two").two_phase_min_bytes(1));
+      ProcessGroup sliced(store, r, world, ProcessGroupOptions(base).group_name("sliced").gloo_connections(3));
+      const int64_t n = (5 << 20) / 4 + 7;  // > 4 MiB (slicing threshold), not divisible by 3
+      auto gen = at::make_generator<at::CPUGeneratorImpl>(100 + r);
+      at::Tensor x = at::randn({n}, gen);
+      at::Tensor a = x.clone(), b = x.clone(), c = x.clone();
+      ProcessGroup::wait(ring.allreduce(a));
+      ProcessGroup::wait(two_phase.allreduce(b));
+      ProcessGroup::wait(sliced.allreduce(c));
+      if (at::allclose(a, b, 1e-6, 1e-6) && at::allclose(a, c, 1e-6, 1e-6)) ++ok;
+    });
+  for (auto& t : ts) t.join();
+  EXPECT_EQ(ok.load(), world);
+}
+
 TEST(ProcessGroup, BadArgumentsAreNamed) {
   auto store = c10::make_intrusive<c10d::HashStore>();
   EXPECT_THAT(testing::error_of([&] { ProcessGroup(store, 2, 2); }), ::testing::HasSubstr("rank must be in [0, 2), got 2"));

@@ -8,6 +8,7 @@
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 #endif
 
+#include <algorithm>
 #include <cstdlib>
 #include <sstream>
 
@@ -92,8 +93,9 @@ ProcessGroup::ProcessGroup(c10::intrusive_ptr<c10d::Store> store, int rank, int 
     if (options_.backend() == "gloo") {
       DDPKIT_CHECK(options_.gloo_threads() >= 1, "gloo_threads must be >= 1, got ", options_.gloo_threads());
       auto gopts = c10d::ProcessGroupGloo::Options::create(options_.timeout());
-      gopts->devices.push_back(make_gloo_device(options_));
-      gopts->threads = options_.gloo_threads();
+      DDPKIT_CHECK(options_.gloo_connections() >= 1, "gloo_connections must be >= 1, got ", options_.gloo_connections());
+      for (int c = 0; c < options_.gloo_connections(); ++c) gopts->devices.push_back(make_gloo_device(options_));
+      gopts->threads = std::max(options_.gloo_threads(), options_.gloo_connections());
       backend_ = c10::make_intrusive<c10d::ProcessGroupGloo>(prefixed, rank_, world_size_, gopts);
     } else if (options_.backend() == "nccl") {
 #ifdef USE_C10D_NCCL
@@ -152,6 +154,25 @@ void ProcessGroup::count(uint64_t bus_bytes) {
   collectives_.fetch_add(1, std::memory_order_relaxed);
 }
 
+at::Tensor ProcessGroup::take_workspace(at::ScalarType dtype, int64_t numel) {
+  {
+    std::lock_guard<std::mutex> lock(pool_mutex_);
+    auto it = pool_.find({static_cast<int>(dtype), numel});
+    if (it != pool_.end() && !it->second.empty()) {
+      at::Tensor t = std::move(it->second.back());
+      it->second.pop_back();
+      return t;
+    }
+  }
+  return at::empty({numel}, at::TensorOptions().dtype(dtype));
+}
+
+void ProcessGroup::give_workspace(at::Tensor t) {
+  std::lock_guard<std::mutex> lock(pool_mutex_);
+  auto& slot = pool_[{static_cast<int>(t.scalar_type()), t.numel()}];
+  if (slot.size() < 4) slot.push_back(std::move(t));  // bounded: at most 4 per shape
+}
+
 CommStats ProcessGroup::stats() const { return {bytes_sent_.load(), collectives_.load()}; }
 
 void ProcessGroup::reset_stats() {
@@ -187,17 +208,64 @@ FuturePtr ProcessGroup::issue(const std::string& what, uint64_t bus_bytes, const
   return result;
 }
 
-FuturePtr ProcessGroup::allreduce(const at::Tensor& tensor, c10d::ReduceOp op) {
+bool ProcessGroup::use_two_phase(const at::Tensor& tensor, c10d::ReduceOp op) const {
+  if (options_.backend() != "gloo" || world_size_ == 1 || tensor.is_sparse() || !tensor.device().is_cpu()) return false;
   const auto dt = tensor.scalar_type();
-  const bool low_precision = (dt == at::kHalf || dt == at::kBFloat16) && options_.backend() == "gloo";
-  if (low_precision && world_size_ > 1 && !tensor.is_sparse()) {
+  if (dt == at::kHalf || dt == at::kBFloat16) {
+    // Gloo has no bf16 and sums fp16 one element at a time in software.
     DDPKIT_CHECK(op == c10d::ReduceOp::SUM, "allreduce of ", dt, " on gloo supports only SUM");
+    return true;
+  }
+  return op == c10d::ReduceOp::SUM && (dt == at::kFloat || dt == at::kDouble) &&
+         options_.two_phase_min_bytes() > 0 && bytes_of(tensor) >= static_cast<uint64_t>(options_.two_phase_min_bytes());
+}
+
+FuturePtr ProcessGroup::allreduce(const at::Tensor& tensor, c10d::ReduceOp op) {
+  if (use_two_phase(tensor, op)) {
     auto result = make_tensor_future(tensor.device());
-    post([this, tensor, result] { low_precision_allreduce(tensor, result); });
+    post([this, tensor, result] { two_phase_allreduce(tensor, result); });
     return result;
   }
   const uint64_t n = static_cast<uint64_t>(world_size_);
   const uint64_t bus = tensor.is_sparse() ? 0 : 2 * (n - 1) * bytes_of(tensor) / n;
+  const int slices = options_.gloo_connections();
+  if (slices > 1 && options_.backend() == "gloo" && !tensor.is_sparse() && tensor.is_contiguous() &&
+      bytes_of(tensor) >= (4u << 20)) {
+    // One allreduce per connection, issued back to back: Gloo runs them concurrently.
+    auto result = make_tensor_future(tensor.device());
+    const std::string what = "allreduce (" + describe_tensor(tensor) + ", " + std::to_string(slices) + " slices)";
+    post([this, tensor, op, slices, result, what, bus] {
+      try {
+        count(bus);
+        const at::Tensor flat = tensor.view({-1});
+        const int64_t step = (flat.numel() + slices - 1) / slices;
+        auto remaining = std::make_shared<std::atomic<int>>(0);
+        std::vector<c10::intrusive_ptr<c10d::Work>> works;
+        for (int64_t off = 0; off < flat.numel(); off += step) {
+          std::vector<at::Tensor> v{flat.narrow(0, off, std::min(step, flat.numel() - off))};
+          c10d::AllreduceOptions o;
+          o.reduceOp = op;
+          o.timeout = options_.timeout();
+          works.push_back(backend_->allreduce(v, o));
+        }
+        remaining->store(static_cast<int>(works.size()));
+        auto failed = std::make_shared<std::atomic<bool>>(false);
+        const int rank = rank_, world = world_size_;
+        for (auto& w : works) {
+          w->getFuture()->addCallback([=](c10::ivalue::Future& f) {
+            if (f.hasError() && !failed->exchange(true)) {
+              result->setError(std::make_exception_ptr(CommError(describe_comm_failure(what, rank, world, f.exception_ptr()))));
+            }
+            if (remaining->fetch_sub(1) == 1 && !failed->load()) result->markCompleted(c10::IValue(tensor));
+          });
+        }
+      } catch (...) {
+        result->setError(std::make_exception_ptr(
+            CommError(describe_comm_failure(what, rank_, world_size_, std::current_exception()))));
+      }
+    });
+    return result;
+  }
   return issue("allreduce (" + describe_tensor(tensor) + ")", bus, tensor, [this, tensor, op] {
     std::vector<at::Tensor> v{tensor};
     c10d::AllreduceOptions o;
@@ -207,53 +275,69 @@ FuturePtr ProcessGroup::allreduce(const at::Tensor& tensor, c10d::ReduceOp op) {
   });
 }
 
-// Reduce-scatter + allgather built from alltoall_base and allgather (both exist on Gloo in every
-// libtorch), exchanging the low-precision type and accumulating in fp32: per rank it sends
-// 2(n-1)/n of the tensor, like a ring allreduce. Runs on the sequencer, so its two steps are
-// issued in the same order on every rank.
-void ProcessGroup::low_precision_allreduce(const at::Tensor& tensor, const FuturePtr& result) {
-  const std::string what = "allreduce (" + describe_tensor(tensor) + ", low-precision path)";
+// Allreduce as two alltoalls (Gloo's alltoall moves ~2.5x the bytes per second of its ring
+// allreduce or list allgather here; bench/collective_bench prints all three):
+//   1. reduce-scatter: alltoall, so rank r holds everyone's chunk r;
+//   2. sum the n copies of chunk r (fp32 accumulation for fp16/bf16: one rounding);
+//   3. allgather: alltoall of the reduced chunk replicated n times, straight into the tensor.
+// Per rank it sends 2(n-1)/n of the tensor, like a ring allreduce. Runs on the sequencer, so its
+// two steps are issued in the same order on every rank; the first is waited for there, the second
+// completes the future from Gloo's thread.
+void ProcessGroup::two_phase_allreduce(const at::Tensor& tensor, const FuturePtr& result) {
+  const std::string what = "allreduce (" + describe_tensor(tensor) + ", two-phase alltoall path)";
   try {
     const int64_t n = world_size_;
     const int64_t numel = tensor.numel();
     const int64_t chunk = (numel + n - 1) / n;
     const bool padded = chunk * n != numel || !tensor.is_contiguous();
-    at::Tensor flat = tensor.reshape({-1});
-    at::Tensor work_buf = flat;
+    const at::Tensor flat = tensor.reshape({-1});
+    at::Tensor data = flat;
     if (padded) {
-      work_buf = at::zeros({chunk * n}, tensor.options());
-      work_buf.narrow(0, 0, numel).copy_(flat);
+      data = take_workspace(tensor.scalar_type(), chunk * n);
+      data.narrow(0, 0, numel).copy_(flat);
+      data.narrow(0, numel, chunk * n - numel).zero_();
     }
-    // Gloo moves bytes but refuses bf16 (and sums fp16 slowly): transport as float16 bits (a 2-byte type Gloo accepts; no arithmetic happens on them).
-    at::Tensor recv = at::empty_like(work_buf);
-    at::Tensor send_bits = work_buf.view(at::kHalf), recv_bits = recv.view(at::kHalf);
-    const uint64_t bytes = bytes_of(work_buf);
-    count(bytes * (n - 1) / n);
-    std::vector<int64_t> equal_splits;
+    // Gloo refuses bf16 (and has no use for the dtype when only moving bytes): low-precision
+    // tensors travel as float16 bits.
+    const bool lowp = tensor.scalar_type() == at::kHalf || tensor.scalar_type() == at::kBFloat16;
+    auto wire = [lowp](const at::Tensor& t) { return lowp ? t.view(at::kHalf) : t; };
+    at::Tensor scratch = take_workspace(tensor.scalar_type(), chunk * n);
+    const uint64_t bytes = bytes_of(data);
+    std::vector<int64_t> equal;
     c10d::AllToAllOptions ao;
     ao.timeout = options_.timeout();
-    auto a2a = backend_->alltoall_base(recv_bits, send_bits, equal_splits, equal_splits, ao);
-    a2a->wait(options_.timeout());
 
-    at::Tensor mine = at::empty({chunk}, tensor.options());
-    codecs::sum_low_precision_into(recv.view({n, chunk}).unbind(0), mine);
-
-    std::vector<at::Tensor> outputs = send_bits.view({n, chunk}).unbind(0);
-    std::vector<std::vector<at::Tensor>> out_lists{outputs};
-    std::vector<at::Tensor> in_list{mine.view(at::kHalf)};
-    c10d::AllgatherOptions go;
-    go.timeout = options_.timeout();
     count(bytes * (n - 1) / n);
-    auto ag = backend_->allgather(out_lists, in_list, go);
+    at::Tensor send1 = wire(data), recv1 = wire(scratch);
+    backend_->alltoall_base(recv1, send1, equal, equal, ao)->wait(options_.timeout());
+
+    const at::Tensor parts = scratch.view({n, chunk});
+    // Reduce into scratch's own chunk, then replicate it over the others: the send buffer of step 3.
+    at::Tensor mine = parts[rank_];
+    if (lowp) {
+      codecs::sum_low_precision_into(parts.unbind(0), mine);
+    } else {
+      for (int64_t k = 0; k < n; ++k)
+        if (k != rank_) mine.add_(parts[k]);
+    }
+    for (int64_t k = 0; k < n; ++k)
+      if (k != rank_) parts[k].copy_(mine);
+
+    count(bytes * (n - 1) / n);
+    at::Tensor send2 = wire(scratch), recv2 = wire(data);
+    auto second = backend_->alltoall_base(recv2, send2, equal, equal, ao);
     const int rank = rank_, world = world_size_;
-    ag->getFuture()->addCallback([=](c10::ivalue::Future& f) {
+    second->getFuture()->addCallback([=](c10::ivalue::Future& f) {
+      give_workspace(scratch);  // the send buffer had to outlive the transfer
       if (f.hasError()) {
-        result->setError(std::make_exception_ptr(
-            CommError(describe_comm_failure(what, rank, world, f.exception_ptr()))));
+        result->setError(std::make_exception_ptr(CommError(describe_comm_failure(what, rank, world, f.exception_ptr()))));
         return;
       }
       try {
-        if (padded) tensor.view({-1}).copy_(work_buf.narrow(0, 0, numel));
+        if (padded) {
+          tensor.view({-1}).copy_(data.narrow(0, 0, numel));
+          give_workspace(data);
+        }
         result->markCompleted(c10::IValue(tensor));
       } catch (...) {
         result->setError(std::current_exception());
@@ -424,7 +508,9 @@ std::shared_ptr<ProcessGroup> init_process_group(const InitOptions& o) {
                                                .backend(o.backend())
                                                .timeout(o.timeout())
                                                .gloo_threads(o.gloo_threads())
-                                               .gloo_hostname(o.gloo_hostname()));
+                                               .gloo_hostname(o.gloo_hostname())
+                                               .two_phase_min_bytes(o.two_phase_min_bytes())
+                                               .gloo_connections(o.gloo_connections()));
   std::lock_guard<std::mutex> lock(g_default_mutex);
   if (!g_default) g_default = pg;
   return pg;

@@ -1,18 +1,41 @@
 #include <ddpkit/codecs/cast.h>
 #include <ddpkit/hooks/default_hooks.h>
 
+#include <mutex>
+#include <vector>
+
 namespace ddpkit {
 namespace hooks {
 namespace {
 
+// Per-bucket low-precision buffers, reused every iteration: a new 50 MB tensor per bucket and
+// step would cost more in page faults than the cast. Bucket i of the next iteration starts only
+// after this iteration's futures completed, so reuse is safe.
+class BufferCache {
+ public:
+  at::Tensor get(size_t bucket, const at::Tensor& like, at::ScalarType dtype) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (buffers_.size() <= bucket) buffers_.resize(bucket + 1);
+    at::Tensor& b = buffers_[bucket];
+    if (!b.defined() || b.numel() != like.numel() || b.scalar_type() != dtype || b.device() != like.device())
+      b = at::empty({like.numel()}, like.options().dtype(dtype));
+    return b;
+  }
+
+ private:
+  std::mutex mutex_;
+  std::vector<at::Tensor> buffers_;
+};
+
 // Low-precision allreduce of the bucket: cast+scale in one pass, allreduce, cast back in place.
 // The cast back runs in the future's callback: local work, no collective.
 CommHook compress_hook(std::shared_ptr<ProcessGroup> pg, at::ScalarType dtype, const char* name) {
-  return [pg = std::move(pg), dtype, name](GradBucket& bucket) -> FuturePtr {
+  return [pg = std::move(pg), dtype, name, cache = std::make_shared<BufferCache>()](GradBucket& bucket) -> FuturePtr {
     DDPKIT_CHECK(!bucket.is_sparse(), name, ": bucket ", bucket.index(),
                  " holds a sparse gradient; compression hooks take dense buckets only");
     at::Tensor buffer = bucket.buffer();
-    at::Tensor compressed = codecs::cast_scaled(buffer, dtype, 1.0 / pg->size());
+    at::Tensor compressed = cache->get(bucket.index(), buffer, dtype);
+    codecs::cast_scaled_into(buffer.reshape({-1}), compressed, 1.0 / pg->size());
     return pg->allreduce(compressed)->then(
         [buffer, compressed](c10::ivalue::Future& f) -> c10::IValue {
           f.value();  // rethrows a failed allreduce
@@ -25,10 +48,12 @@ CommHook compress_hook(std::shared_ptr<ProcessGroup> pg, at::ScalarType dtype, c
 
 CommHook compress_wrapper(CommHook inner, at::ScalarType dtype, const char* name) {
   DDPKIT_CHECK(inner, name, ": the wrapped hook is empty");
-  return [inner = std::move(inner), dtype, name](GradBucket& bucket) -> FuturePtr {
+  return [inner = std::move(inner), dtype, name, cache = std::make_shared<BufferCache>()](GradBucket& bucket) -> FuturePtr {
     DDPKIT_CHECK(!bucket.is_sparse(), name, ": bucket ", bucket.index(), " holds a sparse gradient");
     at::Tensor original = bucket.buffer();
-    bucket.set_buffer(codecs::cast_scaled(original, dtype, 1.0));
+    at::Tensor compressed = cache->get(bucket.index(), original, dtype);
+    codecs::cast_scaled_into(original.reshape({-1}), compressed, 1.0);
+    bucket.set_buffer(compressed);
     return inner(bucket)->then(
         [original](c10::ivalue::Future& f) -> c10::IValue {
           codecs::cast_scaled_into(f.value().toTensor(), original, 1.0);

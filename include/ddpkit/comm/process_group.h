@@ -23,6 +23,7 @@
 #include <condition_variable>
 #include <deque>
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -52,9 +53,17 @@ struct ProcessGroupOptions {
   TORCH_ARG(std::chrono::milliseconds, timeout) = std::chrono::minutes(5);
   // Gloo worker threads (collectives in flight at once).
   TORCH_ARG(int, gloo_threads) = 2;
+  // TCP connections (Gloo devices/contexts) per peer pair. Gloo gives each collective one context
+  // (round robin), so with N > 1 a large fp32 allreduce is split into N slices that travel
+  // concurrently on separate connections and worker threads.
+  TORCH_ARG(int, gloo_connections) = 1;
   // Address Gloo listens on. Empty: GLOO_SOCKET_IFNAME's interface if set, 127.0.0.1 when
   // MASTER_ADDR is a loopback address or unset, else the address this host's name resolves to.
   TORCH_ARG(std::string, gloo_hostname) = "";
+  // Gloo fp32/fp64 SUM allreduces of at least this many bytes use the two-phase alltoall path
+  // instead of Gloo's ring. Off (0) by default: alone it wins at 1-16 MB, but inside a DDP step
+  // its blocking first phase delays later buckets (docs/performance.md). fp16/bf16 always use it.
+  TORCH_ARG(int64_t, two_phase_min_bytes) = 0;
   // Key prefix in the store, so several groups can share one store.
   TORCH_ARG(std::string, group_name) = "default";
 };
@@ -76,7 +85,7 @@ class ProcessGroup {
   // Collectives. All are asynchronous and in place where the c10d one is; each returns a future
   // whose value is the result tensor, or whose error is a CommError naming the operation.
   // allreduce supports float16/bfloat16 SUM on Gloo too (Gloo has no bf16 and a slow fp16 sum):
-  // chunks are exchanged in the low-precision type and summed in fp32 (see low_precision_allreduce).
+  // chunks are exchanged in the low-precision type and summed in fp32 (see two_phase_allreduce).
   FuturePtr allreduce(const at::Tensor& tensor, c10d::ReduceOp op = c10d::ReduceOp::SUM);
   FuturePtr broadcast(const at::Tensor& tensor, int root);
   // outputs[r] receives rank r's input; all shapes equal.
@@ -107,10 +116,15 @@ class ProcessGroup {
   // Issues `op` on the sequencer and completes `result` with `value` when the Work completes.
   FuturePtr issue(const std::string& what, uint64_t bus_bytes, const at::Tensor& value,
                   std::function<c10::intrusive_ptr<c10d::Work>()> op);
-  void low_precision_allreduce(const at::Tensor& tensor, const FuturePtr& result);
+  bool use_two_phase(const at::Tensor& tensor, c10d::ReduceOp op) const;
+  void two_phase_allreduce(const at::Tensor& tensor, const FuturePtr& result);
   void link(const c10::intrusive_ptr<c10d::Work>& work, const FuturePtr& result,
             const at::Tensor& value, const std::string& what);
   void count(uint64_t bus_bytes);
+  // Scratch tensors reused across calls: a fresh 100 MB allocation costs ~25k page faults, more
+  // than the transfer itself. A buffer returns to the pool when its collective completes.
+  at::Tensor take_workspace(at::ScalarType dtype, int64_t numel);
+  void give_workspace(at::Tensor t);
 
   c10::intrusive_ptr<c10d::Store> store_;
   int rank_;
@@ -123,6 +137,9 @@ class ProcessGroup {
   std::deque<Job> jobs_;
   bool stopping_ = false;
   std::thread sequencer_;
+
+  std::mutex pool_mutex_;
+  std::map<std::pair<int, int64_t>, std::vector<at::Tensor>> pool_;
 
   std::atomic<uint64_t> bytes_sent_{0};
   std::atomic<uint64_t> collectives_{0};
@@ -141,6 +158,8 @@ struct InitOptions {
   TORCH_ARG(c10::intrusive_ptr<c10d::Store>, store) = {};
   TORCH_ARG(int, gloo_threads) = 2;
   TORCH_ARG(std::string, gloo_hostname) = "";
+  TORCH_ARG(int64_t, two_phase_min_bytes) = 0;  // see ProcessGroupOptions
+  TORCH_ARG(int, gloo_connections) = 1;         // see ProcessGroupOptions
 };
 
 // Rendezvous and create a process group; the first one created also becomes the default group.

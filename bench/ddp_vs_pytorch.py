@@ -1,0 +1,120 @@
+#!/usr/bin/python3
+"""ddpkit DDP vs PyTorch's own Python DDP, side by side, in one run.
+
+    bench/ddp_vs_pytorch.py [--reps 3] [--steps 25] [--ddpkit build/ddpkit]
+
+Model: MLP 1024-4096-4096-1024 (25M parameters), batch 32 per rank, 2 ranks x 1 thread, Gloo,
+SGD momentum 0.9, zero_grad(set_to_none) on both sides. Every configuration runs --reps times,
+interleaved (so drift on a shared machine hits all alike); each run reports the median step time
+of its --steps steps, and the table shows the median over reps. Ratios are computed from these
+medians, all measured in this one invocation.
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+HOOKS = ["local", "none", "allreduce", "fp16", "bf16", "noop"]
+
+
+def last_json(text):
+    for line in reversed(text.strip().splitlines()):
+        line = line.strip()
+        if line.startswith("{"):
+            return json.loads(line)
+    return None
+
+
+def run_ddpkit(binary, hook, args):
+    cmd = [binary, "train", "--model", "mlp", "--dataset", "synthetic", "--batch-size", "32",
+           "--steps", str(args.steps), "--threads", "1", "--no-eval", "--quiet"]
+    cmd += ["--no-ddp"] if hook == "local" else ["--nproc", "2", "--hook", hook]
+    cmd += args.ddpkit_args
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    out = last_json(p.stdout)
+    if p.returncode != 0 or out is None:
+        return None, (p.stderr.strip().splitlines() or ["exit %d" % p.returncode])[-1]
+    return out["median_step_ms"], None
+
+
+def run_pytorch(hook, args):
+    cmd = [sys.executable, os.path.join(HERE, "pytorch_ddp.py"), "--hook", hook, "--steps", str(args.steps)]
+    cmd += args.pytorch_args
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    except subprocess.TimeoutExpired:
+        return None, "timed out"
+    out = last_json(p.stdout)
+    if out is None:
+        return None, "no result"
+    if out.get("error") or out.get("median_step_ms") is None:
+        return None, out.get("error") or "failed"
+    return out["median_step_ms"], None
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=25)
+    ap.add_argument("--ddpkit", default=os.path.join(ROOT, "build", "ddpkit"))
+    ap.add_argument("--hooks", default=",".join(HOOKS))
+    ap.add_argument("--ddpkit-args", default="", help="extra flags for ddpkit train")
+    ap.add_argument("--pytorch-args", default="", help="extra flags for bench/pytorch_ddp.py")
+    args = ap.parse_args()
+    args.ddpkit_args = args.ddpkit_args.split()
+    args.pytorch_args = args.pytorch_args.split()
+    hooks = args.hooks.split(",")
+    ours = {h: [] for h in hooks}
+    theirs = {h: [] for h in hooks}
+    errors = {}
+    for rep in range(args.reps):
+        for h in hooks:
+            for impl, store, fn in (("ddpkit", ours, lambda: run_ddpkit(args.ddpkit, h, args)),
+                                    ("pytorch", theirs, lambda: run_pytorch(h, args))):
+                if (impl, h) in errors:
+                    continue  # refused once: do not wait for it again
+                ms, err = fn()
+                print("rep %d %-8s %-9s %s" % (rep + 1, impl, h, "%.1f ms" % ms if ms else "error: " + err),
+                      file=sys.stderr, flush=True)
+                if err:
+                    errors[(impl, h)] = err
+                else:
+                    store[h].append(ms)
+
+    med = lambda xs: statistics.median(xs) if xs else None
+    fmt = lambda x: "%9.1f" % x if x is not None else "%9s" % "-"
+    print("\nMLP 1024-4096-4096-1024, batch 32/rank, 2 ranks x 1 thread, gloo; median step ms over %d reps x %d steps"
+          % (args.reps, args.steps))
+    print("%-10s %9s %9s %15s" % ("hook", "ddpkit", "pytorch", "ddpkit/pytorch"))
+    results = {}
+    for h in hooks:
+        a, b = med(ours[h]), med(theirs[h])
+        results[h] = (a, b)
+        ratio = "%15.2f" % (a / b) if a and b else "%15s" % "-"
+        print("%-10s %s %s %s" % (h, fmt(a), fmt(b), ratio))
+    for (impl, h), err in sorted(errors.items()):
+        print("  %s %s: %s" % (impl, h, err))
+    print()
+    def show(label, num, den, target=None):
+        if num and den:
+            r = num / den
+            verdict = "" if target is None else ("  (target <= %.2f: %s)" % (target, "met" if r <= target else "NOT met"))
+            print("%-48s %.2f%s" % (label, r, verdict))
+    a_none, p_none = results.get("none", (None, None))
+    a_ar, p_ar = results.get("allreduce", (None, None))
+    a_fp16 = results.get("fp16", (None, None))[0]
+    show("ddpkit built-in allreduce / PyTorch built-in", a_none, p_none, 0.8)
+    show("ddpkit allreduce hook / PyTorch allreduce hook", a_ar, p_ar, 0.8)
+    show("ddpkit fp16 hook / ddpkit built-in allreduce", a_fp16, a_none, 1.0)
+    show("ddpkit fp16 hook / ddpkit allreduce hook", a_fp16, a_ar, 1.0)
+    show("ddpkit fp16 hook / PyTorch fp16 hook", a_fp16, results.get("fp16", (None, None))[1])
+    show("ddpkit noop / ddpkit local", results.get("noop", (None,))[0], results.get("local", (None,))[0])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,117 @@
+#!/usr/bin/python3
+"""PyTorch's own DDP (Debian python3-torch, Gloo) on the benchmark MLP, for side-by-side numbers.
+
+    /usr/bin/python3 bench/pytorch_ddp.py --hook allreduce --steps 20
+
+Prints one JSON line like ddpkit train: hook, world_size, steps, median_step_ms.
+--hook: none (DDP's built-in allreduce), allreduce, fp16, bf16, noop, local (no DDP, one process).
+"""
+import argparse
+import datetime
+import json
+import os
+import socket
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+
+def build(dims):
+    layers = []
+    for i in range(len(dims) - 1):
+        layers.append(torch.nn.Linear(dims[i], dims[i + 1]))
+        if i + 2 < len(dims):
+            layers.append(torch.nn.ReLU())
+    return torch.nn.Sequential(*layers)
+
+
+def train(rank, world, args, port, queue):
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(1)
+    dims = [int(d) for d in args.mlp_dims.split(",")]
+    model = build(dims)
+    if args.hook != "local":
+        os.environ["MASTER_ADDR"] = "127.0.0.1"
+        os.environ["MASTER_PORT"] = str(port)
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+        model = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=args.bucket_cap_mb)
+        hooks = {
+            "allreduce": default_hooks.allreduce_hook,
+            "fp16": default_hooks.fp16_compress_hook,
+            "bf16": default_hooks.bf16_compress_hook,
+            "noop": lambda _, bucket: _noop(bucket),
+        }
+        if args.hook in hooks:
+            model.register_comm_hook(dist.group.WORLD, hooks[args.hook])
+    opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    gen = torch.Generator().manual_seed(1234 + rank)
+    x = torch.randn(args.batch_size, dims[0], generator=gen)
+    y = torch.randint(0, dims[-1], (args.batch_size,), generator=gen)
+    times = []
+    error = None
+    try:
+        for _ in range(args.steps):
+            t0 = time.perf_counter()
+            opt.zero_grad(set_to_none=True)  # as ddpkit train does
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+            times.append((time.perf_counter() - t0) * 1000)
+    except Exception as e:  # e.g. bf16 hook refused without CUDA/NCCL
+        error = str(e).splitlines()[0][:200]
+    if rank == 0:
+        queue.put({"hook": args.hook, "impl": "pytorch", "world_size": world if args.hook != "local" else 1,
+                   "steps": len(times), "median_step_ms": statistics.median(times) if times else None,
+                   "error": error})
+    if args.hook != "local":
+        dist.destroy_process_group()
+
+
+def _noop(bucket):
+    fut = torch.futures.Future()
+    fut.set_result(bucket.buffer())
+    return fut
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--hook", default="none", choices=["none", "allreduce", "fp16", "bf16", "noop", "local"])
+    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--bucket-cap-mb", type=float, default=25)
+    p.add_argument("--mlp-dims", default="1024,4096,4096,1024")
+    p.add_argument("--timeout", type=int, default=120, help="seconds to wait for a result")
+    args = p.parse_args()
+    world = 1 if args.hook == "local" else args.nproc
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=train, args=(r, world, args, port, queue)) for r in range(world)]
+    for pr in procs:
+        pr.start()
+    try:
+        result = queue.get(timeout=args.timeout)
+    except Exception:
+        result = {"hook": args.hook, "impl": "pytorch",
+                  "error": "no result within %d s (hung; PyTorch's bf16 hook does this on CPU/Gloo)" % args.timeout}
+    for pr in procs:
+        pr.join(timeout=5 if result.get("error") else 20)
+        if pr.is_alive():  # a rank stuck in a collective its peer abandoned (e.g. bf16 refused)
+            pr.kill()
+            result["error"] = (result.get("error") or "") + " (a rank hung and was killed)"
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
