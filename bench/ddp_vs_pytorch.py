@@ -4,7 +4,11 @@
     bench/ddp_vs_pytorch.py [--reps 3] [--steps 25] [--ddpkit build/ddpkit]
 
 Model: MLP 1024-4096-4096-1024 (25M parameters), batch 32 per rank, 2 ranks x 1 thread, Gloo,
-SGD momentum 0.9, zero_grad(set_to_none) on both sides. Every configuration runs --reps times,
+SGD momentum 0.9, zero_grad(set_to_none) on both sides. A third column runs PyTorch with its 1.13
+default loop (zero_grad zeroing in place), the configuration of the issue's reference numbers. A
+fourth runs PyTorch (same loop as ddpkit) under the glibc allocator settings that `ddpkit` applies
+to itself (MALLOC_MMAP_THRESHOLD_/MALLOC_TRIM_THRESHOLD_), to show how much of a difference is the
+allocator rather than DDP. Every configuration runs --reps times,
 interleaved (so drift on a shared machine hits all alike); each run reports the median step time
 of its --steps steps, and the table shows the median over reps. Ratios are computed from these
 medians, all measured in this one invocation.
@@ -41,11 +45,14 @@ def run_ddpkit(binary, hook, args):
     return out["median_step_ms"], None
 
 
-def run_pytorch(hook, args):
+MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(1 << 30), "MALLOC_TRIM_THRESHOLD_": str(1 << 30)}
+
+
+def run_pytorch(hook, args, env=None):
     cmd = [sys.executable, os.path.join(HERE, "pytorch_ddp.py"), "--hook", hook, "--steps", str(args.steps)]
     cmd += args.pytorch_args
     try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=dict(os.environ, **(env or {})))
     except subprocess.TimeoutExpired:
         return None, "timed out"
     out = last_json(p.stdout)
@@ -70,11 +77,17 @@ def main():
     hooks = args.hooks.split(",")
     ours = {h: [] for h in hooks}
     theirs = {h: [] for h in hooks}
+    theirs_default = {h: [] for h in hooks}
+    theirs_malloc = {h: [] for h in hooks}
+    default_args = argparse.Namespace(**vars(args))
+    default_args.pytorch_args = args.pytorch_args + ["--zero-grad", "zero"]
     errors = {}
     for rep in range(args.reps):
         for h in hooks:
             for impl, store, fn in (("ddpkit", ours, lambda: run_ddpkit(args.ddpkit, h, args)),
-                                    ("pytorch", theirs, lambda: run_pytorch(h, args))):
+                                    ("pytorch", theirs, lambda: run_pytorch(h, args)),
+                                    ("pytorch-zeroing", theirs_default, lambda: run_pytorch(h, default_args)),
+                                    ("pytorch-malloc", theirs_malloc, lambda: run_pytorch(h, args, MALLOC_ENV))):
                 if (impl, h) in errors:
                     continue  # refused once: do not wait for it again
                 ms, err = fn()
@@ -89,13 +102,16 @@ def main():
     fmt = lambda x: "%9.1f" % x if x is not None else "%9s" % "-"
     print("\nMLP 1024-4096-4096-1024, batch 32/rank, 2 ranks x 1 thread, gloo; median step ms over %d reps x %d steps"
           % (args.reps, args.steps))
-    print("%-10s %9s %9s %15s" % ("hook", "ddpkit", "pytorch", "ddpkit/pytorch"))
+    print("%-10s %9s %9s %8s %9s %8s %9s %8s" % ("hook", "ddpkit", "pytorch", "ratio", "pt-zero", "ratio",
+                                                 "pt-malloc", "ratio"))
     results = {}
     for h in hooks:
-        a, b = med(ours[h]), med(theirs[h])
-        results[h] = (a, b)
-        ratio = "%15.2f" % (a / b) if a and b else "%15s" % "-"
-        print("%-10s %s %s %s" % (h, fmt(a), fmt(b), ratio))
+        a, b, c, d = med(ours[h]), med(theirs[h]), med(theirs_default[h]), med(theirs_malloc[h])
+        results[h] = (a, b, c, d)
+        r = lambda x: "%8.2f" % (a / x) if a and x else "%8s" % "-"
+        print("%-10s %s %s %s %s %s %s %s" % (h, fmt(a), fmt(b), r(b), fmt(c), r(c), fmt(d), r(d)))
+    print("ratio = ddpkit / that column. pytorch: same loop as ddpkit (zero_grad set_to_none); pt-zero: PyTorch 1.13's")
+    print("default loop (zero_grad zeroes in place); pt-malloc: same loop, glibc settings of the ddpkit program.")
     for (impl, h), err in sorted(errors.items()):
         print("  %s %s: %s" % (impl, h, err))
     print()
@@ -104,14 +120,18 @@ def main():
             r = num / den
             verdict = "" if target is None else ("  (target <= %.2f: %s)" % (target, "met" if r <= target else "NOT met"))
             print("%-48s %.2f%s" % (label, r, verdict))
-    a_none, p_none = results.get("none", (None, None))
-    a_ar, p_ar = results.get("allreduce", (None, None))
-    a_fp16 = results.get("fp16", (None, None))[0]
+    a_none, p_none, z_none, m_none = results.get("none", (None,) * 4)
+    a_ar, p_ar, z_ar, m_ar = results.get("allreduce", (None,) * 4)
+    a_fp16 = results.get("fp16", (None,) * 4)[0]
     show("ddpkit built-in allreduce / PyTorch built-in", a_none, p_none, 0.8)
     show("ddpkit allreduce hook / PyTorch allreduce hook", a_ar, p_ar, 0.8)
+    show("ddpkit built-in / PyTorch built-in (zeroing loop)", a_none, z_none, 0.8)
+    show("ddpkit allreduce hook / PyTorch hook (zeroing loop)", a_ar, z_ar, 0.8)
+    show("ddpkit built-in / PyTorch built-in (ddpkit's malloc env)", a_none, m_none)
+    show("ddpkit allreduce hook / PyTorch hook (ddpkit's malloc env)", a_ar, m_ar)
     show("ddpkit fp16 hook / ddpkit built-in allreduce", a_fp16, a_none, 1.0)
     show("ddpkit fp16 hook / ddpkit allreduce hook", a_fp16, a_ar, 1.0)
-    show("ddpkit fp16 hook / PyTorch fp16 hook", a_fp16, results.get("fp16", (None, None))[1])
+    show("ddpkit fp16 hook / PyTorch fp16 hook", a_fp16, results.get("fp16", (None,) * 4)[1])
     show("ddpkit noop / ddpkit local", results.get("noop", (None,))[0], results.get("local", (None,))[0])
     return 0
 

@@ -57,7 +57,7 @@ def train(rank, world, args, port, queue):
     try:
         for _ in range(args.steps):
             t0 = time.perf_counter()
-            opt.zero_grad(set_to_none=True)  # as ddpkit train does
+            opt.zero_grad(set_to_none=args.zero_grad == "none")
             loss = torch.nn.functional.cross_entropy(model(x), y)
             loss.backward()
             opt.step()
@@ -88,6 +88,8 @@ def main():
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--bucket-cap-mb", type=float, default=25)
     p.add_argument("--mlp-dims", default="1024,4096,4096,1024")
+    p.add_argument("--zero-grad", default="none", choices=["none", "zero"],
+                   help="none: set grads to None (as ddpkit train; PyTorch 2.x default); zero: zero in place (1.13 default)")
     p.add_argument("--timeout", type=int, default=120, help="seconds to wait for a result")
     args = p.parse_args()
     world = 1 if args.hook == "local" else args.nproc

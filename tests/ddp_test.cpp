@@ -421,6 +421,34 @@ TEST(DDP, BroadcastsRankZeroStateAtConstruction) {
   });
 }
 
+struct WithBuffer : torch::nn::Module {
+  WithBuffer() {
+    fc = register_module("fc", torch::nn::Linear(4, 2));
+    stat = register_buffer("stat", at::zeros({3}));
+  }
+  at::Tensor forward(const at::Tensor& x) { return fc->forward(x); }
+  torch::nn::Linear fc{nullptr};
+  at::Tensor stat;
+};
+
+TEST(DDP, BuffersFollowRankZeroEveryForward) {
+  for (bool broadcast : {true, false}) {
+    spawn_ranks(2, [broadcast](int rank, std::shared_ptr<ProcessGroup> pg) {
+      std::shared_ptr<WithBuffer> model;
+      {
+        std::lock_guard<std::mutex> lock(testing::seed_mutex());
+        model = std::make_shared<WithBuffer>();
+      }
+      DistributedDataParallel<std::shared_ptr<WithBuffer>> ddp(model, pg,
+                                                               DistributedDataParallelOptions().broadcast_buffers(broadcast));
+      model->stat.fill_(static_cast<float>(10 + rank));  // e.g. running statistics drifting apart
+      ddp.forward(at::randn({2, 4})).sum().backward();
+      EXPECT_TRUE(at::equal(model->stat, at::full({3}, broadcast ? 10.f : static_cast<float>(10 + rank))))
+          << "rank " << rank << " broadcast_buffers " << broadcast;
+    });
+  }
+}
+
 TEST(DDP, MixedDtypesGetSeparateBuckets) {
   spawn_ranks(2, [](int rank, std::shared_ptr<ProcessGroup> pg) {
     auto model = make_mlp(1, {4, 4, 2});

@@ -123,6 +123,11 @@ at::Tensor alias_of(const at::Tensor& buffer, int64_t offset, const std::vector<
   return at::empty({0}, buffer.options()).set_(buffer.storage(), buffer.storage_offset() + offset, shape, strides);
 }
 
+// The gradient of an unused sparse parameter (or a joined rank's): no entries.
+at::Tensor sparse_zeros_like(const at::Tensor& param) {
+  return at::zeros(param.sizes(), param.options().layout(at::kSparse).requires_grad(false));
+}
+
 std::string describe(const at::Tensor& t) {
   std::ostringstream os;
   os << t.numel() << " elements, " << t.scalar_type() << ", " << t.device() << (t.is_sparse() ? ", sparse" : "");
@@ -380,7 +385,7 @@ void Reducer::mark_var_ready(size_t var, bool unused) {
       DDPKIT_CHECK(grad.is_sparse(), "parameter '", names_[var], "' was expected to produce a sparse gradient");
       bucket.buffer = hook_ ? grad : grad.div(divisor_.item<double>());
     } else {
-      bucket.buffer = at::zeros(param.sizes(), param.options().layout(at::kSparse).requires_grad(false));
+      bucket.buffer = sparse_zeros_like(param);
     }
   } else {
     at::Tensor& view = bucket.views[slot];
@@ -448,6 +453,13 @@ at::Tensor Reducer::wait_bucket(size_t index) {
   return result;
 }
 
+void Reducer::apply_used_map() {
+  at::Tensor global = ProcessGroup::wait(used_map_future_).cpu();
+  const auto* g = global.data_ptr<int32_t>();
+  for (size_t i = 0; i < params_.size(); ++i) globally_unused_[i] = g[i] == 0;
+  if (options_.static_graph) static_unused_known_ = true;
+}
+
 void Reducer::finalize_backward() {
   std::lock_guard<std::mutex> lock(mutex_);
   expect_hooks_ = false;
@@ -460,12 +472,7 @@ void Reducer::finalize_backward() {
                  ". If some parameters are unused in forward, construct DistributedDataParallel with "
                  "find_unused_parameters(true); make sure the loss depends on all forward outputs");
   }
-  if (used_map_future_) {
-    at::Tensor global = ProcessGroup::wait(used_map_future_).cpu();
-    const auto* g = global.data_ptr<int32_t>();
-    for (size_t i = 0; i < params_.size(); ++i) globally_unused_[i] = g[i] == 0;
-    if (options_.static_graph) static_unused_known_ = true;
-  }
+  if (used_map_future_) apply_used_map();
   try {
     for (size_t b = 0; b < buckets_.size(); ++b) {
       Bucket& bucket = buckets_[b];
@@ -518,8 +525,7 @@ void Reducer::shadow_backward() {
   for (size_t b = 0; b < buckets_.size(); ++b) {
     Bucket& bucket = buckets_[b];
     if (bucket.sparse) {
-      const at::Tensor& p = params_[bucket.vars.front()];
-      bucket.buffer = at::zeros(p.sizes(), p.options().layout(at::kSparse).requires_grad(false));
+      bucket.buffer = sparse_zeros_like(params_[bucket.vars.front()]);
     } else {
       bucket.buffer.zero_();
     }
@@ -527,12 +533,7 @@ void Reducer::shadow_backward() {
     launch_bucket(b);
   }
   next_bucket_ = buckets_.size();
-  if (used_map_future_) {
-    at::Tensor global = ProcessGroup::wait(used_map_future_).cpu();
-    const auto* g = global.data_ptr<int32_t>();
-    for (size_t i = 0; i < params_.size(); ++i) globally_unused_[i] = g[i] == 0;
-    if (options_.static_graph) static_unused_known_ = true;
-  }
+  if (used_map_future_) apply_used_map();
   for (size_t b = 0; b < buckets_.size(); ++b) wait_bucket(b);
   reset_iteration_state();
   ++iterations_;

@@ -49,6 +49,7 @@ accuracy, and a last line that is one JSON object.
   --no-ddp                train locally in one process, without DistributedDataParallel
   --no-eval               skip test-set evaluation
   --quiet                 no progress bar
+  --no-malloc-tuning      keep glibc's default mmap/trim thresholds (see tools/ddpkit/main.cpp)
 )";
 
 namespace {
@@ -131,7 +132,7 @@ int run_train(const std::vector<std::string>& args, const std::vector<std::strin
            {"bucket-cap-mb", "25"}, {"epochs", "3"}, {"steps", "0"}, {"batch-size", "64"}, {"lr", "0.05"},
            {"seed", "1"}, {"threads", "1"}, {"backend", "gloo"}, {"timeout-s", "300"}, {"synthetic-size", "8192"},
            {"gloo-threads", "2"}, {"two-phase-min-mb", "0"}, {"gloo-connections", "1"}},
-          {"gradient-as-bucket-view", "find-unused-parameters", "no-ddp", "no-eval", "quiet"});
+          {"gradient-as-bucket-view", "find-unused-parameters", "no-ddp", "no-eval", "quiet", "no-malloc-tuning"});
   const std::string model_name = f.str("model"), dataset = f.str("dataset"), hook_name = f.str("hook");
   if (model_name != "mlp" && model_name != "cnn") throw UsageError("--model must be mlp or cnn, got '" + model_name + "'");
   if (dataset != "fashion-mnist" && dataset != "synthetic")

@@ -82,6 +82,7 @@ class Reducer {
   void launch_ready_buckets();
   void launch_bucket(size_t index);
   void finalize_backward();
+  void apply_used_map();  // waits for the used-map allreduce; records globally unused parameters
   void reset_iteration_state();
   std::vector<bool> find_used_parameters(const std::vector<at::Tensor>& outputs) const;
   at::Tensor wait_bucket(size_t index);
