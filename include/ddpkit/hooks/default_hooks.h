@@ -18,7 +18,11 @@ namespace hooks {
 CommHook allreduce_hook(std::shared_ptr<ProcessGroup> pg);
 // Cast to float16 and divide in one pass, allreduce in float16, cast back into the bucket.
 CommHook fp16_compress_hook(std::shared_ptr<ProcessGroup> pg);
-// The same with bfloat16; runs on CPU/Gloo too (PyTorch's needs CUDA + NCCL).
+// The same with bfloat16; runs on CPU/Gloo too (PyTorch's needs CUDA + NCCL). Each rank's g_r/n
+// is rounded once to bf16 (8 significant bits) and the fp32-accumulated sum once more, so the
+// result differs from the exact average by at most 2^-8 |average| + 2^-8 max_r |g_r|
+// (tests/ddp_test.cpp, Hooks.Bf16WithinDocumentedBound). fp16: 2^-11 in place of 2^-8 within its
+// range (|x| < 65504; below 6.1e-5 the absolute error can reach 2^-25).
 CommHook bf16_compress_hook(std::shared_ptr<ProcessGroup> pg);
 // Run any hook on a float16 (bfloat16) copy of the bucket and cast its result back.
 CommHook fp16_compress_wrapper(CommHook hook);
