@@ -453,7 +453,6 @@ TEST(DDP, MixedDtypesGetSeparateBuckets) {
   spawn_ranks(2, [](int rank, std::shared_ptr<ProcessGroup> pg) {
     auto model = make_mlp(1, {4, 4, 2});
     model[2]->to(at::kDouble);
-    struct Mixed : torch::nn::Module {};
     auto net = std::make_shared<torch::nn::Module>();
     net->register_module("f", model[0]);
     net->register_module("d", model[2]);

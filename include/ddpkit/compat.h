@@ -25,9 +25,8 @@ using Backend = c10d::Backend;
 using Backend = c10d::ProcessGroup;
 #endif
 
-// Gloo gained _reduce_scatter_base/_allgather_base fallbacks in 2.2. ddpkit does not rely on them:
-// its low-precision allreduce is built from alltoall_base + allgather, which exist everywhere.
-constexpr bool kGlooHasReduceScatterBase = DDPKIT_TORCH_AT_LEAST(2, 2);
+// Gloo gained _reduce_scatter_base/_allgather_base only in 2.2; ddpkit's reduce-scatter-shaped
+// paths are built from alltoall_base, which every version has, so no capability switch is needed.
 
 // A post hook on a grad accumulator. operator() is unchanged from 1.13 to 2.x; compiled_args
 // (added ~2.1, later const) is deliberately not overridden.
