@@ -182,6 +182,17 @@ TEST(ProcessGroup, Fp32AllreducePathsAgree) {
   EXPECT_EQ(ok.load(), world);
 }
 
+// A strided (non-contiguous) tensor goes through the padded copy and comes back in place.
+TEST(ProcessGroup, LowPrecisionAllreduceOfStridedTensor) {
+  spawn_ranks(2, [](int rank, std::shared_ptr<ProcessGroup> pg) {
+    at::Tensor base = at::full({6, 4}, static_cast<float>(rank + 1)).to(at::kHalf);
+    at::Tensor strided = base.t();  // 4x6 view, not contiguous
+    ASSERT_FALSE(strided.is_contiguous());
+    ProcessGroup::wait(pg->allreduce(strided));
+    EXPECT_TRUE(at::equal(base, at::full({6, 4}, 3.f).to(at::kHalf)));
+  });
+}
+
 TEST(ProcessGroup, BadArgumentsAreNamed) {
   auto store = c10::make_intrusive<c10d::HashStore>();
   EXPECT_THAT(testing::error_of([&] { ProcessGroup(store, 2, 2); }), ::testing::HasSubstr("rank must be in [0, 2), got 2"));

@@ -335,7 +335,7 @@ void ProcessGroup::two_phase_allreduce(const at::Tensor& tensor, const FuturePtr
       }
       try {
         if (padded) {
-          tensor.view({-1}).copy_(data.narrow(0, 0, numel));
+          tensor.copy_(data.narrow(0, 0, numel).view(tensor.sizes()));  // tensor may be strided
           give_workspace(data);
         }
         result->markCompleted(c10::IValue(tensor));
