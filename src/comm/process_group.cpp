@@ -32,6 +32,13 @@ std::string describe_comm_failure(const std::string& op, int rank, int world_siz
          std::to_string(world_size) + ": " + msg;
 }
 
+namespace {
+// Completes `result` with a CommError describing `cause` (the one way failures enter futures here).
+void fail(const FuturePtr& result, const std::string& op, int rank, int world_size, std::exception_ptr cause) {
+  result->setError(std::make_exception_ptr(CommError(describe_comm_failure(op, rank, world_size, cause))));
+}
+}  // namespace
+
 FuturePtr make_tensor_future(c10::Device device) {
   std::vector<c10::Device> devices;
   if (!device.is_cpu()) devices.push_back(device);
@@ -185,8 +192,7 @@ void ProcessGroup::link(const c10::intrusive_ptr<c10d::Work>& work, const Future
   const int rank = rank_, world = world_size_;
   work->getFuture()->addCallback([result, value, what, rank, world](c10::ivalue::Future& f) {
     if (f.hasError()) {
-      result->setError(std::make_exception_ptr(
-          CommError(describe_comm_failure(what, rank, world, f.exception_ptr()))));
+      fail(result, what, rank, world, f.exception_ptr());
     } else {
       result->markCompleted(c10::IValue(value));
     }
@@ -201,8 +207,7 @@ FuturePtr ProcessGroup::issue(const std::string& what, uint64_t bus_bytes, const
       count(bus_bytes);
       link(op(), result, value, what);
     } catch (...) {
-      result->setError(std::make_exception_ptr(
-          CommError(describe_comm_failure(what, rank_, world_size_, std::current_exception()))));
+      fail(result, what, rank_, world_size_, std::current_exception());
     }
   });
   return result;
@@ -254,14 +259,13 @@ FuturePtr ProcessGroup::allreduce(const at::Tensor& tensor, c10d::ReduceOp op) {
         for (auto& w : works) {
           w->getFuture()->addCallback([=](c10::ivalue::Future& f) {
             if (f.hasError() && !failed->exchange(true)) {
-              result->setError(std::make_exception_ptr(CommError(describe_comm_failure(what, rank, world, f.exception_ptr()))));
+              fail(result, what, rank, world, f.exception_ptr());
             }
             if (remaining->fetch_sub(1) == 1 && !failed->load()) result->markCompleted(c10::IValue(tensor));
           });
         }
       } catch (...) {
-        result->setError(std::make_exception_ptr(
-            CommError(describe_comm_failure(what, rank_, world_size_, std::current_exception()))));
+        fail(result, what, rank_, world_size_, std::current_exception());
       }
     });
     return result;
@@ -330,7 +334,7 @@ void ProcessGroup::two_phase_allreduce(const at::Tensor& tensor, const FuturePtr
     second->getFuture()->addCallback([=](c10::ivalue::Future& f) {
       give_workspace(scratch);  // the send buffer had to outlive the transfer
       if (f.hasError()) {
-        result->setError(std::make_exception_ptr(CommError(describe_comm_failure(what, rank, world, f.exception_ptr()))));
+        fail(result, what, rank, world, f.exception_ptr());
         return;
       }
       try {
@@ -344,8 +348,7 @@ void ProcessGroup::two_phase_allreduce(const at::Tensor& tensor, const FuturePtr
       }
     });
   } catch (...) {
-    result->setError(std::make_exception_ptr(
-        CommError(describe_comm_failure(what, rank_, world_size_, std::current_exception()))));
+    fail(result, what, rank_, world_size_, std::current_exception());
   }
 }
 
@@ -409,8 +412,7 @@ FuturePtr ProcessGroup::run_ordered(std::function<at::Tensor()> fn, c10::Device 
     try {
       result->markCompleted(c10::IValue(fn()));
     } catch (...) {
-      result->setError(std::make_exception_ptr(
-          CommError(describe_comm_failure("ordered job", rank_, world_size_, std::current_exception()))));
+      fail(result, "ordered job", rank_, world_size_, std::current_exception());
     }
   });
   return result;

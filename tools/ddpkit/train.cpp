@@ -241,7 +241,9 @@ int run_train(const std::vector<std::string>& args, const std::vector<std::strin
       at::Tensor idx = perm.slice(0, i * batch, (i + 1) * batch);
       at::Tensor x = data.train.inputs.index_select(0, idx), y = data.train.labels.index_select(0, idx);
       using clock = std::chrono::steady_clock;
-      auto since = [](clock::time_point t) { return std::chrono::duration<double, std::milli>(clock::now() - t).count(); };
+      auto ms_between = [](clock::time_point a, clock::time_point b) {
+        return std::chrono::duration<double, std::milli>(b - a).count();
+      };
       const auto t0 = clock::now();
       // Set-to-none (PyTorch 2.x's default): autograd then hands over each new gradient instead of
       // zeroing and accumulating into the old one, saving two passes over all gradients.
@@ -251,10 +253,11 @@ int run_train(const std::vector<std::string>& args, const std::vector<std::strin
       loss.backward();  // returns once gradients are averaged across ranks
       const auto t2 = clock::now();
       optimizer.step();
-      forward_ms.push_back(std::chrono::duration<double, std::milli>(t1 - t0).count());
-      backward_ms.push_back(std::chrono::duration<double, std::milli>(t2 - t1).count());
-      optimizer_ms.push_back(since(t2));
-      const double ms = since(t0);
+      const auto t3 = clock::now();
+      forward_ms.push_back(ms_between(t0, t1));
+      backward_ms.push_back(ms_between(t1, t2));
+      optimizer_ms.push_back(ms_between(t2, t3));
+      const double ms = ms_between(t0, t3);
       step_ms.push_back(ms);
       last_loss = loss.item<double>();
       epoch_loss += last_loss;
