@@ -5,6 +5,7 @@
 // GB/s counts bytes read + bytes written. "vs memcpy" is the kernel's GB/s over memcpy's GB/s on the
 // same buffers in the same run (issue target: >= 0.5).
 #include <ddpkit/codecs/cast.h>
+#include <ddpkit/codecs/quantize.h>
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -74,6 +75,26 @@ int main(int argc, char** argv) {
   row("fp32->bf16 x scale (ddpkit)", f32_bytes + lp_bytes, time_it(reps, [&] { ddpkit::codecs::cast_scaled_into(f32, b, 0.5); }));
   row("bf16->fp32 (ddpkit)", f32_bytes + lp_bytes, time_it(reps, [&] { ddpkit::codecs::cast_scaled_into(b, f32_out, 1.0); }));
   row("fp16 sum of 2 (ddpkit)", 3 * lp_bytes, time_it(reps, [&] { ddpkit::codecs::sum_low_precision_into(parts, hsum); }));
+  // int8 blocks of 512: bytes = fp32 in + int8 codes and scales out (and the reverse).
+  const int64_t block = 512;
+  at::Tensor enc = at::empty({ddpkit::codecs::int8_encoded_bytes(n, block)}, at::kByte);
+  at::Tensor residual = at::empty({n});
+  const double enc_bytes = static_cast<double>(enc.numel());
+  row("fp32->int8 quantize (ddpkit)", f32_bytes + enc_bytes,
+      time_it(reps, [&] { ddpkit::codecs::int8_encode(f32, n, n, block, enc); }));
+  row("fp32->int8 + error feedback", 2 * f32_bytes + enc_bytes,
+      time_it(reps, [&] { ddpkit::codecs::int8_encode(f32, n, n, block, enc, residual); }));
+  row("int8->fp32 dequantize", f32_bytes + enc_bytes,
+      time_it(reps, [&] { ddpkit::codecs::int8_decode(enc, n, block, f32_out, n); }));
+  row("int8 dequantize-accumulate", 2 * f32_bytes + enc_bytes,
+      time_it(reps, [&] { ddpkit::codecs::int8_decode(enc, n, block, f32_out, n, 0.5f, true); }));
+  row("int8 quantize+dequantize", 2 * (f32_bytes + enc_bytes), time_it(reps, [&] {
+        ddpkit::codecs::int8_encode(f32, n, n, block, enc);
+        ddpkit::codecs::int8_decode(enc, n, block, f32_out, n);
+      }));
+  row("uint8 quantize (ATen ops)", f32_bytes + n, time_it(std::max(reps / 5, 2), [&] {
+        at::clamp(at::round(f32 / 0.01) + 128, 0, 255).to(at::kByte);
+      }));
   row("fp32->fp16 (ATen .to)", f32_bytes + lp_bytes, time_it(reps, [&] { h.copy_(f32); }));
   row("fp32->fp16 x scale (ATen)", f32_bytes + lp_bytes, time_it(reps, [&] { h.copy_(f32); h.div_(2); }));
   row("fp16->fp32 (ATen)", f32_bytes + lp_bytes, time_it(reps, [&] { f32_out.copy_(h); }));

@@ -4,7 +4,10 @@
     /usr/bin/python3 bench/pytorch_ddp.py --hook allreduce --steps 20
 
 Prints one JSON line like ddpkit train: hook, world_size, steps, median_step_ms.
---hook: none (DDP's built-in allreduce), allreduce, fp16, bf16, noop, local (no DDP, one process).
+--hook: none (DDP's built-in allreduce), allreduce, fp16, bf16, noop, powersgd, batched_powersgd,
+quantize_per_tensor, quantize_per_channel, local (no DDP, one process).
+With RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT set (torchrun style), runs just that rank in
+this process (bench/netns_hooks.sh runs one rank per network namespace this way).
 """
 import argparse
 import datetime
@@ -19,6 +22,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
+from torch.distributed.algorithms.ddp_comm_hooks import quantization_hooks
 
 
 def build(dims):
@@ -30,13 +35,13 @@ def build(dims):
     return torch.nn.Sequential(*layers)
 
 
-def train(rank, world, args, port, queue):
+def train(rank, world, args, port, queue, master_addr="127.0.0.1"):
     torch.set_num_threads(args.threads)
     torch.manual_seed(1)
     dims = [int(d) for d in args.mlp_dims.split(",")]
     model = build(dims)
     if args.hook != "local":
-        os.environ["MASTER_ADDR"] = "127.0.0.1"
+        os.environ["MASTER_ADDR"] = master_addr
         os.environ["MASTER_PORT"] = str(port)
         dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
         model = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=args.bucket_cap_mb)
@@ -45,9 +50,16 @@ def train(rank, world, args, port, queue):
             "fp16": default_hooks.fp16_compress_hook,
             "bf16": default_hooks.bf16_compress_hook,
             "noop": lambda _, bucket: _noop(bucket),
+            "quantize_per_tensor": quantization_hooks.quantization_pertensor_hook,
+            "quantize_per_channel": quantization_hooks.quantization_perchannel_hook,
         }
         if args.hook in hooks:
             model.register_comm_hook(dist.group.WORLD, hooks[args.hook])
+        elif args.hook in ("powersgd", "batched_powersgd"):
+            state = powersgd.PowerSGDState(process_group=None, matrix_approximation_rank=args.powersgd_rank,
+                                           start_powerSGD_iter=args.powersgd_start_iter)
+            model.register_comm_hook(state, powersgd.powerSGD_hook if args.hook == "powersgd"
+                                     else powersgd.batched_powerSGD_hook)
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     gen = torch.Generator().manual_seed(1234 + rank)
     x = torch.randn(args.batch_size, dims[0], generator=gen)
@@ -78,9 +90,23 @@ def _noop(bucket):
     return fut
 
 
+def signal_alarm(seconds):
+    """Ends a rank that hangs (PyTorch's PowerSGD does on Gloo) with a JSON line instead of forever."""
+    import signal
+
+    def expire(*_):
+        print(json.dumps({"impl": "pytorch", "error": "no result within %d s (hung)" % seconds}), flush=True)
+        os._exit(3)
+    signal.signal(signal.SIGALRM, expire)
+    signal.alarm(seconds)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--hook", default="none", choices=["none", "allreduce", "fp16", "bf16", "noop", "local"])
+    p.add_argument("--hook", default="none", choices=["none", "allreduce", "fp16", "bf16", "noop", "local", "powersgd",
+                                                      "batched_powersgd", "quantize_per_tensor", "quantize_per_channel"])
+    p.add_argument("--powersgd-rank", type=int, default=4)
+    p.add_argument("--powersgd-start-iter", type=int, default=2)
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--batch-size", type=int, default=32)
@@ -92,6 +118,15 @@ def main():
                    help="none: set grads to None (as ddpkit train; PyTorch 2.x default); zero: zero in place (1.13 default)")
     p.add_argument("--timeout", type=int, default=120, help="seconds to wait for a result")
     args = p.parse_args()
+    if "RANK" in os.environ and args.hook != "local":  # one rank of a torchrun-style job
+        import queue as q
+        out = q.Queue()
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        signal_alarm(args.timeout)
+        train(rank, world, args, int(os.environ["MASTER_PORT"]), out, os.environ["MASTER_ADDR"])
+        if rank == 0:
+            print(json.dumps(out.get()))
+        return 0
     world = 1 if args.hook == "local" else args.nproc
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

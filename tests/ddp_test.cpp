@@ -13,20 +13,12 @@ namespace ddpkit {
 namespace {
 
 using testing::allgather;
+using testing::make_mlp;
+using testing::seed_grads;
+using testing::SeedTask;
 using testing::error_of;
 using testing::spawn_ranks;
 using ::testing::HasSubstr;
-
-torch::nn::Sequential make_mlp(uint64_t seed, std::vector<int64_t> dims = {8, 16, 16, 4}) {
-  std::lock_guard<std::mutex> lock(testing::seed_mutex());
-  torch::manual_seed(seed);
-  torch::nn::Sequential seq;
-  for (size_t i = 0; i + 1 < dims.size(); ++i) {
-    seq->push_back(torch::nn::Linear(dims[i], dims[i + 1]));
-    if (i + 2 < dims.size()) seq->push_back(torch::nn::Functional(torch::relu));
-  }
-  return seq;
-}
 
 // Tiny caps: many buckets, so ordering and rebuilding are exercised.
 DistributedDataParallelOptions tiny_buckets() {
@@ -82,25 +74,6 @@ INSTANTIATE_TEST_SUITE_P(WorldSizes, Equivalence,
                          ::testing::Combine(::testing::Values(1, 2, 3), ::testing::Values(false, true)));
 
 // ---- hooks vs no hook (seed 002's model: p * x^(1+rank), mean) -----------------------------------
-struct SeedTask : torch::nn::Module {
-  SeedTask() {
-    auto gen = at::make_generator<at::CPUGeneratorImpl>(0);
-    p = register_parameter("p", at::randn({40, 20}, gen));
-  }
-  at::Tensor forward(const at::Tensor& x, int rank) { return p * x.pow(1 + rank); }
-  at::Tensor p;
-};
-
-at::Tensor seed_grads(int rank, std::shared_ptr<ProcessGroup> pg, const std::string& hook) {
-  auto model = std::make_shared<SeedTask>();
-  DistributedDataParallel<std::shared_ptr<SeedTask>> ddp(model, pg);
-  if (!hook.empty()) ddp.register_comm_hook(hooks::make_hook(hook, pg), hook);
-  auto gen = at::make_generator<at::CPUGeneratorImpl>(2020);
-  at::Tensor input = at::randn({40, 20}, gen);
-  ddp.forward(input, rank).mean().backward();
-  return model->p.grad().clone();
-}
-
 TEST(Hooks, AllreduceMatchesNoHook) {
   spawn_ranks(2, [](int rank, std::shared_ptr<ProcessGroup> pg) {
     auto ref = seed_grads(rank, pg, "");

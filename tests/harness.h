@@ -10,6 +10,9 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
+#include <torch/nn/modules/container/functional.h>
+#include <torch/nn/modules/container/sequential.h>
+#include <torch/nn/modules/linear.h>
 
 #include <atomic>
 #include <exception>
@@ -63,6 +66,39 @@ inline std::vector<at::Tensor> allgather(ProcessGroup& pg, const at::Tensor& t) 
 inline std::mutex& seed_mutex() {
   static std::mutex m;
   return m;
+}
+
+// An MLP with ReLUs between Linear layers of the given sizes, initialized from `seed`.
+inline torch::nn::Sequential make_mlp(uint64_t seed, std::vector<int64_t> dims = {8, 16, 16, 4}) {
+  std::lock_guard<std::mutex> lock(seed_mutex());
+  torch::manual_seed(seed);
+  torch::nn::Sequential seq;
+  for (size_t i = 0; i + 1 < dims.size(); ++i) {
+    seq->push_back(torch::nn::Linear(dims[i], dims[i + 1]));
+    if (i + 2 < dims.size()) seq->push_back(torch::nn::Functional(torch::relu));
+  }
+  return seq;
+}
+
+inline at::Tensor seeded_randn(std::vector<int64_t> shape, uint64_t seed) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+  return at::randn(shape, gen);
+}
+
+// Seed 002's model (PyTorch's hook tests): p * x^(1+rank), averaged.
+struct SeedTask : torch::nn::Module {
+  SeedTask() { p = register_parameter("p", seeded_randn({40, 20}, 0)); }
+  at::Tensor forward(const at::Tensor& x, int rank) { return p * x.pow(1 + rank); }
+  at::Tensor p;
+};
+
+// p's gradient after one DDP step of SeedTask with hook `hook` ("" for none).
+inline at::Tensor seed_grads(int rank, std::shared_ptr<ProcessGroup> pg, const std::string& hook) {
+  auto model = std::make_shared<SeedTask>();
+  DistributedDataParallel<std::shared_ptr<SeedTask>> ddp(model, pg);
+  if (!hook.empty()) ddp.register_comm_hook(hooks::make_hook(hook, pg), hook);
+  ddp.forward(seeded_randn({40, 20}, 2020), rank).mean().backward();
+  return model->p.grad().clone();
 }
 
 inline std::string error_of(const std::function<void()>& fn) {

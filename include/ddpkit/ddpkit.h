@@ -1,7 +1,12 @@
 // Everything a training program needs from ddpkit.
 #pragma once
 #include <ddpkit/codecs/cast.h>
+#include <ddpkit/codecs/quantize.h>
 #include <ddpkit/comm/process_group.h>
 #include <ddpkit/ddp/distributed_data_parallel.h>
 #include <ddpkit/hooks/default_hooks.h>
+#include <ddpkit/hooks/optimizer_hook.h>
+#include <ddpkit/hooks/post_local_sgd_hook.h>
+#include <ddpkit/hooks/powersgd_hook.h>
+#include <ddpkit/hooks/quantization_hooks.h>
 #include <ddpkit/reducer/reducer.h>

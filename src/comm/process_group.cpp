@@ -143,6 +143,14 @@ void ProcessGroup::sequencer_loop() {
   }
 }
 
+namespace {
+thread_local int64_t t_traffic_key = -1;
+}
+
+TrafficScope::TrafficScope(int64_t key) : previous_(t_traffic_key) { t_traffic_key = key; }
+TrafficScope::~TrafficScope() { t_traffic_key = previous_; }
+int64_t TrafficScope::current() { return t_traffic_key; }
+
 void ProcessGroup::post(Job job) {
   if (on_sequencer()) {  // inside run_ordered: issue inline, in program order
     job();
@@ -151,14 +159,23 @@ void ProcessGroup::post(Job job) {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     DDPKIT_CHECK(!stopping_, "process group is shutting down");
-    jobs_.push_back(std::move(job));
+    // The job's collectives count towards the key of the thread that handed it over.
+    jobs_.push_back([key = TrafficScope::current(), job = std::move(job)] {
+      TrafficScope scope(key);
+      job();
+    });
   }
   cv_.notify_one();
 }
 
-void ProcessGroup::count(uint64_t bus_bytes) {
-  bytes_sent_.fetch_add(bus_bytes, std::memory_order_relaxed);
-  collectives_.fetch_add(1, std::memory_order_relaxed);
+void ProcessGroup::count(uint64_t bytes_sent, uint64_t bytes_received) {
+  std::lock_guard<std::mutex> lock(stats_mutex_);
+  for (CommStats* s : {&totals_, TrafficScope::current() >= 0 ? &by_key_[TrafficScope::current()] : nullptr}) {
+    if (!s) continue;
+    s->bytes_sent += bytes_sent;
+    s->bytes_received += bytes_received;
+    s->collectives += 1;
+  }
 }
 
 at::Tensor ProcessGroup::take_workspace(at::ScalarType dtype, int64_t numel) {
@@ -180,11 +197,21 @@ void ProcessGroup::give_workspace(at::Tensor t) {
   if (slot.size() < 4) slot.push_back(std::move(t));  // bounded: at most 4 per shape
 }
 
-CommStats ProcessGroup::stats() const { return {bytes_sent_.load(), collectives_.load()}; }
+CommStats ProcessGroup::stats() const {
+  std::lock_guard<std::mutex> lock(stats_mutex_);
+  return totals_;
+}
+
+CommStats ProcessGroup::traffic(int64_t key) const {
+  std::lock_guard<std::mutex> lock(stats_mutex_);
+  auto it = by_key_.find(key);
+  return it == by_key_.end() ? CommStats{} : it->second;
+}
 
 void ProcessGroup::reset_stats() {
-  bytes_sent_ = 0;
-  collectives_ = 0;
+  std::lock_guard<std::mutex> lock(stats_mutex_);
+  totals_ = {};
+  by_key_.clear();
 }
 
 void ProcessGroup::link(const c10::intrusive_ptr<c10d::Work>& work, const FuturePtr& result,
@@ -204,7 +231,7 @@ FuturePtr ProcessGroup::issue(const std::string& what, uint64_t bus_bytes, const
   auto result = make_tensor_future(value.device());
   post([this, result, value, what, bus_bytes, op = std::move(op)] {
     try {
-      count(bus_bytes);
+      count(bus_bytes, bus_bytes);
       link(op(), result, value, what);
     } catch (...) {
       fail(result, what, rank_, world_size_, std::current_exception());
@@ -232,7 +259,9 @@ FuturePtr ProcessGroup::allreduce(const at::Tensor& tensor, c10d::ReduceOp op) {
     return result;
   }
   const uint64_t n = static_cast<uint64_t>(world_size_);
-  const uint64_t bus = tensor.is_sparse() ? 0 : 2 * (n - 1) * bytes_of(tensor) / n;
+  const uint64_t bus = tensor.is_sparse()
+                           ? (n - 1) * (bytes_of(tensor._indices()) + bytes_of(tensor._values()))
+                           : 2 * (n - 1) * bytes_of(tensor) / n;
   const int slices = options_.gloo_connections();
   if (slices > 1 && options_.backend() == "gloo" && !tensor.is_sparse() && tensor.is_contiguous() &&
       bytes_of(tensor) >= (4u << 20)) {
@@ -241,7 +270,7 @@ FuturePtr ProcessGroup::allreduce(const at::Tensor& tensor, c10d::ReduceOp op) {
     const std::string what = "allreduce (" + describe_tensor(tensor) + ", " + std::to_string(slices) + " slices)";
     post([this, tensor, op, slices, result, what, bus] {
       try {
-        count(bus);
+        count(bus, bus);
         const at::Tensor flat = tensor.view({-1});
         const int64_t step = (flat.numel() + slices - 1) / slices;
         auto remaining = std::make_shared<std::atomic<int>>(0);
@@ -311,7 +340,7 @@ void ProcessGroup::two_phase_allreduce(const at::Tensor& tensor, const FuturePtr
     c10d::AllToAllOptions ao;
     ao.timeout = options_.timeout();
 
-    count(bytes * (n - 1) / n);
+    count(bytes * (n - 1) / n, bytes * (n - 1) / n);
     at::Tensor send1 = wire(data), recv1 = wire(scratch);
     backend_->alltoall_base(recv1, send1, equal, equal, ao)->wait(options_.timeout());
 
@@ -327,7 +356,7 @@ void ProcessGroup::two_phase_allreduce(const at::Tensor& tensor, const FuturePtr
     for (int64_t k = 0; k < n; ++k)
       if (k != rank_) parts[k].copy_(mine);
 
-    count(bytes * (n - 1) / n);
+    count(bytes * (n - 1) / n, bytes * (n - 1) / n);
     at::Tensor send2 = wire(scratch), recv2 = wire(data);
     auto second = backend_->alltoall_base(recv2, send2, equal, equal, ao);
     const int rank = rank_, world = world_size_;
@@ -411,6 +440,27 @@ FuturePtr ProcessGroup::run_ordered(std::function<at::Tensor()> fn, c10::Device 
   post([this, result, fn = std::move(fn)] {
     try {
       result->markCompleted(c10::IValue(fn()));
+    } catch (...) {
+      fail(result, "ordered job", rank_, world_size_, std::current_exception());
+    }
+  });
+  return result;
+}
+
+FuturePtr ProcessGroup::run_ordered_async(std::function<FuturePtr()> fn, c10::Device device) {
+  auto result = make_tensor_future(device);
+  post([this, result, fn = std::move(fn)] {
+    try {
+      FuturePtr inner = fn();
+      DDPKIT_CHECK(inner, "run_ordered_async: the job returned no future");
+      const int rank = rank_, world = world_size_;
+      inner->addCallback([result, rank, world](c10::ivalue::Future& f) {
+        if (f.hasError()) {
+          fail(result, "ordered job", rank, world, f.exception_ptr());
+        } else {
+          result->markCompleted(f.value());
+        }
+      });
     } catch (...) {
       fail(result, "ordered job", rank_, world_size_, std::current_exception());
     }
@@ -527,6 +577,15 @@ std::shared_ptr<ProcessGroup> default_process_group() {
 void destroy_process_group() {
   std::lock_guard<std::mutex> lock(g_default_mutex);
   g_default.reset();
+}
+
+std::shared_ptr<ProcessGroup> new_subgroups(const ProcessGroup& parent, int group_size) {
+  DDPKIT_CHECK(group_size >= 1 && parent.size() % group_size == 0, "new_subgroups: group size ", group_size,
+               " must be positive and divide the world size ", parent.size());
+  const int index = parent.rank() / group_size;
+  ProcessGroupOptions o = parent.options();
+  o.group_name(o.group_name() + "/subgroup" + std::to_string(group_size) + "-" + std::to_string(index));
+  return std::make_shared<ProcessGroup>(parent.store(), parent.rank() % group_size, group_size, o);
 }
 
 std::vector<std::string> available_backends() {

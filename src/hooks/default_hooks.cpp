@@ -93,15 +93,23 @@ CommHook noop_hook() {
   return [](GradBucket& bucket) -> FuturePtr { return completed_future(bucket.buffer()); };
 }
 
-std::vector<std::string> hook_names() { return {"allreduce", "fp16", "bf16", "noop", "fp16_wrapper", "bf16_wrapper"}; }
+std::vector<std::string> hook_names() {
+  return {"allreduce", "fp16",        "bf16",      "noop", "fp16_wrapper", "bf16_wrapper", "int8", "quantize_per_tensor",
+          "quantize_per_channel", "powersgd", "batched_powersgd"};
+}
 
-CommHook make_hook(const std::string& name, std::shared_ptr<ProcessGroup> pg) {
+CommHook make_hook(const std::string& name, std::shared_ptr<ProcessGroup> pg, const HookOptions& options) {
   if (name == "allreduce") return allreduce_hook(pg);
   if (name == "fp16") return fp16_compress_hook(pg);
   if (name == "bf16") return bf16_compress_hook(pg);
   if (name == "noop") return noop_hook();
   if (name == "fp16_wrapper") return fp16_compress_wrapper(allreduce_hook(pg));
   if (name == "bf16_wrapper") return bf16_compress_wrapper(allreduce_hook(pg));
+  if (name == "int8") return int8_allreduce_hook(pg, options.int8());
+  if (name == "quantize_per_tensor") return quantization_pertensor_hook(pg);
+  if (name == "quantize_per_channel") return quantization_perchannel_hook(pg, options.perchannel_bucket_size());
+  if (name == "powersgd") return powerSGD_hook(std::make_shared<PowerSGDState>(pg, options.powersgd()));
+  if (name == "batched_powersgd") return batched_powerSGD_hook(std::make_shared<PowerSGDState>(pg, options.powersgd()));
   std::string known;
   for (const auto& n : hook_names()) known += (known.empty() ? "" : ", ") + n;
   DDPKIT_CHECK(false, "unknown comm hook '", name, "' (known: ", known, ")");

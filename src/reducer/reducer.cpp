@@ -417,6 +417,13 @@ void Reducer::launch_ready_buckets() {
 
 void Reducer::launch_bucket(size_t index) {
   Bucket& bucket = buckets_[index];
+  TrafficScope traffic(static_cast<int64_t>(index));  // this bucket's collectives count towards it
+  if (!bucket.sparse) {
+    const uint64_t n = static_cast<uint64_t>(pg_->size());
+    const uint64_t bytes = static_cast<uint64_t>(bucket.buffer.numel()) * bucket.buffer.element_size();
+    if (allreduce_bytes_.size() <= index) allreduce_bytes_.resize(index + 1, 0);
+    allreduce_bytes_[index] += 2 * (n - 1) * bytes / n;
+  }
   if (!hook_) {
     bucket.future = pg_->allreduce(bucket.buffer);
     return;
@@ -538,6 +545,31 @@ void Reducer::shadow_backward() {
   reset_iteration_state();
   ++iterations_;
   if (!rebuilt_) rebuild_pending_ = true;
+}
+
+void Reducer::reset_traffic() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  allreduce_bytes_.clear();
+  pg_->reset_stats();
+}
+
+std::vector<BucketTraffic> Reducer::bucket_traffic() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::vector<BucketTraffic> out;
+  for (size_t i = 0; i < buckets_.size(); ++i) {
+    BucketTraffic t;
+    t.index = i;
+    t.numel = 0;
+    for (const auto& shape : buckets_[i].shapes) {
+      int64_t n = 1;
+      for (int64_t d : shape) n *= d;
+      t.numel += n;
+    }
+    t.traffic = pg_->traffic(static_cast<int64_t>(i));
+    t.allreduce_bytes = i < allreduce_bytes_.size() ? allreduce_bytes_[i] : 0;
+    out.push_back(t);
+  }
+  return out;
 }
 
 }  // namespace ddpkit

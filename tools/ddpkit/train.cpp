@@ -29,12 +29,32 @@ accuracy, and a last line that is one JSON object.
   --data-dir DIR          Fashion-MNIST IDX files (default /usr/share/datasets/fashion-mnist)
   --mlp-dims A,B,...      MLP layer sizes (default 784,512,256,10; synthetic: 1024,4096,4096,1024)
   --hook NAME             none (DDP's built-in allreduce), allreduce, fp16, bf16, noop,
-                          fp16_wrapper, bf16_wrapper (default none)
+                          fp16_wrapper, bf16_wrapper, int8, quantize_per_tensor,
+                          quantize_per_channel, powersgd, batched_powersgd, post_local_sgd
+                          (default none)
+  --powersgd-rank N       PowerSGD approximation rank (default 1)
+  --powersgd-start-iter N plain allreduce before this iteration (default 10)
+  --powersgd-min-compression-rate X   (default 2)
+  --powersgd-epsilon X    orthogonalization epsilon (default 0)
+  --powersgd-seed N       (default 0)
+  --powersgd-batch-same-shape         batch same-shaped matrices
+  --no-error-feedback     PowerSGD without error feedback
+  --no-warm-start         PowerSGD with a fresh random Q every step
+  --int8-block N          int8 hook: elements per scale (default 512)
+  --int8-error-feedback   int8 hook: carry quantization errors to the next step
+  --perchannel-bucket-size N          quantize_per_channel: elements per channel (default 512)
+  --local-sgd-start-iter N            post_local_sgd: global allreduce before it (default 100)
+  --local-sgd-period N    post_local_sgd: average parameters every N steps after (default 4)
+  --local-sgd-group-size N            post_local_sgd: allreduce gradients within groups of N
+                          ranks after the start (default 0: not at all)
+  --optimizer sgd|adam|adamw          (default sgd, momentum 0.9)
+  --optimizer-in-hook     step the optimizer per bucket as its communication completes,
+                          overlapping it with backward (wraps --hook, or allreduce)
   --bucket-cap-mb X       bucket cap in MiB (default 25)
   --epochs N              (default 3)
   --steps N               stop after N steps (default 0: run all epochs)
   --batch-size N          per rank (default 64)
-  --lr X                  SGD learning rate, momentum 0.9 (default 0.05)
+  --lr X                  learning rate (default 0.05 for sgd, 0.001 for adam/adamw)
   --seed N                (default 1)
   --threads N             intra-op threads per rank (default 1)
   --backend gloo|nccl     (default gloo)
@@ -131,20 +151,35 @@ int run_train(const std::vector<std::string>& args, const std::vector<std::strin
            {"data-dir", "/usr/share/datasets/fashion-mnist"}, {"mlp-dims", ""}, {"hook", "none"},
            {"bucket-cap-mb", "25"}, {"epochs", "3"}, {"steps", "0"}, {"batch-size", "64"}, {"lr", "0.05"},
            {"seed", "1"}, {"threads", "1"}, {"backend", "gloo"}, {"timeout-s", "300"}, {"synthetic-size", "8192"},
-           {"gloo-threads", "2"}, {"two-phase-min-mb", "0"}, {"gloo-connections", "1"}},
-          {"gradient-as-bucket-view", "find-unused-parameters", "no-ddp", "no-eval", "quiet", "no-malloc-tuning"});
+           {"gloo-threads", "2"}, {"two-phase-min-mb", "0"}, {"gloo-connections", "1"}, {"powersgd-rank", "1"},
+           {"powersgd-start-iter", "10"}, {"powersgd-min-compression-rate", "2"}, {"powersgd-epsilon", "0"},
+           {"powersgd-seed", "0"}, {"int8-block", "512"}, {"perchannel-bucket-size", "512"},
+           {"local-sgd-start-iter", "100"}, {"local-sgd-period", "4"}, {"local-sgd-group-size", "0"},
+           {"optimizer", "sgd"}},
+          {"gradient-as-bucket-view", "find-unused-parameters", "no-ddp", "no-eval", "quiet", "no-malloc-tuning",
+           "powersgd-batch-same-shape", "no-error-feedback", "no-warm-start", "int8-error-feedback",
+           "optimizer-in-hook"});
   const std::string model_name = f.str("model"), dataset = f.str("dataset"), hook_name = f.str("hook");
   if (model_name != "mlp" && model_name != "cnn") throw UsageError("--model must be mlp or cnn, got '" + model_name + "'");
   if (dataset != "fashion-mnist" && dataset != "synthetic")
     throw UsageError("--dataset must be fashion-mnist or synthetic, got '" + dataset + "'");
-  if (hook_name != "none") {
+  if (hook_name != "none" && hook_name != "post_local_sgd") {
     const auto names = hooks::hook_names();
-    if (std::find(names.begin(), names.end(), hook_name) == names.end())
-      throw UsageError("--hook '" + hook_name + "' is unknown (none, allreduce, fp16, bf16, noop, fp16_wrapper, bf16_wrapper)");
+    if (std::find(names.begin(), names.end(), hook_name) == names.end()) {
+      std::string known = "none";
+      for (const auto& n : names) known += ", " + n;
+      throw UsageError("--hook '" + hook_name + "' is unknown (" + known + ", post_local_sgd)");
+    }
   }
+  const std::string optimizer_name = f.str("optimizer");
+  if (optimizer_name != "sgd" && optimizer_name != "adam" && optimizer_name != "adamw")
+    throw UsageError("--optimizer must be sgd, adam or adamw, got '" + optimizer_name + "'");
   const int nproc = f.integer("nproc"), epochs = f.integer("epochs"), max_steps = f.integer("steps");
   const int batch = f.integer("batch-size"), threads = f.integer("threads");
-  const double lr = f.real("lr"), cap = f.real("bucket-cap-mb");
+  const bool lr_given = std::find_if(args.begin(), args.end(), [](const std::string& a) {
+                         return a == "--lr" || a.rfind("--lr=", 0) == 0;
+                       }) != args.end();
+  const double lr = lr_given || optimizer_name == "sgd" ? f.real("lr") : 1e-3, cap = f.real("bucket-cap-mb");
   if (nproc < 1) throw UsageError("--nproc must be >= 1");
   if (epochs < 1) throw UsageError("--epochs must be >= 1");
   if (max_steps < 0) throw UsageError("--steps must be >= 0");
@@ -152,6 +187,13 @@ int run_train(const std::vector<std::string>& args, const std::vector<std::strin
   if (threads < 1) throw UsageError("--threads must be >= 1");
   if (!(lr > 0)) throw UsageError("--lr must be positive");
   if (!(cap > 0)) throw UsageError("--bucket-cap-mb must be positive");
+  if (f.integer("powersgd-rank") < 1) throw UsageError("--powersgd-rank must be >= 1");
+  if (f.integer("powersgd-start-iter") < 0) throw UsageError("--powersgd-start-iter must be >= 0");
+  if (f.integer("int8-block") < 16 || f.integer("int8-block") % 16) throw UsageError("--int8-block must be a positive multiple of 16");
+  if (f.integer("perchannel-bucket-size") < 1) throw UsageError("--perchannel-bucket-size must be >= 1");
+  if (f.integer("local-sgd-start-iter") < 0) throw UsageError("--local-sgd-start-iter must be >= 0");
+  if (f.integer("local-sgd-period") < 1) throw UsageError("--local-sgd-period must be >= 1");
+  if (f.integer("local-sgd-group-size") < 0) throw UsageError("--local-sgd-group-size must be >= 0");
   const bool use_ddp = !f.on("no-ddp");
   if (model_name == "cnn" && !f.str("mlp-dims").empty()) throw UsageError("--mlp-dims applies to --model mlp only");
 
@@ -202,6 +244,9 @@ int run_train(const std::vector<std::string>& args, const std::vector<std::strin
   }
 
   std::unique_ptr<DistributedDataParallelBase> ddp;
+  std::unique_ptr<hooks::PeriodicModelAverager> averager;
+  const bool optimizer_in_hook = f.on("optimizer-in-hook");
+  if (optimizer_in_hook && !use_ddp) throw UsageError("--optimizer-in-hook needs DDP (drop --no-ddp)");
   std::function<at::Tensor(const at::Tensor&)> train_forward = model.forward;
   if (use_ddp) {
     ddp = std::make_unique<DistributedDataParallelBase>(
@@ -210,13 +255,56 @@ int run_train(const std::vector<std::string>& args, const std::vector<std::strin
             .bucket_cap_mb(cap)
             .gradient_as_bucket_view(f.on("gradient-as-bucket-view"))
             .find_unused_parameters(f.on("find-unused-parameters")));
-    if (hook_name != "none") ddp->register_comm_hook(hooks::make_hook(hook_name, pg), hook_name);
+    CommHook hook;
+    std::string registered = hook_name;
+    if (hook_name == "post_local_sgd") {
+      const int group = f.integer("local-sgd-group-size");
+      if (group > 0 && world % group != 0)
+        throw UsageError("--local-sgd-group-size " + std::to_string(group) + " does not divide the world size " + std::to_string(world));
+      auto state = std::make_shared<hooks::PostLocalSGDState>(pg, group > 0 ? new_subgroups(*pg, group) : nullptr,
+                                                              f.integer("local-sgd-start-iter"));
+      hook = hooks::post_localSGD_hook(state);
+      averager = std::make_unique<hooks::PeriodicModelAverager>(f.integer("local-sgd-period"), f.integer("local-sgd-start-iter"), pg);
+    } else if (hook_name != "none") {
+      hooks::HookOptions ho;
+      ho.powersgd(hooks::PowerSGDOptions()
+                      .matrix_approximation_rank(f.integer("powersgd-rank"))
+                      .start_powerSGD_iter(f.integer("powersgd-start-iter"))
+                      .min_compression_rate(f.real("powersgd-min-compression-rate"))
+                      .orthogonalization_epsilon(f.real("powersgd-epsilon"))
+                      .random_seed(static_cast<uint64_t>(f.integer("powersgd-seed")))
+                      .batch_tensors_with_same_shape(f.on("powersgd-batch-same-shape"))
+                      .use_error_feedback(!f.on("no-error-feedback"))
+                      .warm_start(!f.on("no-warm-start")));
+      ho.int8(hooks::Int8Options().block(f.integer("int8-block")).error_feedback(f.on("int8-error-feedback")));
+      ho.perchannel_bucket_size(f.integer("perchannel-bucket-size"));
+      hook = hooks::make_hook(hook_name, pg, ho);
+    }
+    if (optimizer_in_hook) {
+      if (!hook) {
+        hook = hooks::allreduce_hook(pg);
+        registered = "allreduce";
+      }
+      std::shared_ptr<hooks::FunctionalOptimizer> functional;
+      if (optimizer_name == "sgd") functional = hooks::functional_sgd(torch::optim::SGDOptions(lr).momentum(0.9));
+      if (optimizer_name == "adam") functional = hooks::functional_adam(torch::optim::AdamOptions(lr));
+      if (optimizer_name == "adamw") functional = hooks::functional_adamw(torch::optim::AdamWOptions(lr));
+      hook = hooks::optimizer_after_hook(hook, functional);
+      registered += "+" + optimizer_name;
+    }
+    if (hook) ddp->register_comm_hook(hook, registered);
     train_forward = [d = ddp.get(), fwd = model.forward](const at::Tensor& x) {
       return d->forward_with([&] { return fwd(x); });
     };
   }
 
-  torch::optim::SGD optimizer(model.module->parameters(), torch::optim::SGDOptions(lr).momentum(0.9));
+  std::unique_ptr<torch::optim::Optimizer> optimizer;
+  if (optimizer_name == "sgd")
+    optimizer = std::make_unique<torch::optim::SGD>(model.module->parameters(), torch::optim::SGDOptions(lr).momentum(0.9));
+  if (optimizer_name == "adam")
+    optimizer = std::make_unique<torch::optim::Adam>(model.module->parameters(), torch::optim::AdamOptions(lr));
+  if (optimizer_name == "adamw")
+    optimizer = std::make_unique<torch::optim::AdamW>(model.module->parameters(), torch::optim::AdamWOptions(lr));
   const int64_t n_train = data.train.inputs.size(0);
   const int64_t per_rank = n_train / world;
   const int64_t steps_per_epoch = per_rank / batch;
@@ -229,7 +317,7 @@ int run_train(const std::vector<std::string>& args, const std::vector<std::strin
   double accuracy = -1, last_loss = 0;
   int64_t step = 0;
   double train_seconds = 0;
-  const CommStats before = pg ? pg->stats() : CommStats{};
+  if (ddp) ddp->reducer().reset_traffic();
   for (int epoch = 0; epoch < run_epochs && step < total_steps; ++epoch) {
     // DistributedSampler: one permutation for all ranks (same seed), rank r takes r, r+W, ...
     auto gen = at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(f.integer("seed")) * 1000 + epoch);
@@ -252,7 +340,8 @@ int run_train(const std::vector<std::string>& args, const std::vector<std::strin
       const auto t1 = clock::now();
       loss.backward();  // returns once gradients are averaged across ranks
       const auto t2 = clock::now();
-      optimizer.step();
+      if (!optimizer_in_hook) optimizer->step();  // else done per bucket during backward
+      if (averager) averager->average_parameters(model.module->parameters());
       const auto t3 = clock::now();
       forward_ms.push_back(ms_between(t0, t1));
       backward_ms.push_back(ms_between(t1, t2));
@@ -290,14 +379,33 @@ int run_train(const std::vector<std::string>& args, const std::vector<std::strin
       std::cerr << "\n";
     }
   }
-  const CommStats after = pg ? pg->stats() : CommStats{};
+  const CommStats traffic = pg ? pg->stats() : CommStats{};
+  double compression_ratio = 0;
+  if (ddp) {
+    uint64_t allreduce_bytes = 0, sent = 0;
+    std::ostringstream table;
+    table << "bucket  elements   sent/step B  received/step B  vs allreduce\n";
+    for (const auto& b : ddp->bucket_traffic()) {
+      allreduce_bytes += b.allreduce_bytes;
+      sent += b.traffic.bytes_sent;
+      table << std::setw(6) << b.index << std::setw(10) << b.numel << std::setw(14) << (step ? b.traffic.bytes_sent / step : 0)
+            << std::setw(17) << (step ? b.traffic.bytes_received / step : 0) << std::setw(13) << std::fixed
+            << std::setprecision(2) << b.compression_ratio() << "x\n";
+    }
+    compression_ratio = sent ? static_cast<double>(allreduce_bytes) / static_cast<double>(sent) : 0.0;
+    if (lead && !f.on("quiet")) std::cerr << table.str();
+  }
   if (lead) {
     std::ostringstream js;
-    js << std::fixed << "{\"hook\": \"" << (use_ddp ? hook_name : std::string("local")) << "\", \"world_size\": " << world
+    std::string shown = use_ddp ? hook_name : std::string("local");
+    if (optimizer_in_hook) shown += "+" + optimizer_name + "_in_hook";
+    js << std::fixed << "{\"hook\": \"" << shown << "\", \"world_size\": " << world
        << ", \"steps\": " << step << ", \"median_step_ms\": " << std::setprecision(3) << median(step_ms)
        << ", \"samples_per_s\": " << std::setprecision(1)
        << (train_seconds > 0 ? static_cast<double>(step) * batch * world / train_seconds : 0.0)
-       << ", \"bytes_sent_per_step\": " << (step ? (after.bytes_sent - before.bytes_sent) / step : 0)
+       << ", \"bytes_sent_per_step\": " << (step ? traffic.bytes_sent / step : 0)
+       << ", \"bytes_received_per_step\": " << (step ? traffic.bytes_received / step : 0)
+       << ", \"compression_ratio\": " << std::setprecision(3) << compression_ratio
        << ", \"test_accuracy\": ";
     if (accuracy >= 0) js << std::setprecision(4) << accuracy; else js << "null";
     js << ", \"final_loss\": " << std::setprecision(4) << last_loss << ", \"median_forward_ms\": " << std::setprecision(3)

@@ -38,11 +38,29 @@ FuturePtr make_tensor_future(c10::Device device = c10::kCPU);
 // A future that is already complete with `value`.
 FuturePtr completed_future(const at::Tensor& value);
 
-// Bytes this rank put on the wire, by the bus-bandwidth model of nccl-tests: an allreduce of B
-// bytes over n ranks counts 2(n-1)/n*B, allgather/alltoall/broadcast (n-1)/n*B of the full tensor.
+// Bytes this rank put on (and took off) the wire, by the bus-bandwidth model of nccl-tests: an
+// allreduce of B bytes over n ranks counts 2(n-1)/n*B each way, alltoall and broadcast (n-1)/n*B of
+// the full tensor, allgather (n-1)*B of one rank's input. A sparse allreduce counts (n-1) times this
+// rank's indices and values (Gloo pads every rank's part to the largest, so this is a lower bound).
 struct CommStats {
   uint64_t bytes_sent = 0;
+  uint64_t bytes_received = 0;
   uint64_t collectives = 0;
+};
+
+// Attributes traffic to `key` (the Reducer uses the bucket index) while alive on this thread:
+// collectives issued through a ProcessGroup meanwhile, including those a run_ordered job issues
+// later on the sequencer, count towards ProcessGroup::traffic(key). Keys are per process group.
+class TrafficScope {
+ public:
+  explicit TrafficScope(int64_t key);
+  ~TrafficScope();
+  TrafficScope(const TrafficScope&) = delete;
+  TrafficScope& operator=(const TrafficScope&) = delete;
+  static int64_t current();  // -1: none
+
+ private:
+  int64_t previous_;
 };
 
 struct ProcessGroupOptions {
@@ -81,6 +99,7 @@ class ProcessGroup {
   const std::string& backend_name() const { return options_.backend(); }
   std::chrono::milliseconds timeout() const { return options_.timeout(); }
   const c10::intrusive_ptr<c10d::Store>& store() const { return store_; }
+  const ProcessGroupOptions& options() const { return options_; }
 
   // Collectives. All are asynchronous and in place where the c10d one is; each returns a future
   // whose value is the result tensor, or whose error is a CommError naming the operation.
@@ -97,11 +116,17 @@ class ProcessGroup {
   // Runs `fn` on the sequencer: collectives it issues (through this group) are ordered with all
   // others, and it may block on them. Its return value completes the returned future.
   FuturePtr run_ordered(std::function<at::Tensor()> fn, c10::Device device = c10::kCPU);
+  // Like run_ordered, for a chain whose last step need not be waited for on the sequencer: `fn`
+  // returns a future (typically a collective it issued, with local work chained by then()), and
+  // the returned future completes with that future's value or error.
+  FuturePtr run_ordered_async(std::function<FuturePtr()> fn, c10::Device device = c10::kCPU);
 
   // Waits for a future from this API and returns its tensor, rethrowing its error.
   static at::Tensor wait(const FuturePtr& future);
 
   CommStats stats() const;
+  // Traffic of collectives issued under TrafficScope(key); zeros for a key never used.
+  CommStats traffic(int64_t key) const;
   void reset_stats();
 
   // The underlying c10d backend, for collectives ddpkit does not wrap. Issuing on it directly
@@ -120,7 +145,7 @@ class ProcessGroup {
   void two_phase_allreduce(const at::Tensor& tensor, const FuturePtr& result);
   void link(const c10::intrusive_ptr<c10d::Work>& work, const FuturePtr& result,
             const at::Tensor& value, const std::string& what);
-  void count(uint64_t bus_bytes);
+  void count(uint64_t bytes_sent, uint64_t bytes_received);
   // Scratch tensors reused across calls: a fresh 100 MB allocation costs ~25k page faults, more
   // than the transfer itself. A buffer returns to the pool when its collective completes.
   at::Tensor take_workspace(at::ScalarType dtype, int64_t numel);
@@ -141,8 +166,9 @@ class ProcessGroup {
   std::mutex pool_mutex_;
   std::map<std::pair<int, int64_t>, std::vector<at::Tensor>> pool_;
 
-  std::atomic<uint64_t> bytes_sent_{0};
-  std::atomic<uint64_t> collectives_{0};
+  mutable std::mutex stats_mutex_;
+  CommStats totals_;
+  std::map<int64_t, CommStats> by_key_;
 };
 
 // How to find the peers. With no store and init_method "env://", the torchrun variables
@@ -167,6 +193,11 @@ std::shared_ptr<ProcessGroup> init_process_group(const InitOptions& options = {}
 // The group made by the first init_process_group (error if none).
 std::shared_ptr<ProcessGroup> default_process_group();
 void destroy_process_group();
+
+// Splits `parent` into consecutive groups of `group_size` ranks (ranks 0..k-1, k..2k-1, ...) and
+// returns the calling rank's group, with the parent's options. Every rank of `parent` must call it.
+// (torch.distributed.new_subgroups.)
+std::shared_ptr<ProcessGroup> new_subgroups(const ProcessGroup& parent, int group_size);
 
 // Which backends this build of libtorch offers ("gloo", and "nccl" with CUDA).
 std::vector<std::string> available_backends();

@@ -112,6 +112,8 @@ class DistributedDataParallelBase {
   const std::vector<std::string>& parameter_names() const { return names_; }
   // Collectives issued and bus bytes sent on this instance's process group so far.
   CommStats comm_stats() const { return pg_->stats(); }
+  // Per bucket: bytes sent/received by its hook and the compression ratio against allreduce.
+  std::vector<BucketTraffic> bucket_traffic() const { return reducer_->bucket_traffic(); }
   bool require_backward_grad_sync() const { return require_backward_grad_sync_; }
 
   // Runs `forward` (any callable returning the module's output) between DDP's pre- and

@@ -4,6 +4,8 @@
 #pragma once
 
 #include <ddpkit/comm/process_group.h>
+#include <ddpkit/hooks/powersgd_hook.h>
+#include <ddpkit/hooks/quantization_hooks.h>
 #include <ddpkit/reducer/grad_bucket.h>
 
 #include <memory>
@@ -30,9 +32,18 @@ CommHook bf16_compress_wrapper(CommHook hook);
 // Returns the local gradients unchanged: measures the cost of everything but communication.
 CommHook noop_hook();
 
-// By name, for command lines: allreduce, fp16, bf16, noop, fp16_wrapper, bf16_wrapper
-// (the wrappers around allreduce_hook). Unknown names are an error listing the known ones.
-CommHook make_hook(const std::string& name, std::shared_ptr<ProcessGroup> pg);
+// Options of the hooks make_hook can build.
+struct HookOptions {
+  TORCH_ARG(Int8Options, int8) = {};
+  TORCH_ARG(PowerSGDOptions, powersgd) = {};
+  TORCH_ARG(int64_t, perchannel_bucket_size) = 512;
+};
+
+// By name, for command lines: allreduce, fp16, bf16, noop, fp16_wrapper, bf16_wrapper (the
+// wrappers around allreduce_hook), int8 (int8_allreduce_hook), quantize_per_tensor,
+// quantize_per_channel, powersgd, batched_powersgd. Unknown names are an error listing the known
+// ones. (post-local SGD and the optimizer-after-hook need more than a name: see their headers.)
+CommHook make_hook(const std::string& name, std::shared_ptr<ProcessGroup> pg, const HookOptions& options = {});
 std::vector<std::string> hook_names();
 
 }  // namespace hooks

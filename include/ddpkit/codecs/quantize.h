@@ -1,0 +1,34 @@
+// Block-wise symmetric int8 quantization, the wire format of the scalable int8 allreduce.
+//
+// A tensor of `numel` float32 values is cut into blocks of `block` elements; each block travels
+// as `block` int8 codes q = round_half_even(x * 127 / max|x|) followed, after all blocks, by one
+// float32 scale max|x| / 127 per block. Decoding gives q * scale, so each value is off by at most
+// scale / 2 = max_block|x| / 254. A block holding NaN or Inf decodes to NaN everywhere: non-finite
+// gradients are never turned into finite ones. Kernels use AVX-512 or AVX2 when the CPU has them
+// (the level of codecs::simd_level()); every level produces the same bytes.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+
+namespace ddpkit {
+namespace codecs {
+
+// Bytes of an encoded tensor of `numel` elements (rounded up to whole blocks).
+int64_t int8_encoded_bytes(int64_t numel, int64_t block);
+
+// Encodes the first `valid` elements of `src` (float32, contiguous) as a tensor of `numel`
+// elements (numel >= valid; the rest count as zeros) into `out` (uint8, int8_encoded_bytes(numel,
+// block) bytes). With `residual` defined (float32, `valid` elements), writes src - decode(out)
+// there: the quantization error, for error feedback.
+void int8_encode(const at::Tensor& src, int64_t valid, int64_t numel, int64_t block, const at::Tensor& out,
+                 const at::Tensor& residual = {});
+
+// dst[0:count] (+)= decode(encoded)[0:count] * multiplier, accumulating when `accumulate` (one
+// fused multiply-add per element, identical on every SIMD level). `numel` is the encoded length.
+void int8_decode(const at::Tensor& encoded, int64_t numel, int64_t block, const at::Tensor& dst, int64_t count,
+                 float multiplier = 1.0f, bool accumulate = false);
+
+}  // namespace codecs
+}  // namespace ddpkit
