@@ -52,6 +52,24 @@ TEST(Int8Codec, RoundTripWithinHalfAStepAndSameBytesOnEveryLevel) {
   codecs::set_simd_level(before);
 }
 
+// The ATen path (GPU tensors) writes the same bytes as the CPU kernels.
+TEST(Int8Codec, AtenPathMatchesKernels) {
+  const int64_t block = 512, valid = 3000, numel = 3072;
+  at::Tensor x = randn({valid}, 3);
+  x[100] = std::numeric_limits<float>::infinity();  // a non-finite block too
+  const int64_t bytes = codecs::int8_encoded_bytes(numel, block);
+  at::Tensor a = at::empty({bytes}, at::kByte), b = at::empty({bytes}, at::kByte);
+  at::Tensor ra = at::empty({valid}), rb = at::empty({valid});
+  codecs::int8_encode(x, valid, numel, block, a, ra);
+  codecs::detail::int8_encode_aten(x, valid, numel, block, b, rb);
+  EXPECT_TRUE(at::equal(a, b));
+  EXPECT_TRUE(at::allclose(ra, rb, 0, 1e-6));
+  at::Tensor da = at::zeros({valid}), db = at::zeros({valid});
+  codecs::int8_decode(a, numel, block, da, valid, 0.5f, true);
+  codecs::detail::int8_decode_aten(a, numel, block, db, valid, 0.5f, true);
+  EXPECT_TRUE(at::allclose(da, db, 1e-6, 1e-7, /*equal_nan=*/true));
+}
+
 TEST(Int8Codec, NonFiniteBlocksDecodeToNaN) {
   at::Tensor x = randn({1024}, 2);
   x[3] = std::numeric_limits<float>::infinity();
@@ -65,6 +83,7 @@ TEST(Int8Codec, NonFiniteBlocksDecodeToNaN) {
     codecs::int8_decode(enc, 1024, 512, out, 1024);
     codecs::set_simd_level(before);
     EXPECT_TRUE(out.isnan().all().item<bool>()) << "level " << static_cast<int>(level);
+    EXPECT_EQ(enc.narrow(0, 0, 1024).count_nonzero().item<int64_t>(), 0) << "codes of non-finite blocks are 0";
   }
 }
 

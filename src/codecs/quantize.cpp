@@ -8,6 +8,7 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -165,8 +166,8 @@ int64_t int8_encoded_bytes(int64_t numel, int64_t block) {
 void int8_encode(const at::Tensor& src, int64_t valid, int64_t numel, int64_t block, const at::Tensor& out,
                  const at::Tensor& residual) {
   check_block(block);
-  DDPKIT_CHECK(src.scalar_type() == at::kFloat && src.is_contiguous() && src.device().is_cpu(),
-               "int8_encode: src must be a contiguous CPU float32 tensor, got ", src.scalar_type());
+  DDPKIT_CHECK(src.scalar_type() == at::kFloat && src.is_contiguous(),
+               "int8_encode: src must be a contiguous float32 tensor, got ", src.scalar_type());
   DDPKIT_CHECK(valid >= 0 && valid <= numel && valid <= src.numel(), "int8_encode: valid (", valid,
                ") must be within numel (", numel, ") and src (", src.numel(), ")");
   DDPKIT_CHECK(out.scalar_type() == at::kByte && out.is_contiguous() && out.numel() == int8_encoded_bytes(numel, block),
@@ -174,6 +175,7 @@ void int8_encode(const at::Tensor& src, int64_t valid, int64_t numel, int64_t bl
   DDPKIT_CHECK(!residual.defined() || (residual.scalar_type() == at::kFloat && residual.is_contiguous() &&
                                        residual.numel() >= valid),
                "int8_encode: residual must be a contiguous float32 tensor of at least ", valid, " elements");
+  if (!src.device().is_cpu()) return detail::int8_encode_aten(src, valid, numel, block, out, residual);
   const int64_t blocks = (numel + block - 1) / block;
   const float* x = src.data_ptr<float>();
   auto* codes = reinterpret_cast<int8_t*>(out.data_ptr<uint8_t>());
@@ -188,8 +190,14 @@ void int8_encode(const at::Tensor& src, int64_t valid, int64_t numel, int64_t bl
       bool nonfinite = false;
       k.amax(x + start, len, amax, nonfinite);
       const BlockScale s = scale_for(amax, nonfinite);
-      k.quantize(x + start, len, s, codes + start, r ? r + start : nullptr);
-      if (len < block) std::memset(codes + start + len, 0, static_cast<size_t>(block - len));
+      if (std::isnan(s.scale)) {
+        // Codes 0 (decoding gives NaN through the scale); no error is fed back from such a block.
+        std::memset(codes + start, 0, static_cast<size_t>(block));
+        if (r) std::fill(r + start, r + start + len, 0.f);
+      } else {
+        k.quantize(x + start, len, s, codes + start, r ? r + start : nullptr);
+        if (len < block) std::memset(codes + start + len, 0, static_cast<size_t>(block - len));
+      }
       std::memcpy(scales_bytes + b * sizeof(float), &s.scale, sizeof(float));
     }
   });
@@ -203,6 +211,7 @@ void int8_decode(const at::Tensor& encoded, int64_t numel, int64_t block, const 
                "int8_decode: encoded must be a contiguous uint8 tensor of ", int8_encoded_bytes(numel, block), " bytes");
   DDPKIT_CHECK(dst.scalar_type() == at::kFloat && dst.is_contiguous() && dst.numel() >= count && count <= numel,
                "int8_decode: dst must be a contiguous float32 tensor of at least ", count, " elements");
+  if (!dst.device().is_cpu()) return detail::int8_decode_aten(encoded, numel, block, dst, count, multiplier, accumulate);
   const int64_t blocks = (numel + block - 1) / block;
   const auto* codes = reinterpret_cast<const int8_t*>(encoded.data_ptr<uint8_t>());
   const uint8_t* scales_bytes = encoded.data_ptr<uint8_t>() + blocks * block;
@@ -220,5 +229,43 @@ void int8_decode(const at::Tensor& encoded, int64_t numel, int64_t block, const 
   });
 }
 
+namespace detail {
+
+// The same format with ATen operations, for GPU tensors (and tests on CPU): the same codes and
+// scales as the kernels above; decoded values may differ from the CPU kernels' in the last bit
+// (a multiply and an add where they fuse), identically on every rank.
+void int8_encode_aten(const at::Tensor& src, int64_t valid, int64_t numel, int64_t block, const at::Tensor& out,
+                      const at::Tensor& residual) {
+  const int64_t blocks = (numel + block - 1) / block;
+  at::Tensor x = at::zeros({blocks * block}, src.options());
+  x.narrow(0, 0, valid).copy_(src.narrow(0, 0, valid));
+  at::Tensor xb = x.view({blocks, block});
+  at::Tensor amax = xb.abs().amax(1);
+  at::Tensor bad = amax.isfinite().logical_not();
+  at::Tensor scale = at::where(bad, at::full_like(amax, std::numeric_limits<float>::quiet_NaN()), amax / 127.0f);
+  at::Tensor inverse = at::where(bad.logical_or(amax == 0), at::zeros_like(amax), 127.0f / amax);
+  at::Tensor q = at::where(bad.unsqueeze(1), at::zeros_like(xb), at::round(xb * inverse.unsqueeze(1)).clamp(-127, 127));
+  out.narrow(0, 0, blocks * block).view(at::kChar).copy_(q.reshape({-1}));
+  out.narrow(0, blocks * block, blocks * 4).view(at::kFloat).copy_(scale);
+  if (residual.defined()) {
+    at::Tensor r = at::where(bad.unsqueeze(1), at::zeros_like(xb), xb - q * scale.unsqueeze(1));
+    residual.narrow(0, 0, valid).copy_(r.reshape({-1}).narrow(0, 0, valid));
+  }
+}
+
+void int8_decode_aten(const at::Tensor& encoded, int64_t numel, int64_t block, const at::Tensor& dst, int64_t count,
+                      float multiplier, bool accumulate) {
+  const int64_t blocks = (numel + block - 1) / block;
+  at::Tensor codes = encoded.narrow(0, 0, blocks * block).view(at::kChar).view({blocks, block}).to(at::kFloat);
+  at::Tensor scale = encoded.narrow(0, blocks * block, blocks * 4).view(at::kFloat) * multiplier;
+  at::Tensor values = (codes * scale.unsqueeze(1)).reshape({-1}).narrow(0, 0, count);
+  if (accumulate) {
+    dst.narrow(0, 0, count).add_(values);
+  } else {
+    dst.narrow(0, 0, count).copy_(values);
+  }
+}
+
+}  // namespace detail
 }  // namespace codecs
 }  // namespace ddpkit

@@ -97,14 +97,14 @@ class Int8Allreduce {
   FuturePtr operator()(GradBucket& bucket) {
     DDPKIT_CHECK(!bucket.is_sparse(), "int8_allreduce_hook: bucket ", bucket.index(), " holds a sparse gradient");
     at::Tensor buffer = bucket.buffer();
-    DDPKIT_CHECK(buffer.scalar_type() == at::kFloat && buffer.device().is_cpu() && buffer.is_contiguous(),
-                 "int8_allreduce_hook takes contiguous float32 CPU buckets; bucket ", bucket.index(), " is ",
-                 buffer.scalar_type(), " on ", buffer.device());
+    DDPKIT_CHECK(buffer.scalar_type() == at::kFloat && buffer.is_contiguous(),
+                 "int8_allreduce_hook takes contiguous float32 buckets; bucket ", bucket.index(), " is ",
+                 buffer.scalar_type());
     const int64_t n = pg_->size(), me = pg_->rank(), block = o_.block();
     const int64_t numel = buffer.numel();
     const int64_t chunk = std::max<int64_t>(((numel + n - 1) / n + block - 1) / block * block, block);
     const int64_t enc = codecs::int8_encoded_bytes(chunk, block);
-    std::shared_ptr<Int8BucketState> st = state(bucket.index(), numel, n, chunk, enc);
+    std::shared_ptr<Int8BucketState> st = state(bucket.index(), numel, n, chunk, enc, buffer.device());
     at::Tensor flat = buffer.view({-1});
     auto valid = [numel, chunk](int64_t c) { return std::max<int64_t>(0, std::min(chunk, numel - c * chunk)); };
 
@@ -142,26 +142,28 @@ class Int8Allreduce {
                 return c10::IValue(buffer);
               },
               c10::TensorType::get());
-    });
+    }, buffer.device());
   }
 
  private:
-  std::shared_ptr<Int8BucketState> state(size_t index, int64_t numel, int64_t n, int64_t chunk, int64_t enc) {
+  std::shared_ptr<Int8BucketState> state(size_t index, int64_t numel, int64_t n, int64_t chunk, int64_t enc,
+                                         c10::Device device) {
     std::lock_guard<std::mutex> lock(mutex_);
     if (states_.size() <= index) states_.resize(index + 1);
     auto& st = states_[index];
-    if (!st || st->numel != numel) {  // first use, or buckets were rebuilt: start afresh
+    if (!st || st->numel != numel || st->send1.device() != device) {  // first use, or buckets were rebuilt
       st = std::make_shared<Int8BucketState>();
       st->numel = numel;
-      auto bytes = at::TensorOptions().dtype(at::kByte);
+      auto bytes = at::TensorOptions().dtype(at::kByte).device(device);
+      auto floats = at::TensorOptions().dtype(at::kFloat).device(device);
       st->send1 = at::empty({n * enc}, bytes);
       st->recv1 = at::empty({n * enc}, bytes);
       st->send2 = at::empty({n * enc}, bytes);
       st->recv2 = at::empty({n * enc}, bytes);
-      st->reduced = at::empty({chunk}, at::kFloat);
+      st->reduced = at::empty({chunk}, floats);
       if (o_.error_feedback()) {
-        st->worker_error = at::zeros({numel}, at::kFloat);
-        st->owner_error = at::zeros({chunk}, at::kFloat);
+        st->worker_error = at::zeros({numel}, floats);
+        st->owner_error = at::zeros({chunk}, floats);
       }
     }
     return st;

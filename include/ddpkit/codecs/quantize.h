@@ -5,7 +5,8 @@
 // float32 scale max|x| / 127 per block. Decoding gives q * scale, so each value is off by at most
 // scale / 2 = max_block|x| / 254. A block holding NaN or Inf decodes to NaN everywhere: non-finite
 // gradients are never turned into finite ones. Kernels use AVX-512 or AVX2 when the CPU has them
-// (the level of codecs::simd_level()); every level produces the same bytes.
+// (the level of codecs::simd_level()); every level produces the same bytes. GPU tensors take the
+// same format through ATen operations (detail::int8_*_aten).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -29,6 +30,13 @@ void int8_encode(const at::Tensor& src, int64_t valid, int64_t numel, int64_t bl
 // fused multiply-add per element, identical on every SIMD level). `numel` is the encoded length.
 void int8_decode(const at::Tensor& encoded, int64_t numel, int64_t block, const at::Tensor& dst, int64_t count,
                  float multiplier = 1.0f, bool accumulate = false);
+
+namespace detail {
+void int8_encode_aten(const at::Tensor& src, int64_t valid, int64_t numel, int64_t block, const at::Tensor& out,
+                      const at::Tensor& residual);
+void int8_decode_aten(const at::Tensor& encoded, int64_t numel, int64_t block, const at::Tensor& dst, int64_t count,
+                      float multiplier, bool accumulate);
+}  // namespace detail
 
 }  // namespace codecs
 }  // namespace ddpkit
