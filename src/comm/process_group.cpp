@@ -435,18 +435,6 @@ FuturePtr ProcessGroup::barrier() {
   });
 }
 
-FuturePtr ProcessGroup::run_ordered(std::function<at::Tensor()> fn, c10::Device device) {
-  auto result = make_tensor_future(device);
-  post([this, result, fn = std::move(fn)] {
-    try {
-      result->markCompleted(c10::IValue(fn()));
-    } catch (...) {
-      fail(result, "ordered job", rank_, world_size_, std::current_exception());
-    }
-  });
-  return result;
-}
-
 FuturePtr ProcessGroup::run_ordered_async(std::function<FuturePtr()> fn, c10::Device device) {
   auto result = make_tensor_future(device);
   post([this, result, fn = std::move(fn)] {
@@ -466,6 +454,10 @@ FuturePtr ProcessGroup::run_ordered_async(std::function<FuturePtr()> fn, c10::De
     }
   });
   return result;
+}
+
+FuturePtr ProcessGroup::run_ordered(std::function<at::Tensor()> fn, c10::Device device) {
+  return run_ordered_async([fn = std::move(fn)] { return completed_future(fn()); }, device);
 }
 
 at::Tensor ProcessGroup::wait(const FuturePtr& future) {

@@ -94,7 +94,7 @@ CommHook noop_hook() {
 }
 
 std::vector<std::string> hook_names() {
-  return {"allreduce", "fp16",        "bf16",      "noop", "fp16_wrapper", "bf16_wrapper", "int8", "quantize_per_tensor",
+  return {"allreduce", "fp16", "bf16", "noop", "fp16_wrapper", "bf16_wrapper", "int8", "quantize_per_tensor",
           "quantize_per_channel", "powersgd", "batched_powersgd"};
 }
 

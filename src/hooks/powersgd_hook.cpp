@@ -210,7 +210,6 @@ class PowerSGDHook {
     auto batches = std::make_shared<std::vector<Batch>>();
     int64_t p_off = 0, q_off = 0;
     for (auto& entry : by_shape) {
-      std::vector<at::Tensor> groups;
       if (o.batch_tensors_with_same_shape() && entry.second.size() > 1) {
         Batch bt;
         bt.matrices = at::stack(entry.second);
@@ -232,15 +231,11 @@ class PowerSGDHook {
       p_off += bs * n * r;
       q_off += bs * m * r;
     }
-    if (!randomize) {
-      for (Batch& bt : *batches) orthogonalize(bt.q, o.orthogonalization_epsilon());
-    } else {
-      for (Batch& bt : *batches) {
-        fill_random(bt.q, s_->next_seed());
-        orthogonalize(bt.q, o.orthogonalization_epsilon());
-      }
+    for (Batch& bt : *batches) {
+      if (randomize) fill_random(bt.q, s_->next_seed());
+      orthogonalize(bt.q, o.orthogonalization_epsilon());  // warm start: last iteration's Q
+      at::bmm_out(bt.p, bt.matrices, bt.q);
     }
-    for (Batch& bt : *batches) at::bmm_out(bt.p, bt.matrices, bt.q);
 
     PowerSGDState* state = s_.get();
     at::Tensor p_memory = b->p, q_memory = b->q;

@@ -1,6 +1,8 @@
 // GradBucket, bucket assignment and the Reducer: one translation unit, one subsystem.
 #include <ddpkit/reducer/reducer.h>
 
+#include <c10/util/accumulate.h>
+
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/variable.h>
 
@@ -22,11 +24,8 @@ std::vector<at::Tensor> GradBucket::gradients() const {
   if (sparse_) return {buffer_};
   std::vector<at::Tensor> out;
   out.reserve(shapes_.size());
-  for (size_t i = 0; i < shapes_.size(); ++i) {
-    int64_t n = 1;
-    for (auto d : shapes_[i]) n *= d;
-    out.push_back(buffer_.narrow(0, offsets_[i], n).view(shapes_[i]));
-  }
+  for (size_t i = 0; i < shapes_.size(); ++i)
+    out.push_back(buffer_.narrow(0, offsets_[i], c10::multiply_integers(shapes_[i])).view(shapes_[i]));
   return out;
 }
 
@@ -560,11 +559,7 @@ std::vector<BucketTraffic> Reducer::bucket_traffic() const {
     BucketTraffic t;
     t.index = i;
     t.numel = 0;
-    for (const auto& shape : buckets_[i].shapes) {
-      int64_t n = 1;
-      for (int64_t d : shape) n *= d;
-      t.numel += n;
-    }
+    for (const auto& shape : buckets_[i].shapes) t.numel += c10::multiply_integers(shape);
     t.traffic = pg_->traffic(static_cast<int64_t>(i));
     t.allreduce_bytes = i < allreduce_bytes_.size() ? allreduce_bytes_[i] : 0;
     out.push_back(t);

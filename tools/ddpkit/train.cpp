@@ -149,7 +149,7 @@ int run_train(const std::vector<std::string>& args, const std::vector<std::strin
   Flags f(args,
           {{"nproc", "2"}, {"model", "mlp"}, {"dataset", "fashion-mnist"},
            {"data-dir", "/usr/share/datasets/fashion-mnist"}, {"mlp-dims", ""}, {"hook", "none"},
-           {"bucket-cap-mb", "25"}, {"epochs", "3"}, {"steps", "0"}, {"batch-size", "64"}, {"lr", "0.05"},
+           {"bucket-cap-mb", "25"}, {"epochs", "3"}, {"steps", "0"}, {"batch-size", "64"}, {"lr", ""},
            {"seed", "1"}, {"threads", "1"}, {"backend", "gloo"}, {"timeout-s", "300"}, {"synthetic-size", "8192"},
            {"gloo-threads", "2"}, {"two-phase-min-mb", "0"}, {"gloo-connections", "1"}, {"powersgd-rank", "1"},
            {"powersgd-start-iter", "10"}, {"powersgd-min-compression-rate", "2"}, {"powersgd-epsilon", "0"},
@@ -176,10 +176,8 @@ int run_train(const std::vector<std::string>& args, const std::vector<std::strin
     throw UsageError("--optimizer must be sgd, adam or adamw, got '" + optimizer_name + "'");
   const int nproc = f.integer("nproc"), epochs = f.integer("epochs"), max_steps = f.integer("steps");
   const int batch = f.integer("batch-size"), threads = f.integer("threads");
-  const bool lr_given = std::find_if(args.begin(), args.end(), [](const std::string& a) {
-                         return a == "--lr" || a.rfind("--lr=", 0) == 0;
-                       }) != args.end();
-  const double lr = lr_given || optimizer_name == "sgd" ? f.real("lr") : 1e-3, cap = f.real("bucket-cap-mb");
+  const double lr = !f.str("lr").empty() ? f.real("lr") : optimizer_name == "sgd" ? 0.05 : 1e-3;
+  const double cap = f.real("bucket-cap-mb");
   if (nproc < 1) throw UsageError("--nproc must be >= 1");
   if (epochs < 1) throw UsageError("--epochs must be >= 1");
   if (max_steps < 0) throw UsageError("--steps must be >= 0");
@@ -243,6 +241,24 @@ int run_train(const std::vector<std::string>& args, const std::vector<std::strin
     model.forward = [m](const at::Tensor& x) { return m->forward(x); };
   }
 
+  // The optimizer, and its per-parameter twin for --optimizer-in-hook, from the same options.
+  std::unique_ptr<torch::optim::Optimizer> optimizer;
+  std::shared_ptr<hooks::FunctionalOptimizer> functional;
+  const auto params = model.module->parameters();
+  if (optimizer_name == "sgd") {
+    const auto o = torch::optim::SGDOptions(lr).momentum(0.9);
+    optimizer = std::make_unique<torch::optim::SGD>(params, o);
+    functional = hooks::functional_sgd(o);
+  } else if (optimizer_name == "adam") {
+    const auto o = torch::optim::AdamOptions(lr);
+    optimizer = std::make_unique<torch::optim::Adam>(params, o);
+    functional = hooks::functional_adam(o);
+  } else {
+    const auto o = torch::optim::AdamWOptions(lr);
+    optimizer = std::make_unique<torch::optim::AdamW>(params, o);
+    functional = hooks::functional_adamw(o);
+  }
+
   std::unique_ptr<DistributedDataParallelBase> ddp;
   std::unique_ptr<hooks::PeriodicModelAverager> averager;
   const bool optimizer_in_hook = f.on("optimizer-in-hook");
@@ -285,10 +301,6 @@ int run_train(const std::vector<std::string>& args, const std::vector<std::strin
         hook = hooks::allreduce_hook(pg);
         registered = "allreduce";
       }
-      std::shared_ptr<hooks::FunctionalOptimizer> functional;
-      if (optimizer_name == "sgd") functional = hooks::functional_sgd(torch::optim::SGDOptions(lr).momentum(0.9));
-      if (optimizer_name == "adam") functional = hooks::functional_adam(torch::optim::AdamOptions(lr));
-      if (optimizer_name == "adamw") functional = hooks::functional_adamw(torch::optim::AdamWOptions(lr));
       hook = hooks::optimizer_after_hook(hook, functional);
       registered += "+" + optimizer_name;
     }
@@ -298,13 +310,6 @@ int run_train(const std::vector<std::string>& args, const std::vector<std::strin
     };
   }
 
-  std::unique_ptr<torch::optim::Optimizer> optimizer;
-  if (optimizer_name == "sgd")
-    optimizer = std::make_unique<torch::optim::SGD>(model.module->parameters(), torch::optim::SGDOptions(lr).momentum(0.9));
-  if (optimizer_name == "adam")
-    optimizer = std::make_unique<torch::optim::Adam>(model.module->parameters(), torch::optim::AdamOptions(lr));
-  if (optimizer_name == "adamw")
-    optimizer = std::make_unique<torch::optim::AdamW>(model.module->parameters(), torch::optim::AdamWOptions(lr));
   const int64_t n_train = data.train.inputs.size(0);
   const int64_t per_rank = n_train / world;
   const int64_t steps_per_epoch = per_rank / batch;
