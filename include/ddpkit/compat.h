@@ -8,6 +8,9 @@
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 
 #include <functional>
+#include <sstream>
+#include <string>
+#include <type_traits>
 #include <utility>
 
 #define DDPKIT_TORCH_AT_LEAST(major, minor) \
@@ -27,6 +30,20 @@ using Backend = c10d::ProcessGroup;
 
 // Gloo gained _reduce_scatter_base/_allgather_base only in 2.2; ddpkit's reduce-scatter-shaped
 // paths are built from alltoall_base, which every version has, so no capability switch is needed.
+
+// torch::optim::Optimizer::state() is keyed by the parameter's TensorImpl: as the pointer printed
+// to a string in 1.13, as the pointer itself (void*) in 2.x. Pass the map to get its key type.
+template <class StateMap>
+typename StateMap::key_type optimizer_state_key(const StateMap&, const at::Tensor& param) {
+  using Key = typename StateMap::key_type;
+  if constexpr (std::is_same<Key, std::string>::value) {
+    std::ostringstream os;  // what c10::guts::to_string(p.unsafeGetTensorImpl()) writes
+    os << static_cast<const void*>(param.unsafeGetTensorImpl());
+    return os.str();
+  } else {
+    return static_cast<Key>(param.unsafeGetTensorImpl());
+  }
+}
 
 // A post hook on a grad accumulator. operator() is unchanged from 1.13 to 2.x; compiled_args
 // (added ~2.1, later const) is deliberately not overridden.

@@ -253,6 +253,8 @@ bool ProcessGroup::use_two_phase(const at::Tensor& tensor, c10d::ReduceOp op) co
 }
 
 FuturePtr ProcessGroup::allreduce(const at::Tensor& tensor, c10d::ReduceOp op) {
+  // One rank: every reduction is the identity (and Gloo would reject bfloat16).
+  if (world_size_ == 1 && options_.backend() == "gloo") return completed_future(tensor);
   if (use_two_phase(tensor, op)) {
     auto result = make_tensor_future(tensor.device());
     post([this, tensor, result] { two_phase_allreduce(tensor, result); });
@@ -421,6 +423,50 @@ FuturePtr ProcessGroup::alltoall(const at::Tensor& output, const at::Tensor& inp
                  o.timeout = options_.timeout();
                  return backend_->alltoall_base(out, in, equal, equal, o);
                });
+}
+
+FuturePtr ProcessGroup::reduce_scatter(const at::Tensor& output, const at::Tensor& input) {
+  DDPKIT_CHECK(input.numel() == output.numel() * world_size_, "reduce_scatter: input has ", input.numel(),
+               " elements, expected ", world_size_, " x output (", output.numel(), ")");
+  DDPKIT_CHECK(input.scalar_type() == output.scalar_type() && input.device() == output.device(),
+               "reduce_scatter: input ", describe_tensor(input), " and output ", describe_tensor(output),
+               " must share dtype and device");
+  DDPKIT_CHECK(input.is_contiguous() && output.is_contiguous(), "reduce_scatter: tensors must be contiguous");
+  if (options_.backend() == "nccl") {
+    const uint64_t n = static_cast<uint64_t>(world_size_);
+    return issue("reduce_scatter (" + describe_tensor(input) + ")", (n - 1) * bytes_of(input) / n, output,
+                 [this, output, input] {
+                   at::Tensor out = output, in = input;
+                   c10d::ReduceScatterOptions o;
+                   o.timeout = options_.timeout();
+                   return backend_->_reduce_scatter_base(out, in, o);
+                 });
+  }
+  at::Tensor received = at::empty({world_size_, output.numel()}, input.options());
+  auto result = make_tensor_future(output.device());
+  const int rank = rank_, world = world_size_;
+  // Gloo has no bfloat16 (nor int16): move 16-bit types as bytes (alltoall only moves bytes).
+  const bool half = input.scalar_type() == at::kHalf || input.scalar_type() == at::kBFloat16;
+  const at::Tensor send = input.reshape({world_size_, -1});
+  alltoall(half ? received.view(at::kByte) : received, half ? send.view(at::kByte) : send)
+      ->addCallback([=](c10::ivalue::Future& f) {
+    if (f.hasError()) {
+      fail(result, "reduce_scatter", rank, world, f.exception_ptr());
+      return;
+    }
+    try {
+      at::Tensor out = output.view({-1});
+      if (received.scalar_type() == at::kHalf || received.scalar_type() == at::kBFloat16) {
+        out.copy_(received.to(at::kFloat).sum(0));
+      } else {
+        at::sum_out(out, received, {0});
+      }
+      result->markCompleted(c10::IValue(output));
+    } catch (...) {
+      fail(result, "reduce_scatter", rank, world, std::current_exception());
+    }
+  });
+  return result;
 }
 
 FuturePtr ProcessGroup::barrier() {

@@ -245,6 +245,14 @@ std::vector<size_t> Reducer::unused_parameters() const {
   return out;
 }
 
+void Reducer::freeze_bucket_layout() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  DDPKIT_CHECK(!backward_started_, "freeze_bucket_layout during a backward pass");
+  rebuilt_ = true;
+  rebuild_pending_ = false;
+  ready_order_.clear();
+}
+
 void Reducer::prepare_for_forward(int source_rank) {
   std::unique_lock<std::mutex> lock(mutex_);
   DDPKIT_CHECK(!backward_started_,

@@ -111,6 +111,11 @@ class ProcessGroup {
   FuturePtr allgather(const std::vector<at::Tensor>& outputs, const at::Tensor& input);
   // Equal split along dim 0: chunk r of input goes to rank r; chunk r of output comes from rank r.
   FuturePtr alltoall(const at::Tensor& output, const at::Tensor& input);
+  // SUM reduce-scatter: output (input.numel() / size() elements) receives chunk rank() of the
+  // elementwise sum of every rank's input. NCCL runs its own; on Gloo (no reduce_scatter in 1.13)
+  // one alltoall hands chunk r to rank r, which sums the copies (in fp32 for fp16/bf16). Either
+  // way each rank sends (n-1)/n of its input.
+  FuturePtr reduce_scatter(const at::Tensor& output, const at::Tensor& input);
   FuturePtr barrier();
 
   // Runs `fn` on the sequencer: collectives it issues (through this group) are ordered with all

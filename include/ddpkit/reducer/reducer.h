@@ -67,6 +67,10 @@ class Reducer {
 
   // The divisor of the no-hook path (world size by default).
   void set_divisor(int64_t divisor);
+  // Keeps the current buckets for good: no rebuild in gradient-ready order after the first
+  // iteration. For code that lays data out by bucket (the ZeRO hooks). Every rank must call it at
+  // the same point.
+  void freeze_bucket_layout();
   // Current bucket assignment: parameter indices per bucket, in launch order.
   std::vector<std::vector<size_t>> bucket_indices() const;
   int64_t iterations() const { return iterations_; }

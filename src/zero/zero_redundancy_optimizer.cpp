@@ -1,0 +1,706 @@
+#include <ddpkit/zero/zero_redundancy_optimizer.h>
+
+#include <torch/serialize/archive.h>
+
+#include <algorithm>
+#include <atomic>
+#include <iostream>
+#include <numeric>
+#include <sstream>
+
+namespace ddpkit {
+
+namespace {
+
+using torch::optim::OptimizerOptions;
+using torch::optim::OptimizerParamGroup;
+using torch::optim::OptimizerParamState;
+
+std::string describe(const at::Tensor& t) {
+  std::ostringstream os;
+  os << t.scalar_type() << t.sizes() << " on " << t.device();
+  return os.str();
+}
+
+// Completes with `value` once every future in `all` has completed, or with the first error.
+FuturePtr when_all(const std::vector<FuturePtr>& all, const at::Tensor& value) {
+  if (all.empty()) return completed_future(value);
+  auto result = make_tensor_future(value.device());
+  auto remaining = std::make_shared<std::atomic<size_t>>(all.size());
+  auto failed = std::make_shared<std::atomic<bool>>(false);
+  for (const auto& f : all) {
+    f->addCallback([result, remaining, failed, value](c10::ivalue::Future& done) {
+      if (done.hasError()) {
+        if (!failed->exchange(true)) result->setError(done.exception_ptr());
+      } else if (remaining->fetch_sub(1) == 1 && !failed->load()) {
+        result->markCompleted(c10::IValue(value));
+      }
+    });
+  }
+  return result;
+}
+
+std::string archive_bytes(torch::serialize::OutputArchive& archive) {
+  std::ostringstream os;
+  archive.save_to(os);
+  return os.str();
+}
+
+std::string state_bytes(const OptimizerParamState& state) {
+  torch::serialize::OutputArchive a;
+  state.serialize(a);
+  return archive_bytes(a);
+}
+
+std::string options_bytes(const OptimizerOptions& options) {
+  torch::serialize::OutputArchive a;
+  options.serialize(a);
+  return archive_bytes(a);
+}
+
+at::Tensor bytes_tensor(const std::string& bytes) {
+  at::Tensor t = at::empty({static_cast<int64_t>(bytes.size())}, at::kByte);
+  std::memcpy(t.data_ptr(), bytes.data(), bytes.size());
+  return t;
+}
+
+std::string tensor_bytes(const at::Tensor& t) {
+  at::Tensor c = t.contiguous().to(at::kByte);
+  return std::string(static_cast<const char*>(c.data_ptr()), static_cast<size_t>(c.numel()));
+}
+
+template <class T>
+std::unique_ptr<T> from_bytes(const std::string& bytes, std::unique_ptr<T> object) {
+  torch::serialize::InputArchive a;
+  a.load_from(bytes.data(), bytes.size());
+  object->serialize(a);
+  return object;
+}
+
+}  // namespace
+
+// ---- construction --------------------------------------------------------------------------
+
+ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(std::vector<at::Tensor> params, OptimizerFactory factory,
+                                                 std::shared_ptr<ProcessGroup> pg, ZeroOptions options)
+    : ZeroRedundancyOptimizer(std::vector<OptimizerParamGroup>{OptimizerParamGroup(std::move(params))},
+                              std::move(factory), std::move(pg), options) {}
+
+ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(std::vector<OptimizerParamGroup> param_groups,
+                                                 OptimizerFactory factory, std::shared_ptr<ProcessGroup> pg,
+                                                 ZeroOptions options)
+    : pg_(std::move(pg)), factory_(std::move(factory)), options_(options) {
+  DDPKIT_CHECK(pg_, "ZeroRedundancyOptimizer: process group is null");
+  DDPKIT_CHECK(factory_.create && factory_.new_state && factory_.new_options,
+               "ZeroRedundancyOptimizer: the OptimizerFactory needs create, new_state and new_options "
+               "(optimizer_factory<torch::optim::Adam>(...) fills them)");
+  DDPKIT_CHECK(!param_groups.empty(), "ZeroRedundancyOptimizer: no parameter groups given");
+  rank_sizes_.assign(pg_->size(), 0);
+  size_t total = 0;
+  for (const auto& g : param_groups) total += g.params().size();
+  DDPKIT_CHECK(total > 0, "ZeroRedundancyOptimizer: the parameter list is empty");
+  for (const auto& g : param_groups) {
+    validate_new_params(g.params(), "ZeroRedundancyOptimizer");
+    std::vector<size_t> indices;
+    for (const auto& p : g.params()) {
+      indices.push_back(params_.size());
+      params_.push_back(p);
+      group_of_.push_back(group_options_.size());
+      owner_.push_back(-1);
+    }
+    group_options_.push_back(g.has_options() ? std::shared_ptr<OptimizerOptions>(g.options().clone()) : nullptr);
+    assign_greedy(indices);
+  }
+  shadow_.assign(params_.size(), at::Tensor());
+  build_units();
+  rebuild_local_optimizer();
+}
+
+ZeroRedundancyOptimizer::~ZeroRedundancyOptimizer() = default;
+
+int ZeroRedundancyOptimizer::rank() const { return pg_->rank(); }
+int ZeroRedundancyOptimizer::world_size() const { return pg_->size(); }
+
+void ZeroRedundancyOptimizer::validate_new_params(const std::vector<at::Tensor>& params,
+                                                  const std::string& where) const {
+  const at::Tensor* reference = params_.empty() ? (params.empty() ? nullptr : &params.front()) : &params_.front();
+  for (size_t i = 0; i < params.size(); ++i) {
+    const at::Tensor& p = params[i];
+    DDPKIT_CHECK(p.defined(), where, ": parameter ", i, " of the group is an undefined tensor");
+    DDPKIT_CHECK(!p.is_sparse(), where, ": parameter ", i, " is sparse; ZeRO shards dense parameters only");
+    DDPKIT_CHECK(p.is_leaf(), where, ": parameter ", i, " is not a leaf tensor (can't optimize a non-leaf)");
+    DDPKIT_CHECK(p.scalar_type() == reference->scalar_type() && p.device() == reference->device(), where,
+                 ": all parameters must share one dtype and device (shards travel as one flat tensor); parameter ", i,
+                 " of the group is ", describe(p), ", the first parameter is ", describe(*reference));
+    for (size_t j = 0; j < params_.size(); ++j)
+      DDPKIT_CHECK(!params_[j].is_same(p), where, ": parameter ", i, " of the group is already parameter ", j);
+    for (size_t j = 0; j < i; ++j)
+      DDPKIT_CHECK(!params[j].is_same(p), where, ": parameter ", i, " appears twice in the group");
+  }
+}
+
+// Sorted-greedy, continuing the running totals of earlier groups (so adding a group never moves
+// an existing parameter). Ties: the earlier parameter first, the lower rank first.
+void ZeroRedundancyOptimizer::assign_greedy(const std::vector<size_t>& indices) {
+  std::vector<size_t> sorted = indices;
+  std::stable_sort(sorted.begin(), sorted.end(),
+                   [&](size_t a, size_t b) { return params_[a].numel() > params_[b].numel(); });
+  for (size_t i : sorted) {
+    const int r = static_cast<int>(std::min_element(rank_sizes_.begin(), rank_sizes_.end()) - rank_sizes_.begin());
+    owner_[i] = r;
+    rank_sizes_[r] += params_[i].numel();
+  }
+}
+
+std::vector<std::vector<size_t>> ZeroRedundancyOptimizer::partition() const {
+  std::vector<std::vector<size_t>> out(pg_->size());
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (mode_ == Mode::kBucketShards) {
+      for (auto& r : out) r.push_back(i);
+    } else {
+      out[owner_[i]].push_back(i);
+    }
+  }
+  return out;
+}
+
+// One unit per rank (ZeRO-1 without overlap). With parameters_as_bucket_view, each unit's
+// parameters become views into one flat buffer holding their current values.
+void ZeroRedundancyOptimizer::build_units() {
+  units_.clear();
+  for (int r = 0; r < pg_->size(); ++r) {
+    Unit u;
+    u.owner = r;
+    for (size_t i = 0; i < params_.size(); ++i)
+      if (owner_[i] == r) u.params.push_back(i);
+    units_.push_back(std::move(u));
+  }
+  if (!options_.parameters_as_bucket_view()) return;
+  at::NoGradGuard no_grad;
+  for (Unit& u : units_) {
+    int64_t n = 0;
+    for (size_t i : u.params) n += params_[i].numel();
+    if (n == 0) continue;
+    u.flat = at::empty({n}, params_.front().options().requires_grad(false));
+    int64_t off = 0;
+    for (size_t i : u.params) {
+      at::Tensor& p = params_[i];
+      at::Tensor view = u.flat.narrow(0, off, p.numel()).view(p.sizes());
+      view.copy_(p);
+      p.set_data(view);
+      off += p.numel();
+    }
+  }
+  // Shadows follow the parameters to their new storage; set_data keeps each shadow's identity, so
+  // the optimizer's state (keyed by it) stays attached.
+  for (size_t i = 0; i < params_.size(); ++i)
+    if (shadow_[i].defined()) shadow_[i].set_data(params_[i].detach());
+}
+
+std::unique_ptr<OptimizerParamGroup> ZeroRedundancyOptimizer::local_group(size_t group) const {
+  std::vector<at::Tensor> shadows;
+  for (size_t i = 0; i < params_.size(); ++i)
+    if (group_of_[i] == group && shadow_[i].defined()) shadows.push_back(shadow_[i]);
+  if (group_options_[group]) return std::make_unique<OptimizerParamGroup>(shadows, group_options_[group]->clone());
+  return std::make_unique<OptimizerParamGroup>(shadows);
+}
+
+// A fresh wrapped optimizer over the shadows of this rank's parameters (or ZeRO-2 shards), one
+// group per group given, empty groups included so group indices stay global.
+void ZeroRedundancyOptimizer::rebuild_local_optimizer() {
+  std::vector<OptimizerParamGroup> groups;
+  if (mode_ == Mode::kBucketShards) {
+    std::vector<at::Tensor> shards;
+    for (auto& b : bucket_shards_) shards.push_back(b.shard);
+    if (group_options_[0]) {
+      groups.emplace_back(shards, group_options_[0]->clone());
+    } else {
+      groups.emplace_back(shards);
+    }
+  } else {
+    for (size_t i = 0; i < params_.size(); ++i) {
+      const bool mine = owner_[i] == pg_->rank();
+      if (mine && !shadow_[i].defined()) shadow_[i] = params_[i].detach();
+      if (!mine) shadow_[i] = at::Tensor();
+    }
+    for (size_t g = 0; g < group_options_.size(); ++g) groups.push_back(*local_group(g));
+  }
+  local_ = factory_.create(std::move(groups));
+  DDPKIT_CHECK(local_, "ZeroRedundancyOptimizer: the factory returned no optimizer");
+}
+
+void ZeroRedundancyOptimizer::require_no_state(const std::string& what) const {
+  DDPKIT_CHECK(local_->state().empty(), what,
+               " must happen before the first optimizer step (this rank already holds optimizer state)");
+}
+
+void ZeroRedundancyOptimizer::add_param_group(const OptimizerParamGroup& group) {
+  DDPKIT_CHECK(!overlap_partitioned_ && mode_ == Mode::kParameters,
+               "add_param_group: not supported once a DDP hook has re-partitioned the parameters by bucket");
+  DDPKIT_CHECK(!group.params().empty(), "add_param_group: the group has no parameters");
+  validate_new_params(group.params(), "add_param_group");
+  std::vector<size_t> indices;
+  const size_t g = group_options_.size();
+  for (const auto& p : group.params()) {
+    indices.push_back(params_.size());
+    params_.push_back(p);
+    group_of_.push_back(g);
+    owner_.push_back(-1);
+    shadow_.emplace_back();
+  }
+  group_options_.push_back(group.has_options() ? std::shared_ptr<OptimizerOptions>(group.options().clone()) : nullptr);
+  assign_greedy(indices);
+  for (size_t i : indices)
+    if (owner_[i] == pg_->rank()) shadow_[i] = params_[i].detach();
+  build_units();  // re-lays out flat buffers; existing shadows follow
+  local_->add_param_group(*local_group(g));
+  consolidated_.reset();
+}
+
+// ---- step ----------------------------------------------------------------------------------
+
+void ZeroRedundancyOptimizer::step_local(const std::vector<std::pair<at::Tensor, at::Tensor>>& shadow_grads) {
+  for (const auto& sg : shadow_grads) sg.first.mutable_grad() = sg.second;
+  try {
+    local_->step();
+  } catch (...) {
+    for (const auto& sg : shadow_grads) sg.first.mutable_grad() = at::Tensor();
+    throw;
+  }
+  // Shadows hold a gradient only while stepping: the wrapped optimizer then steps exactly the
+  // parameters given here.
+  for (const auto& sg : shadow_grads) sg.first.mutable_grad() = at::Tensor();
+}
+
+FuturePtr ZeroRedundancyOptimizer::sync_unit(const Unit& unit) {
+  if (unit.params.empty()) return completed_future(at::Tensor());
+  if (unit.flat.defined()) return pg_->broadcast(unit.flat, unit.owner);
+  const bool mine = unit.owner == pg_->rank();
+  std::vector<at::Tensor> params;
+  for (size_t i : unit.params) params.push_back(params_[i]);
+  at::Tensor flat;
+  if (mine) {
+    std::vector<at::Tensor> pieces;
+    for (const auto& p : params) pieces.push_back(p.detach().reshape({-1}));
+    flat = at::cat(pieces);
+  } else {
+    int64_t n = 0;
+    for (const auto& p : params) n += p.numel();
+    flat = at::empty({n}, params.front().options().requires_grad(false));
+  }
+  auto done = pg_->broadcast(flat, unit.owner);
+  if (mine) return done;
+  return done->then(
+      [flat, params](c10::ivalue::Future& f) -> c10::IValue {
+        f.value();
+        at::NoGradGuard no_grad;
+        int64_t off = 0;
+        for (const auto& p : params) {
+          p.detach().view({-1}).copy_(flat.narrow(0, off, p.numel()));
+          off += p.numel();
+        }
+        return c10::IValue(flat);
+      },
+      c10::TensorType::get());
+}
+
+void ZeroRedundancyOptimizer::step() {
+  if (options_.overlap_with_ddp()) {
+    if (!warned_step_) {
+      std::cerr << "ddpkit: ZeroRedundancyOptimizer::step() does nothing with overlap_with_ddp: the DDP hook steps "
+                   "during backward\n";
+      warned_step_ = true;
+    }
+    return;
+  }
+  if (mode_ == Mode::kBucketShards) {
+    std::vector<std::pair<at::Tensor, at::Tensor>> grads;
+    for (auto& b : bucket_shards_) grads.emplace_back(b.shard, b.grad_shard);
+    step_local(grads);
+    std::vector<FuturePtr> syncs;
+    for (auto& b : bucket_shards_) syncs.push_back(sync_bucket_shard(b));
+    for (auto& f : syncs) ProcessGroup::wait(f);
+    return;
+  }
+  std::vector<std::pair<at::Tensor, at::Tensor>> grads;
+  for (size_t i = 0; i < params_.size(); ++i)
+    if (shadow_[i].defined()) grads.emplace_back(shadow_[i], params_[i].grad());
+  step_local(grads);
+  std::vector<FuturePtr> syncs;
+  for (const Unit& u : units_) syncs.push_back(sync_unit(u));
+  for (auto& f : syncs) ProcessGroup::wait(f);
+}
+
+void ZeroRedundancyOptimizer::zero_grad(bool set_to_none) {
+  for (auto& p : params_) {
+    at::Tensor& g = p.mutable_grad();
+    if (!g.defined()) continue;
+    if (set_to_none) {
+      g = at::Tensor();
+    } else {
+      g = g.detach();
+      g.zero_();
+    }
+  }
+  for (auto& b : bucket_shards_) b.grad_shard.zero_();
+}
+
+// ---- DDP integration (ddp_zero_hook.h) -----------------------------------------------------
+
+void ZeroRedundancyOptimizer::overlap_partition(const std::vector<std::vector<size_t>>& buckets, bool shard_buckets) {
+  require_no_state("overlapping ZeRO with DDP");
+  const int world = pg_->size();
+  std::vector<int64_t> bucket_numel;
+  int64_t total = 0;
+  for (const auto& b : buckets) {
+    int64_t n = 0;
+    for (size_t i : b) n += params_[i].numel();
+    bucket_numel.push_back(n);
+    total += n;
+  }
+  if (!shard_buckets) {
+    // Whole buckets, sorted-greedy by size.
+    std::vector<size_t> order(buckets.size());
+    std::iota(order.begin(), order.end(), 0);
+    std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return bucket_numel[a] > bucket_numel[b]; });
+    std::vector<int64_t> load(world, 0);
+    for (size_t b : order) {
+      const int r = static_cast<int>(std::min_element(load.begin(), load.end()) - load.begin());
+      load[r] += bucket_numel[b];
+      for (size_t i : buckets[b]) owner_[i] = r;
+    }
+  } else {
+    // Parameters in bucket order cut into world contiguous runs of ~total/world elements: a
+    // parameter goes to the rank whose range holds its midpoint.
+    int64_t seen = 0;
+    for (const auto& b : buckets) {
+      for (size_t i : b) {
+        const double mid = static_cast<double>(seen) + params_[i].numel() / 2.0;
+        owner_[i] = std::min(world - 1, static_cast<int>(mid * world / std::max<int64_t>(total, 1)));
+        seen += params_[i].numel();
+      }
+    }
+  }
+  rank_sizes_.assign(world, 0);
+  for (size_t i = 0; i < params_.size(); ++i) rank_sizes_[owner_[i]] += params_[i].numel();
+
+  // Units: per bucket, the run of parameters of each owner, in bucket order.
+  units_.clear();
+  units_of_bucket_.assign(buckets.size(), {});
+  for (size_t b = 0; b < buckets.size(); ++b) {
+    for (int r = 0; r < world; ++r) {
+      Unit u;
+      u.owner = r;
+      for (size_t i : buckets[b])
+        if (owner_[i] == r) u.params.push_back(i);
+      if (u.params.empty()) continue;
+      units_of_bucket_[b].push_back(units_.size());
+      units_.push_back(std::move(u));
+    }
+  }
+  if (options_.parameters_as_bucket_view()) {
+    at::NoGradGuard no_grad;
+    for (Unit& u : units_) {
+      int64_t n = 0;
+      for (size_t i : u.params) n += params_[i].numel();
+      u.flat = at::empty({n}, params_.front().options().requires_grad(false));
+      int64_t off = 0;
+      for (size_t i : u.params) {
+        at::Tensor view = u.flat.narrow(0, off, params_[i].numel()).view(params_[i].sizes());
+        view.copy_(params_[i]);
+        params_[i].set_data(view);
+        off += params_[i].numel();
+      }
+    }
+  }
+  for (auto& s : shadow_) s = at::Tensor();
+  rebuild_local_optimizer();
+  overlap_partitioned_ = true;
+  consolidated_.reset();
+}
+
+void ZeroRedundancyOptimizer::shard_gradients(const std::vector<std::vector<size_t>>& buckets) {
+  require_no_state("sharding gradients (ZeRO-2)");
+  DDPKIT_CHECK(group_options_.size() == 1,
+               "ZeRO-2 shards DDP buckets element-wise, so a shard can span parameters of different groups: it "
+               "needs a single parameter group, got ", group_options_.size());
+  const int world = pg_->size(), me = pg_->rank();
+  at::NoGradGuard no_grad;
+  bucket_shards_.clear();
+  for (const auto& params : buckets) {
+    BucketShard b;
+    b.params = params;
+    for (size_t i : params) b.numel += params_[i].numel();
+    b.shard_numel = (b.numel + world - 1) / world;
+    const auto opts = params_.front().options().requires_grad(false);
+    b.flat_params = at::zeros({b.shard_numel * world}, opts);
+    int64_t off = 0;
+    for (size_t i : params) {
+      at::Tensor view = b.flat_params.narrow(0, off, params_[i].numel()).view(params_[i].sizes());
+      view.copy_(params_[i]);
+      params_[i].set_data(view);
+      off += params_[i].numel();
+    }
+    b.shard = b.flat_params.narrow(0, me * b.shard_numel, b.shard_numel);
+    b.grad_shard = at::zeros({b.shard_numel}, opts);
+    b.padded_grad = at::zeros({b.shard_numel * world}, opts);
+    bucket_shards_.push_back(std::move(b));
+  }
+  for (auto& s : shadow_) s = at::Tensor();
+  units_.clear();
+  mode_ = Mode::kBucketShards;
+  rebuild_local_optimizer();
+  consolidated_.reset();
+}
+
+ZeroRedundancyOptimizer::BucketShard& ZeroRedundancyOptimizer::bucket_shard(size_t bucket) {
+  DDPKIT_CHECK(bucket < bucket_shards_.size(), "ZeRO-2: bucket ", bucket, " is beyond the ", bucket_shards_.size(),
+               " buckets the gradients were sharded by");
+  return bucket_shards_[bucket];
+}
+
+FuturePtr ZeroRedundancyOptimizer::sync_bucket_shard(BucketShard& b) {
+  const int world = pg_->size();
+  std::vector<at::Tensor> chunks;
+  for (int r = 0; r < world; ++r) chunks.push_back(b.flat_params.narrow(0, r * b.shard_numel, b.shard_numel));
+  return pg_->allgather(chunks, b.shard.clone());
+}
+
+FuturePtr ZeroRedundancyOptimizer::step_bucket(size_t bucket, const at::Tensor& reduced,
+                                               const std::vector<at::Tensor>& reduced_grads) {
+  if (mode_ == Mode::kBucketShards) {
+    BucketShard& b = bucket_shard(bucket);
+    step_local({{b.shard, b.grad_shard}});
+    return when_all({sync_bucket_shard(b)}, reduced);
+  }
+  DDPKIT_CHECK(bucket < units_of_bucket_.size(), "ZeRO overlap: bucket ", bucket, " is beyond the ",
+               units_of_bucket_.size(), " buckets the parameters were partitioned by");
+  std::vector<std::pair<at::Tensor, at::Tensor>> grads;
+  std::vector<FuturePtr> syncs;
+  for (size_t u : units_of_bucket_[bucket]) {
+    if (units_[u].owner != pg_->rank()) continue;
+    for (size_t i : units_[u].params) {
+      DDPKIT_CHECK(i < reduced_grads.size() && reduced_grads[i].defined(), "ZeRO overlap: no gradient for parameter ",
+                   i, " in bucket ", bucket);
+      grads.emplace_back(shadow_[i], reduced_grads[i]);
+    }
+  }
+  if (!grads.empty()) step_local(grads);
+  for (size_t u : units_of_bucket_[bucket]) syncs.push_back(sync_unit(units_[u]));
+  return when_all(syncs, reduced);
+}
+
+// ---- state ---------------------------------------------------------------------------------
+
+int64_t ZeroRedundancyOptimizer::local_state_bytes() const {
+  DDPKIT_CHECK(factory_.state_tensors, "local_state_bytes: the OptimizerFactory has no state_tensors function");
+  int64_t bytes = 0;
+  for (const auto& kv : local_->state())
+    for (const auto& t : factory_.state_tensors(*kv.second))
+      if (t.defined()) bytes += t.numel() * static_cast<int64_t>(t.element_size());
+  return bytes;
+}
+
+int64_t ZeroRedundancyOptimizer::local_numel() const {
+  int64_t n = 0;
+  if (mode_ == Mode::kBucketShards) {
+    for (const auto& b : bucket_shards_) n += b.shard_numel;
+  } else {
+    for (size_t i = 0; i < params_.size(); ++i)
+      if (owner_[i] == pg_->rank()) n += params_[i].numel();
+  }
+  return n;
+}
+
+void ZeroRedundancyOptimizer::consolidate_state_dict(int to) {
+  const int world = pg_->size(), me = pg_->rank();
+  DDPKIT_CHECK(to >= 0 && to < world, "consolidate_state_dict: rank ", to, " is not in [0, ", world, ")");
+  // This rank's states as one archive: key -> the state's own archive bytes.
+  std::vector<int64_t> keys;
+  std::vector<std::string> blobs;
+  auto& state = local_->state();
+  if (mode_ == Mode::kBucketShards) {
+    for (size_t b = 0; b < bucket_shards_.size(); ++b) {
+      auto it = state.find(compat::optimizer_state_key(state, bucket_shards_[b].shard));
+      if (it == state.end()) continue;
+      keys.push_back(static_cast<int64_t>(b) * world + me);
+      blobs.push_back(state_bytes(*it->second));
+    }
+  } else {
+    for (size_t i = 0; i < params_.size(); ++i) {
+      if (!shadow_[i].defined()) continue;
+      auto it = state.find(compat::optimizer_state_key(state, shadow_[i]));
+      if (it == state.end()) continue;
+      keys.push_back(static_cast<int64_t>(i));
+      blobs.push_back(state_bytes(*it->second));
+    }
+  }
+  torch::serialize::OutputArchive mine;
+  mine.write("keys", at::tensor(keys, at::kLong));
+  for (size_t k = 0; k < keys.size(); ++k) mine.write("s" + std::to_string(keys[k]), bytes_tensor(blobs[k]));
+  const std::string payload = archive_bytes(mine);
+
+  // Gather on every rank (Gloo has no gather with this API's ordering): sizes first, then the
+  // payloads padded to the largest.
+  at::Tensor size = at::tensor({static_cast<int64_t>(payload.size())}, at::kLong);
+  std::vector<at::Tensor> sizes;
+  for (int r = 0; r < world; ++r) sizes.push_back(at::empty({1}, at::kLong));
+  ProcessGroup::wait(pg_->allgather(sizes, size));
+  int64_t longest = 0;
+  for (const auto& s : sizes) longest = std::max(longest, s.item<int64_t>());
+  at::Tensor padded = at::zeros({longest}, at::kByte);
+  std::memcpy(padded.data_ptr(), payload.data(), payload.size());
+  std::vector<at::Tensor> all;
+  for (int r = 0; r < world; ++r) all.push_back(at::empty({longest}, at::kByte));
+  ProcessGroup::wait(pg_->allgather(all, padded));
+
+  consolidated_.reset();
+  consolidated_to_ = to;
+  if (me != to) return;
+  auto dict = std::make_unique<ZeroStateDict>();
+  dict->layout = mode_ == Mode::kBucketShards ? "bucket_shards" : "parameters";
+  for (int r = 0; r < world; ++r) {
+    const std::string bytes = tensor_bytes(all[r].narrow(0, 0, sizes[r].item<int64_t>()));
+    torch::serialize::InputArchive in;
+    in.load_from(bytes.data(), bytes.size());
+    at::Tensor rk;
+    in.read("keys", rk);
+    for (int64_t k = 0; k < rk.numel(); ++k) {
+      const int64_t key = rk[k].item<int64_t>();
+      at::Tensor blob;
+      in.read("s" + std::to_string(key), blob);
+      dict->state[key] = from_bytes(tensor_bytes(blob), factory_.new_state());
+    }
+  }
+  const auto& local_groups = local_->param_groups();
+  if (mode_ == Mode::kBucketShards) {
+    ZeroStateDict::Group g;
+    for (size_t b = 0; b < bucket_shards_.size(); ++b) {
+      dict->shard_numel.push_back(bucket_shards_[b].shard_numel);
+      for (int r = 0; r < world; ++r) g.params.push_back(static_cast<int64_t>(b) * world + r);
+    }
+    g.options = local_groups[0].options().clone();
+    dict->param_groups.push_back(std::move(g));
+  } else {
+    for (size_t gi = 0; gi < group_options_.size(); ++gi) {
+      ZeroStateDict::Group g;
+      for (size_t i = 0; i < params_.size(); ++i)
+        if (group_of_[i] == gi) g.params.push_back(static_cast<int64_t>(i));
+      g.options = local_groups[gi].options().clone();
+      dict->param_groups.push_back(std::move(g));
+    }
+  }
+  consolidated_ = std::move(dict);
+}
+
+const ZeroStateDict& ZeroRedundancyOptimizer::state_dict() const {
+  DDPKIT_CHECK(consolidated_, "state_dict: the optimizer state has not been consolidated on rank ", pg_->rank(),
+               (consolidated_to_ >= 0 ? " (the last consolidate_state_dict sent it to rank " +
+                                            std::to_string(consolidated_to_) + ")"
+                                      : std::string()),
+               "; call consolidate_state_dict(to) on every rank first");
+  return *consolidated_;
+}
+
+void ZeroRedundancyOptimizer::load_state_dict(const ZeroStateDict& dict) {
+  const bool shards = mode_ == Mode::kBucketShards;
+  DDPKIT_CHECK(dict.layout == (shards ? "bucket_shards" : "parameters"), "load_state_dict: the dict's layout is '",
+               dict.layout, "' but this optimizer's is '", (shards ? "bucket_shards" : "parameters"), "'");
+  auto& state = local_->state();
+  auto& groups = local_->param_groups();
+  if (shards) {
+    std::vector<int64_t> mine;
+    for (const auto& b : bucket_shards_) mine.push_back(b.shard_numel);
+    DDPKIT_CHECK(dict.shard_numel == mine && dict.param_groups.size() == 1 &&
+                     dict.param_groups[0].params.size() == bucket_shards_.size() * pg_->size(),
+                 "load_state_dict: the dict's ZeRO-2 shards (", dict.shard_numel.size(),
+                 " buckets) do not match this optimizer's (", mine.size(),
+                 " buckets, world size ", pg_->size(), "); a bucket_shards dict loads only into the same layout");
+    for (size_t b = 0; b < bucket_shards_.size(); ++b) {
+      const auto key = compat::optimizer_state_key(state, bucket_shards_[b].shard);
+      auto it = dict.state.find(static_cast<int64_t>(b) * pg_->size() + pg_->rank());
+      if (it == dict.state.end()) {
+        state.erase(key);
+      } else {
+        state[key] = it->second->clone();
+      }
+    }
+    groups[0].set_options(dict.param_groups[0].options->clone());
+    return;
+  }
+  DDPKIT_CHECK(dict.param_groups.size() == group_options_.size(), "load_state_dict: the dict has ",
+               dict.param_groups.size(), " parameter groups, this optimizer ", group_options_.size());
+  for (size_t g = 0; g < group_options_.size(); ++g) {
+    std::vector<int64_t> expected;
+    for (size_t i = 0; i < params_.size(); ++i)
+      if (group_of_[i] == g) expected.push_back(static_cast<int64_t>(i));
+    DDPKIT_CHECK(dict.param_groups[g].params == expected, "load_state_dict: group ", g, " of the dict holds ",
+                 dict.param_groups[g].params.size(), " parameters, this optimizer's group ", expected.size(),
+                 " (or different indices)");
+    DDPKIT_CHECK(dict.param_groups[g].options, "load_state_dict: group ", g, " has no options");
+  }
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (!shadow_[i].defined()) continue;
+    const auto key = compat::optimizer_state_key(state, shadow_[i]);
+    auto it = dict.state.find(static_cast<int64_t>(i));
+    if (it == dict.state.end()) {
+      state.erase(key);
+    } else {
+      state[key] = it->second->clone();
+    }
+  }
+  for (size_t g = 0; g < group_options_.size(); ++g) {
+    groups[g].set_options(dict.param_groups[g].options->clone());
+    group_options_[g] = std::shared_ptr<OptimizerOptions>(dict.param_groups[g].options->clone());
+  }
+}
+
+// ---- ZeroStateDict files -------------------------------------------------------------------
+
+void ZeroStateDict::save(std::ostream& out) const {
+  torch::serialize::OutputArchive a;
+  a.write("layout", bytes_tensor(layout));
+  a.write("shard_numel", at::tensor(shard_numel.empty() ? std::vector<int64_t>{} : shard_numel, at::kLong));
+  a.write("groups", at::tensor({static_cast<int64_t>(param_groups.size())}, at::kLong));
+  for (size_t g = 0; g < param_groups.size(); ++g) {
+    a.write("g" + std::to_string(g) + "_params", at::tensor(param_groups[g].params, at::kLong));
+    a.write("g" + std::to_string(g) + "_options", bytes_tensor(options_bytes(*param_groups[g].options)));
+  }
+  std::vector<int64_t> keys;
+  for (const auto& kv : state) {
+    keys.push_back(kv.first);
+    a.write("s" + std::to_string(kv.first), bytes_tensor(state_bytes(*kv.second)));
+  }
+  a.write("keys", at::tensor(keys, at::kLong));
+  a.save_to(out);
+}
+
+ZeroStateDict ZeroStateDict::load(std::istream& in, const OptimizerFactory& factory) {
+  torch::serialize::InputArchive a;
+  a.load_from(in);
+  // A fresh tensor per read: InputArchive::read re-points a defined tensor at the new data in place.
+  auto read = [&a](const std::string& key) {
+    at::Tensor t;
+    a.read(key, t);
+    return t;
+  };
+  auto longs = [](const at::Tensor& t) {
+    at::Tensor c = t.to(at::kLong).contiguous();
+    return std::vector<int64_t>(c.data_ptr<int64_t>(), c.data_ptr<int64_t>() + c.numel());
+  };
+  ZeroStateDict d;
+  d.layout = tensor_bytes(read("layout"));
+  d.shard_numel = longs(read("shard_numel"));
+  const int64_t groups = read("groups").item<int64_t>();
+  for (int64_t g = 0; g < groups; ++g) {
+    Group group;
+    group.params = longs(read("g" + std::to_string(g) + "_params"));
+    group.options = from_bytes(tensor_bytes(read("g" + std::to_string(g) + "_options")), factory.new_options());
+    d.param_groups.push_back(std::move(group));
+  }
+  for (int64_t key : longs(read("keys")))
+    d.state[key] = from_bytes(tensor_bytes(read("s" + std::to_string(key))), factory.new_state());
+  return d;
+}
+
+}  // namespace ddpkit
