@@ -60,7 +60,15 @@ def train(rank, world, args, port, queue, master_addr="127.0.0.1"):
                                            start_powerSGD_iter=args.powersgd_start_iter)
             model.register_comm_hook(state, powersgd.powerSGD_hook if args.hook == "powersgd"
                                      else powersgd.batched_powerSGD_hook)
-    opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    if args.optimizer == "sgd":
+        cls, kw = torch.optim.SGD, {"lr": args.lr, "momentum": 0.9}
+    else:
+        cls, kw = (torch.optim.Adam if args.optimizer == "adam" else torch.optim.AdamW), {"lr": args.lr}
+    if args.zero:  # PyTorch's ZeRO-1 (its DDP overlap refuses Gloo)
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+        opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=cls, **kw)
+    else:
+        opt = cls(model.parameters(), **kw)
     gen = torch.Generator().manual_seed(1234 + rank)
     x = torch.randn(args.batch_size, dims[0], generator=gen)
     y = torch.randint(0, dims[-1], (args.batch_size,), generator=gen)
@@ -76,8 +84,11 @@ def train(rank, world, args, port, queue, master_addr="127.0.0.1"):
             times.append((time.perf_counter() - t0) * 1000)
     except Exception as e:  # e.g. bf16 hook refused without CUDA/NCCL
         error = str(e).splitlines()[0][:200]
+    state_bytes = sum(t.numel() * t.element_size() for st in (opt.optim if args.zero else opt).state.values()
+                      for t in st.values() if torch.is_tensor(t) and t.dim() > 0)
     if rank == 0:
         queue.put({"hook": args.hook, "impl": "pytorch", "world_size": world if args.hook != "local" else 1,
+                   "optimizer": args.optimizer, "zero": "1" if args.zero else "off", "optimizer_state_bytes": state_bytes,
                    "steps": len(times), "median_step_ms": statistics.median(times) if times else None,
                    "error": error})
     if args.hook != "local":
@@ -116,6 +127,8 @@ def main():
     p.add_argument("--mlp-dims", default="1024,4096,4096,1024")
     p.add_argument("--zero-grad", default="none", choices=["none", "zero"],
                    help="none: set grads to None (as ddpkit train; PyTorch 2.x default); zero: zero in place (1.13 default)")
+    p.add_argument("--optimizer", default="sgd", choices=["sgd", "adam", "adamw"])
+    p.add_argument("--zero", action="store_true", help="wrap the optimizer in ZeroRedundancyOptimizer")
     p.add_argument("--timeout", type=int, default=120, help="seconds to wait for a result")
     args = p.parse_args()
     if "RANK" in os.environ and args.hook != "local":  # one rank of a torchrun-style job

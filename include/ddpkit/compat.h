@@ -28,8 +28,9 @@ using Backend = c10d::Backend;
 using Backend = c10d::ProcessGroup;
 #endif
 
-// Gloo gained _reduce_scatter_base/_allgather_base only in 2.2; ddpkit's reduce-scatter-shaped
-// paths are built from alltoall_base, which every version has, so no capability switch is needed.
+// Gloo gained _reduce_scatter_base/_allgather_base only in 2.2; on Gloo ddpkit's reduce-scatter
+// (ProcessGroup::reduce_scatter) is built from alltoall_base, which every version has, and NCCL's
+// _reduce_scatter_base (present in 1.13 and 2.x) is used for NCCL: chosen by backend, not version.
 
 // torch::optim::Optimizer::state() is keyed by the parameter's TensorImpl: as the pointer printed
 // to a string in 1.13, as the pointer itself (void*) in 2.x. Pass the map to get its key type.

@@ -370,15 +370,14 @@ void ZeroRedundancyOptimizer::overlap_partition(const std::vector<std::vector<si
       for (size_t i : buckets[b]) owner_[i] = r;
     }
   } else {
-    // Parameters in bucket order cut into world contiguous runs of ~total/world elements: a
-    // parameter goes to the rank whose range holds its midpoint.
-    int64_t seen = 0;
-    for (const auto& b : buckets) {
-      for (size_t i : b) {
-        const double mid = static_cast<double>(seen) + params_[i].numel() / 2.0;
-        owner_[i] = std::min(world - 1, static_cast<int>(mid * world / std::max<int64_t>(total, 1)));
-        seen += params_[i].numel();
-      }
+    // Buckets split at parameter boundaries: the constructor's sorted-greedy partition by
+    // parameter, which balances best; a bucket's parameters may then belong to several ranks.
+    rank_sizes_.assign(world, 0);
+    for (size_t g = 0; g < group_options_.size(); ++g) {
+      std::vector<size_t> indices;
+      for (size_t i = 0; i < params_.size(); ++i)
+        if (group_of_[i] == g) indices.push_back(i);
+      assign_greedy(indices);
     }
   }
   rank_sizes_.assign(world, 0);

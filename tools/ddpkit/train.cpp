@@ -50,6 +50,14 @@ accuracy, and a last line that is one JSON object.
   --optimizer sgd|adam|adamw          (default sgd, momentum 0.9)
   --optimizer-in-hook     step the optimizer per bucket as its communication completes,
                           overlapping it with backward (wraps --hook, or allreduce)
+  --zero off|1|2          ZeroRedundancyOptimizer: 1 shards optimizer state, 2 also reduce-scatters
+                          gradients so each rank keeps only its shard (default off)
+  --zero-overlap none|step|interleaved
+                          step the ZeRO shards inside DDP's hooks, after the last bucket (step)
+                          or bucket by bucket (interleaved) (default none: after backward)
+  --zero-shard-buckets    --zero 1 with overlap: split buckets among ranks by size
+  --zero-bucket-view      --zero 1: each rank's shard in one flat buffer (parameters as bucket views)
+  --zero-precision fp32|fp16|bf16     --zero 2: precision of the reduce-scatter (default fp32)
   --bucket-cap-mb X       bucket cap in MiB (default 25)
   --epochs N              (default 3)
   --steps N               stop after N steps (default 0: run all epochs)
@@ -155,10 +163,10 @@ int run_train(const std::vector<std::string>& args, const std::vector<std::strin
            {"powersgd-start-iter", "10"}, {"powersgd-min-compression-rate", "2"}, {"powersgd-epsilon", "0"},
            {"powersgd-seed", "0"}, {"int8-block", "512"}, {"perchannel-bucket-size", "512"},
            {"local-sgd-start-iter", "100"}, {"local-sgd-period", "4"}, {"local-sgd-group-size", "0"},
-           {"optimizer", "sgd"}},
+           {"optimizer", "sgd"}, {"zero", "off"}, {"zero-overlap", "none"}, {"zero-precision", "fp32"}},
           {"gradient-as-bucket-view", "find-unused-parameters", "no-ddp", "no-eval", "quiet", "no-malloc-tuning",
            "powersgd-batch-same-shape", "no-error-feedback", "no-warm-start", "int8-error-feedback",
-           "optimizer-in-hook"});
+           "optimizer-in-hook", "zero-shard-buckets", "zero-bucket-view"});
   const std::string model_name = f.str("model"), dataset = f.str("dataset"), hook_name = f.str("hook");
   if (model_name != "mlp" && model_name != "cnn") throw UsageError("--model must be mlp or cnn, got '" + model_name + "'");
   if (dataset != "fashion-mnist" && dataset != "synthetic")
@@ -263,6 +271,35 @@ int run_train(const std::vector<std::string>& args, const std::vector<std::strin
   std::unique_ptr<hooks::PeriodicModelAverager> averager;
   const bool optimizer_in_hook = f.on("optimizer-in-hook");
   if (optimizer_in_hook && !use_ddp) throw UsageError("--optimizer-in-hook needs DDP (drop --no-ddp)");
+  const std::string zero_level = f.str("zero");
+  if (zero_level != "off" && zero_level != "1" && zero_level != "2")
+    throw UsageError("--zero must be off, 1 or 2, got '" + zero_level + "'");
+  const ZeroOverlap zero_overlap = [&] {
+    try {
+      return parse_zero_overlap(f.str("zero-overlap"));
+    } catch (const c10::Error&) {
+      throw UsageError("--zero-overlap must be none, step or interleaved, got '" + f.str("zero-overlap") + "'");
+    }
+  }();
+  std::shared_ptr<ZeroRedundancyOptimizer> zero;
+  if (zero_level != "off") {
+    if (!use_ddp) throw UsageError("--zero needs DDP (drop --no-ddp)");
+    if (optimizer_in_hook) throw UsageError("--zero and --optimizer-in-hook both step inside the hook: pick one");
+    if (hook_name == "post_local_sgd") throw UsageError("--zero does not combine with --hook post_local_sgd");
+    if (zero_level == "2" && hook_name != "none")
+      throw UsageError("--zero 2 communicates by reduce-scatter: drop --hook (use --zero-precision fp16|bf16)");
+    const auto factory = optimizer_name == "sgd"    ? optimizer_factory<torch::optim::SGD>(torch::optim::SGDOptions(lr).momentum(0.9))
+                         : optimizer_name == "adam" ? optimizer_factory<torch::optim::Adam>(torch::optim::AdamOptions(lr))
+                                                    : optimizer_factory<torch::optim::AdamW>(torch::optim::AdamWOptions(lr));
+    zero = std::make_shared<ZeroRedundancyOptimizer>(
+        params, factory, pg,
+        ZeroOptions()
+            .overlap_with_ddp(zero_overlap != ZeroOverlap::kNone)
+            .parameters_as_bucket_view(f.on("zero-bucket-view")));
+    optimizer.reset();
+  } else if (zero_overlap != ZeroOverlap::kNone || f.on("zero-shard-buckets") || f.on("zero-bucket-view")) {
+    throw UsageError("--zero-overlap, --zero-shard-buckets and --zero-bucket-view need --zero 1 or 2");
+  }
   std::function<at::Tensor(const at::Tensor&)> train_forward = model.forward;
   if (use_ddp) {
     ddp = std::make_unique<DistributedDataParallelBase>(
@@ -295,6 +332,18 @@ int run_train(const std::vector<std::string>& args, const std::vector<std::strin
       ho.int8(hooks::Int8Options().block(f.integer("int8-block")).error_feedback(f.on("int8-error-feedback")));
       ho.perchannel_bucket_size(f.integer("perchannel-bucket-size"));
       hook = hooks::make_hook(hook_name, pg, ho);
+    }
+    if (zero && zero_level == "2") {
+      hook = zero2_hook(*ddp, zero, fsdp_sharded_reduce(pg, f.str("zero-precision")), zero_overlap);
+      registered = "zero2_" + f.str("zero-precision");
+    } else if (zero && zero_overlap != ZeroOverlap::kNone) {
+      if (!hook) {
+        hook = hooks::allreduce_hook(pg);
+        registered = "allreduce";
+      }
+      hook = zero_overlap == ZeroOverlap::kStep ? hook_with_zero_step(hook, *ddp, zero, f.on("zero-shard-buckets"))
+                                                 : hook_with_zero_step_interleaved(hook, *ddp, zero, f.on("zero-shard-buckets"));
+      registered += "+zero_" + f.str("zero-overlap");
     }
     if (optimizer_in_hook) {
       if (!hook) {
@@ -345,7 +394,11 @@ int run_train(const std::vector<std::string>& args, const std::vector<std::strin
       const auto t1 = clock::now();
       loss.backward();  // returns once gradients are averaged across ranks
       const auto t2 = clock::now();
-      if (!optimizer_in_hook) optimizer->step();  // else done per bucket during backward
+      if (zero) {
+        zero->step();  // a no-op when overlapped: the hooks stepped during backward
+      } else if (!optimizer_in_hook) {
+        optimizer->step();  // else done per bucket during backward
+      }
       if (averager) averager->average_parameters(model.module->parameters());
       const auto t3 = clock::now();
       forward_ms.push_back(ms_between(t0, t1));
@@ -385,6 +438,24 @@ int run_train(const std::vector<std::string>& args, const std::vector<std::strin
     }
   }
   const CommStats traffic = pg ? pg->stats() : CommStats{};
+  // Optimizer state held by each rank (the largest over ranks), in bytes.
+  int64_t state_bytes = 0;
+  if (zero) {
+    state_bytes = zero->local_state_bytes();
+  } else {
+    const auto tensors = optimizer_name == "sgd"    ? optimizer_factory<torch::optim::SGD>(torch::optim::SGDOptions(lr)).state_tensors
+                         : optimizer_name == "adam" ? optimizer_factory<torch::optim::Adam>(torch::optim::AdamOptions(lr)).state_tensors
+                                                    : optimizer_factory<torch::optim::AdamW>(torch::optim::AdamWOptions(lr)).state_tensors;
+    if (optimizer)
+      for (const auto& kv : optimizer->state())
+        for (const auto& t : tensors(*kv.second))
+          if (t.defined()) state_bytes += t.numel() * static_cast<int64_t>(t.element_size());
+  }
+  if (pg) {
+    at::Tensor b = at::tensor({static_cast<double>(state_bytes)}, at::kDouble);
+    ProcessGroup::wait(pg->allreduce(b, c10d::ReduceOp::MAX));
+    state_bytes = static_cast<int64_t>(b.item<double>());
+  }
   double compression_ratio = 0;
   if (ddp) {
     uint64_t allreduce_bytes = 0, sent = 0;
@@ -404,6 +475,7 @@ int run_train(const std::vector<std::string>& args, const std::vector<std::strin
     std::ostringstream js;
     std::string shown = use_ddp ? hook_name : std::string("local");
     if (optimizer_in_hook) shown += "+" + optimizer_name + "_in_hook";
+    std::string zero_shown = zero_level == "off" ? "off" : zero_level + (zero_overlap == ZeroOverlap::kNone ? "" : "+" + f.str("zero-overlap"));
     js << std::fixed << "{\"hook\": \"" << shown << "\", \"world_size\": " << world
        << ", \"steps\": " << step << ", \"median_step_ms\": " << std::setprecision(3) << median(step_ms)
        << ", \"samples_per_s\": " << std::setprecision(1)
@@ -415,7 +487,8 @@ int run_train(const std::vector<std::string>& args, const std::vector<std::strin
     if (accuracy >= 0) js << std::setprecision(4) << accuracy; else js << "null";
     js << ", \"final_loss\": " << std::setprecision(4) << last_loss << ", \"median_forward_ms\": " << std::setprecision(3)
        << median(forward_ms) << ", \"median_backward_ms\": " << median(backward_ms)
-       << ", \"median_optimizer_ms\": " << median(optimizer_ms) << "}";
+       << ", \"median_optimizer_ms\": " << median(optimizer_ms) << ", \"optimizer\": \"" << optimizer_name
+       << "\", \"zero\": \"" << zero_shown << "\", \"optimizer_state_bytes\": " << state_bytes << "}";
     std::cout << js.str() << std::endl;
   }
   if (pg) ProcessGroup::wait(pg->barrier());

@@ -36,8 +36,9 @@ ZeroOverlap parse_zero_overlap(const std::string& name);
 
 // Run `hook` (any DDP hook that averages), then, once all buckets' hooks have been called, step
 // this rank's part of each bucket and broadcast it. `zero` needs overlap_with_ddp and the same
-// parameters as `ddp`. shard_buckets: split buckets among ranks at parameter boundaries to even out
-// the load (else each bucket goes whole to one rank, largest first to the least loaded).
+// parameters as `ddp`. shard_buckets: buckets are split among ranks at parameter boundaries, by
+// the sorted-greedy partition of the parameters (the best balance of state and work); else each
+// bucket goes whole to one rank, largest first to the least loaded.
 CommHook hook_with_zero_step(CommHook hook, DistributedDataParallelBase& ddp,
                              std::shared_ptr<ZeroRedundancyOptimizer> zero, bool shard_buckets = false);
 // The same, stepping bucket b while later buckets are still being computed and communicated.
