@@ -176,25 +176,29 @@ void ZeroRedundancyOptimizer::build_units() {
     units_.push_back(std::move(u));
   }
   if (!options_.parameters_as_bucket_view()) return;
-  at::NoGradGuard no_grad;
-  for (Unit& u : units_) {
-    int64_t n = 0;
-    for (size_t i : u.params) n += params_[i].numel();
-    if (n == 0) continue;
-    u.flat = at::empty({n}, params_.front().options().requires_grad(false));
-    int64_t off = 0;
-    for (size_t i : u.params) {
-      at::Tensor& p = params_[i];
-      at::Tensor view = u.flat.narrow(0, off, p.numel()).view(p.sizes());
-      view.copy_(p);
-      p.set_data(view);
-      off += p.numel();
-    }
-  }
+  for (Unit& u : units_)
+    if (!u.params.empty()) u.flat = lay_out_flat(u.params, 0);
   // Shadows follow the parameters to their new storage; set_data keeps each shadow's identity, so
   // the optimizer's state (keyed by it) stays attached.
   for (size_t i = 0; i < params_.size(); ++i)
     if (shadow_[i].defined()) shadow_[i].set_data(params_[i].detach());
+}
+
+// A flat buffer (zero-padded to at least `min_numel`) holding the current values of `params`, which
+// become views into it.
+at::Tensor ZeroRedundancyOptimizer::lay_out_flat(const std::vector<size_t>& params, int64_t min_numel) {
+  at::NoGradGuard no_grad;
+  int64_t n = 0;
+  for (size_t i : params) n += params_[i].numel();
+  at::Tensor flat = at::zeros({std::max(n, min_numel)}, params_.front().options().requires_grad(false));
+  int64_t off = 0;
+  for (size_t i : params) {
+    at::Tensor view = flat.narrow(0, off, params_[i].numel()).view(params_[i].sizes());
+    view.copy_(params_[i]);
+    params_[i].set_data(view);
+    off += params_[i].numel();
+  }
+  return flat;
 }
 
 std::unique_ptr<OptimizerParamGroup> ZeroRedundancyOptimizer::local_group(size_t group) const {
@@ -397,21 +401,8 @@ void ZeroRedundancyOptimizer::overlap_partition(const std::vector<std::vector<si
       units_.push_back(std::move(u));
     }
   }
-  if (options_.parameters_as_bucket_view()) {
-    at::NoGradGuard no_grad;
-    for (Unit& u : units_) {
-      int64_t n = 0;
-      for (size_t i : u.params) n += params_[i].numel();
-      u.flat = at::empty({n}, params_.front().options().requires_grad(false));
-      int64_t off = 0;
-      for (size_t i : u.params) {
-        at::Tensor view = u.flat.narrow(0, off, params_[i].numel()).view(params_[i].sizes());
-        view.copy_(params_[i]);
-        params_[i].set_data(view);
-        off += params_[i].numel();
-      }
-    }
-  }
+  if (options_.parameters_as_bucket_view())
+    for (Unit& u : units_) u.flat = lay_out_flat(u.params, 0);
   for (auto& s : shadow_) s = at::Tensor();
   rebuild_local_optimizer();
   overlap_partitioned_ = true;
@@ -432,14 +423,7 @@ void ZeroRedundancyOptimizer::shard_gradients(const std::vector<std::vector<size
     for (size_t i : params) b.numel += params_[i].numel();
     b.shard_numel = (b.numel + world - 1) / world;
     const auto opts = params_.front().options().requires_grad(false);
-    b.flat_params = at::zeros({b.shard_numel * world}, opts);
-    int64_t off = 0;
-    for (size_t i : params) {
-      at::Tensor view = b.flat_params.narrow(0, off, params_[i].numel()).view(params_[i].sizes());
-      view.copy_(params_[i]);
-      params_[i].set_data(view);
-      off += params_[i].numel();
-    }
+    b.flat_params = lay_out_flat(params, b.shard_numel * world);
     b.shard = b.flat_params.narrow(0, me * b.shard_numel, b.shard_numel);
     b.grad_shard = at::zeros({b.shard_numel}, opts);
     b.padded_grad = at::zeros({b.shard_numel * world}, opts);

@@ -197,6 +197,7 @@ class ZeroRedundancyOptimizer {
   void validate_new_params(const std::vector<at::Tensor>& params, const std::string& where) const;
   void assign_greedy(const std::vector<size_t>& indices);
   void build_units();
+  at::Tensor lay_out_flat(const std::vector<size_t>& params, int64_t min_numel);
   void rebuild_local_optimizer();
   std::unique_ptr<torch::optim::OptimizerParamGroup> local_group(size_t group) const;
   void require_no_state(const std::string& what) const;
