@@ -249,23 +249,25 @@ int run_train(const std::vector<std::string>& args, const std::vector<std::strin
     model.forward = [m](const at::Tensor& x) { return m->forward(x); };
   }
 
-  // The optimizer, and its per-parameter twin for --optimizer-in-hook, from the same options.
-  std::unique_ptr<torch::optim::Optimizer> optimizer;
+  // One options object per optimizer feeds the plain optimizer, ZeRO's factory and the
+  // per-parameter twin for --optimizer-in-hook.
+  OptimizerFactory factory;
   std::shared_ptr<hooks::FunctionalOptimizer> functional;
   const auto params = model.module->parameters();
   if (optimizer_name == "sgd") {
     const auto o = torch::optim::SGDOptions(lr).momentum(0.9);
-    optimizer = std::make_unique<torch::optim::SGD>(params, o);
+    factory = optimizer_factory<torch::optim::SGD>(o);
     functional = hooks::functional_sgd(o);
   } else if (optimizer_name == "adam") {
     const auto o = torch::optim::AdamOptions(lr);
-    optimizer = std::make_unique<torch::optim::Adam>(params, o);
+    factory = optimizer_factory<torch::optim::Adam>(o);
     functional = hooks::functional_adam(o);
   } else {
     const auto o = torch::optim::AdamWOptions(lr);
-    optimizer = std::make_unique<torch::optim::AdamW>(params, o);
+    factory = optimizer_factory<torch::optim::AdamW>(o);
     functional = hooks::functional_adamw(o);
   }
+  std::unique_ptr<torch::optim::Optimizer> optimizer = factory.create({torch::optim::OptimizerParamGroup(params)});
 
   std::unique_ptr<DistributedDataParallelBase> ddp;
   std::unique_ptr<hooks::PeriodicModelAverager> averager;
@@ -288,9 +290,6 @@ int run_train(const std::vector<std::string>& args, const std::vector<std::strin
     if (hook_name == "post_local_sgd") throw UsageError("--zero does not combine with --hook post_local_sgd");
     if (zero_level == "2" && hook_name != "none")
       throw UsageError("--zero 2 communicates by reduce-scatter: drop --hook (use --zero-precision fp16|bf16)");
-    const auto factory = optimizer_name == "sgd"    ? optimizer_factory<torch::optim::SGD>(torch::optim::SGDOptions(lr).momentum(0.9))
-                         : optimizer_name == "adam" ? optimizer_factory<torch::optim::Adam>(torch::optim::AdamOptions(lr))
-                                                    : optimizer_factory<torch::optim::AdamW>(torch::optim::AdamWOptions(lr));
     zero = std::make_shared<ZeroRedundancyOptimizer>(
         params, factory, pg,
         ZeroOptions()
@@ -443,12 +442,9 @@ int run_train(const std::vector<std::string>& args, const std::vector<std::strin
   if (zero) {
     state_bytes = zero->local_state_bytes();
   } else {
-    const auto tensors = optimizer_name == "sgd"    ? optimizer_factory<torch::optim::SGD>(torch::optim::SGDOptions(lr)).state_tensors
-                         : optimizer_name == "adam" ? optimizer_factory<torch::optim::Adam>(torch::optim::AdamOptions(lr)).state_tensors
-                                                    : optimizer_factory<torch::optim::AdamW>(torch::optim::AdamWOptions(lr)).state_tensors;
     if (optimizer)
       for (const auto& kv : optimizer->state())
-        for (const auto& t : tensors(*kv.second))
+        for (const auto& t : factory.state_tensors(*kv.second))
           if (t.defined()) state_bytes += t.numel() * static_cast<int64_t>(t.element_size());
   }
   if (pg) {
