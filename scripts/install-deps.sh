@@ -10,6 +10,9 @@ packages=(
   dataset-fashion-mnist            # IDX files under /usr/share/datasets/fashion-mnist
   python3-torch                    # PyTorch's own Python DDP, for side-by-side benchmarks
   zlib1g-dev                       # the CLI gunzips the dataset itself
+  libgrpc++-dev protobuf-compiler-grpc protobuf-compiler libprotobuf-dev  # the parameter server's RPC
+  openssl                          # the TLS test makes a throwaway certificate
+  nlohmann-json3-dev               # metrics and benchmark configuration files
 )
 
 missing=()

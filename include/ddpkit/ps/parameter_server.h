@@ -1,0 +1,155 @@
+// A gradient-averaging parameter server over gRPC, with the semantics of PyTorch's RPC
+// parameter-server benchmark (AverageParameterServer / AverageBatchParameterServer), fixed to
+// return the average (PyTorch's discards its division and returns the sum).
+//
+//   ParameterServer server(ServerOptions().trainer_ids({0, 1}));   // listens on 127.0.0.1
+//   server.start();                                                   // server.port()
+//   ...
+//   ParameterServerClient client(ClientOptions().address(server.address()).trainer_id(0));
+//   at::Tensor avg = ParameterServer::wait(client.average(batch, bucket, gradient));
+//
+// Per (batch number, bucket index) the server collects one gradient from each of its trainers
+// and answers every one of them with the average when the last arrives. Requests are served by
+// gRPC's callback API: a waiting trainer costs a pending reply, not a thread. A newer batch
+// number drops older state (and fails whoever still waits on it). Rejected, with a status that
+// names the problem and without touching the sum: an unknown trainer id, a second gradient from
+// one trainer for the same (batch, bucket), a stale batch, a shape/dtype/layout that differs from
+// the other trainers', a payload whose size disagrees with its shape, a message over
+// max_message_bytes, and a missing or wrong token. A trainer whose connection drops, or a bucket
+// still incomplete after bucket_timeout, fails its batch for the trainers waiting on it.
+#pragma once
+
+#include <ddpkit/comm/process_group.h>
+#include <ddpkit/metrics/metrics_logger.h>
+
+#include <torch/arg.h>
+
+#include <chrono>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace ddpkit {
+namespace ps {
+
+enum class ServerKind {
+  // Adds each gradient into the bucket's sum as it arrives.
+  kAverage,
+  // Keeps the gradients and sums them at the end, in trainer-id order: the result does not depend
+  // on arrival order.
+  kAverageBatch,
+};
+ServerKind server_kind_from_name(const std::string& name);  // "average" | "average_batch"
+const char* server_kind_name(ServerKind kind);
+
+struct TlsFiles {
+  TORCH_ARG(std::string, certificate) = "";  // PEM; server: its chain, client: unused
+  TORCH_ARG(std::string, private_key) = "";  // PEM; server only
+  TORCH_ARG(std::string, root_certificate) = "";  // PEM; client: the CA that signed the server
+};
+
+struct ServerOptions {
+  // host:port; port 0 picks a free one (see ParameterServer::port()).
+  TORCH_ARG(std::string, address) = "127.0.0.1:0";
+  // The trainers this server serves; each (batch, bucket) completes when all have sent.
+  TORCH_ARG(std::vector<int>, trainer_ids) = {};
+  TORCH_ARG(ServerKind, kind) = ServerKind::kAverage;
+  // Rank reported in metrics.
+  TORCH_ARG(int, rank) = 0;
+  // Largest request accepted (and reply sent); 100 MB buckets need at least ~100 MB.
+  TORCH_ARG(int64_t, max_message_bytes) = int64_t(1) << 30;
+  // A bucket some trainers sent but others did not within this time fails for the senders.
+  TORCH_ARG(std::chrono::milliseconds, bucket_timeout) = std::chrono::seconds(60);
+  // Non-empty: every call must carry metadata "authorization: Bearer <token>".
+  TORCH_ARG(std::string, token) = "";
+  // Certificate and key set: TLS; otherwise plaintext.
+  TORCH_ARG(TlsFiles, tls) = {};
+};
+
+class ParameterServer {
+ public:
+  explicit ParameterServer(ServerOptions options);
+  ~ParameterServer();  // shuts down, failing calls still waiting
+  ParameterServer(const ParameterServer&) = delete;
+  ParameterServer& operator=(const ParameterServer&) = delete;
+
+  // Binds and starts serving; throws if the address cannot be bound.
+  void start();
+  int port() const;
+  std::string address() const;  // host:port actually bound
+  // Stops accepting calls and fails the waiting ones with UNAVAILABLE, within `grace`.
+  void shutdown(std::chrono::milliseconds grace = std::chrono::seconds(2));
+  // Blocks until shutdown() (from another thread or a signal handler's thread).
+  void wait();
+
+  // What GetMetrics returns, locally.
+  struct Counters {
+    int64_t buckets_averaged = 0;
+    int64_t gradients_received = 0;
+    int64_t bytes_received = 0;
+    int64_t bytes_sent = 0;
+    double seconds_since_reset = 0;
+  };
+  Counters counters() const;
+  metrics::Series metrics() const;
+  void reset_state();
+
+  struct Impl;
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+struct ClientOptions {
+  TORCH_ARG(std::string, address) = "127.0.0.1:0";
+  TORCH_ARG(int, trainer_id) = 0;
+  // Deadline of each AverageGradient call, measured from when it is sent: it covers waiting for
+  // the slowest trainer, so make it longer than a step.
+  TORCH_ARG(std::chrono::milliseconds, timeout) = std::chrono::seconds(120);
+  TORCH_ARG(int64_t, max_message_bytes) = int64_t(1) << 30;
+  TORCH_ARG(std::string, token) = "";
+  TORCH_ARG(TlsFiles, tls) = {};
+  // Open a session so that the server notices when this trainer dies (see the file comment).
+  TORCH_ARG(bool, open_session) = true;
+  // Time to wait for the server to come up (connect) before the first call fails.
+  TORCH_ARG(std::chrono::milliseconds, connect_timeout) = std::chrono::seconds(30);
+};
+
+// Errors from the server arrive as CommError, whose what() holds the gRPC status code name and
+// the server's message, e.g. "ddpkit ps: AverageGradient(batch 3, bucket 0) on 127.0.0.1:4001
+// failed: ALREADY_EXISTS: trainer 1 already sent bucket 0 of batch 3".
+class ParameterServerClient {
+ public:
+  explicit ParameterServerClient(ClientOptions options);
+  ~ParameterServerClient();
+  ParameterServerClient(const ParameterServerClient&) = delete;
+  ParameterServerClient& operator=(const ParameterServerClient&) = delete;
+
+  // Sends `gradient` (dense, or sparse COO: coalesced on the way) and returns a future of the
+  // average. Dense: `into` (optional, same numel and dtype) receives the average and is the
+  // future's value; otherwise a new tensor shaped like `gradient`.
+  FuturePtr average(int64_t batch_number, int64_t bucket_index, const at::Tensor& gradient,
+                    at::Tensor into = at::Tensor());
+  void reset_state();
+  struct ServerMetrics {
+    int server_rank = 0;
+    metrics::Series series;
+    ParameterServer::Counters counters;
+  };
+  ServerMetrics get_metrics();
+  int trainer_id() const;
+  const std::string& address() const;
+
+  struct Impl;
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+// Which server a trainer talks to: trainers are split into nserver consecutive groups of
+// ntrainer / nserver (ntrainer must be a multiple of nserver), as in the seed benchmark.
+int server_for_trainer(int trainer, int ntrainer, int nserver);
+std::vector<int> trainers_of_server(int server, int ntrainer, int nserver);
+
+}  // namespace ps
+}  // namespace ddpkit

@@ -1,0 +1,223 @@
+// The trainer's side: one channel per server; AverageGradient through gRPC's callback API, so a
+// hook returns at once and its future completes on a gRPC thread.
+#include <ddpkit/ps/parameter_server.h>
+
+#include "parameter_server.grpc.pb.h"
+#include "wire_tensor.h"
+
+#include <grpcpp/grpcpp.h>
+
+#include <condition_variable>
+#include <fstream>
+#include <sstream>
+
+namespace ddpkit {
+namespace ps {
+namespace {
+
+const char* code_name(grpc::StatusCode code) {
+  switch (code) {
+    case grpc::StatusCode::OK: return "OK";
+    case grpc::StatusCode::CANCELLED: return "CANCELLED";
+    case grpc::StatusCode::UNKNOWN: return "UNKNOWN";
+    case grpc::StatusCode::INVALID_ARGUMENT: return "INVALID_ARGUMENT";
+    case grpc::StatusCode::DEADLINE_EXCEEDED: return "DEADLINE_EXCEEDED";
+    case grpc::StatusCode::NOT_FOUND: return "NOT_FOUND";
+    case grpc::StatusCode::ALREADY_EXISTS: return "ALREADY_EXISTS";
+    case grpc::StatusCode::PERMISSION_DENIED: return "PERMISSION_DENIED";
+    case grpc::StatusCode::RESOURCE_EXHAUSTED: return "RESOURCE_EXHAUSTED";
+    case grpc::StatusCode::FAILED_PRECONDITION: return "FAILED_PRECONDITION";
+    case grpc::StatusCode::ABORTED: return "ABORTED";
+    case grpc::StatusCode::OUT_OF_RANGE: return "OUT_OF_RANGE";
+    case grpc::StatusCode::UNIMPLEMENTED: return "UNIMPLEMENTED";
+    case grpc::StatusCode::INTERNAL: return "INTERNAL";
+    case grpc::StatusCode::UNAVAILABLE: return "UNAVAILABLE";
+    case grpc::StatusCode::DATA_LOSS: return "DATA_LOSS";
+    case grpc::StatusCode::UNAUTHENTICATED: return "UNAUTHENTICATED";
+    default: return "UNKNOWN_CODE";
+  }
+}
+
+std::string failure_message(const std::string& address, const std::string& what, const grpc::Status& s) {
+  return "ddpkit ps: " + what + " on " + address + " failed: " + code_name(s.error_code()) + ": " + s.error_message();
+}
+
+std::string read_pem(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  DDPKIT_CHECK(in, "cannot read the TLS root certificate '", path, "'");
+  std::ostringstream os;
+  os << in.rdbuf();
+  return os.str();
+}
+
+}  // namespace
+
+struct ParameterServerClient::Impl {
+  ClientOptions options;
+  std::shared_ptr<grpc::Channel> channel;
+  std::unique_ptr<wire::ParameterServer::Stub> stub;
+
+  std::string failure(const std::string& what, const grpc::Status& s) const {
+    return failure_message(options.address(), what, s);
+  }
+  void prepare(grpc::ClientContext& ctx, std::chrono::milliseconds timeout) const {
+    ctx.set_deadline(std::chrono::system_clock::now() + timeout);
+    if (!options.token().empty()) ctx.AddMetadata("authorization", "Bearer " + options.token());
+  }
+
+  // The session: a server stream that never carries a message; its end is the signal.
+  class Session final : public grpc::ClientReadReactor<wire::SessionEvent> {
+   public:
+    void start(wire::ParameterServer::Stub* stub, int trainer) {
+      request.set_trainer_id(trainer);
+      stub->async()->Session(&ctx, &request, this);
+      StartRead(&event);
+      StartCall();
+    }
+    void OnReadDone(bool ok) override {
+      if (ok) StartRead(&event);
+    }
+    void OnDone(const grpc::Status&) override {
+      std::lock_guard<std::mutex> lock(mu);
+      done = true;
+      cv.notify_all();
+    }
+    void stop() {
+      ctx.TryCancel();
+      std::unique_lock<std::mutex> lock(mu);
+      cv.wait(lock, [&] { return done; });
+    }
+    grpc::ClientContext ctx;
+
+   private:
+    wire::SessionRequest request;
+    wire::SessionEvent event;
+    std::mutex mu;
+    std::condition_variable cv;
+    bool done = false;
+  };
+  std::unique_ptr<Session> session;
+};
+
+ParameterServerClient::ParameterServerClient(ClientOptions options) : impl_(std::make_unique<Impl>()) {
+  impl_->options = std::move(options);
+  const auto& o = impl_->options;
+  DDPKIT_CHECK(o.address().find(':') != std::string::npos, "parameter server address '", o.address(), "' is not host:port");
+  DDPKIT_CHECK(o.timeout().count() > 0, "parameter server client: timeout must be positive");
+  DDPKIT_CHECK(o.max_message_bytes() > 0 && o.max_message_bytes() <= (int64_t(1) << 31) - 1,
+               "parameter server client: max_message_bytes must be in 1..2^31-1");
+  std::shared_ptr<grpc::ChannelCredentials> creds;
+  if (!o.tls().root_certificate().empty()) {
+    grpc::SslCredentialsOptions ssl;
+    ssl.pem_root_certs = read_pem(o.tls().root_certificate());
+    creds = grpc::SslCredentials(ssl);
+  } else {
+    creds = grpc::InsecureChannelCredentials();
+  }
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(static_cast<int>(o.max_message_bytes()));
+  args.SetMaxSendMessageSize(static_cast<int>(o.max_message_bytes()));
+  // One channel per client: trainers sharing a process must not share a TCP connection.
+  args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+  impl_->channel = grpc::CreateCustomChannel(o.address(), creds, args);
+  if (!impl_->channel->WaitForConnected(std::chrono::system_clock::now() + o.connect_timeout()))
+    throw CommError("ddpkit ps: could not connect to the parameter server at " + o.address() + " within " +
+                    std::to_string(o.connect_timeout().count()) + " ms");
+  impl_->stub = wire::ParameterServer::NewStub(impl_->channel);
+  if (o.open_session()) {
+    impl_->session = std::make_unique<Impl::Session>();
+    if (!o.token().empty()) impl_->session->ctx.AddMetadata("authorization", "Bearer " + o.token());
+    impl_->session->start(impl_->stub.get(), o.trainer_id());
+  }
+}
+
+ParameterServerClient::~ParameterServerClient() {
+  if (impl_->session) impl_->session->stop();
+}
+
+int ParameterServerClient::trainer_id() const { return impl_->options.trainer_id(); }
+const std::string& ParameterServerClient::address() const { return impl_->options.address(); }
+
+FuturePtr ParameterServerClient::average(int64_t batch_number, int64_t bucket_index, const at::Tensor& gradient,
+                                         at::Tensor into) {
+  DDPKIT_CHECK(gradient.defined(), "parameter server client: gradient is undefined");
+  DDPKIT_CHECK(!into.defined() || (!gradient.is_sparse() && into.numel() == gradient.numel() &&
+                                   into.scalar_type() == gradient.scalar_type()),
+               "parameter server client: `into` must be dense with the gradient's numel and dtype");
+  struct Call {
+    grpc::ClientContext ctx;
+    wire::GradientRequest request;
+    wire::GradientReply reply;
+  };
+  auto* call = new Call;
+  impl_->prepare(call->ctx, impl_->options.timeout());
+  call->request.set_trainer_id(impl_->options.trainer_id());
+  call->request.set_batch_number(batch_number);
+  call->request.set_bucket_index(bucket_index);
+  encode_tensor(gradient, call->request.mutable_gradient());
+
+  const c10::Device device = gradient.device();
+  FuturePtr result = make_tensor_future(device);
+  const std::string what = "AverageGradient(batch " + std::to_string(batch_number) + ", bucket " +
+                           std::to_string(bucket_index) + ")";
+  const bool sparse = gradient.is_sparse();
+  const std::vector<int64_t> shape = gradient.sizes().vec();
+  impl_->stub->async()->AverageGradient(
+      &call->ctx, &call->request, &call->reply,
+      [call, result, into, device, what, sparse, shape, address = impl_->options.address()](grpc::Status status) mutable {
+        std::unique_ptr<Call> owned(call);
+        if (!status.ok()) {
+          result->setError(std::make_exception_ptr(CommError(failure_message(address, what, status))));
+          return;
+        }
+        std::string error;
+        at::Tensor out;
+        if (!sparse && into.defined()) {
+          if (decode_dense_into(owned->reply.average(), into, &error)) out = into;
+        } else {
+          out = decode_tensor(owned->reply.average(), &error);
+          if (out.defined() && out.sizes().vec() != shape) {
+            error = "reply " + describe(owned->reply.average()) + " has another shape than the gradient";
+            out = at::Tensor();
+          }
+          if (out.defined() && out.device() != device) out = out.to(device);
+        }
+        if (!out.defined()) {
+          result->setError(std::make_exception_ptr(CommError("ddpkit ps: " + what + " on " + address +
+                                                             ": malformed reply: " + error)));
+          return;
+        }
+        result->markCompleted(c10::IValue(out));
+      });
+  return result;
+}
+
+void ParameterServerClient::reset_state() {
+  grpc::ClientContext ctx;
+  impl_->prepare(ctx, impl_->options.connect_timeout());
+  wire::ResetRequest request;
+  wire::ResetReply reply;
+  grpc::Status s = impl_->stub->ResetState(&ctx, request, &reply);
+  if (!s.ok()) throw CommError(impl_->failure("ResetState", s));
+}
+
+ParameterServerClient::ServerMetrics ParameterServerClient::get_metrics() {
+  grpc::ClientContext ctx;
+  impl_->prepare(ctx, impl_->options.connect_timeout());
+  wire::MetricsRequest request;
+  wire::MetricsReply reply;
+  grpc::Status s = impl_->stub->GetMetrics(&ctx, request, &reply);
+  if (!s.ok()) throw CommError(impl_->failure("GetMetrics", s));
+  ServerMetrics out;
+  out.server_rank = reply.server_rank();
+  for (const auto& m : reply.metrics()) out.series[m.name()] = std::vector<double>(m.elapsed_ms().begin(), m.elapsed_ms().end());
+  out.counters.buckets_averaged = reply.buckets_averaged();
+  out.counters.gradients_received = reply.gradients_received();
+  out.counters.bytes_received = reply.bytes_received();
+  out.counters.bytes_sent = reply.bytes_sent();
+  out.counters.seconds_since_reset = reply.seconds_since_reset();
+  return out;
+}
+
+}  // namespace ps
+}  // namespace ddpkit

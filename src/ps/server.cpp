@@ -1,0 +1,572 @@
+// The parameter server: gRPC callback service (no thread per waiting call), per-(batch, bucket)
+// state under one mutex, replies finished outside it.
+#include <ddpkit/ps/parameter_server.h>
+
+#include "parameter_server.grpc.pb.h"
+#include "wire_tensor.h"
+
+#include <grpcpp/grpcpp.h>
+#include <grpcpp/security/server_credentials.h>
+
+#include <algorithm>
+#include <condition_variable>
+#include <fstream>
+#include <set>
+#include <sstream>
+#include <thread>
+
+namespace ddpkit {
+namespace ps {
+
+ServerKind server_kind_from_name(const std::string& name) {
+  if (name == "average" || name == "AverageParameterServer") return ServerKind::kAverage;
+  if (name == "average_batch" || name == "AverageBatchParameterServer") return ServerKind::kAverageBatch;
+  DDPKIT_CHECK(false, "unknown parameter server class '", name, "' (known: average, average_batch)");
+  return ServerKind::kAverage;
+}
+
+const char* server_kind_name(ServerKind kind) {
+  return kind == ServerKind::kAverage ? "average" : "average_batch";
+}
+
+int server_for_trainer(int trainer, int ntrainer, int nserver) {
+  DDPKIT_CHECK(nserver > 0 && ntrainer > 0 && ntrainer % nserver == 0, "trainer count ", ntrainer,
+               " must be a positive multiple of the server count ", nserver);
+  DDPKIT_CHECK(trainer >= 0 && trainer < ntrainer, "trainer ", trainer, " is outside 0..", ntrainer - 1);
+  return trainer / (ntrainer / nserver);
+}
+
+std::vector<int> trainers_of_server(int server, int ntrainer, int nserver) {
+  DDPKIT_CHECK(nserver > 0 && ntrainer > 0 && ntrainer % nserver == 0, "trainer count ", ntrainer,
+               " must be a positive multiple of the server count ", nserver);
+  DDPKIT_CHECK(server >= 0 && server < nserver, "server ", server, " is outside 0..", nserver - 1);
+  const int per = ntrainer / nserver;
+  std::vector<int> out;
+  for (int t = server * per; t < (server + 1) * per; ++t) out.push_back(t);
+  return out;
+}
+
+namespace {
+
+std::string read_file(const std::string& path, const char* what) {
+  std::ifstream in(path, std::ios::binary);
+  DDPKIT_CHECK(in, "cannot read the TLS ", what, " '", path, "'");
+  std::ostringstream os;
+  os << in.rdbuf();
+  return os.str();
+}
+
+std::string join_ids(const std::vector<int>& ids) {
+  std::ostringstream os;
+  for (size_t i = 0; i < ids.size(); ++i) os << (i ? ", " : "") << ids[i];
+  return os.str();
+}
+
+// Constant-time: the token is a secret.
+bool same_secret(const std::string& a, const std::string& b) {
+  unsigned char diff = a.size() == b.size() ? 0 : 1;
+  for (size_t i = 0; i < b.size(); ++i) diff |= static_cast<unsigned char>(a[i % (a.size() ? a.size() : 1)] ^ b[i]);
+  return diff == 0 && !a.empty();
+}
+
+using Clock = std::chrono::steady_clock;
+
+}  // namespace
+
+class AverageCall;
+
+struct ParameterServer::Impl {
+  explicit Impl(ServerOptions o) : options(std::move(o)), log(options.rank()) {
+    serving = std::set<int>(options.trainer_ids().begin(), options.trainer_ids().end());
+  }
+
+  struct Bucket {
+    std::map<int, AverageCall*> waiting;  // trainer -> call not yet answered
+    std::set<int> sent;
+    wire::Tensor signature;  // dtype, shape, layout of the first gradient (no data)
+    at::Tensor sum;          // kAverage
+    std::map<int, at::Tensor> parts;  // kAverageBatch
+    Clock::time_point first;
+  };
+
+  grpc::Status check_token(grpc::CallbackServerContext* ctx) const;
+  grpc::ServerUnaryReactor* average_gradient(grpc::CallbackServerContext* ctx, const wire::GradientRequest* req,
+                                             wire::GradientReply* reply);
+  void on_cancel(AverageCall* call);
+  void on_session_lost(int trainer);
+  void on_session_opened(int trainer);
+  // Fails every waiting call of the current batch; later gradients of this batch get the same
+  // status. Caller holds mu; the calls to finish are appended to *finish.
+  void fail_batch_locked(const grpc::Status& status, std::vector<std::pair<AverageCall*, grpc::Status>>* finish);
+  void reaper_loop();
+  void reset();
+  std::string key(int64_t batch, int64_t bucket) const {
+    return std::to_string(batch) + "," + std::to_string(bucket);
+  }
+
+  ServerOptions options;
+  std::set<int> serving;
+  std::unique_ptr<grpc::Service> service;
+  std::unique_ptr<grpc::Server> server;
+  int bound_port = 0;
+  std::string host;
+
+  mutable std::mutex mu;
+  int64_t batch = 0;
+  std::map<int64_t, Bucket> buckets;
+  grpc::Status batch_failure = grpc::Status::OK;  // of `batch`
+  std::set<int> disconnected;
+  metrics::MetricsLogger log;
+  Counters counters;
+  Clock::time_point reset_at = Clock::now();
+
+  std::mutex stop_mu;
+  std::condition_variable stop_cv;
+  bool stopping = false;
+  bool stopped = false;
+  std::thread reaper;
+};
+
+class AverageCall final : public grpc::ServerUnaryReactor {
+ public:
+  AverageCall(ParameterServer::Impl* impl, wire::GradientReply* reply, int trainer, int64_t batch, int64_t bucket)
+      : impl_(impl), reply(reply), trainer(trainer), batch(batch), bucket(bucket) {}
+  void OnCancel() override { impl_->on_cancel(this); }
+  void OnDone() override { delete this; }
+
+  ParameterServer::Impl* impl_;
+  wire::GradientReply* reply;
+  int trainer;
+  int64_t batch, bucket;
+  bool waiting = true;  // guarded by impl_->mu
+};
+
+namespace {
+// The session: never writes; ends when the trainer goes away (or the server stops).
+class SessionCall final : public grpc::ServerWriteReactor<wire::SessionEvent> {
+ public:
+  SessionCall(ParameterServer::Impl* impl, int trainer) : impl_(impl), trainer_(trainer) {}
+  void OnCancel() override {
+    impl_->on_session_lost(trainer_);
+    Finish(grpc::Status(grpc::StatusCode::CANCELLED, "session ended"));
+  }
+  void OnDone() override { delete this; }
+
+ private:
+  ParameterServer::Impl* impl_;
+  int trainer_;
+};
+
+class Service final : public wire::ParameterServer::CallbackService {
+ public:
+  explicit Service(ParameterServer::Impl* impl, ParameterServer* owner) : impl_(impl), owner_(owner) {}
+
+  grpc::ServerUnaryReactor* AverageGradient(grpc::CallbackServerContext* ctx, const wire::GradientRequest* req,
+                                            wire::GradientReply* reply) override {
+    return impl_->average_gradient(ctx, req, reply);
+  }
+
+  grpc::ServerUnaryReactor* ResetState(grpc::CallbackServerContext* ctx, const wire::ResetRequest*,
+                                       wire::ResetReply*) override {
+    auto* reactor = ctx->DefaultReactor();
+    grpc::Status s = impl_->check_token(ctx);
+    if (s.ok()) impl_->reset();
+    reactor->Finish(s);
+    return reactor;
+  }
+
+  grpc::ServerUnaryReactor* GetMetrics(grpc::CallbackServerContext* ctx, const wire::MetricsRequest*,
+                                       wire::MetricsReply* reply) override {
+    auto* reactor = ctx->DefaultReactor();
+    grpc::Status s = impl_->check_token(ctx);
+    if (s.ok()) {
+      reply->set_server_rank(impl_->options.rank());
+      for (const auto& [name, values] : owner_->metrics()) {
+        auto* m = reply->add_metrics();
+        m->set_name(name);
+        for (double v : values) m->add_elapsed_ms(v);
+      }
+      const auto c = owner_->counters();
+      reply->set_buckets_averaged(c.buckets_averaged);
+      reply->set_gradients_received(c.gradients_received);
+      reply->set_bytes_received(c.bytes_received);
+      reply->set_bytes_sent(c.bytes_sent);
+      reply->set_seconds_since_reset(c.seconds_since_reset);
+    }
+    reactor->Finish(s);
+    return reactor;
+  }
+
+  grpc::ServerWriteReactor<wire::SessionEvent>* Session(grpc::CallbackServerContext* ctx,
+                                                        const wire::SessionRequest* req) override {
+    grpc::Status s = impl_->check_token(ctx);
+    if (s.ok() && !impl_->serving.count(req->trainer_id()))
+      s = grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "trainer " + std::to_string(req->trainer_id()) +
+                                                               " is not served here (this server serves trainers " +
+                                                               join_ids(impl_->options.trainer_ids()) + ")");
+    auto* call = new SessionCall(impl_, req->trainer_id());
+    if (!s.ok()) {
+      call->Finish(s);
+    } else {
+      impl_->on_session_opened(req->trainer_id());
+    }
+    return call;
+  }
+
+ private:
+  ParameterServer::Impl* impl_;
+  ParameterServer* owner_;
+};
+}  // namespace
+
+grpc::Status ParameterServer::Impl::check_token(grpc::CallbackServerContext* ctx) const {
+  if (options.token().empty()) return grpc::Status::OK;
+  const auto& md = ctx->client_metadata();
+  auto it = md.find("authorization");
+  if (it == md.end())
+    return grpc::Status(grpc::StatusCode::UNAUTHENTICATED, "this parameter server requires a token (metadata 'authorization: Bearer <token>')");
+  const std::string value(it->second.data(), it->second.size());
+  const std::string prefix = "Bearer ";
+  if (value.compare(0, prefix.size(), prefix) != 0 || !same_secret(value.substr(prefix.size()), options.token()))
+    return grpc::Status(grpc::StatusCode::UNAUTHENTICATED, "wrong token for this parameter server");
+  return grpc::Status::OK;
+}
+
+grpc::ServerUnaryReactor* ParameterServer::Impl::average_gradient(grpc::CallbackServerContext* ctx,
+                                                                  const wire::GradientRequest* req,
+                                                                  wire::GradientReply* reply) {
+  const int trainer = req->trainer_id();
+  const int64_t b = req->batch_number(), index = req->bucket_index();
+  auto* call = new AverageCall(this, reply, trainer, b, index);
+  auto reject = [&](grpc::StatusCode code, const std::string& msg) {
+    call->waiting = false;
+    call->Finish(grpc::Status(code, msg));
+    return call;
+  };
+  grpc::Status auth = check_token(ctx);
+  if (!auth.ok()) return reject(auth.error_code(), auth.error_message());
+  const std::string where = "bucket " + std::to_string(index) + " of batch " + std::to_string(b);
+  if (!serving.count(trainer))
+    return reject(grpc::StatusCode::INVALID_ARGUMENT, "trainer " + std::to_string(trainer) +
+                                                          " is not served here (this server serves trainers " +
+                                                          join_ids(options.trainer_ids()) + ")");
+  if (b < 0 || index < 0) return reject(grpc::StatusCode::INVALID_ARGUMENT, "negative batch number or bucket index (" + where + ")");
+
+  // Decode outside the lock: it is the expensive part.
+  std::string error;
+  at::Tensor grad = decode_tensor(req->gradient(), &error);
+  if (!grad.defined()) return reject(grpc::StatusCode::INVALID_ARGUMENT, "trainer " + std::to_string(trainer) + ", " + where + ": " + error);
+  const int64_t in_bytes = payload_bytes(req->gradient());
+  // Sums of low-precision gradients are kept in float32.
+  if (grad.scalar_type() == at::kHalf || grad.scalar_type() == at::kBFloat16) grad = grad.to(at::kFloat);
+
+  std::vector<std::pair<AverageCall*, grpc::Status>> finish;
+  std::vector<AverageCall*> answer;
+  at::Tensor average;
+  wire::Tensor signature;
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    counters.gradients_received++;
+    counters.bytes_received += in_bytes;
+    if (b < batch) {
+      call->waiting = false;
+      finish.emplace_back(call, grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
+                                             "trainer " + std::to_string(trainer) + " sent " + where +
+                                                 ", but the server has moved on to batch " + std::to_string(batch)));
+    } else if (b > batch) {
+      // A newer batch: whoever still waits on the old one will never be answered.
+      if (!buckets.empty())
+        fail_batch_locked(grpc::Status(grpc::StatusCode::ABORTED, "batch " + std::to_string(batch) +
+                                                                      " was superseded by batch " + std::to_string(b) +
+                                                                      " before every trainer had sent"),
+                          &finish);
+      batch = b;
+      buckets.clear();
+      batch_failure = grpc::Status::OK;
+    }
+    if (!call->waiting) {
+      // rejected above
+    } else if (!batch_failure.ok()) {
+      call->waiting = false;
+      finish.emplace_back(call, batch_failure);
+    } else {
+      Bucket& bucket = buckets[index];
+      wire::Tensor sig = req->gradient();
+      sig.clear_data();
+      sig.clear_indices();
+      sig.clear_nnz();
+      if (bucket.sent.count(trainer)) {
+        call->waiting = false;
+        finish.emplace_back(call, grpc::Status(grpc::StatusCode::ALREADY_EXISTS,
+                                               "trainer " + std::to_string(trainer) + " already sent " + where));
+      } else if (!bucket.sent.empty() && sig.SerializeAsString() != bucket.signature.SerializeAsString()) {
+        call->waiting = false;
+        finish.emplace_back(call, grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                                               "trainer " + std::to_string(trainer) + " sent " + describe(sig) + " for " +
+                                                   where + ", but the other trainers sent " + describe(bucket.signature)));
+      } else {
+        std::vector<int> gone;
+        for (int t : serving)
+          if (!bucket.sent.count(t) && t != trainer && disconnected.count(t)) gone.push_back(t);
+        if (bucket.sent.empty()) {
+          bucket.signature = sig;
+          bucket.first = Clock::now();
+          log.record_start("parameter_server_straggler_metric", key(b, index), "param_index_straggler");
+          log.record_start("parameter_server_batch_metric", key(b, index), "param_index_batch");
+        }
+        bucket.sent.insert(trainer);
+        bucket.waiting[trainer] = call;
+        if (options.kind() == ServerKind::kAverage) {
+          if (!bucket.sum.defined())
+            bucket.sum = grad;
+          else if (grad.is_sparse())
+            bucket.sum = bucket.sum + grad;  // concatenates; coalesced once at the end
+          else
+            bucket.sum.add_(grad);
+        } else {
+          bucket.parts[trainer] = grad;
+        }
+        if (!gone.empty()) {
+          fail_batch_locked(grpc::Status(grpc::StatusCode::UNAVAILABLE,
+                                         "trainer(s) " + join_ids(gone) + " disconnected before sending " + where),
+                            &finish);
+        } else if (bucket.sent.size() == serving.size()) {
+          log.record_end("parameter_server_straggler_metric", key(b, index));
+          const std::string method_key = "avg," + key(b, index);
+          log.record_start("method_metric", method_key, "average computation");
+          if (options.kind() == ServerKind::kAverage) {
+            average = bucket.sum;
+          } else {
+            average = bucket.parts.begin()->second;
+            for (auto it = std::next(bucket.parts.begin()); it != bucket.parts.end(); ++it)
+              average = average.is_sparse() ? average + it->second : average.add_(it->second);
+          }
+          if (average.is_sparse()) average = average.coalesce();
+          average.div_(static_cast<double>(serving.size()));
+          log.record_end("method_metric", method_key);
+          signature = bucket.signature;
+          for (auto& [t, c] : bucket.waiting) {
+            c->waiting = false;
+            answer.push_back(c);
+          }
+          bucket.waiting.clear();
+          bucket.sum = at::Tensor();
+          bucket.parts.clear();
+          counters.buckets_averaged++;
+        }
+      }
+    }
+  }
+  if (!answer.empty()) {
+    at::ScalarType wire_type = at::kFloat;
+    switch (signature.dtype()) {
+      case wire::FLOAT64: wire_type = at::kDouble; break;
+      case wire::FLOAT16: wire_type = at::kHalf; break;
+      case wire::BFLOAT16: wire_type = at::kBFloat16; break;
+      default: break;
+    }
+    if (average.scalar_type() != wire_type) average = average.to(wire_type);
+    encode_tensor(average, answer.front()->reply->mutable_average());
+    const int64_t out_bytes = payload_bytes(answer.front()->reply->average());
+    for (size_t i = 1; i < answer.size(); ++i) *answer[i]->reply->mutable_average() = answer.front()->reply->average();
+    for (AverageCall* c : answer) c->Finish(grpc::Status::OK);
+    std::lock_guard<std::mutex> lock(mu);
+    counters.bytes_sent += out_bytes * static_cast<int64_t>(answer.size());
+    log.record_end("parameter_server_batch_metric", key(b, index));
+  }
+  for (auto& [c, s] : finish) c->Finish(s);
+  return call;
+}
+
+void ParameterServer::Impl::fail_batch_locked(const grpc::Status& status,
+                                              std::vector<std::pair<AverageCall*, grpc::Status>>* finish) {
+  batch_failure = status;
+  for (auto& [index, bucket] : buckets) {
+    for (auto& [t, c] : bucket.waiting) {
+      c->waiting = false;
+      finish->emplace_back(c, status);
+    }
+    bucket.waiting.clear();
+    bucket.sum = at::Tensor();
+    bucket.parts.clear();
+  }
+}
+
+void ParameterServer::Impl::on_cancel(AverageCall* call) {
+  std::vector<std::pair<AverageCall*, grpc::Status>> finish;
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    if (!call->waiting) return;
+    fail_batch_locked(grpc::Status(grpc::StatusCode::ABORTED,
+                                   "trainer " + std::to_string(call->trainer) + " gave up on bucket " +
+                                       std::to_string(call->bucket) + " of batch " + std::to_string(call->batch) +
+                                       " (its deadline passed or it was cancelled)"),
+                      &finish);
+  }
+  for (auto& [c, s] : finish) c->Finish(s);
+}
+
+void ParameterServer::Impl::on_session_opened(int trainer) {
+  std::lock_guard<std::mutex> lock(mu);
+  disconnected.erase(trainer);
+}
+
+void ParameterServer::Impl::on_session_lost(int trainer) {
+  std::vector<std::pair<AverageCall*, grpc::Status>> finish;
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    disconnected.insert(trainer);
+    for (auto& [index, bucket] : buckets) {
+      if (bucket.waiting.empty() || bucket.sent.count(trainer)) continue;
+      std::vector<int> waiting;
+      for (auto& [t, c] : bucket.waiting) waiting.push_back(t);
+      fail_batch_locked(grpc::Status(grpc::StatusCode::UNAVAILABLE,
+                                     "trainer " + std::to_string(trainer) + " disconnected before sending bucket " +
+                                         std::to_string(index) + " of batch " + std::to_string(batch) +
+                                         " (trainers " + join_ids(waiting) + " were waiting for it)"),
+                        &finish);
+      break;
+    }
+  }
+  for (auto& [c, s] : finish) c->Finish(s);
+}
+
+void ParameterServer::Impl::reaper_loop() {
+  const auto period = std::max(std::chrono::milliseconds(10), std::min(std::chrono::milliseconds(200), options.bucket_timeout() / 10));
+  std::unique_lock<std::mutex> stop_lock(stop_mu);
+  while (!stopping) {
+    stop_cv.wait_for(stop_lock, period);
+    if (stopping) break;
+    std::vector<std::pair<AverageCall*, grpc::Status>> finish;
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      const auto now = Clock::now();
+      for (auto& [index, bucket] : buckets) {
+        if (bucket.waiting.empty() || now - bucket.first < options.bucket_timeout()) continue;
+        std::vector<int> missing, waiting;
+        for (int t : serving)
+          if (!bucket.sent.count(t)) missing.push_back(t);
+        for (auto& [t, c] : bucket.waiting) waiting.push_back(t);
+        fail_batch_locked(grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED,
+                                       "bucket " + std::to_string(index) + " of batch " + std::to_string(batch) +
+                                           ": trainer(s) " + join_ids(missing) + " did not send within " +
+                                           std::to_string(options.bucket_timeout().count()) + " ms (trainers " +
+                                           join_ids(waiting) + " were waiting)"),
+                          &finish);
+        break;
+      }
+    }
+    stop_lock.unlock();
+    for (auto& [c, s] : finish) c->Finish(s);
+    stop_lock.lock();
+  }
+}
+
+void ParameterServer::Impl::reset() {
+  std::vector<std::pair<AverageCall*, grpc::Status>> finish;
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    if (!buckets.empty())
+      fail_batch_locked(grpc::Status(grpc::StatusCode::ABORTED, "the server's state was reset"), &finish);
+    buckets.clear();
+    batch = 0;
+    batch_failure = grpc::Status::OK;
+    log.clear();
+    counters = Counters();
+    reset_at = Clock::now();
+  }
+  for (auto& [c, s] : finish) c->Finish(s);
+}
+
+// ---- ParameterServer ----------------------------------------------------------------------------
+
+ParameterServer::ParameterServer(ServerOptions options) : impl_(std::make_unique<Impl>(std::move(options))) {
+  const auto& ids = impl_->options.trainer_ids();
+  DDPKIT_CHECK(!ids.empty(), "parameter server: trainer_ids is empty (which trainers does it serve?)");
+  DDPKIT_CHECK(impl_->serving.size() == ids.size(), "parameter server: trainer_ids has duplicates (", join_ids(ids), ")");
+  DDPKIT_CHECK(impl_->options.max_message_bytes() > 0 && impl_->options.max_message_bytes() <= (int64_t(1) << 31) - 1,
+               "parameter server: max_message_bytes must be in 1..2^31-1, got ", impl_->options.max_message_bytes());
+  DDPKIT_CHECK(impl_->options.bucket_timeout().count() > 0, "parameter server: bucket_timeout must be positive");
+  const auto& tls = impl_->options.tls();
+  DDPKIT_CHECK(tls.certificate().empty() == tls.private_key().empty(),
+               "parameter server: TLS needs both a certificate and a private key");
+}
+
+void ParameterServer::start() {
+  DDPKIT_CHECK(!impl_->server, "parameter server: start() called twice");
+  auto service = std::make_unique<Service>(impl_.get(), this);
+  std::shared_ptr<grpc::ServerCredentials> creds;
+  const auto& tls = impl_->options.tls();
+  if (!tls.certificate().empty()) {
+    grpc::SslServerCredentialsOptions ssl;
+    ssl.pem_key_cert_pairs.push_back({read_file(tls.private_key(), "private key"), read_file(tls.certificate(), "certificate")});
+    creds = grpc::SslServerCredentials(ssl);
+  } else {
+    creds = grpc::InsecureServerCredentials();
+  }
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort(impl_->options.address(), creds, &impl_->bound_port);
+  builder.RegisterService(service.get());
+  // gRPC sets SO_REUSEPORT by default: a second server on a taken port would then share it.
+  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
+  builder.SetMaxReceiveMessageSize(static_cast<int>(impl_->options.max_message_bytes()));
+  builder.SetMaxSendMessageSize(static_cast<int>(impl_->options.max_message_bytes()));
+  impl_->server = builder.BuildAndStart();
+  DDPKIT_CHECK(impl_->server && impl_->bound_port > 0, "parameter server: cannot listen on '", impl_->options.address(),
+               "' (address in use, or not an address of this host)");
+  const std::string& a = impl_->options.address();
+  impl_->host = a.substr(0, a.rfind(':'));
+  impl_->service = std::move(service);
+  impl_->reaper = std::thread([impl = impl_.get()] { impl->reaper_loop(); });
+}
+
+int ParameterServer::port() const { return impl_->bound_port; }
+std::string ParameterServer::address() const { return impl_->host + ":" + std::to_string(impl_->bound_port); }
+
+void ParameterServer::shutdown(std::chrono::milliseconds grace) {
+  {
+    std::lock_guard<std::mutex> lock(impl_->stop_mu);
+    if (impl_->stopping) return;
+    impl_->stopping = true;
+  }
+  impl_->stop_cv.notify_all();
+  if (impl_->reaper.joinable()) impl_->reaper.join();
+  if (!impl_->server) return;
+  std::vector<std::pair<AverageCall*, grpc::Status>> finish;
+  {
+    std::lock_guard<std::mutex> lock(impl_->mu);
+    impl_->fail_batch_locked(grpc::Status(grpc::StatusCode::UNAVAILABLE, "the parameter server is shutting down"), &finish);
+  }
+  for (auto& [c, s] : finish) c->Finish(s);
+  impl_->server->Shutdown(std::chrono::system_clock::now() + grace);
+  impl_->server->Wait();
+  std::lock_guard<std::mutex> lock(impl_->stop_mu);
+  impl_->stopped = true;
+  impl_->stop_cv.notify_all();
+}
+
+void ParameterServer::wait() {
+  std::unique_lock<std::mutex> lock(impl_->stop_mu);
+  impl_->stop_cv.wait(lock, [&] { return impl_->stopped; });
+}
+
+ParameterServer::~ParameterServer() {
+  try {
+    shutdown();
+  } catch (...) {
+  }
+}
+
+ParameterServer::Counters ParameterServer::counters() const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  Counters c = impl_->counters;
+  c.seconds_since_reset = std::chrono::duration<double>(Clock::now() - impl_->reset_at).count();
+  return c;
+}
+
+metrics::Series ParameterServer::metrics() const { return impl_->log.processed(); }
+
+void ParameterServer::reset_state() { impl_->reset(); }
+
+}  // namespace ps
+}  // namespace ddpkit

@@ -1,0 +1,87 @@
+#include <ddpkit/ps/trainer_hooks.h>
+
+#include <ddpkit/hooks/default_hooks.h>
+
+#include <atomic>
+
+namespace ddpkit {
+namespace ps {
+namespace {
+
+// Batch numbering and metric recording shared by the three hooks.
+class HookState {
+ public:
+  explicit HookState(std::shared_ptr<metrics::MetricsLogger> log) : log_(std::move(log)) {}
+
+  // The batch this bucket belongs to; the next call after the last bucket starts a new batch.
+  int64_t batch_of(const GradBucket& bucket) {
+    const int64_t b = batch_.load();
+    if (bucket.is_last()) batch_.store(b + 1);
+    return b;
+  }
+
+  // Times `future` as a hook_future_metric event named `name`.
+  FuturePtr timed(FuturePtr future, int64_t batch, const GradBucket& bucket, const std::string& name) {
+    if (!log_) return future;
+    const std::string key = std::to_string(batch) + "," + std::to_string(bucket.index());
+    log_->record_start("hook_future_metric", key, name);
+    auto log = log_;
+    future->addCallback([log, key](c10::ivalue::Future&) { log->record_end("hook_future_metric", key); });
+    return future;
+  }
+
+ private:
+  std::shared_ptr<metrics::MetricsLogger> log_;
+  std::atomic<int64_t> batch_{0};
+};
+
+FuturePtr to_server(ParameterServerClient& client, HookState& state, GradBucket& bucket) {
+  const int64_t batch = state.batch_of(bucket);
+  const at::Tensor& buffer = bucket.buffer();
+  if (buffer.is_sparse()) return state.timed(client.average(batch, bucket.index(), buffer), batch, bucket, "rpc_sparse");
+  // The average lands in the bucket itself: no second copy.
+  return state.timed(client.average(batch, bucket.index(), buffer, buffer), batch, bucket, "rpc_dense");
+}
+
+FuturePtr allreduce(ProcessGroup& pg, HookState& state, GradBucket& bucket, int64_t batch) {
+  at::Tensor buffer = bucket.buffer();
+  const bool sparse = buffer.is_sparse();
+  if (sparse) buffer = buffer.coalesce();
+  buffer.div_(pg.size());
+  return state.timed(pg.allreduce(buffer), batch, bucket,
+                     pg.backend_name() + (sparse ? "_sparse_allreduce" : "_dense_allreduce"));
+}
+
+}  // namespace
+
+CommHook rpc_hook(std::shared_ptr<ParameterServerClient> client, std::shared_ptr<metrics::MetricsLogger> log) {
+  DDPKIT_CHECK(client, "rpc_hook: parameter server client is null");
+  auto state = std::make_shared<HookState>(std::move(log));
+  return [client = std::move(client), state](GradBucket& bucket) { return to_server(*client, *state, bucket); };
+}
+
+CommHook sparse_rpc_hook(std::shared_ptr<ParameterServerClient> client, std::shared_ptr<ProcessGroup> pg,
+                         std::shared_ptr<metrics::MetricsLogger> log) {
+  DDPKIT_CHECK(client, "sparse_rpc_hook: parameter server client is null");
+  DDPKIT_CHECK(pg, "sparse_rpc_hook: process group is null");
+  auto state = std::make_shared<HookState>(std::move(log));
+  return [client = std::move(client), pg = std::move(pg), state](GradBucket& bucket) {
+    if (bucket.is_sparse()) return to_server(*client, *state, bucket);
+    return allreduce(*pg, *state, bucket, state->batch_of(bucket));
+  };
+}
+
+CommHook hybrid_hook(std::shared_ptr<ProcessGroup> sparse_pg, std::shared_ptr<ProcessGroup> dense_pg,
+                     std::shared_ptr<metrics::MetricsLogger> log) {
+  DDPKIT_CHECK(sparse_pg && dense_pg, "hybrid_hook: a process group is null");
+  DDPKIT_CHECK(sparse_pg->size() == dense_pg->size(), "hybrid_hook: the sparse group has ", sparse_pg->size(),
+               " ranks, the dense group ", dense_pg->size());
+  auto state = std::make_shared<HookState>(std::move(log));
+  return [sparse_pg = std::move(sparse_pg), dense_pg = std::move(dense_pg), state](GradBucket& bucket) {
+    const int64_t batch = state->batch_of(bucket);
+    return allreduce(bucket.is_sparse() ? *sparse_pg : *dense_pg, *state, bucket, batch);
+  };
+}
+
+}  // namespace ps
+}  // namespace ddpkit
