@@ -20,11 +20,14 @@ class HookState {
     return b;
   }
 
-  // Times `future` as a hook_future_metric event named `name`.
-  FuturePtr timed(FuturePtr future, int64_t batch, const GradBucket& bucket, const std::string& name) {
-    if (!log_) return future;
+  // Runs `start` (which issues the communication) and times it until its future completes, as a
+  // hook_future_metric event named `name`.
+  template <typename Start>
+  FuturePtr timed(int64_t batch, const GradBucket& bucket, const std::string& name, Start&& start) {
+    if (!log_) return start();
     const std::string key = std::to_string(batch) + "," + std::to_string(bucket.index());
     log_->record_start("hook_future_metric", key, name);
+    FuturePtr future = start();
     auto log = log_;
     future->addCallback([log, key](c10::ivalue::Future&) { log->record_end("hook_future_metric", key); });
     return future;
@@ -38,18 +41,19 @@ class HookState {
 FuturePtr to_server(ParameterServerClient& client, HookState& state, GradBucket& bucket) {
   const int64_t batch = state.batch_of(bucket);
   const at::Tensor& buffer = bucket.buffer();
-  if (buffer.is_sparse()) return state.timed(client.average(batch, bucket.index(), buffer), batch, bucket, "rpc_sparse");
+  if (buffer.is_sparse())
+    return state.timed(batch, bucket, "rpc_sparse", [&] { return client.average(batch, bucket.index(), buffer); });
   // The average lands in the bucket itself: no second copy.
-  return state.timed(client.average(batch, bucket.index(), buffer, buffer), batch, bucket, "rpc_dense");
+  return state.timed(batch, bucket, "rpc_dense", [&] { return client.average(batch, bucket.index(), buffer, buffer); });
 }
 
 FuturePtr allreduce(ProcessGroup& pg, HookState& state, GradBucket& bucket, int64_t batch) {
-  at::Tensor buffer = bucket.buffer();
-  const bool sparse = buffer.is_sparse();
-  if (sparse) buffer = buffer.coalesce();
-  buffer.div_(pg.size());
-  return state.timed(pg.allreduce(buffer), batch, bucket,
-                     pg.backend_name() + (sparse ? "_sparse_allreduce" : "_dense_allreduce"));
+  const bool sparse = bucket.buffer().is_sparse();
+  return state.timed(batch, bucket, pg.backend_name() + (sparse ? "_sparse_allreduce" : "_dense_allreduce"), [&] {
+    at::Tensor buffer = sparse ? bucket.buffer().coalesce() : bucket.buffer();
+    buffer.div_(pg.size());
+    return pg.allreduce(buffer);
+  });
 }
 
 }  // namespace
@@ -80,6 +84,16 @@ CommHook hybrid_hook(std::shared_ptr<ProcessGroup> sparse_pg, std::shared_ptr<Pr
   return [sparse_pg = std::move(sparse_pg), dense_pg = std::move(dense_pg), state](GradBucket& bucket) {
     const int64_t batch = state->batch_of(bucket);
     return allreduce(bucket.is_sparse() ? *sparse_pg : *dense_pg, *state, bucket, batch);
+  };
+}
+
+CommHook timed_hook(CommHook inner, std::shared_ptr<metrics::MetricsLogger> log, std::string name) {
+  DDPKIT_CHECK(inner, "timed_hook: the wrapped hook is empty");
+  DDPKIT_CHECK(log, "timed_hook: metrics logger is null");
+  auto state = std::make_shared<HookState>(std::move(log));
+  return [inner = std::move(inner), state, name = std::move(name)](GradBucket& bucket) {
+    const int64_t batch = state->batch_of(bucket);
+    return state->timed(batch, bucket, name, [&] { return inner(bucket); });
   };
 }
 

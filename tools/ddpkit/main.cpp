@@ -15,6 +15,12 @@ namespace ddpkit {
 namespace cli {
 extern const char* kTrainUsage;
 int run_train(const std::vector<std::string>& args, const std::vector<std::string>& argv);
+#ifdef DDPKIT_WITH_PS
+extern const char* kPsServerUsage;
+extern const char* kBenchUsage;
+int run_ps_server(const std::vector<std::string>& args);
+int run_bench(const std::vector<std::string>& args, const std::vector<std::string>& argv);
+#endif
 }  // namespace cli
 }  // namespace ddpkit
 
@@ -23,6 +29,8 @@ const char* kUsage = R"(usage: ddpkit <command> [flags]
 
 commands:
   train     data-parallel training (ddpkit train --help)
+  bench     the parameter-server benchmark: trainers + gRPC servers (ddpkit bench --help)
+  ps-server a gradient-averaging parameter server (ddpkit ps-server --help)
   version   versions of ddpkit, libtorch, and the codec SIMD level
 )";
 }
@@ -61,6 +69,17 @@ int main(int argc, char** argv) {
         }
       return run_train(args, all);
     }
+#ifdef DDPKIT_WITH_PS
+    if (cmd == "ps-server" || cmd == "bench") {
+      usage = cmd == "bench" ? kBenchUsage : kPsServerUsage;
+      for (const auto& a : args)
+        if (a == "--help" || a == "-h") {
+          std::cout << usage;
+          return 0;
+        }
+      return cmd == "bench" ? run_bench(args, all) : run_ps_server(args);
+    }
+#endif
     if (cmd == "version") {
       std::cout << "ddpkit 0.1.0, libtorch " << TORCH_VERSION << ", codecs " << ddpkit::codecs::simd_level_name() << "\n";
       return 0;

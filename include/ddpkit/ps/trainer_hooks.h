@@ -26,6 +26,8 @@ CommHook sparse_rpc_hook(std::shared_ptr<ParameterServerClient> client, std::sha
                          std::shared_ptr<metrics::MetricsLogger> log = nullptr);
 CommHook hybrid_hook(std::shared_ptr<ProcessGroup> sparse_pg, std::shared_ptr<ProcessGroup> dense_pg,
                      std::shared_ptr<metrics::MetricsLogger> log = nullptr);
+// Times any hook's future the same way (e.g. the allreduce baseline), named `name`.
+CommHook timed_hook(CommHook inner, std::shared_ptr<metrics::MetricsLogger> log, std::string name);
 
 }  // namespace ps
 }  // namespace ddpkit
