@@ -2,12 +2,15 @@
 // hook returns at once and its future completes on a gRPC thread.
 #include <ddpkit/ps/parameter_server.h>
 
+#include "grpc_runtime.h"
 #include "parameter_server.grpc.pb.h"
 #include "wire_tensor.h"
 
+#include <grpcpp/generic/generic_stub.h>
 #include <grpcpp/grpcpp.h>
 
 #include <condition_variable>
+#include <set>
 #include <fstream>
 #include <sstream>
 
@@ -56,6 +59,9 @@ struct ParameterServerClient::Impl {
   ClientOptions options;
   std::shared_ptr<grpc::Channel> channel;
   std::unique_ptr<wire::ParameterServer::Stub> stub;
+  // AverageGradient goes through the generic stub: its request is serialized straight from the
+  // tensor and its reply parsed straight into the bucket (wire_tensor.h).
+  std::unique_ptr<grpc::GenericStub> generic;
 
   std::string failure(const std::string& what, const grpc::Status& s) const {
     return failure_message(options.address(), what, s);
@@ -97,9 +103,43 @@ struct ParameterServerClient::Impl {
     bool done = false;
   };
   std::unique_ptr<Session> session;
+
+  struct Call {
+    grpc::ClientContext ctx;
+    grpc::ByteBuffer request, reply;
+  };
+  // Calls in flight: the destructor cancels them and waits until their callbacks are done, so
+  // the channel outlives every callback.
+  struct InFlight {
+    std::mutex mu;
+    std::condition_variable cv;
+    std::set<Call*> calls;
+    int callbacks = 0;
+    void begin(Call* c) {
+      std::lock_guard<std::mutex> lock(mu);
+      calls.insert(c);
+      ++callbacks;
+    }
+    void end(Call* c) {
+      std::lock_guard<std::mutex> lock(mu);
+      calls.erase(c);
+    }
+    void done() {
+      std::lock_guard<std::mutex> lock(mu);
+      --callbacks;
+      cv.notify_all();
+    }
+    void cancel_and_wait() {
+      std::unique_lock<std::mutex> lock(mu);
+      for (Call* c : calls) c->ctx.TryCancel();
+      cv.wait(lock, [&] { return callbacks == 0; });
+    }
+  };
+  std::shared_ptr<InFlight> flight = std::make_shared<InFlight>();
 };
 
 ParameterServerClient::ParameterServerClient(ClientOptions options) : impl_(std::make_unique<Impl>()) {
+  hold_grpc_runtime();
   impl_->options = std::move(options);
   const auto& o = impl_->options;
   DDPKIT_CHECK(o.address().find(':') != std::string::npos, "parameter server address '", o.address(), "' is not host:port");
@@ -119,11 +159,13 @@ ParameterServerClient::ParameterServerClient(ClientOptions options) : impl_(std:
   args.SetMaxSendMessageSize(static_cast<int>(o.max_message_bytes()));
   // One channel per client: trainers sharing a process must not share a TCP connection.
   args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+  apply_bulk_transport_args([&](const char* name, int value) { args.SetInt(name, value); });
   impl_->channel = grpc::CreateCustomChannel(o.address(), creds, args);
   if (!impl_->channel->WaitForConnected(std::chrono::system_clock::now() + o.connect_timeout()))
     throw CommError("ddpkit ps: could not connect to the parameter server at " + o.address() + " within " +
                     std::to_string(o.connect_timeout().count()) + " ms");
   impl_->stub = wire::ParameterServer::NewStub(impl_->channel);
+  impl_->generic = std::make_unique<grpc::GenericStub>(impl_->channel);
   if (o.open_session()) {
     impl_->session = std::make_unique<Impl::Session>();
     if (!o.token().empty()) impl_->session->ctx.AddMetadata("authorization", "Bearer " + o.token());
@@ -132,6 +174,7 @@ ParameterServerClient::ParameterServerClient(ClientOptions options) : impl_(std:
 }
 
 ParameterServerClient::~ParameterServerClient() {
+  impl_->flight->cancel_and_wait();
   if (impl_->session) impl_->session->stop();
 }
 
@@ -144,17 +187,9 @@ FuturePtr ParameterServerClient::average(int64_t batch_number, int64_t bucket_in
   DDPKIT_CHECK(!into.defined() || (!gradient.is_sparse() && into.numel() == gradient.numel() &&
                                    into.scalar_type() == gradient.scalar_type()),
                "parameter server client: `into` must be dense with the gradient's numel and dtype");
-  struct Call {
-    grpc::ClientContext ctx;
-    wire::GradientRequest request;
-    wire::GradientReply reply;
-  };
-  auto* call = new Call;
+  auto* call = new Impl::Call;
   impl_->prepare(call->ctx, impl_->options.timeout());
-  call->request.set_trainer_id(impl_->options.trainer_id());
-  call->request.set_batch_number(batch_number);
-  call->request.set_bucket_index(bucket_index);
-  encode_tensor(gradient, call->request.mutable_gradient());
+  call->request = serialize_gradient_request(impl_->options.trainer_id(), batch_number, bucket_index, gradient);
 
   const c10::Device device = gradient.device();
   FuturePtr result = make_tensor_future(device);
@@ -162,32 +197,40 @@ FuturePtr ParameterServerClient::average(int64_t batch_number, int64_t bucket_in
                            std::to_string(bucket_index) + ")";
   const bool sparse = gradient.is_sparse();
   const std::vector<int64_t> shape = gradient.sizes().vec();
-  impl_->stub->async()->AverageGradient(
-      &call->ctx, &call->request, &call->reply,
-      [call, result, into, device, what, sparse, shape, address = impl_->options.address()](grpc::Status status) mutable {
-        std::unique_ptr<Call> owned(call);
-        if (!status.ok()) {
-          result->setError(std::make_exception_ptr(CommError(failure_message(address, what, status))));
-          return;
-        }
-        std::string error;
+  auto flight = impl_->flight;
+  flight->begin(call);
+  impl_->generic->UnaryCall(
+      &call->ctx, "/ddpkit.ps.wire.ParameterServer/AverageGradient", grpc::StubOptions(), &call->request,
+      &call->reply,
+      [call, flight, result, into, device, what, sparse, shape, address = impl_->options.address()](grpc::Status status) mutable {
+        std::string error = status.ok() ? "" : failure_message(address, what, status);
         at::Tensor out;
-        if (!sparse && into.defined()) {
-          if (decode_dense_into(owned->reply.average(), into, &error)) out = into;
-        } else {
-          out = decode_tensor(owned->reply.average(), &error);
-          if (out.defined() && out.sizes().vec() != shape) {
-            error = "reply " + describe(owned->reply.average()) + " has another shape than the gradient";
-            out = at::Tensor();
+        if (status.ok() && !sparse && into.defined()) {
+          if (parse_dense_reply_into(call->reply, into, &error)) out = into;
+        } else if (status.ok()) {
+          wire::GradientReply reply;
+          if (!grpc::SerializationTraits<wire::GradientReply>::Deserialize(&call->reply, &reply).ok()) {
+            error = "unparsable GradientReply";
+          } else {
+            out = decode_tensor(reply.average(), &error);
+            if (out.defined() && out.sizes().vec() != shape) {
+              error = "reply " + describe(reply.average()) + " has another shape than the gradient";
+              out = at::Tensor();
+            }
           }
           if (out.defined() && out.device() != device) out = out.to(device);
         }
-        if (!out.defined()) {
-          result->setError(std::make_exception_ptr(CommError("ddpkit ps: " + what + " on " + address +
-                                                             ": malformed reply: " + error)));
-          return;
-        }
-        result->markCompleted(c10::IValue(out));
+        if (status.ok() && !out.defined()) error = "ddpkit ps: " + what + " on " + address + ": malformed reply: " + error;
+        // Release the call (its ClientContext holds a channel reference) before anyone waiting
+        // on the future can destroy the client: the last channel reference must not drop on
+        // this gRPC callback thread (grpc/grpc#32584).
+        flight->end(call);
+        delete call;
+        if (out.defined())
+          result->markCompleted(c10::IValue(out));
+        else
+          result->setError(std::make_exception_ptr(CommError(error)));
+        flight->done();
       });
   return result;
 }

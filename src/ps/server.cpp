@@ -2,6 +2,7 @@
 // state under one mutex, replies finished outside it.
 #include <ddpkit/ps/parameter_server.h>
 
+#include "grpc_runtime.h"
 #include "parameter_server.grpc.pb.h"
 #include "wire_tensor.h"
 
@@ -9,6 +10,7 @@
 #include <grpcpp/security/server_credentials.h>
 
 #include <algorithm>
+#include <atomic>
 #include <condition_variable>
 #include <fstream>
 #include <set>
@@ -74,6 +76,7 @@ using Clock = std::chrono::steady_clock;
 }  // namespace
 
 class AverageCall;
+class SessionCall;
 
 struct ParameterServer::Impl {
   explicit Impl(ServerOptions o) : options(std::move(o)), log(options.rank()) {
@@ -90,11 +93,11 @@ struct ParameterServer::Impl {
   };
 
   grpc::Status check_token(grpc::CallbackServerContext* ctx) const;
-  grpc::ServerUnaryReactor* average_gradient(grpc::CallbackServerContext* ctx, const wire::GradientRequest* req,
-                                             wire::GradientReply* reply);
+  grpc::ServerUnaryReactor* average_gradient(grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* raw,
+                                             grpc::ByteBuffer* response);
   void on_cancel(AverageCall* call);
   void on_session_lost(int trainer);
-  void on_session_opened(int trainer);
+  void on_session_opened(int trainer, SessionCall* call);
   // Fails every waiting call of the current batch; later gradients of this batch get the same
   // status. Caller holds mu; the calls to finish are appended to *finish.
   void fail_batch_locked(const grpc::Status& status, std::vector<std::pair<AverageCall*, grpc::Status>>* finish);
@@ -116,6 +119,9 @@ struct ParameterServer::Impl {
   std::map<int64_t, Bucket> buckets;
   grpc::Status batch_failure = grpc::Status::OK;  // of `batch`
   std::set<int> disconnected;
+  // Open sessions, finished by shutdown. Recursive: Finish may run OnDone on the calling thread.
+  std::recursive_mutex sessions_mu;
+  std::set<SessionCall*> sessions;
   metrics::MetricsLogger log;
   Counters counters;
   Clock::time_point reset_at = Clock::now();
@@ -127,43 +133,47 @@ struct ParameterServer::Impl {
   std::thread reaper;
 };
 
+// AverageGradient is a raw (ByteBuffer) method: the request is parsed here, and the one reply
+// is serialized once into a slice that every waiting trainer's response shares.
 class AverageCall final : public grpc::ServerUnaryReactor {
  public:
-  AverageCall(ParameterServer::Impl* impl, wire::GradientReply* reply, int trainer, int64_t batch, int64_t bucket)
-      : impl_(impl), reply(reply), trainer(trainer), batch(batch), bucket(bucket) {}
+  AverageCall(ParameterServer::Impl* impl, grpc::ByteBuffer* response) : impl_(impl), response(response) {}
   void OnCancel() override { impl_->on_cancel(this); }
   void OnDone() override { delete this; }
 
   ParameterServer::Impl* impl_;
-  wire::GradientReply* reply;
-  int trainer;
-  int64_t batch, bucket;
+  grpc::ByteBuffer* response;
+  wire::GradientRequest request;  // the gradient's bytes stay here until the call is finished
+  int trainer = -1;
+  int64_t batch = 0, bucket = 0;
   bool waiting = true;  // guarded by impl_->mu
 };
 
-namespace {
-// The session: never writes; ends when the trainer goes away (or the server stops).
+// The session: never writes; ends when the trainer goes away or the server stops.
 class SessionCall final : public grpc::ServerWriteReactor<wire::SessionEvent> {
  public:
   SessionCall(ParameterServer::Impl* impl, int trainer) : impl_(impl), trainer_(trainer) {}
-  void OnCancel() override {
-    impl_->on_session_lost(trainer_);
-    Finish(grpc::Status(grpc::StatusCode::CANCELLED, "session ended"));
+  void OnCancel() override;
+  void OnDone() override;
+  void finish_once(const grpc::Status& status) {
+    if (!finished_.exchange(true)) Finish(status);
   }
-  void OnDone() override { delete this; }
 
  private:
   ParameterServer::Impl* impl_;
   int trainer_;
+  std::atomic<bool> finished_{false};
 };
 
-class Service final : public wire::ParameterServer::CallbackService {
+namespace {
+class Service final
+    : public wire::ParameterServer::WithRawCallbackMethod_AverageGradient<wire::ParameterServer::CallbackService> {
  public:
   explicit Service(ParameterServer::Impl* impl, ParameterServer* owner) : impl_(impl), owner_(owner) {}
 
-  grpc::ServerUnaryReactor* AverageGradient(grpc::CallbackServerContext* ctx, const wire::GradientRequest* req,
-                                            wire::GradientReply* reply) override {
-    return impl_->average_gradient(ctx, req, reply);
+  grpc::ServerUnaryReactor* AverageGradient(grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* request,
+                                            grpc::ByteBuffer* response) override {
+    return impl_->average_gradient(ctx, request, response);
   }
 
   grpc::ServerUnaryReactor* ResetState(grpc::CallbackServerContext* ctx, const wire::ResetRequest*,
@@ -206,9 +216,9 @@ class Service final : public wire::ParameterServer::CallbackService {
                                                                join_ids(impl_->options.trainer_ids()) + ")");
     auto* call = new SessionCall(impl_, req->trainer_id());
     if (!s.ok()) {
-      call->Finish(s);
+      call->finish_once(s);
     } else {
-      impl_->on_session_opened(req->trainer_id());
+      impl_->on_session_opened(req->trainer_id(), call);
     }
     return call;
   }
@@ -233,11 +243,9 @@ grpc::Status ParameterServer::Impl::check_token(grpc::CallbackServerContext* ctx
 }
 
 grpc::ServerUnaryReactor* ParameterServer::Impl::average_gradient(grpc::CallbackServerContext* ctx,
-                                                                  const wire::GradientRequest* req,
-                                                                  wire::GradientReply* reply) {
-  const int trainer = req->trainer_id();
-  const int64_t b = req->batch_number(), index = req->bucket_index();
-  auto* call = new AverageCall(this, reply, trainer, b, index);
+                                                                  const grpc::ByteBuffer* raw,
+                                                                  grpc::ByteBuffer* response) {
+  auto* call = new AverageCall(this, response);
   auto reject = [&](grpc::StatusCode code, const std::string& msg) {
     call->waiting = false;
     call->Finish(grpc::Status(code, msg));
@@ -245,6 +253,15 @@ grpc::ServerUnaryReactor* ParameterServer::Impl::average_gradient(grpc::Callback
   };
   grpc::Status auth = check_token(ctx);
   if (!auth.ok()) return reject(auth.error_code(), auth.error_message());
+  grpc::ByteBuffer shared(*raw);  // shares the slices; Deserialize consumes its argument
+  if (!grpc::SerializationTraits<wire::GradientRequest>::Deserialize(&shared, &call->request).ok())
+    return reject(grpc::StatusCode::INVALID_ARGUMENT, "malformed GradientRequest");
+  const wire::GradientRequest* req = &call->request;
+  const int trainer = req->trainer_id();
+  const int64_t b = req->batch_number(), index = req->bucket_index();
+  call->trainer = trainer;
+  call->batch = b;
+  call->bucket = index;
   const std::string where = "bucket " + std::to_string(index) + " of batch " + std::to_string(b);
   if (!serving.count(trainer))
     return reject(grpc::StatusCode::INVALID_ARGUMENT, "trainer " + std::to_string(trainer) +
@@ -254,7 +271,9 @@ grpc::ServerUnaryReactor* ParameterServer::Impl::average_gradient(grpc::Callback
 
   // Decode outside the lock: it is the expensive part.
   std::string error;
-  at::Tensor grad = decode_tensor(req->gradient(), &error);
+  // Dense: a view of the request's bytes, alive until this call is finished, which is after the
+  // sum has read it (the first gradient of a bucket and average_batch parts are copied below).
+  at::Tensor grad = decode_tensor(req->gradient(), &error, /*borrow_dense=*/true);
   if (!grad.defined()) return reject(grpc::StatusCode::INVALID_ARGUMENT, "trainer " + std::to_string(trainer) + ", " + where + ": " + error);
   const int64_t in_bytes = payload_bytes(req->gradient());
   // Sums of low-precision gradients are kept in float32.
@@ -316,15 +335,16 @@ grpc::ServerUnaryReactor* ParameterServer::Impl::average_gradient(grpc::Callback
         }
         bucket.sent.insert(trainer);
         bucket.waiting[trainer] = call;
+        const bool borrowed = !grad.is_sparse() && grad.data_ptr() == req->gradient().data().data();
         if (options.kind() == ServerKind::kAverage) {
           if (!bucket.sum.defined())
-            bucket.sum = grad;
+            bucket.sum = borrowed ? grad.clone() : grad;
           else if (grad.is_sparse())
             bucket.sum = bucket.sum + grad;  // concatenates; coalesced once at the end
           else
             bucket.sum.add_(grad);
         } else {
-          bucket.parts[trainer] = grad;
+          bucket.parts[trainer] = borrowed ? grad.clone() : grad;
         }
         if (!gone.empty()) {
           fail_batch_locked(grpc::Status(grpc::StatusCode::UNAVAILABLE,
@@ -366,10 +386,15 @@ grpc::ServerUnaryReactor* ParameterServer::Impl::average_gradient(grpc::Callback
       default: break;
     }
     if (average.scalar_type() != wire_type) average = average.to(wire_type);
-    encode_tensor(average, answer.front()->reply->mutable_average());
-    const int64_t out_bytes = payload_bytes(answer.front()->reply->average());
-    for (size_t i = 1; i < answer.size(); ++i) *answer[i]->reply->mutable_average() = answer.front()->reply->average();
-    for (AverageCall* c : answer) c->Finish(grpc::Status::OK);
+    wire::GradientReply reply;
+    encode_tensor(average, reply.mutable_average());
+    const int64_t out_bytes = payload_bytes(reply.average());
+    grpc::Slice slice(reply.ByteSizeLong());
+    reply.SerializeWithCachedSizesToArray(const_cast<uint8_t*>(slice.begin()));
+    for (AverageCall* c : answer) {
+      *c->response = grpc::ByteBuffer(&slice, 1);
+      c->Finish(grpc::Status::OK);
+    }
     std::lock_guard<std::mutex> lock(mu);
     counters.bytes_sent += out_bytes * static_cast<int64_t>(answer.size());
     log.record_end("parameter_server_batch_metric", key(b, index));
@@ -406,9 +431,26 @@ void ParameterServer::Impl::on_cancel(AverageCall* call) {
   for (auto& [c, s] : finish) c->Finish(s);
 }
 
-void ParameterServer::Impl::on_session_opened(int trainer) {
-  std::lock_guard<std::mutex> lock(mu);
-  disconnected.erase(trainer);
+void ParameterServer::Impl::on_session_opened(int trainer, SessionCall* call) {
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    disconnected.erase(trainer);
+  }
+  std::lock_guard<std::recursive_mutex> lock(sessions_mu);
+  sessions.insert(call);
+}
+
+void SessionCall::OnCancel() {
+  impl_->on_session_lost(trainer_);
+  finish_once(grpc::Status(grpc::StatusCode::CANCELLED, "session ended"));
+}
+
+void SessionCall::OnDone() {
+  {
+    std::lock_guard<std::recursive_mutex> lock(impl_->sessions_mu);
+    impl_->sessions.erase(this);
+  }
+  delete this;
 }
 
 void ParameterServer::Impl::on_session_lost(int trainer) {
@@ -481,6 +523,7 @@ void ParameterServer::Impl::reset() {
 // ---- ParameterServer ----------------------------------------------------------------------------
 
 ParameterServer::ParameterServer(ServerOptions options) : impl_(std::make_unique<Impl>(std::move(options))) {
+  hold_grpc_runtime();
   const auto& ids = impl_->options.trainer_ids();
   DDPKIT_CHECK(!ids.empty(), "parameter server: trainer_ids is empty (which trainers does it serve?)");
   DDPKIT_CHECK(impl_->serving.size() == ids.size(), "parameter server: trainer_ids has duplicates (", join_ids(ids), ")");
@@ -509,6 +552,7 @@ void ParameterServer::start() {
   builder.RegisterService(service.get());
   // gRPC sets SO_REUSEPORT by default: a second server on a taken port would then share it.
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
+  apply_bulk_transport_args([&](const char* name, int value) { builder.AddChannelArgument(name, value); });
   builder.SetMaxReceiveMessageSize(static_cast<int>(impl_->options.max_message_bytes()));
   builder.SetMaxSendMessageSize(static_cast<int>(impl_->options.max_message_bytes()));
   impl_->server = builder.BuildAndStart();
@@ -538,6 +582,13 @@ void ParameterServer::shutdown(std::chrono::milliseconds grace) {
     impl_->fail_batch_locked(grpc::Status(grpc::StatusCode::UNAVAILABLE, "the parameter server is shutting down"), &finish);
   }
   for (auto& [c, s] : finish) c->Finish(s);
+  {
+    // Open sessions would otherwise hold Shutdown for the whole grace period.
+    std::lock_guard<std::recursive_mutex> lock(impl_->sessions_mu);
+    const std::set<SessionCall*> open = impl_->sessions;
+    for (SessionCall* session : open)
+      session->finish_once(grpc::Status(grpc::StatusCode::UNAVAILABLE, "the parameter server is shutting down"));
+  }
   impl_->server->Shutdown(std::chrono::system_clock::now() + grace);
   impl_->server->Wait();
   std::lock_guard<std::mutex> lock(impl_->stop_mu);

@@ -3,8 +3,12 @@
 #include <ddpkit/error.h>
 
 #include <c10/util/accumulate.h>
+#include <google/protobuf/io/coded_stream.h>
+#include <google/protobuf/wire_format_lite.h>
+#include <grpcpp/support/proto_buffer_reader.h>
 
 #include <cstring>
+#include <limits>
 #include <sstream>
 
 namespace ddpkit {
@@ -49,7 +53,8 @@ void put_bytes(const at::Tensor& t, std::string* out) {
 
 }  // namespace
 
-void encode_tensor(const at::Tensor& tensor, wire::Tensor* out) {
+// Everything but `data`; returns the contiguous CPU tensor whose bytes belong in `data`.
+at::Tensor encode_header(const at::Tensor& tensor, wire::Tensor* out) {
   at::Tensor t = tensor.device().is_cpu() ? tensor : tensor.cpu();
   out->set_dtype(to_wire(t.scalar_type()));
   out->clear_shape();
@@ -60,11 +65,105 @@ void encode_tensor(const at::Tensor& tensor, wire::Tensor* out) {
     out->set_sparse_dim(static_cast<int32_t>(c.sparse_dim()));
     out->set_nnz(c._nnz());
     put_bytes(c._indices(), out->mutable_indices());
-    put_bytes(c._values(), out->mutable_data());
-  } else {
-    out->set_sparse(false);
-    put_bytes(t, out->mutable_data());
+    return c._values().contiguous();
   }
+  out->set_sparse(false);
+  return t.contiguous();
+}
+
+void encode_tensor(const at::Tensor& tensor, wire::Tensor* out) {
+  at::Tensor data = encode_header(tensor, out);
+  out->mutable_data()->assign(static_cast<const char*>(data.data_ptr()), data.nbytes());
+}
+
+grpc::ByteBuffer serialize_gradient_request(int trainer, int64_t batch, int64_t bucket, const at::Tensor& gradient) {
+  using google::protobuf::internal::WireFormatLite;
+  using google::protobuf::io::CodedOutputStream;
+  wire::Tensor header;
+  at::Tensor data = encode_header(gradient, &header);
+  const std::string head = header.SerializeAsString();
+  const size_t n = data.nbytes();
+  // Tensor = header fields + field 3 (data); GradientRequest = fields 1-3 + field 4 (Tensor).
+  const size_t tensor_len = head.size() + 1 + CodedOutputStream::VarintSize64(n) + n;
+  const size_t total = 1 + CodedOutputStream::VarintSize32SignExtended(trainer) + 1 +
+                       CodedOutputStream::VarintSize64(static_cast<uint64_t>(batch)) + 1 +
+                       CodedOutputStream::VarintSize64(static_cast<uint64_t>(bucket)) + 1 +
+                       CodedOutputStream::VarintSize64(tensor_len) + tensor_len;
+  grpc::Slice slice(total);
+  uint8_t* p = const_cast<uint8_t*>(slice.begin());
+  p = WireFormatLite::WriteInt32ToArray(1, trainer, p);
+  p = WireFormatLite::WriteInt64ToArray(2, batch, p);
+  p = WireFormatLite::WriteInt64ToArray(3, bucket, p);
+  p = WireFormatLite::WriteTagToArray(4, WireFormatLite::WIRETYPE_LENGTH_DELIMITED, p);
+  p = CodedOutputStream::WriteVarint64ToArray(tensor_len, p);
+  std::memcpy(p, head.data(), head.size());
+  p += head.size();
+  p = WireFormatLite::WriteTagToArray(3, WireFormatLite::WIRETYPE_LENGTH_DELIMITED, p);
+  p = CodedOutputStream::WriteVarint64ToArray(n, p);
+  std::memcpy(p, data.data_ptr(), n);
+  p += n;
+  TORCH_INTERNAL_ASSERT(p == slice.end(), "serialize_gradient_request: size mismatch");
+  return grpc::ByteBuffer(&slice, 1);
+}
+
+bool parse_dense_reply_into(grpc::ByteBuffer& reply, at::Tensor& into, std::string* error) {
+  using google::protobuf::internal::WireFormatLite;
+  grpc::ProtoBufferReader reader(&reply);
+  google::protobuf::io::CodedInputStream in(&reader);
+  in.SetTotalBytesLimit(std::numeric_limits<int>::max());
+  const int64_t want = into.numel() * static_cast<int64_t>(into.element_size());
+  bool got_data = false;
+  wire::DType dtype = wire::DTYPE_UNSPECIFIED;
+  // GradientReply: field 1 is the Tensor; anything else is skipped.
+  for (uint32_t tag = in.ReadTag(); tag != 0; tag = in.ReadTag()) {
+    if (WireFormatLite::GetTagFieldNumber(tag) != 1 ||
+        WireFormatLite::GetTagWireType(tag) != WireFormatLite::WIRETYPE_LENGTH_DELIMITED) {
+      if (!WireFormatLite::SkipField(&in, tag)) break;
+      continue;
+    }
+    uint32_t len = 0;
+    if (!in.ReadVarint32(&len)) break;
+    const auto limit = in.PushLimit(static_cast<int>(len));
+    for (uint32_t t = in.ReadTag(); t != 0; t = in.ReadTag()) {
+      const int field = WireFormatLite::GetTagFieldNumber(t);
+      if (field == 3 && WireFormatLite::GetTagWireType(t) == WireFormatLite::WIRETYPE_LENGTH_DELIMITED) {
+        uint32_t n = 0;
+        if (!in.ReadVarint32(&n)) break;
+        if (static_cast<int64_t>(n) != want) {
+          *error = "reply carries " + std::to_string(n) + " bytes for a gradient of " + std::to_string(want);
+          return false;
+        }
+        if (into.is_contiguous() && into.device().is_cpu()) {
+          if (!in.ReadRaw(into.data_ptr(), static_cast<int>(n))) break;
+        } else {
+          at::Tensor tmp = at::empty({into.numel()}, into.options().device(c10::kCPU));
+          if (!in.ReadRaw(tmp.data_ptr(), static_cast<int>(n))) break;
+          into.copy_(tmp.view(into.sizes()));
+        }
+        got_data = true;
+      } else if (field == 1 && WireFormatLite::GetTagWireType(t) == WireFormatLite::WIRETYPE_VARINT) {
+        uint32_t v = 0;
+        if (!in.ReadVarint32(&v)) break;
+        dtype = static_cast<wire::DType>(v);
+      } else if (field == 4 && WireFormatLite::GetTagWireType(t) == WireFormatLite::WIRETYPE_VARINT) {
+        uint32_t v = 0;
+        if (!in.ReadVarint32(&v)) break;
+        if (v) {
+          *error = "reply is sparse, the gradient dense";
+          return false;
+        }
+      } else if (!WireFormatLite::SkipField(&in, t)) {
+        break;
+      }
+    }
+    in.PopLimit(limit);
+  }
+  at::ScalarType st;
+  if (!got_data || !from_wire(dtype, &st) || st != into.scalar_type()) {
+    *error = got_data ? "reply dtype differs from the gradient's" : "malformed reply (no tensor data)";
+    return false;
+  }
+  return true;
 }
 
 int64_t payload_bytes(const wire::Tensor& t) { return static_cast<int64_t>(t.data().size() + t.indices().size()); }
@@ -79,7 +178,7 @@ std::string describe(const wire::Tensor& t) {
   return os.str();
 }
 
-at::Tensor decode_tensor(const wire::Tensor& t, std::string* error) {
+at::Tensor decode_tensor(const wire::Tensor& t, std::string* error, bool borrow_dense) {
   at::ScalarType dtype;
   if (!from_wire(t.dtype(), &dtype)) {
     *error = "unknown dtype code " + std::to_string(t.dtype());
@@ -99,6 +198,8 @@ at::Tensor decode_tensor(const wire::Tensor& t, std::string* error) {
                std::to_string(t.data().size());
       return {};
     }
+    if (borrow_dense)
+      return at::from_blob(const_cast<char*>(t.data().data()), shape, at::TensorOptions().dtype(dtype));
     at::Tensor out = at::empty(shape, at::TensorOptions().dtype(dtype));
     std::memcpy(out.data_ptr(), t.data().data(), t.data().size());
     return out;
@@ -130,24 +231,6 @@ at::Tensor decode_tensor(const wire::Tensor& t, std::string* error) {
     return {};
   }
   return at::_sparse_coo_tensor_unsafe(indices, values, shape).coalesce();
-}
-
-bool decode_dense_into(const wire::Tensor& t, at::Tensor& into, std::string* error) {
-  at::ScalarType dtype;
-  if (t.sparse() || !from_wire(t.dtype(), &dtype) || dtype != into.scalar_type() ||
-      static_cast<int64_t>(t.data().size()) != into.numel() * static_cast<int64_t>(into.element_size())) {
-    *error = "reply " + describe(t) + " does not fit the gradient (" + std::to_string(into.numel()) + " x " +
-             c10::toString(into.scalar_type()) + ")";
-    return false;
-  }
-  if (into.is_contiguous() && into.device().is_cpu()) {
-    std::memcpy(into.data_ptr(), t.data().data(), t.data().size());
-  } else {
-    at::Tensor tmp = at::empty({into.numel()}, at::TensorOptions().dtype(dtype));
-    std::memcpy(tmp.data_ptr(), t.data().data(), t.data().size());
-    into.copy_(tmp.view(into.sizes()));
-  }
-  return true;
 }
 
 }  // namespace ps

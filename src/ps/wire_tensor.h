@@ -5,6 +5,7 @@
 #include "parameter_server.pb.h"
 
 #include <ATen/ATen.h>
+#include <grpcpp/support/byte_buffer.h>
 
 #include <string>
 
@@ -15,12 +16,17 @@ namespace ps {
 void encode_tensor(const at::Tensor& tensor, wire::Tensor* out);
 // Bytes of tensor data a message carries (data + indices).
 int64_t payload_bytes(const wire::Tensor& t);
-// Returns the tensor (CPU, owning its memory); on a malformed message returns an undefined tensor
-// and sets *error.
-at::Tensor decode_tensor(const wire::Tensor& t, std::string* error);
-// A dense message's elements copied into `into` (same numel and dtype, any layout); false with
-// *error when they do not fit.
-bool decode_dense_into(const wire::Tensor& t, at::Tensor& into, std::string* error);
+// Returns the tensor (CPU); on a malformed message returns an undefined tensor and sets *error.
+// A dense tensor owns its memory unless `borrow_dense`: then it views the message's bytes and is
+// valid only while the message lives (saves a copy when the caller only reads it once).
+at::Tensor decode_tensor(const wire::Tensor& t, std::string* error, bool borrow_dense = false);
+// A serialized GradientRequest whose tensor bytes are copied once, from the tensor straight into
+// the outgoing slice (through the generated message they would be copied twice).
+grpc::ByteBuffer serialize_gradient_request(int trainer, int64_t batch, int64_t bucket, const at::Tensor& gradient);
+// Parses a serialized GradientReply holding a dense tensor, copying its elements straight from
+// the received slices into `into` (same numel and dtype). False with *error otherwise.
+bool parse_dense_reply_into(grpc::ByteBuffer& reply, at::Tensor& into, std::string* error);
+
 // "float32[4, 8]" or "sparse float32[1024, 1024] (nnz 37)" for error messages.
 std::string describe(const wire::Tensor& t);
 
