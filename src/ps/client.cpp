@@ -2,7 +2,7 @@
 // hook returns at once and its future completes on a gRPC thread.
 #include <ddpkit/ps/parameter_server.h>
 
-#include "grpc_runtime.h"
+#include "grpc_common.h"
 #include "parameter_server.grpc.pb.h"
 #include "wire_tensor.h"
 
@@ -11,7 +11,6 @@
 
 #include <condition_variable>
 #include <set>
-#include <fstream>
 #include <sstream>
 
 namespace ddpkit {
@@ -43,14 +42,6 @@ const char* code_name(grpc::StatusCode code) {
 
 std::string failure_message(const std::string& address, const std::string& what, const grpc::Status& s) {
   return "ddpkit ps: " + what + " on " + address + " failed: " + code_name(s.error_code()) + ": " + s.error_message();
-}
-
-std::string read_pem(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  DDPKIT_CHECK(in, "cannot read the TLS root certificate '", path, "'");
-  std::ostringstream os;
-  os << in.rdbuf();
-  return os.str();
 }
 
 }  // namespace
@@ -149,7 +140,7 @@ ParameterServerClient::ParameterServerClient(ClientOptions options) : impl_(std:
   std::shared_ptr<grpc::ChannelCredentials> creds;
   if (!o.tls().root_certificate().empty()) {
     grpc::SslCredentialsOptions ssl;
-    ssl.pem_root_certs = read_pem(o.tls().root_certificate());
+    ssl.pem_root_certs = read_pem_file(o.tls().root_certificate(), "root certificate");
     creds = grpc::SslCredentials(ssl);
   } else {
     creds = grpc::InsecureChannelCredentials();

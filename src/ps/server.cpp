@@ -2,7 +2,7 @@
 // state under one mutex, replies finished outside it.
 #include <ddpkit/ps/parameter_server.h>
 
-#include "grpc_runtime.h"
+#include "grpc_common.h"
 #include "parameter_server.grpc.pb.h"
 #include "wire_tensor.h"
 
@@ -12,7 +12,6 @@
 #include <algorithm>
 #include <atomic>
 #include <condition_variable>
-#include <fstream>
 #include <set>
 #include <sstream>
 #include <thread>
@@ -49,14 +48,6 @@ std::vector<int> trainers_of_server(int server, int ntrainer, int nserver) {
 }
 
 namespace {
-
-std::string read_file(const std::string& path, const char* what) {
-  std::ifstream in(path, std::ios::binary);
-  DDPKIT_CHECK(in, "cannot read the TLS ", what, " '", path, "'");
-  std::ostringstream os;
-  os << in.rdbuf();
-  return os.str();
-}
 
 std::string join_ids(const std::vector<int>& ids) {
   std::ostringstream os;
@@ -378,13 +369,7 @@ grpc::ServerUnaryReactor* ParameterServer::Impl::average_gradient(grpc::Callback
     }
   }
   if (!answer.empty()) {
-    at::ScalarType wire_type = at::kFloat;
-    switch (signature.dtype()) {
-      case wire::FLOAT64: wire_type = at::kDouble; break;
-      case wire::FLOAT16: wire_type = at::kHalf; break;
-      case wire::BFLOAT16: wire_type = at::kBFloat16; break;
-      default: break;
-    }
+    const at::ScalarType wire_type = scalar_type_of(signature);
     if (average.scalar_type() != wire_type) average = average.to(wire_type);
     wire::GradientReply reply;
     encode_tensor(average, reply.mutable_average());
@@ -542,7 +527,7 @@ void ParameterServer::start() {
   const auto& tls = impl_->options.tls();
   if (!tls.certificate().empty()) {
     grpc::SslServerCredentialsOptions ssl;
-    ssl.pem_key_cert_pairs.push_back({read_file(tls.private_key(), "private key"), read_file(tls.certificate(), "certificate")});
+    ssl.pem_key_cert_pairs.push_back({read_pem_file(tls.private_key(), "private key"), read_pem_file(tls.certificate(), "certificate")});
     creds = grpc::SslServerCredentials(ssl);
   } else {
     creds = grpc::InsecureServerCredentials();

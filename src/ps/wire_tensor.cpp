@@ -166,6 +166,12 @@ bool parse_dense_reply_into(grpc::ByteBuffer& reply, at::Tensor& into, std::stri
   return true;
 }
 
+at::ScalarType scalar_type_of(const wire::Tensor& t) {
+  at::ScalarType out;
+  DDPKIT_CHECK(from_wire(t.dtype(), &out), "unknown dtype code ", t.dtype());
+  return out;
+}
+
 int64_t payload_bytes(const wire::Tensor& t) { return static_cast<int64_t>(t.data().size() + t.indices().size()); }
 
 std::string describe(const wire::Tensor& t) {

@@ -27,6 +27,9 @@ grpc::ByteBuffer serialize_gradient_request(int trainer, int64_t batch, int64_t 
 // the received slices into `into` (same numel and dtype). False with *error otherwise.
 bool parse_dense_reply_into(grpc::ByteBuffer& reply, at::Tensor& into, std::string* error);
 
+// The dtype a (validated) message names.
+at::ScalarType scalar_type_of(const wire::Tensor& t);
+
 // "float32[4, 8]" or "sparse float32[1024, 1024] (nnz 37)" for error messages.
 std::string describe(const wire::Tensor& t);
 

@@ -18,8 +18,6 @@
 namespace ddpkit {
 namespace cli {
 
-std::string read_token(const std::string& path);
-
 const char* kBenchUsage = R"(usage: ddpkit bench [flags]
 
 Trains the parameter-server benchmark's model with every trainer's gradients averaged by --hook,

@@ -38,6 +38,9 @@ class Flags {
 int launch_local(int nproc, const std::vector<std::string>& argv);
 // True when a torchrun-style environment names this process's rank.
 bool in_distributed_env();
+// The parameter server's shared secret: the first line of `path`, or DDPKIT_PS_TOKEN when `path`
+// is empty ("" when neither is set). UsageError for an unreadable or empty file.
+std::string read_token(const std::string& path);
 
 struct Dataset {
   at::Tensor inputs;   // [N, features] float32

@@ -1,15 +1,22 @@
-// gRPC's library lifetime. gRPC shuts itself down when its last object goes, on a detached
-// thread; if main() returns meanwhile, that thread races the exit's static destructors and
-// crashes. Every server and client calls hold_grpc_runtime() first: it keeps gRPC initialised
-// until static destruction, where it shuts down blocking.
+// What the server and the client share about gRPC itself.
 #pragma once
 
+#include <ddpkit/error.h>
+
 #include <grpc/grpc.h>
+
+#include <fstream>
+#include <sstream>
+#include <string>
 
 
 namespace ddpkit {
 namespace ps {
 
+// gRPC shuts itself down when its last object goes, on a detached thread; if main() returns
+// meanwhile, that thread races the exit's static destructors and crashes. Every server and client
+// calls this first: it keeps gRPC initialised until static destruction, where it shuts down
+// blocking.
 inline void hold_grpc_runtime() {
   struct Runtime {
     Runtime() { grpc_init(); }
@@ -30,6 +37,15 @@ void apply_bulk_transport_args(Set&& set) {
   set(GRPC_ARG_TCP_MAX_READ_CHUNK_SIZE, 16 * 1024 * 1024);
   set(GRPC_ARG_TCP_MIN_READ_CHUNK_SIZE, 1024 * 1024);
   set(GRPC_ARG_HTTP2_BDP_PROBE, 0);
+}
+
+// A PEM file's contents; `what` names it in the error ("certificate", "private key", ...).
+inline std::string read_pem_file(const std::string& path, const char* what) {
+  std::ifstream in(path, std::ios::binary);
+  DDPKIT_CHECK(in, "cannot read the TLS ", what, " '", path, "'");
+  std::ostringstream os;
+  os << in.rdbuf();
+  return os.str();
 }
 
 }  // namespace ps
