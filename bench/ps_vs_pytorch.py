@@ -13,6 +13,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -37,15 +38,18 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("ddpkit")
     ap.add_argument("--hooks", default="allreduce,rpc,sparse_rpc,hybrid")
-    ap.add_argument("--model", default="dummy_sparse")
+    ap.add_argument("--model", default="dummy_sparse", choices=["dummy", "dummy_sparse"])
     ap.add_argument("--trainers", type=int, default=2)
     ap.add_argument("--servers", type=int, default=1)
     ap.add_argument("--iterations", type=int, default=20)
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=3)
     a = ap.parse_args()
-    common = ["--trainers", str(a.trainers), "--servers", str(a.servers), "--model", a.model,
-              "--iterations", str(a.iterations), "--batch-size", str(a.batch_size)]
+    tmp = tempfile.mkdtemp(prefix="ps_vs_pytorch_")
+    common = ["--trainers", str(a.trainers), "--servers", str(a.servers), "--batch-size", str(a.batch_size)]
+    ours_args = common + ["--model", {"dummy": "DummyModel", "dummy_sparse": "DummyModelSparse"}[a.model],
+                          "--max-iterations", str(a.iterations), "--out-dir", os.path.join(tmp, "runs")]
+    theirs_args = common + ["--model", a.model, "--iterations", str(a.iterations)]
     print(f"# {a.trainers} trainers, {a.servers} server(s), model {a.model}, batch {a.batch_size}, "
           f"{a.iterations} iterations, median of {a.repeats} interleaved runs")
     print(f"{'hook':<11} {'ddpkit grad/s':>13} {'torch grad/s':>13} {'ratio':>6} {'ddpkit step ms':>15} "
@@ -53,8 +57,8 @@ def main():
     for hook in a.hooks.split(","):
         ours, theirs = [], []
         for _ in range(a.repeats):
-            ours.append(run([a.ddpkit, "bench", "--hook", hook, "--quiet"] + common))
-            theirs.append(run([sys.executable, os.path.join(HERE, "pytorch_ps.py"), "--hook", hook] + common))
+            ours.append(run([a.ddpkit, "bench", "--hook", hook, "--quiet"] + ours_args))
+            theirs.append(run([sys.executable, os.path.join(HERE, "pytorch_ps.py"), "--hook", hook] + theirs_args))
         og = statistics.median(r["server_gradients_per_s"] for r in ours)
         tg = statistics.median(r["server_gradients_per_s"] for r in theirs)
         os_ = statistics.median(r["step_ms_p50"] for r in ours)

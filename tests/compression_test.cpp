@@ -243,6 +243,24 @@ TEST(PowerSGD, ReproducesLowRankGradientOnFirstCompressedStep) {
   }
 }
 
+// A wrapper that keeps the last bucket from PowerSGD (as `ddpkit bench` does with a sparse
+// embedding's bucket) must not freeze its iteration count in the allreduce warm-up.
+TEST(PowerSGD, CountsIterationsWhenAWrapperKeepsTheLastBucket) {
+  spawn_ranks(2, [&](int rank, std::shared_ptr<ProcessGroup> pg) {
+    auto model = make_mlp(5, {32, 64, 64, 8});
+    DistributedDataParallel<torch::nn::Sequential> ddp(model, pg,
+                                                       DistributedDataParallelOptions().bucket_cap_mb(0.01).first_bucket_cap_mb(0.01));
+    ASSERT_GE(ddp.reducer().bucket_indices().size(), 2u);
+    auto state = std::make_shared<hooks::PowerSGDState>(
+        pg, hooks::PowerSGDOptions().matrix_approximation_rank(2).start_powerSGD_iter(2).min_compression_rate(1));
+    CommHook powersgd = hooks::powerSGD_hook(state), plain = hooks::allreduce_hook(pg);
+    ddp.register_comm_hook([=](GradBucket& b) { return b.is_last() ? plain(b) : powersgd(b); }, "filtered powerSGD");
+    for (int step = 0; step < 4; ++step) ddp.forward(randn({4, 32}, 10 * step + rank)).sum().backward();
+    EXPECT_EQ(state->iteration(), 3);  // the fourth is counted when a fifth begins
+    EXPECT_GT(std::get<0>(state->compression_stats()), 1.0);
+  });
+}
+
 // Error-feedback memory = (gradient + previous memory) - output.
 TEST(PowerSGD, ErrorFeedbackMemoryIsInputMinusOutput) {
   spawn_ranks(2, [](int rank, std::shared_ptr<ProcessGroup> pg) {

@@ -69,6 +69,9 @@ CommHook allreduce_hook(std::shared_ptr<ProcessGroup> pg) {
   DDPKIT_CHECK(pg, "allreduce_hook: process group is null");
   return [pg = std::move(pg)](GradBucket& bucket) -> FuturePtr {
     at::Tensor buffer = bucket.buffer();
+    // Gloo coalesces a sparse tensor before sending it anyway; doing it here first halves the
+    // division's work and makes the traffic count what goes on the wire.
+    if (buffer.is_sparse()) buffer = buffer.coalesce();
     buffer.div_(pg->size());
     return pg->allreduce(buffer);
   };

@@ -53,8 +53,19 @@ FuturePtr PowerSGDState::allreduce_phase(GradBucket& bucket, const char* hook) {
   bool before;
   {
     std::lock_guard<std::mutex> lock(mutex_);
+    // An iteration ends with its last bucket. A hook wrapped so that it never sees the last bucket
+    // (e.g. sparse buckets routed elsewhere) notices the next iteration by the index going back.
+    if (seen_bucket_ && static_cast<int64_t>(bucket.index()) <= last_index_) {
+      if (!pass_counted_) ++iter_;
+      pass_counted_ = false;
+    }
+    seen_bucket_ = true;
+    last_index_ = static_cast<int64_t>(bucket.index());
     before = iter_ < options_.start_powerSGD_iter();
-    if (bucket.is_last()) ++iter_;
+    if (bucket.is_last()) {
+      ++iter_;
+      pass_counted_ = true;
+    }
   }
   if (!before) return {};
   // PyTorch's default _allreduce_fut: divide first (no fp16 overflow), then SUM.

@@ -11,10 +11,17 @@
 namespace ddpkit {
 namespace metrics {
 
+namespace {
+int64_t wall_now_us() {
+  return std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::system_clock::now().time_since_epoch()).count();
+}
+}  // namespace
+
 void MetricsLogger::record_start(const std::string& type, const std::string& key, const std::string& name) {
   const auto now = Clock::now();
+  const int64_t wall = wall_now_us();
   std::lock_guard<std::mutex> lock(mutex_);
-  auto [it, inserted] = open_.emplace(std::make_pair(type, key), Open{name, now});
+  auto [it, inserted] = open_.emplace(std::make_pair(type, key), Open{name, now, wall});
   DDPKIT_CHECK(inserted, "metrics: event ", type, "/", key, " started twice (still open as '", it->second.name, "')");
 }
 
@@ -23,13 +30,26 @@ void MetricsLogger::record_end(const std::string& type, const std::string& key) 
   std::lock_guard<std::mutex> lock(mutex_);
   auto it = open_.find({type, key});
   DDPKIT_CHECK(it != open_.end(), "metrics: event ", type, "/", key, " ended without a start");
-  done_[it->second.name].push_back(std::chrono::duration<double, std::milli>(now - it->second.start).count());
+  const double ms = std::chrono::duration<double, std::milli>(now - it->second.start).count();
+  done_[it->second.name].push_back(ms);
+  if (keep_events_) events_.push_back(Event{type, key, it->second.name, it->second.wall_start_us, ms * 1000});
   open_.erase(it);
 }
 
 Series MetricsLogger::processed() const {
   std::lock_guard<std::mutex> lock(mutex_);
   return done_;
+}
+
+std::vector<Event> MetricsLogger::events() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return events_;
+}
+
+void MetricsLogger::keep_events(bool keep) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  keep_events_ = keep;
+  if (!keep) events_.clear();
 }
 
 std::vector<std::string> MetricsLogger::open_events() const {
@@ -43,6 +63,7 @@ void MetricsLogger::clear() {
   std::lock_guard<std::mutex> lock(mutex_);
   open_.clear();
   done_.clear();
+  events_.clear();
 }
 
 namespace {
@@ -131,6 +152,24 @@ Series series_from_json(const std::string& json) {
     DDPKIT_CHECK(false, "metrics: not a metric series JSON object: ", e.what());
   }
   return {};
+}
+
+std::string events_to_json(const std::vector<Event>& events) {
+  nlohmann::json j = nlohmann::json::array();
+  for (const auto& e : events)
+    j.push_back({{"type", e.type}, {"key", e.key}, {"name", e.name}, {"start_us", e.start_us}, {"duration_us", e.duration_us}});
+  return j.dump();
+}
+
+std::vector<Event> events_from_json(const std::string& json) {
+  std::vector<Event> out;
+  try {
+    for (const auto& e : nlohmann::json::parse(json))
+      out.push_back(Event{e.at("type"), e.at("key"), e.at("name"), e.at("start_us"), e.at("duration_us")});
+  } catch (const nlohmann::json::exception& e) {
+    DDPKIT_CHECK(false, "metrics: not an event list JSON array: ", e.what());
+  }
+  return out;
 }
 
 }  // namespace metrics

@@ -9,6 +9,7 @@
 #include <grpcpp/generic/generic_stub.h>
 #include <grpcpp/grpcpp.h>
 
+#include <atomic>
 #include <condition_variable>
 #include <set>
 #include <sstream>
@@ -127,6 +128,10 @@ struct ParameterServerClient::Impl {
     }
   };
   std::shared_ptr<InFlight> flight = std::make_shared<InFlight>();
+  struct Counters {
+    std::atomic<int64_t> sent{0}, received{0}, calls{0};
+  };
+  std::shared_ptr<Counters> counters = std::make_shared<Counters>();
 };
 
 ParameterServerClient::ParameterServerClient(ClientOptions options) : impl_(std::make_unique<Impl>()) {
@@ -169,6 +174,14 @@ ParameterServerClient::~ParameterServerClient() {
   if (impl_->session) impl_->session->stop();
 }
 
+ParameterServerClient::Traffic ParameterServerClient::traffic() const {
+  Traffic t;
+  t.bytes_sent = impl_->counters->sent;
+  t.bytes_received = impl_->counters->received;
+  t.calls = impl_->counters->calls;
+  return t;
+}
+
 int ParameterServerClient::trainer_id() const { return impl_->options.trainer_id(); }
 const std::string& ParameterServerClient::address() const { return impl_->options.address(); }
 
@@ -189,12 +202,18 @@ FuturePtr ParameterServerClient::average(int64_t batch_number, int64_t bucket_in
   const bool sparse = gradient.is_sparse();
   const std::vector<int64_t> shape = gradient.sizes().vec();
   auto flight = impl_->flight;
+  auto counters = impl_->counters;
+  counters->sent += static_cast<int64_t>(call->request.Length());
   flight->begin(call);
   impl_->generic->UnaryCall(
       &call->ctx, "/ddpkit.ps.wire.ParameterServer/AverageGradient", grpc::StubOptions(), &call->request,
       &call->reply,
-      [call, flight, result, into, device, what, sparse, shape, address = impl_->options.address()](grpc::Status status) mutable {
+      [call, flight, counters, result, into, device, what, sparse, shape, address = impl_->options.address()](grpc::Status status) mutable {
         std::string error = status.ok() ? "" : failure_message(address, what, status);
+        if (status.ok()) {
+          counters->received += static_cast<int64_t>(call->reply.Length());
+          counters->calls++;
+        }
         at::Tensor out;
         if (status.ok() && !sparse && into.defined()) {
           if (parse_dense_reply_into(call->reply, into, &error)) out = into;
@@ -245,6 +264,7 @@ ParameterServerClient::ServerMetrics ParameterServerClient::get_metrics() {
   ServerMetrics out;
   out.server_rank = reply.server_rank();
   for (const auto& m : reply.metrics()) out.series[m.name()] = std::vector<double>(m.elapsed_ms().begin(), m.elapsed_ms().end());
+  for (const auto& e : reply.events()) out.events.push_back({e.type(), e.key(), e.name(), e.start_us(), e.duration_us()});
   out.counters.buckets_averaged = reply.buckets_averaged();
   out.counters.gradients_received = reply.gradients_received();
   out.counters.bytes_received = reply.bytes_received();

@@ -71,6 +71,7 @@ class SessionCall;
 
 struct ParameterServer::Impl {
   explicit Impl(ServerOptions o) : options(std::move(o)), log(options.rank()) {
+    log.keep_events(options.trace_events());
     serving = std::set<int>(options.trainer_ids().begin(), options.trainer_ids().end());
   }
 
@@ -186,6 +187,14 @@ class Service final
         auto* m = reply->add_metrics();
         m->set_name(name);
         for (double v : values) m->add_elapsed_ms(v);
+      }
+      for (const auto& e : owner_->events()) {
+        auto* t = reply->add_events();
+        t->set_type(e.type);
+        t->set_key(e.key);
+        t->set_name(e.name);
+        t->set_start_us(e.start_us);
+        t->set_duration_us(e.duration_us);
       }
       const auto c = owner_->counters();
       reply->set_buckets_averaged(c.buckets_averaged);
@@ -601,6 +610,8 @@ ParameterServer::Counters ParameterServer::counters() const {
 }
 
 metrics::Series ParameterServer::metrics() const { return impl_->log.processed(); }
+
+std::vector<metrics::Event> ParameterServer::events() const { return impl_->log.events(); }
 
 void ParameterServer::reset_state() { impl_->reset(); }
 

@@ -1,216 +1,342 @@
-// ddpkit bench: the parameter-server benchmark (PyTorch's benchmarks/distributed/rpc/
-// parameter_server) with ddpkit's DDP, hooks and gRPC servers. Ranks 0..T-1 are trainers, T..T+S-1
-// parameter servers; launched locally, or joined from a torchrun-style environment.
-#include "cli.h"
+// ddpkit bench: PyTorch's parameter-server benchmark (benchmarks/distributed/rpc/parameter_server)
+// with ddpkit's DDP, hooks and gRPC servers. Ranks 0..T-1 train, T..T+S-1 serve. Without a
+// torchrun-style environment it launches every rank locally, once per hook, and writes a report.
+#include "bench.h"
+#include "training.h"
 
 #include <ddpkit/ps/parameter_server.h>
 #include <ddpkit/ps/trainer_hooks.h>
 
-#include <nlohmann/json.hpp>
-#include <torch/torch.h>
-
 #include <filesystem>
 #include <fstream>
-#include <iomanip>
 #include <iostream>
-#include <random>
+#include <sstream>
+
+#ifndef DDPKIT_BENCH_CONFIG_DIR
+#define DDPKIT_BENCH_CONFIG_DIR "configs/bench"
+#endif
 
 namespace ddpkit {
 namespace cli {
 
 const char* kBenchUsage = R"(usage: ddpkit bench [flags]
 
-Trains the parameter-server benchmark's model with every trainer's gradients averaged by --hook,
-then prints per-trainer / per-server metric tables and one JSON summary line.
+The parameter-server benchmark. With no flags it compares the hooks allreduce, fp16, int8,
+powersgd, rpc and sparse_rpc on the seed's DummyModelSparse (2 trainers, 1 server), prints a
+comparison table and writes a report to bench-report/ (report.html, comparison.json, and per hook
+metrics.csv, metrics.json, summary.json, trace.json).
 
 flags:
-  --trainers N           trainer processes (default 2)
-  --servers N            parameter-server processes; trainers split into N equal groups (default 1)
-  --hook NAME            allreduce | rpc | sparse_rpc | hybrid | any `ddpkit train --hook` name
-  --model NAME           dummy (dense EmbeddingBag) | dummy_sparse (sparse EmbeddingBag)
-  --server-class NAME    average | average_batch
-  --iterations N         measured iterations (default 20)
-  --warmup N             iterations before the servers are reset and timing starts (default 3)
-  --batch-size N         samples per trainer per iteration (default 16)
-  --dim N                embeddings, their width, dense layer width and classes (default 1024,
-                         the seed's size)
-  --layers N             dense layers (default 8)
-  --sample-length N      indices per sample (default 1024)
-  --sample-count N       samples in the data set (default 1024)
-  --sparsity N           percent of index values never used (default 20)
-  --bucket-cap-mb X      DDP bucket size (default 25)
-  --lr X                 SGD learning rate (default 1e-4)
-  --seed N               model and data seed (default 0)
-  --threads N            intra-op threads per trainer (default 1)
-  --timeout-s N          bound on every collective, RPC and rendezvous (default 300)
-  --token-file PATH      shared secret for the servers (also DDPKIT_PS_TOKEN)
-  --out-dir DIR          also write metrics.csv, metrics.json and summary.json there
+  --trainers N            trainer processes (default 2)
+  --servers N             parameter servers; trainers split into N equal groups (default 1)
+  --backend NAME          trainers' process group backend: gloo | nccl (default gloo)
+  --hook NAME             run one hook: allreduce | rpc | sparse_rpc | hybrid | any `ddpkit train`
+                          hook (fp16, int8, powersgd, ...; sparse buckets are then allreduced)
+  --hooks LIST            compare these hooks, one run each (default allreduce,fp16,int8,powersgd,rpc,sparse_rpc)
+  --data ID               entry of the data configuration (default DummyData)
+  --model ID              entry of the model configuration (default DummyModelSparse)
+  --trainer ID            entry of the trainer configuration (default DdpTrainer)
+  --server ID             entry of the server configuration (default AverageParameterServer)
+  --config-dir DIR        where data.json, model.json, trainer.json, server.json are
+                          (default: the ones shipped in configs/bench)
+  --data-config F, --model-config F, --trainer-config F, --server-config F
+                          a file in place of the one in --config-dir
+  --iteration-step NAME   overrides the trainer configuration's (basic_iteration_step)
+  --epochs N              passes over the data (default 1), capped by --max-iterations
+  --max-iterations N      measured iterations at most (default 20; 0: no cap)
+  --warmup N              iterations before the servers are reset and timing starts (default 3)
+  --batch-size N          samples per trainer per iteration (default 16)
+  --seed N                model and data seed (default 0)
+  --threads N             intra-op threads per trainer (default 1)
+  --timeout-s N           bound on every collective, RPC and rendezvous (default 300)
+  --token-file PATH       shared secret for the servers (also DDPKIT_PS_TOKEN)
+  --out-dir DIR           report directory (default bench-report)
+  --report-only           write the comparison and report.html from the runs already in --out-dir
+                          (bench/netns_bench.sh runs the ranks itself, then calls this)
+  --no-tables             do not print the per-trainer/per-server tables (still written as files)
+  --quiet                 no progress bar or tables, only the JSON lines
 )";
 
 namespace {
 
-// DummyData of the seed: sample_count rows of sample_length indices drawn from a random subset
-// of (100 - sparsity)% of 0..max_val-1; targets uniform in 0..max_val-1.
-struct DummyData {
-  at::Tensor input, target;
-  DummyData(int64_t max_val, int64_t count, int64_t length, int sparsity, uint64_t seed) {
-    std::mt19937_64 rng(seed);
-    std::vector<int64_t> values(max_val);
-    std::iota(values.begin(), values.end(), 0);
-    std::shuffle(values.begin(), values.end(), rng);
-    const int64_t used = std::max<int64_t>(1, max_val * (100 - sparsity) / 100);
-    input = at::empty({count, length}, at::kLong);
-    auto* p = input.data_ptr<int64_t>();
-    std::uniform_int_distribution<int64_t> pick(0, used - 1), label(0, max_val - 1);
-    for (int64_t i = 0; i < count * length; ++i) p[i] = values[pick(rng)];
-    target = at::empty({count}, at::kLong);
-    for (int64_t i = 0; i < count; ++i) target.data_ptr<int64_t>()[i] = label(rng);
-  }
+using bench::ConfigEntry;
+using nlohmann::json;
+
+const std::vector<std::string> kServerHooks{"rpc", "sparse_rpc"};
+
+struct Setup {
+  ConfigEntry data, model, trainer, server;
+  bench::TrainerConfig trainer_config;
+  bench::ServerConfig server_config;
+  int ntrainer = 2, nserver = 1, warmup = 3, batch = 16, epochs = 1, max_iterations = 20;
+  std::vector<std::string> hooks;
+  std::string out_dir, token, backend;
+  std::chrono::seconds timeout{300};
+  uint64_t seed = 0;
+  bool quiet = false, report_only = false, tables = true;
 };
 
-// DummyModel / DummyModelSparse: EmbeddingBag(mean) then `layers` Linear(dim, dim), softmax.
-struct DummyModelImpl : torch::nn::Module {
-  DummyModelImpl(int64_t num_embeddings, int64_t dim, int64_t layers, bool sparse) {
-    bag = register_module("embedding", torch::nn::EmbeddingBag(
-                                           torch::nn::EmbeddingBagOptions(num_embeddings, dim).mode(torch::kMean).sparse(sparse)));
-    for (int64_t i = 0; i < layers; ++i) dense->push_back(torch::nn::Linear(dim, dim));
-    register_module("dense_seq", dense);
-  }
-  at::Tensor forward(const at::Tensor& x) { return torch::softmax(dense->forward(bag(x)), 1); }
-  torch::nn::EmbeddingBag bag{nullptr};
-  torch::nn::Sequential dense;
-};
+std::vector<std::string> split_list(const std::string& s) {
+  std::vector<std::string> out;
+  std::stringstream in(s);
+  for (std::string item; std::getline(in, item, ',');)
+    if (!item.empty()) out.push_back(item);
+  return out;
+}
 
-struct Summary {
-  double step_mean_ms = 0, step_p50_ms = 0;
-  int64_t gradients = 0, buckets = 0, bytes_in = 0;
-  double server_seconds = 0;
-};
-
-}  // namespace
-
-int run_bench(const std::vector<std::string>& args, const std::vector<std::string>& argv) {
+Setup parse(const std::vector<std::string>& args) {
   Flags f(args,
-          {{"trainers", "2"}, {"servers", "1"}, {"hook", "rpc"}, {"model", "dummy_sparse"},
-           {"server-class", "average"}, {"iterations", "20"}, {"warmup", "3"}, {"batch-size", "16"},
-           {"dim", "1024"}, {"layers", "8"}, {"sample-length", "1024"}, {"sample-count", "1024"},
-           {"sparsity", "20"}, {"bucket-cap-mb", "25"}, {"lr", "1e-4"}, {"seed", "0"}, {"threads", "1"},
-           {"timeout-s", "300"}, {"token-file", ""}, {"out-dir", ""}},
-          {"quiet"});
-  const int ntrainer = f.integer("trainers"), nserver = f.integer("servers");
-  const std::string hook_name = f.str("hook"), model_name = f.str("model");
-  if (ntrainer < 1) throw UsageError("--trainers must be >= 1");
-  if (nserver < 0) throw UsageError("--servers must be >= 0");
-  const bool uses_server = hook_name == "rpc" || hook_name == "sparse_rpc";
-  if (uses_server && nserver < 1) throw UsageError("--hook " + hook_name + " needs --servers >= 1");
-  if (nserver > 0 && ntrainer % nserver)
-    throw UsageError("--trainers " + std::to_string(ntrainer) + " is not a multiple of --servers " + std::to_string(nserver));
-  if (model_name != "dummy" && model_name != "dummy_sparse")
-    throw UsageError("--model must be dummy or dummy_sparse, got '" + model_name + "'");
-  if (hook_name != "allreduce" && hook_name != "rpc" && hook_name != "sparse_rpc" && hook_name != "hybrid") {
-    const auto names = hooks::hook_names();
-    if (std::find(names.begin(), names.end(), hook_name) == names.end())
-      throw UsageError("--hook '" + hook_name + "' is unknown (rpc, sparse_rpc, hybrid, or a ddpkit train hook)");
+          {{"trainers", "2"}, {"servers", "1"}, {"backend", "gloo"}, {"hook", ""},
+           {"hooks", "allreduce,fp16,int8,powersgd,rpc,sparse_rpc"}, {"data", "DummyData"},
+           {"model", "DummyModelSparse"}, {"trainer", "DdpTrainer"}, {"server", "AverageParameterServer"},
+           {"config-dir", DDPKIT_BENCH_CONFIG_DIR}, {"data-config", ""}, {"model-config", ""}, {"trainer-config", ""},
+           {"server-config", ""}, {"iteration-step", ""}, {"epochs", "1"}, {"max-iterations", "20"}, {"warmup", "3"},
+           {"batch-size", "16"}, {"seed", "0"}, {"threads", "1"}, {"timeout-s", "300"}, {"token-file", ""},
+           {"out-dir", "bench-report"}},
+          {"quiet", "report-only", "no-tables"});
+  Setup s;
+  auto file = [&](const char* kind) {
+    const std::string own = f.str(std::string(kind) + "-config");
+    return own.empty() ? f.str("config-dir") + "/" + kind + ".json" : own;
+  };
+  s.data = bench::load_entry(file("data"), "data", f.str("data"));
+  s.model = bench::load_entry(file("model"), "model", f.str("model"));
+  s.trainer = bench::load_entry(file("trainer"), "trainer", f.str("trainer"));
+  s.server = bench::load_entry(file("server"), "server", f.str("server"));
+  s.trainer_config = bench::trainer_config(s.trainer);
+  if (!f.str("iteration-step").empty()) {
+    const auto& known = bench::iteration_steps();
+    if (std::find(known.begin(), known.end(), f.str("iteration-step")) == known.end())
+      throw UsageError("--iteration-step '" + f.str("iteration-step") + "' is unknown (known: basic_iteration_step)");
+    s.trainer_config.iteration_step = f.str("iteration-step");
   }
-  ps::ServerKind kind;
-  try {
-    kind = ps::server_kind_from_name(f.str("server-class"));
-  } catch (const c10::Error&) {
-    throw UsageError("--server-class must be average or average_batch, got '" + f.str("server-class") + "'");
+  s.server_config = bench::server_config(s.server);
+  s.ntrainer = f.integer("trainers");
+  s.nserver = f.integer("servers");
+  if (s.ntrainer < 1) throw UsageError("--trainers must be >= 1");
+  if (s.nserver < 0) throw UsageError("--servers must be >= 0");
+  if (s.nserver > 0 && s.ntrainer % s.nserver)
+    throw UsageError("--trainers " + std::to_string(s.ntrainer) + " is not a multiple of --servers " +
+                     std::to_string(s.nserver) + " (each server serves trainers/servers trainers)");
+  s.hooks = f.str("hook").empty() ? split_list(f.str("hooks")) : std::vector<std::string>{f.str("hook")};
+  if (s.hooks.empty()) throw UsageError("--hooks is empty");
+  const auto train_hooks = hooks::hook_names();
+  for (const auto& h : s.hooks) {
+    const bool known = h == "rpc" || h == "sparse_rpc" || h == "hybrid" ||
+                       std::find(train_hooks.begin(), train_hooks.end(), h) != train_hooks.end();
+    if (!known) {
+      std::string names = "rpc, sparse_rpc, hybrid";
+      for (const auto& n : train_hooks) names += ", " + n;
+      throw UsageError("hook '" + h + "' is unknown (" + names + ")");
+    }
+    if (std::find(kServerHooks.begin(), kServerHooks.end(), h) != kServerHooks.end() && s.nserver < 1)
+      throw UsageError("hook " + h + " needs --servers >= 1");
   }
-  const int iterations = f.integer("iterations"), warmup = f.integer("warmup"), batch = f.integer("batch-size");
-  const int64_t dim = f.integer("dim"), layers = f.integer("layers");
-  if (iterations < 1 || warmup < 0 || batch < 1 || dim < 1 || layers < 1 || f.integer("sample-length") < 1 ||
-      f.integer("sample-count") < batch || f.integer("sparsity") < 0 || f.integer("sparsity") > 99)
-    throw UsageError("--iterations, --batch-size, --dim, --layers, --sample-length must be >= 1, --warmup >= 0, "
-                     "--sample-count >= --batch-size, --sparsity in 0..99");
-  const auto timeout = std::chrono::seconds(f.integer("timeout-s"));
-  if (timeout.count() < 1) throw UsageError("--timeout-s must be >= 1");
-  const std::string token = read_token(f.str("token-file"));
-
-  if (!in_distributed_env()) return launch_local(ntrainer + nserver, argv);
-
-  auto world = init_process_group(InitOptions().timeout(timeout).gloo_threads(1));
-  if (world->size() != ntrainer + nserver)
-    throw UsageError("WORLD_SIZE is " + std::to_string(world->size()) + ", --trainers + --servers is " +
-                     std::to_string(ntrainer + nserver));
-  const int rank = world->rank();
-  auto store = world->store();
-  store->setTimeout(timeout);
-
-  // ---- a server rank ----
-  if (rank >= ntrainer) {
-    const int s = rank - ntrainer;
-    const char* host_env = std::getenv("DDPKIT_PS_HOST");
-    const std::string host = host_env ? host_env : (std::getenv("MASTER_ADDR") ? std::getenv("MASTER_ADDR") : "127.0.0.1");
-    ps::ParameterServer server(ps::ServerOptions()
-                                   .address(host + ":0")
-                                   .trainer_ids(ps::trainers_of_server(s, ntrainer, nserver))
-                                   .kind(kind)
-                                   .rank(rank)
-                                   .token(token)
-                                   .bucket_timeout(timeout));
-    server.start();
-    store->set("bench/server/" + std::to_string(s), std::vector<uint8_t>(server.address().begin(), server.address().end()));
-    // Serve until the trainers are done (trainer 0 sets the key after collecting metrics); a
-    // trainer that never finishes surfaces as the store's timeout scaled by the run length.
-    store->wait({"bench/done"}, timeout * (iterations + warmup + 1));
-    server.shutdown();
-    return 0;
-  }
-
-  // ---- a trainer rank ----
+  s.warmup = f.integer("warmup");
+  s.batch = f.integer("batch-size");
+  s.epochs = f.integer("epochs");
+  s.max_iterations = f.integer("max-iterations");
+  if (s.warmup < 0 || s.batch < 1 || s.epochs < 1 || s.max_iterations < 0)
+    throw UsageError("--batch-size and --epochs must be >= 1, --warmup and --max-iterations >= 0");
+  if (f.integer("threads") < 1) throw UsageError("--threads must be >= 1");
+  s.timeout = std::chrono::seconds(f.integer("timeout-s"));
+  if (s.timeout.count() < 1) throw UsageError("--timeout-s must be >= 1");
+  s.token = read_token(f.str("token-file"));
+  s.out_dir = f.str("out-dir");
+  s.backend = f.str("backend");
+  s.seed = static_cast<uint64_t>(f.integer("seed"));
+  s.quiet = f.on("quiet");
+  s.report_only = f.on("report-only");
+  s.tables = !f.on("no-tables") && !s.quiet;
   at::set_num_threads(f.integer("threads"));
-  auto pg = std::make_shared<ProcessGroup>(store, rank, ntrainer,
-                                           ProcessGroupOptions().timeout(timeout).group_name("trainers").gloo_hostname(world->options().gloo_hostname()));
+  return s;
+}
+
+// argv without the flags named (in --name value or --name=value form).
+std::vector<std::string> without_flags(const std::vector<std::string>& argv, const std::vector<std::string>& names) {
+  std::vector<std::string> out{argv[0], argv[1]};
+  for (size_t i = 2; i < argv.size(); ++i) {
+    bool drop = false;
+    for (const auto& n : names) {
+      if (argv[i] == "--" + n) {
+        drop = true;
+        ++i;  // and its value
+      } else if (argv[i].rfind("--" + n + "=", 0) == 0) {
+        drop = true;
+      }
+      if (drop) break;
+    }
+    if (!drop) out.push_back(argv[i]);
+  }
+  return out;
+}
+
+json read_json(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) throw std::runtime_error("missing " + path);
+  return json::parse(in);
+}
+
+void write_report(const Setup& s, const std::vector<json>& runs) {
+  std::cout << "\n";
+  bench::write_comparison(std::cout, runs);
+  std::ofstream out(s.out_dir + "/comparison.json");
+  out << json(runs).dump(2) << "\n";
+  std::ofstream html(s.out_dir + "/report.html");
+  bench::write_html_report(html, runs, "ddpkit bench: " + s.model.id + " on " + s.data.id);
+  std::cout << "report: " << s.out_dir << "/report.html" << std::endl;
+}
+
+// The runs of --hooks already in --out-dir (written by ranks launched elsewhere).
+int report_existing(const Setup& s) {
+  std::vector<json> runs;
+  for (const auto& hook : s.hooks) {
+    const std::string path = s.out_dir + "/" + hook + "/summary.json";
+    try {
+      runs.push_back(read_json(path));
+    } catch (const std::exception& e) {
+      throw UsageError("--report-only: no run of hook " + hook + " (" + path + ": " + e.what() + ")");
+    }
+  }
+  write_report(s, runs);
+  return 0;
+}
+
+// ---- the parent: one local launch per hook, then the report -------------------------------------
+int run_sweep(const Setup& s, const std::vector<std::string>& argv) {
+  // Build the workload once here so a model/data mismatch fails before any process starts.
+  const std::string workload = bench::make_workload(s.data, s.model, s.seed).description;
+  std::filesystem::create_directories(s.out_dir);
+  if (!s.quiet)
+    std::cerr << "bench: " << workload << "; " << s.ntrainer << " trainers, " << s.nserver << " servers; hooks";
+  for (const auto& h : s.hooks)
+    if (!s.quiet) std::cerr << " " << h;
+  if (!s.quiet) std::cerr << "\n";
+  const auto base = without_flags(argv, {"hook", "hooks", "out-dir"});
+  std::vector<json> runs;
+  std::vector<std::string> failed;
+  for (size_t i = 0; i < s.hooks.size(); ++i) {
+    const std::string& hook = s.hooks[i];
+    auto child = base;
+    child.insert(child.end(), {"--hook", hook, "--out-dir", s.out_dir + "/" + hook});
+    if (s.hooks.size() > 1) child.push_back("--no-tables");  // a comparison prints its own table
+    if (!s.quiet) std::cerr << "bench: [" << i + 1 << "/" << s.hooks.size() << "] " << hook << "\n";
+    const int rc = launch_local(s.ntrainer + s.nserver, child);
+    try {
+      if (rc != 0) throw std::runtime_error("exit status " + std::to_string(rc));
+      runs.push_back(read_json(s.out_dir + "/" + hook + "/summary.json"));
+    } catch (const std::exception& e) {
+      std::cerr << "bench: hook " << hook << " failed (" << e.what() << ")\n";
+      failed.push_back(hook);
+    }
+  }
+  write_report(s, runs);
+  if (!failed.empty()) {
+    std::cerr << "bench: " << failed.size() << " hook(s) failed: " << failed.front() << (failed.size() > 1 ? ", ..." : "") << "\n";
+    return 1;
+  }
+  return 0;
+}
+
+// ---- one rank ------------------------------------------------------------------------------------
+int run_server_rank(const Setup& s, ProcessGroup& world, int iterations) {
+  const int index = world.rank() - s.ntrainer;
+  const char* host_env = std::getenv("DDPKIT_PS_HOST");
+  const char* master = std::getenv("MASTER_ADDR");
+  const std::string host = host_env ? host_env : master ? master : "127.0.0.1";
+  ps::ParameterServer server(ps::ServerOptions()
+                                 .address(host + ":0")
+                                 .trainer_ids(ps::trainers_of_server(index, s.ntrainer, s.nserver))
+                                 .kind(ps::server_kind_from_name(s.server_config.server_class))
+                                 .rank(world.rank())
+                                 .token(s.token)
+                                 .max_message_bytes(static_cast<int64_t>(s.server_config.max_message_mb * 1024 * 1024))
+                                 .bucket_timeout(std::chrono::milliseconds(static_cast<int64_t>(s.server_config.bucket_timeout_s * 1000)))
+                                 .trace_events(true));
+  server.start();
+  const std::string address = server.address();
+  world.store()->set("bench/server/" + std::to_string(index), std::vector<uint8_t>(address.begin(), address.end()));
+  // Serve until trainer 0 has collected the metrics; a trainer that never finishes surfaces as the
+  // store's timeout scaled by the run length.
+  world.store()->wait({"bench/done"}, s.timeout * (iterations + s.warmup + 1));
+  server.shutdown();
+  return 0;
+}
+
+CommHook make_trainer_hook(const Setup& s, const std::string& name, const std::shared_ptr<ProcessGroup>& pg,
+                           const std::shared_ptr<ProcessGroup>& sparse_pg,
+                           const std::shared_ptr<ps::ParameterServerClient>& client,
+                           const std::shared_ptr<metrics::MetricsLogger>& log) {
+  if (name == "rpc") return ps::rpc_hook(client, log);
+  if (name == "sparse_rpc") return ps::sparse_rpc_hook(client, pg, log);
+  if (name == "hybrid") return ps::hybrid_hook(sparse_pg, pg, log);
+  hooks::HookOptions options;
+  options.powersgd(hooks::PowerSGDOptions()
+                       .matrix_approximation_rank(s.trainer_config.powersgd_rank)
+                       .start_powerSGD_iter(s.trainer_config.powersgd_start_iter));
+  CommHook dense = hooks::make_hook(name, pg, options);
+  // Compression hooks take dense buckets: a sparse embedding's bucket is allreduced sparse.
+  CommHook sparse = hooks::allreduce_hook(pg);
+  CommHook either = [dense, sparse](GradBucket& b) { return b.is_sparse() ? sparse(b) : dense(b); };
+  return ps::timed_hook(either, log, pg->backend_name() + "_" + name);
+}
+
+int run_trainer_rank(const Setup& s, ProcessGroup& world, const std::string& hook_name, int iterations,
+                     bench::Workload& w) {
+  const int rank = world.rank();
+  auto store = world.store();
+  auto pg = std::make_shared<ProcessGroup>(
+      store, rank, s.ntrainer,
+      ProcessGroupOptions().backend(s.backend).timeout(s.timeout).group_name("trainers").gloo_hostname(world.options().gloo_hostname()));
+  std::shared_ptr<ProcessGroup> sparse_pg;
+  if (hook_name == "hybrid")
+    sparse_pg = std::make_shared<ProcessGroup>(store, rank, s.ntrainer,
+                                               ProcessGroupOptions(pg->options()).backend("gloo").group_name("trainers_sparse"));
   auto log = std::make_shared<metrics::MetricsLogger>(rank);
-  auto server_address = [&](int s) {
-    auto v = store->get("bench/server/" + std::to_string(s));
+  auto address_of = [&](int server) {
+    auto v = store->get("bench/server/" + std::to_string(server));
     return std::string(v.begin(), v.end());
   };
-  auto client_options = [&](int s, int trainer) {
-    return ps::ClientOptions().address(server_address(s)).trainer_id(trainer).timeout(timeout).token(token);
+  auto client_options = [&](int server, int trainer) {
+    return ps::ClientOptions().address(address_of(server)).trainer_id(trainer).timeout(s.timeout).token(s.token);
   };
-
-  torch::manual_seed(f.integer("seed"));
-  const bool sparse = model_name == "dummy_sparse";
-  auto model = std::make_shared<DummyModelImpl>(dim, dim, layers, sparse);
-  DummyData data(dim, f.integer("sample-count"), f.integer("sample-length"), f.integer("sparsity"),
-                 static_cast<uint64_t>(f.integer("seed")));
-  DistributedDataParallel<std::shared_ptr<DummyModelImpl>> ddp(model, pg,
-                                                               DistributedDataParallelOptions().bucket_cap_mb(f.real("bucket-cap-mb")));
+  const bool uses_server = std::find(kServerHooks.begin(), kServerHooks.end(), hook_name) != kServerHooks.end();
   std::shared_ptr<ps::ParameterServerClient> client;
-  std::shared_ptr<ProcessGroup> sparse_pg;
-  if (uses_server) client = std::make_shared<ps::ParameterServerClient>(client_options(ps::server_for_trainer(rank, ntrainer, nserver), rank));
-  if (hook_name == "rpc") {
-    ddp.register_comm_hook(ps::rpc_hook(client, log), hook_name);
-  } else if (hook_name == "sparse_rpc") {
-    ddp.register_comm_hook(ps::sparse_rpc_hook(client, pg, log), hook_name);
-  } else if (hook_name == "hybrid") {
-    sparse_pg = std::make_shared<ProcessGroup>(store, rank, ntrainer, ProcessGroupOptions(pg->options()).group_name("trainers_sparse"));
-    ddp.register_comm_hook(ps::hybrid_hook(sparse_pg, pg, log), hook_name);
-  } else {
-    ddp.register_comm_hook(ps::timed_hook(hooks::make_hook(hook_name, pg), log, "gloo_" + hook_name), hook_name);
-  }
-  torch::optim::SGD optimizer(model->parameters(), torch::optim::SGDOptions(f.real("lr")));
+  if (uses_server)
+    client = std::make_shared<ps::ParameterServerClient>(client_options(ps::server_for_trainer(rank, s.ntrainer, s.nserver), rank));
 
-  const int64_t rows = data.input.size(0);
-  const bool lead = rank == 0, quiet = f.on("quiet");
-  for (int it = 0; it < warmup + iterations; ++it) {
-    if (it == warmup) {
-      // Everybody is between iterations: reset the servers and the clocks.
+  DistributedDataParallelBase ddp(w.module, pg, DistributedDataParallelOptions().bucket_cap_mb(s.trainer_config.bucket_cap_mb));
+  ddp.register_comm_hook(make_trainer_hook(s, hook_name, pg, sparse_pg, client, log), hook_name);
+  torch::optim::SGD optimizer(w.module->parameters(), torch::optim::SGDOptions(s.trainer_config.lr));
+
+  const int64_t rows = w.inputs.size(0);
+  const bool lead = rank == 0;
+  Progress progress(lead && !s.quiet);
+  std::vector<double> losses, step_ms;
+  CommStats comm_base;
+  ps::ParameterServerClient::Traffic ps_base;
+  for (int it = 0; it < s.warmup + iterations; ++it) {
+    if (it == s.warmup) {
+      // Everybody is between iterations: reset the servers, the clocks and the byte counters.
       ProcessGroup::wait(pg->barrier());
       if (lead)
-        for (int s = 0; s < nserver; ++s) ps::ParameterServerClient(client_options(s, 0).open_session(false)).reset_state();
+        for (int srv = 0; srv < s.nserver; ++srv)
+          ps::ParameterServerClient(client_options(srv, 0).open_session(false)).reset_state();
       ProcessGroup::wait(pg->barrier());
       log->clear();
+      comm_base = pg->stats();
+      if (sparse_pg) comm_base.bytes_sent += sparse_pg->stats().bytes_sent;
+      if (client) ps_base = client->traffic();
     }
-    const int64_t start = ((static_cast<int64_t>(it) * ntrainer + rank) * batch) % (rows - batch + 1);
-    at::Tensor x = data.input.narrow(0, start, batch), y = data.target.narrow(0, start, batch);
+    const int64_t start = ((static_cast<int64_t>(it) * s.ntrainer + rank) * s.batch) % std::max<int64_t>(1, rows - s.batch + 1);
+    const at::Tensor x = w.inputs.narrow(0, start, std::min<int64_t>(s.batch, rows)),
+                     y = w.targets.narrow(0, start, std::min<int64_t>(s.batch, rows));
     const std::string key = std::to_string(it);
+    const auto t0 = std::chrono::steady_clock::now();
+    // basic_iteration_step: forward, loss, backward (hooks run inside), optimizer step.
     log->record_start("batch_level_metric", key, "batch_all");
     log->record_start("forward_metric", key, "forward_pass");
-    at::Tensor loss = torch::nn::functional::cross_entropy(ddp.forward(x), y);
+    at::Tensor loss = w.loss(ddp.forward_with([&] { return w.forward(x); }), y);
     log->record_end("forward_metric", key);
     log->record_start("backward_metric", key, "backward");
     loss.backward();
@@ -218,63 +344,129 @@ int run_bench(const std::vector<std::string>& args, const std::vector<std::strin
     optimizer.step();
     optimizer.zero_grad();
     log->record_end("batch_level_metric", key);
-    if (lead && !quiet && it >= warmup) std::cerr << "\rbench: iteration " << (it - warmup + 1) << "/" << iterations << std::flush;
+    const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    if (it >= s.warmup) {
+      losses.push_back(loss.item<double>());
+      step_ms.push_back(ms);
+      progress.update("bench " + hook_name, it - s.warmup + 1, iterations, losses.back(), ms);
+    }
   }
-  if (lead && !quiet) std::cerr << "\n";
+  progress.finish();
+  CommStats comm = pg->stats();
+  if (sparse_pg) comm.bytes_sent += sparse_pg->stats().bytes_sent;
+  const int64_t ps_sent = client ? client->traffic().bytes_sent - ps_base.bytes_sent : 0;
+  const double bytes_per_step = static_cast<double>(comm.bytes_sent - comm_base.bytes_sent + ps_sent) / iterations;
 
-  // ---- collect and report (trainer 0) ----
-  const std::string mine = metrics::series_to_json(log->processed());
-  store->set("bench/trainer/" + std::to_string(rank), std::vector<uint8_t>(mine.begin(), mine.end()));
+  // ---- hand the metrics to trainer 0, which reports ----
+  auto put = [&](const std::string& key, const std::string& value) {
+    store->set(key, std::vector<uint8_t>(value.begin(), value.end()));
+  };
+  auto get = [&](const std::string& key) {
+    auto v = store->get(key);
+    return std::string(v.begin(), v.end());
+  };
+  put("bench/series/" + std::to_string(rank), metrics::series_to_json(log->processed()));
+  put("bench/events/" + std::to_string(rank), metrics::events_to_json(log->events()));
   if (lead) {
     std::vector<std::pair<std::string, std::vector<metrics::Summary>>> tables;
+    std::vector<std::pair<std::string, std::vector<metrics::Event>>> timeline;
     std::vector<metrics::Series> trainers, servers;
-    for (int t = 0; t < ntrainer; ++t) {
-      auto v = store->get("bench/trainer/" + std::to_string(t));
-      trainers.push_back(metrics::series_from_json(std::string(v.begin(), v.end())));
+    for (int t = 0; t < s.ntrainer; ++t) {
+      trainers.push_back(metrics::series_from_json(get("bench/series/" + std::to_string(t))));
       tables.emplace_back("trainer" + std::to_string(t), metrics::summarize(trainers.back()));
+      timeline.emplace_back("trainer " + std::to_string(t), metrics::events_from_json(get("bench/events/" + std::to_string(t))));
     }
     tables.emplace_back("all_trainers", metrics::summarize(metrics::merge(trainers)));
-    Summary sum;
-    for (int s = 0; s < nserver; ++s) {
-      auto m = ps::ParameterServerClient(client_options(s, 0).open_session(false)).get_metrics();
+    int64_t gradients = 0, bytes_in = 0;
+    double server_seconds = 0;
+    for (int srv = 0; srv < s.nserver; ++srv) {
+      auto m = ps::ParameterServerClient(client_options(srv, 0).open_session(false)).get_metrics();
       servers.push_back(m.series);
-      tables.emplace_back("server" + std::to_string(s), metrics::summarize(m.series));
-      sum.gradients += m.counters.gradients_received;
-      sum.buckets += m.counters.buckets_averaged;
-      sum.bytes_in += m.counters.bytes_received;
-      sum.server_seconds = std::max(sum.server_seconds, m.counters.seconds_since_reset);
+      tables.emplace_back("server" + std::to_string(srv), metrics::summarize(m.series));
+      timeline.emplace_back("server " + std::to_string(srv), m.events);
+      gradients += m.counters.gradients_received;
+      bytes_in += m.counters.bytes_received;
+      server_seconds = std::max(server_seconds, m.counters.seconds_since_reset);
     }
-    if (nserver > 0) tables.emplace_back("all_servers", metrics::summarize(metrics::merge(servers)));
+    if (s.nserver > 0) tables.emplace_back("all_servers", metrics::summarize(metrics::merge(servers)));
     store->set("bench/done", {1});
-    if (!quiet)
+
+    double step_mean = 0, step_p50 = 0;
+    for (const auto& row : tables[s.ntrainer].second)
+      if (row.name == "batch_all") {
+        step_mean = row.mean;
+        step_p50 = row.p50;
+      }
+    json summary = {{"hook", hook_name},
+                    {"workload", w.description},
+                    {"data", s.data.id},
+                    {"model", s.model.id},
+                    {"trainer", s.trainer.id},
+                    {"server", s.server.id},
+                    {"server_class", s.server_config.server_class},
+                    {"backend", s.backend},
+                    {"trainers", s.ntrainer},
+                    {"servers", s.nserver},
+                    {"batch_size", s.batch},
+                    {"warmup", s.warmup},
+                    {"iterations", iterations},
+                    {"step_ms_mean", step_mean},
+                    {"step_ms_p50", step_p50},
+                    {"bytes_sent_per_step", bytes_per_step},
+                    {"server_gradients_averaged", gradients},
+                    {"server_gradients_per_s", server_seconds > 0 ? gradients / server_seconds : 0.0},
+                    {"server_MB_in_per_s", server_seconds > 0 ? bytes_in / server_seconds / 1e6 : 0.0},
+                    {"final_loss", losses.empty() ? 0.0 : losses.back()}};
+    std::cout << summary.dump() << std::endl;  // one line, without the per-iteration arrays
+    summary["loss"] = losses;
+    summary["step_ms"] = step_ms;
+    if (s.tables)
       for (const auto& [source, rows] : tables) {
         metrics::write_table(std::cout, source, rows);
         std::cout << "\n";
       }
-    for (const auto& row : tables[ntrainer].second)
-      if (row.name == "batch_all") {
-        sum.step_mean_ms = row.mean;
-        sum.step_p50_ms = row.p50;
-      }
-    nlohmann::ordered_json j = {
-        {"hook", hook_name}, {"model", model_name}, {"server_class", ps::server_kind_name(kind)},
-        {"trainers", ntrainer}, {"servers", nserver}, {"iterations", iterations}, {"batch_size", batch},
-        {"step_ms_mean", sum.step_mean_ms}, {"step_ms_p50", sum.step_p50_ms},
-        {"server_gradients_averaged", sum.gradients},
-        {"server_gradients_per_s", sum.server_seconds > 0 ? sum.gradients / sum.server_seconds : 0.0},
-        {"server_MB_in_per_s", sum.server_seconds > 0 ? sum.bytes_in / sum.server_seconds / 1e6 : 0.0}};
-    std::cout << j.dump() << std::endl;
-    if (!f.str("out-dir").empty()) {
-      std::filesystem::create_directories(f.str("out-dir"));
-      std::ofstream csv(f.str("out-dir") + "/metrics.csv"), js(f.str("out-dir") + "/metrics.json"),
-          summary(f.str("out-dir") + "/summary.json");
-      metrics::write_csv(csv, tables);
-      metrics::write_json(js, tables);
-      summary << j.dump(2) << "\n";
-    }
+    std::filesystem::create_directories(s.out_dir);
+    std::ofstream csv(s.out_dir + "/metrics.csv"), js(s.out_dir + "/metrics.json"), sum(s.out_dir + "/summary.json"),
+        trace(s.out_dir + "/trace.json");
+    metrics::write_csv(csv, tables);
+    metrics::write_json(js, tables);
+    sum << summary.dump(2) << "\n";
+    trace << bench::trace_json(timeline).dump() << "\n";
   }
   ProcessGroup::wait(pg->barrier());
   return 0;
+}
+
+}  // namespace
+
+int run_bench(const std::vector<std::string>& args, const std::vector<std::string>& argv) {
+  const Setup s = parse(args);
+  if (s.report_only) return report_existing(s);
+  if (!in_distributed_env()) return run_sweep(s, argv);
+  if (s.hooks.size() != 1)
+    throw UsageError("in a torchrun-style environment, give one --hook (the comparison of --hooks launches locally)");
+  auto world = init_process_group(InitOptions().timeout(s.timeout).gloo_threads(1));
+  if (world->size() != s.ntrainer + s.nserver)
+    throw UsageError("WORLD_SIZE is " + std::to_string(world->size()) + ", --trainers + --servers is " +
+                     std::to_string(s.ntrainer + s.nserver));
+  world->store()->setTimeout(s.timeout);
+  // Iterations: --epochs passes over the data, at most --max-iterations.
+  const bool serving = world->rank() >= s.ntrainer;
+  bench::Workload w;
+  int64_t rows = 0;
+  if (!serving) {
+    w = bench::make_workload(s.data, s.model, s.seed);
+    rows = w.inputs.size(0);
+  }
+  const std::string key = "bench/rows";
+  if (world->rank() == 0) world->store()->set(key, std::vector<uint8_t>(std::to_string(rows).begin(), std::to_string(rows).end()));
+  const auto v = world->store()->get(key);
+  rows = std::stoll(std::string(v.begin(), v.end()));
+  const int64_t per_epoch = std::max<int64_t>(1, rows / (static_cast<int64_t>(s.batch) * s.ntrainer));
+  int iterations = static_cast<int>(per_epoch * s.epochs);
+  if (s.max_iterations > 0) iterations = std::min(iterations, s.max_iterations);
+  if (serving) return run_server_rank(s, *world, iterations);
+  return run_trainer_rank(s, *world, s.hooks.front(), iterations, w);
 }
 
 }  // namespace cli

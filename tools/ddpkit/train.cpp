@@ -1,5 +1,6 @@
 // `ddpkit train`: data-parallel training of an MLP or CNN on Fashion-MNIST or synthetic data.
 #include "cli.h"
+#include "training.h"
 
 #include <torch/torch.h>
 #include <ddpkit/ddpkit.h>
@@ -82,74 +83,11 @@ accuracy, and a last line that is one JSON object.
 
 namespace {
 
-struct MlpImpl : torch::nn::Module {
-  explicit MlpImpl(const std::vector<int64_t>& dims) {
-    for (size_t i = 0; i + 1 < dims.size(); ++i)
-      layers.push_back(register_module("fc" + std::to_string(i), torch::nn::Linear(dims[i], dims[i + 1])));
-  }
-  at::Tensor forward(at::Tensor x) {
-    for (size_t i = 0; i < layers.size(); ++i) {
-      x = layers[i]->forward(x);
-      if (i + 1 < layers.size()) x = torch::relu(x);
-    }
-    return x;
-  }
-  std::vector<torch::nn::Linear> layers;
-};
-
-struct CnnImpl : torch::nn::Module {
-  explicit CnnImpl(int64_t classes)
-      : conv1(register_module("conv1", torch::nn::Conv2d(torch::nn::Conv2dOptions(1, 16, 5)))),
-        conv2(register_module("conv2", torch::nn::Conv2d(torch::nn::Conv2dOptions(16, 32, 5)))),
-        fc1(register_module("fc1", torch::nn::Linear(32 * 4 * 4, 128))),
-        fc2(register_module("fc2", torch::nn::Linear(128, classes))) {}
-  at::Tensor forward(at::Tensor x) {
-    x = x.view({-1, 1, 28, 28});
-    x = torch::max_pool2d(torch::relu(conv1->forward(x)), 2);
-    x = torch::max_pool2d(torch::relu(conv2->forward(x)), 2);
-    x = torch::relu(fc1->forward(x.flatten(1)));
-    return fc2->forward(x);
-  }
-  torch::nn::Conv2d conv1, conv2;
-  torch::nn::Linear fc1, fc2;
-};
-
-// Type-erased model: forward plus the module.
-struct Model {
-  std::shared_ptr<torch::nn::Module> module;
-  std::function<at::Tensor(const at::Tensor&)> forward;
-};
-
 double median(std::vector<double> v) {
   if (v.empty()) return 0;
   std::sort(v.begin(), v.end());
   return v.size() % 2 ? v[v.size() / 2] : 0.5 * (v[v.size() / 2 - 1] + v[v.size() / 2]);
 }
-
-class Progress {
- public:
-  Progress(bool enabled) : enabled_(enabled), tty_(isatty(STDERR_FILENO)) {}
-  void update(const std::string& label, int64_t done, int64_t total, double loss, double ms) {
-    if (!enabled_) return;
-    const auto now = std::chrono::steady_clock::now();
-    if (done != total && now - last_ < std::chrono::milliseconds(tty_ ? 100 : 5000)) return;
-    last_ = now;
-    const int width = 30;
-    const int filled = total ? static_cast<int>(width * done / total) : width;
-    std::ostringstream os;
-    os << (tty_ ? "\r" : "") << label << " [" << std::string(filled, '#') << std::string(width - filled, '.') << "] "
-       << std::setw(3) << (total ? 100 * done / total : 100) << "% " << done << "/" << total << " loss "
-       << std::fixed << std::setprecision(4) << loss << " " << std::setprecision(1) << ms << " ms/step";
-    std::cerr << os.str() << (tty_ ? "" : "\n") << std::flush;
-  }
-  void finish() {
-    if (enabled_ && tty_) std::cerr << "\n";
-  }
-
- private:
-  bool enabled_, tty_;
-  std::chrono::steady_clock::time_point last_{};
-};
 
 }  // namespace
 

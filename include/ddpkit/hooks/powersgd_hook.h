@@ -57,7 +57,8 @@ class PowerSGDState {
 
   const PowerSGDOptions& options() const { return options_; }
   ProcessGroup& process_group() { return *pg_; }
-  // Completed iterations (counted when the last bucket is handed to the hook).
+  // Completed iterations (counted when the last bucket is handed to the hook; if a wrapper never
+  // hands it the last bucket, when the next iteration's first bucket arrives).
   int64_t iteration() const;
   // (numel before / numel after, numel before, numel after), summed over compressed iterations.
   std::tuple<double, int64_t, int64_t> compression_stats() const;
@@ -83,6 +84,8 @@ class PowerSGDState {
   PowerSGDOptions options_;
   mutable std::mutex mutex_;
   int64_t iter_ = 0;
+  bool seen_bucket_ = false, pass_counted_ = false;
+  int64_t last_index_ = -1;
   int64_t numel_before_ = 0, numel_after_ = 0;
   int64_t next_report_ = 0;
   std::mt19937_64 rng_;

@@ -25,6 +25,14 @@ namespace metrics {
 // Elapsed milliseconds per metric name, in the order the events ended.
 using Series = std::map<std::string, std::vector<double>>;
 
+// One ended event, for timelines (Chrome/Perfetto traces): wall-clock start in microseconds since
+// the Unix epoch (comparable across the processes of one host), duration from the steady clock.
+struct Event {
+  std::string type, key, name;
+  int64_t start_us = 0;
+  double duration_us = 0;
+};
+
 // Thread-safe: hooks record from communication threads.
 class MetricsLogger {
  public:
@@ -34,6 +42,9 @@ class MetricsLogger {
   void record_start(const std::string& type, const std::string& key, const std::string& name);
   void record_end(const std::string& type, const std::string& key);
   Series processed() const;
+  // Every ended event, in the order they ended (kept unless keep_events(false)).
+  std::vector<Event> events() const;
+  void keep_events(bool keep);
   // Events started but not ended (e.g. a call that failed), "type/key" each.
   std::vector<std::string> open_events() const;
   void clear();
@@ -44,11 +55,14 @@ class MetricsLogger {
   struct Open {
     std::string name;
     Clock::time_point start;
+    int64_t wall_start_us;
   };
   int rank_;
   mutable std::mutex mutex_;
   std::map<std::pair<std::string, std::string>, Open> open_;
   Series done_;
+  bool keep_events_ = true;
+  std::vector<Event> events_;
 };
 
 struct Summary {
@@ -71,6 +85,9 @@ void write_json(std::ostream& os, const std::vector<std::pair<std::string, std::
 // Series as JSON ({"name": [ms, ...]}) and back, for handing raw series between processes.
 std::string series_to_json(const Series& series);
 Series series_from_json(const std::string& json);
+// Events as JSON ([{"type", "key", "name", "start_us", "duration_us"}, ...]) and back.
+std::string events_to_json(const std::vector<Event>& events);
+std::vector<Event> events_from_json(const std::string& json);
 
 }  // namespace metrics
 }  // namespace ddpkit

@@ -64,6 +64,8 @@ struct ServerOptions {
   TORCH_ARG(std::string, token) = "";
   // Certificate and key set: TLS; otherwise plaintext.
   TORCH_ARG(TlsFiles, tls) = {};
+  // Keep every metric event (for a trace) until the next reset; off for a long-running server.
+  TORCH_ARG(bool, trace_events) = false;
 };
 
 class ParameterServer {
@@ -92,6 +94,7 @@ class ParameterServer {
   };
   Counters counters() const;
   metrics::Series metrics() const;
+  std::vector<metrics::Event> events() const;  // with trace_events
   void reset_state();
 
   struct Impl;
@@ -134,11 +137,19 @@ class ParameterServerClient {
   struct ServerMetrics {
     int server_rank = 0;
     metrics::Series series;
+    std::vector<metrics::Event> events;
     ParameterServer::Counters counters;
   };
   ServerMetrics get_metrics();
   int trainer_id() const;
   const std::string& address() const;
+  // AverageGradient traffic of this client: serialized bytes sent and received, calls completed.
+  struct Traffic {
+    int64_t bytes_sent = 0;
+    int64_t bytes_received = 0;
+    int64_t calls = 0;
+  };
+  Traffic traffic() const;
 
   struct Impl;
 

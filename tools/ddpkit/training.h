@@ -1,0 +1,130 @@
+// Models and the progress bar shared by `ddpkit train` and `ddpkit bench`.
+#pragma once
+
+#include <torch/torch.h>
+
+#include <unistd.h>
+
+#include <chrono>
+#include <limits>
+#include <iomanip>
+#include <iostream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+namespace ddpkit {
+namespace cli {
+
+struct MlpImpl : torch::nn::Module {
+  explicit MlpImpl(const std::vector<int64_t>& dims) {
+    for (size_t i = 0; i + 1 < dims.size(); ++i)
+      layers.push_back(register_module("fc" + std::to_string(i), torch::nn::Linear(dims[i], dims[i + 1])));
+  }
+  at::Tensor forward(at::Tensor x) {
+    for (size_t i = 0; i < layers.size(); ++i) {
+      x = layers[i]->forward(x);
+      if (i + 1 < layers.size()) x = torch::relu(x);
+    }
+    return x;
+  }
+  std::vector<torch::nn::Linear> layers;
+};
+
+struct CnnImpl : torch::nn::Module {
+  explicit CnnImpl(int64_t classes)
+      : conv1(register_module("conv1", torch::nn::Conv2d(torch::nn::Conv2dOptions(1, 16, 5)))),
+        conv2(register_module("conv2", torch::nn::Conv2d(torch::nn::Conv2dOptions(16, 32, 5)))),
+        fc1(register_module("fc1", torch::nn::Linear(32 * 4 * 4, 128))),
+        fc2(register_module("fc2", torch::nn::Linear(128, classes))) {}
+  at::Tensor forward(at::Tensor x) {
+    x = x.view({-1, 1, 28, 28});
+    x = torch::max_pool2d(torch::relu(conv1->forward(x)), 2);
+    x = torch::max_pool2d(torch::relu(conv2->forward(x)), 2);
+    x = torch::relu(fc1->forward(x.flatten(1)));
+    return fc2->forward(x);
+  }
+  torch::nn::Conv2d conv1, conv2;
+  torch::nn::Linear fc1, fc2;
+};
+
+// Type-erased model: forward plus the module.
+struct Model {
+  std::shared_ptr<torch::nn::Module> module;
+  std::function<at::Tensor(const at::Tensor&)> forward;
+};
+
+// The parameter-server benchmark's DummyModel / DummyModelSparse: EmbeddingBag (mean; sparse or
+// dense gradients) over index bags, then `layers` Linear(dim, dim), softmax (as the seed).
+struct DummyModelImpl : torch::nn::Module {
+  DummyModelImpl(int64_t num_embeddings, int64_t embedding_dim, int64_t dense_input, int64_t dense_output,
+                 int64_t layers, bool sparse) {
+    bag = register_module("embedding", torch::nn::EmbeddingBag(torch::nn::EmbeddingBagOptions(num_embeddings, embedding_dim)
+                                                                  .mode(torch::kMean)
+                                                                  .sparse(sparse)));
+    for (int64_t i = 0; i < layers; ++i)
+      dense->push_back(torch::nn::Linear(i == 0 ? dense_input : dense_output, dense_output));
+    register_module("dense_seq", dense);
+  }
+  at::Tensor forward(const at::Tensor& x) { return torch::softmax(dense->forward(bag(x)), 1); }
+  torch::nn::EmbeddingBag bag{nullptr};
+  torch::nn::Sequential dense;
+};
+
+// A small causal transformer language model: token + position embeddings, pre-built encoder
+// layers under a causal mask, a linear head to the vocabulary. Input [B, T] token ids, output
+// [B, T, vocab] logits.
+struct TransformerLMImpl : torch::nn::Module {
+  TransformerLMImpl(int64_t vocab, int64_t d_model, int64_t heads, int64_t layers, int64_t feedforward, int64_t length)
+      : length(length) {
+    tokens = register_module("tokens", torch::nn::Embedding(vocab, d_model));
+    positions = register_module("positions", torch::nn::Embedding(length, d_model));
+    encoder = register_module(
+        "encoder", torch::nn::TransformerEncoder(torch::nn::TransformerEncoderOptions(
+                                                     torch::nn::TransformerEncoderLayerOptions(d_model, heads)
+                                                         .dim_feedforward(feedforward)
+                                                         .dropout(0.0),
+                                                     layers)));
+    head = register_module("head", torch::nn::Linear(d_model, vocab));
+  }
+  at::Tensor forward(const at::Tensor& x) {
+    const int64_t t = x.size(1);
+    at::Tensor h = tokens(x) + positions(torch::arange(t, x.options().dtype(torch::kLong)));
+    // Position i attends to positions <= i.
+    at::Tensor mask = torch::full({t, t}, -std::numeric_limits<float>::infinity()).triu(1);
+    h = encoder(h.transpose(0, 1), mask).transpose(0, 1);
+    return head(h);
+  }
+  int64_t length;
+  torch::nn::Embedding tokens{nullptr}, positions{nullptr};
+  torch::nn::TransformerEncoder encoder{nullptr};
+  torch::nn::Linear head{nullptr};
+};
+
+class Progress {
+ public:
+  Progress(bool enabled) : enabled_(enabled), tty_(isatty(STDERR_FILENO)) {}
+  void update(const std::string& label, int64_t done, int64_t total, double loss, double ms) {
+    if (!enabled_) return;
+    const auto now = std::chrono::steady_clock::now();
+    if (done != total && now - last_ < std::chrono::milliseconds(tty_ ? 100 : 5000)) return;
+    last_ = now;
+    const int width = 30;
+    const int filled = total ? static_cast<int>(width * done / total) : width;
+    std::ostringstream os;
+    os << (tty_ ? "\r" : "") << label << " [" << std::string(filled, '#') << std::string(width - filled, '.') << "] "
+       << std::setw(3) << (total ? 100 * done / total : 100) << "% " << done << "/" << total << " loss "
+       << std::fixed << std::setprecision(4) << loss << " " << std::setprecision(1) << ms << " ms/step";
+    std::cerr << os.str() << (tty_ ? "" : "\n") << std::flush;
+  }
+  void finish() {
+    if (enabled_ && tty_) std::cerr << "\n";
+  }
+
+ private:
+  bool enabled_, tty_;
+  std::chrono::steady_clock::time_point last_{};
+};
+
+}  // namespace cli
+}  // namespace ddpkit
