@@ -29,7 +29,7 @@ metrics.csv, metrics.json, summary.json, trace.json).
 flags:
   --trainers N            trainer processes (default 2)
   --servers N             parameter servers; trainers split into N equal groups (default 1)
-  --backend NAME          trainers' process group backend: gloo | nccl (default gloo)
+  --backend NAME          trainers' process group backend: gloo (the bench trains on CPU)
   --hook NAME             run one hook: allreduce | rpc | sparse_rpc | hybrid | any `ddpkit train`
                           hook (fp16, int8, powersgd, ...; sparse buckets are then allreduced)
   --hooks LIST            compare these hooks, one run each (default allreduce,fp16,int8,powersgd,rpc,sparse_rpc)
@@ -144,6 +144,9 @@ Setup parse(const std::vector<std::string>& args) {
   s.token = read_token(f.str("token-file"));
   s.out_dir = f.str("out-dir");
   s.backend = f.str("backend");
+  if (s.backend != "gloo")
+    throw UsageError("--backend " + s.backend + ": ddpkit bench trains on CPU tensors, so only gloo applies "
+                     "(placing the model on CUDA for nccl is not implemented)");
   s.seed = static_cast<uint64_t>(f.integer("seed"));
   s.quiet = f.on("quiet");
   s.report_only = f.on("report-only");

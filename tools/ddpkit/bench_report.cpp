@@ -42,20 +42,29 @@ double nice_max(double v) {
   return 10 * p;
 }
 
-const int kWidth = 560, kHeight = 300, kLeft = 64, kRight = 16, kTop = 36, kBottom = 48;
+const int kWidth = 560, kHeight = 300, kLeft = 78, kRight = 16, kTop = 36, kBottom = 48;
 
-void axes(std::ostream& os, const std::string& title, const std::string& unit, double ymax) {
+// Tick labels with as many decimals as the axis step needs.
+std::string tick(double v, double step) {
+  int decimals = 0;
+  for (double scaled = step; decimals < 6 && std::abs(scaled - std::round(scaled)) > 1e-6 * std::max(1.0, scaled);
+       scaled *= 10)
+    ++decimals;
+  return fmt(v, decimals);
+}
+
+void axes(std::ostream& os, const std::string& title, const std::string& unit, double ymin, double ymax) {
   os << "<svg xmlns='http://www.w3.org/2000/svg' width='" << kWidth << "' height='" << kHeight
      << "' font-family='sans-serif' font-size='12'>\n";
   os << "<text x='" << kWidth / 2 << "' y='20' text-anchor='middle' font-size='14' font-weight='bold'>" << escape(title)
      << "</text>\n";
   const int plot_h = kHeight - kTop - kBottom;
   for (int i = 0; i <= 4; ++i) {
-    const double v = ymax * i / 4;
+    const double v = ymin + (ymax - ymin) * i / 4;
     const int y = kTop + plot_h - plot_h * i / 4;
     os << "<line x1='" << kLeft << "' x2='" << kWidth - kRight << "' y1='" << y << "' y2='" << y
        << "' stroke='#ddd'/>\n<text x='" << kLeft - 6 << "' y='" << y + 4 << "' text-anchor='end'>"
-       << fmt(v, v < 10 ? 2 : 0) << "</text>\n";
+       << tick(v, (ymax - ymin) / 4) << "</text>\n";
   }
   os << "<text x='14' y='" << kTop + plot_h / 2 << "' transform='rotate(-90 14 " << kTop + plot_h / 2
      << ")' text-anchor='middle'>" << escape(unit) << "</text>\n";
@@ -65,8 +74,8 @@ void bar_chart(std::ostream& os, const std::string& title, const std::string& un
                const std::vector<std::pair<std::string, double>>& bars) {
   double top = 0;
   for (const auto& [label, v] : bars) top = std::max(top, v);
-  const double ymax = nice_max(top);
-  axes(os, title, unit, ymax);
+  const double ymax = 4 * nice_max(top / 4);  // four equal, round ticks
+  axes(os, title, unit, 0, ymax);
   const int plot_w = kWidth - kLeft - kRight, plot_h = kHeight - kTop - kBottom;
   const int n = std::max<int>(1, static_cast<int>(bars.size()));
   const int slot = plot_w / n, bar = std::max(8, slot * 3 / 5);
@@ -84,32 +93,41 @@ void bar_chart(std::ostream& os, const std::string& title, const std::string& un
   os << "</svg>\n";
 }
 
+// Lines over a y range fitted to the data (a loss that barely moves is still visible), legend in
+// the top right corner.
 void line_chart(std::ostream& os, const std::string& title, const std::string& unit,
                 const std::vector<std::pair<std::string, std::vector<double>>>& lines) {
-  double top = 0;
+  double lo = INFINITY, hi = -INFINITY;
   size_t longest = 1;
   for (const auto& [label, ys] : lines) {
     for (double y : ys)
-      if (std::isfinite(y)) top = std::max(top, y);
+      if (std::isfinite(y)) {
+        lo = std::min(lo, y);
+        hi = std::max(hi, y);
+      }
     longest = std::max(longest, ys.size());
   }
-  const double ymax = nice_max(top);
-  axes(os, title, unit, ymax);
+  if (!(lo <= hi)) lo = 0, hi = 1;
+  const double pad = std::max((hi - lo) * 0.1, std::max(std::abs(hi), 1.0) * 1e-4);
+  const double step = nice_max((hi - lo + 2 * pad) / 4);
+  const double ymin = std::floor((lo - pad) / step) * step, ymax = ymin + 4 * step;
+  axes(os, title, unit, ymin, ymax);
   const int plot_w = kWidth - kLeft - kRight, plot_h = kHeight - kTop - kBottom;
   for (size_t i = 0; i < lines.size(); ++i) {
     const auto& ys = lines[i].second;
     os << "<polyline fill='none' stroke-width='2' stroke='" << kColors[i % 8] << "' points='";
     for (size_t k = 0; k < ys.size(); ++k) {
       const double x = kLeft + (longest > 1 ? plot_w * static_cast<double>(k) / (longest - 1) : 0);
-      const double y = kTop + plot_h - plot_h * std::min(ys[k], ymax) / ymax;
+      const double y = kTop + plot_h - plot_h * (std::clamp(ys[k], ymin, ymax) - ymin) / (ymax - ymin);
       os << fmt(x) << "," << fmt(y) << " ";
     }
     os << "'><title>" << escape(lines[i].first) << "</title></polyline>\n";
-    os << "<rect x='" << kLeft + 8 + 90 * static_cast<int>(i % 5) << "' y='" << kHeight - 22 - 14 * static_cast<int>(i / 5)
-       << "' width='10' height='10' fill='" << kColors[i % 8] << "'/><text x='" << kLeft + 22 + 90 * static_cast<int>(i % 5)
-       << "' y='" << kHeight - 13 - 14 * static_cast<int>(i / 5) << "'>" << escape(lines[i].first) << "</text>\n";
+    const int ly = kTop + 8 + 14 * static_cast<int>(i);
+    os << "<rect x='" << kWidth - kRight - 100 << "' y='" << ly << "' width='10' height='10' fill='" << kColors[i % 8]
+       << "'/><text x='" << kWidth - kRight - 86 << "' y='" << ly + 9 << "'>" << escape(lines[i].first) << "</text>\n";
   }
-  os << "<text x='" << kLeft + plot_w / 2 << "' y='" << kHeight - 28 << "' text-anchor='middle' fill='#666'>measured iteration</text>\n";
+  os << "<text x='" << kLeft + plot_w / 2 << "' y='" << kHeight - kBottom + 20
+     << "' text-anchor='middle' fill='#666'>measured iteration (1.." << longest << ")</text>\n";
   os << "</svg>\n";
 }
 
