@@ -68,7 +68,7 @@ struct Setup {
   ConfigEntry data, model, trainer, server;
   bench::TrainerConfig trainer_config;
   bench::ServerConfig server_config;
-  int ntrainer = 2, nserver = 1, warmup = 3, batch = 16, epochs = 1, max_iterations = 20;
+  int ntrainer = 2, nserver = 1, warmup = 3, batch = 16, epochs = 1, max_iterations = 20, threads = 1;
   std::vector<std::string> hooks;
   std::string out_dir, token, backend;
   std::chrono::seconds timeout{300};
@@ -138,7 +138,8 @@ Setup parse(const std::vector<std::string>& args) {
   s.max_iterations = f.integer("max-iterations");
   if (s.warmup < 0 || s.batch < 1 || s.epochs < 1 || s.max_iterations < 0)
     throw UsageError("--batch-size and --epochs must be >= 1, --warmup and --max-iterations >= 0");
-  if (f.integer("threads") < 1) throw UsageError("--threads must be >= 1");
+  s.threads = f.integer("threads");
+  if (s.threads < 1) throw UsageError("--threads must be >= 1");
   s.timeout = std::chrono::seconds(f.integer("timeout-s"));
   if (s.timeout.count() < 1) throw UsageError("--timeout-s must be >= 1");
   s.token = read_token(f.str("token-file"));
@@ -151,7 +152,6 @@ Setup parse(const std::vector<std::string>& args) {
   s.quiet = f.on("quiet");
   s.report_only = f.on("report-only");
   s.tables = !f.on("no-tables") && !s.quiet;
-  at::set_num_threads(f.integer("threads"));
   return s;
 }
 
@@ -287,6 +287,7 @@ CommHook make_trainer_hook(const Setup& s, const std::string& name, const std::s
 int run_trainer_rank(const Setup& s, ProcessGroup& world, const std::string& hook_name, int iterations,
                      bench::Workload& w) {
   const int rank = world.rank();
+  at::set_num_threads(s.threads);
   auto store = world.store();
   auto pg = std::make_shared<ProcessGroup>(
       store, rank, s.ntrainer,
@@ -462,7 +463,10 @@ int run_bench(const std::vector<std::string>& args, const std::vector<std::strin
     rows = w.inputs.size(0);
   }
   const std::string key = "bench/rows";
-  if (world->rank() == 0) world->store()->set(key, std::vector<uint8_t>(std::to_string(rows).begin(), std::to_string(rows).end()));
+  if (world->rank() == 0) {
+    const std::string text = std::to_string(rows);
+    world->store()->set(key, std::vector<uint8_t>(text.begin(), text.end()));
+  }
   const auto v = world->store()->get(key);
   rows = std::stoll(std::string(v.begin(), v.end()));
   const int64_t per_epoch = std::max<int64_t>(1, rows / (static_cast<int64_t>(s.batch) * s.ntrainer));
