@@ -578,7 +578,10 @@ std::shared_ptr<ProcessGroup> init_process_group(const InitOptions& o) {
         where = "TCPStore " + host + ":" + std::to_string(port);
         c10d::TCPStoreOptions so;
         so.port = static_cast<uint16_t>(port);
-        so.isServer = rank == 0;
+        // torchrun's convention: with TORCHELASTIC_USE_AGENT_STORE=True the launcher already serves
+        // the store at MASTER_PORT (ddpkit's launcher does: no window for another process to take
+        // the port between choosing it and rank 0 binding it), so every rank is a client.
+        so.isServer = rank == 0 && env_str("TORCHELASTIC_USE_AGENT_STORE") != "True";
         so.numWorkers = static_cast<size_t>(world);
         so.waitWorkers = true;
         so.timeout = o.timeout();

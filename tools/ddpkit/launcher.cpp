@@ -9,11 +9,16 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <iostream>
 #include <thread>
+
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+extern char** environ;
 
 namespace ddpkit {
 namespace cli {
@@ -89,20 +94,6 @@ bool in_distributed_env() { return std::getenv("RANK") && std::getenv("WORLD_SIZ
 
 namespace {
 
-int free_port() {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  DDPKIT_CHECK(fd >= 0, "socket(): ", std::strerror(errno));
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  addr.sin_port = 0;
-  DDPKIT_CHECK(bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0, "bind(): ", std::strerror(errno));
-  socklen_t len = sizeof addr;
-  getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
-  const int port = ntohs(addr.sin_port);
-  close(fd);
-  return port;
-}
 
 volatile sig_atomic_t g_interrupted = 0;
 void on_signal(int) { g_interrupted = 1; }
@@ -111,23 +102,56 @@ void on_signal(int) { g_interrupted = 1; }
 
 int launch_local(int nproc, const std::vector<std::string>& argv) {
   DDPKIT_CHECK(nproc >= 1, "--nproc must be >= 1, got ", nproc);
-  const std::string port = std::getenv("MASTER_PORT") ? std::getenv("MASTER_PORT") : std::to_string(free_port());
+  // The launcher serves the rendezvous store itself, on a port the kernel picks and that stays
+  // bound: choosing a free port and letting rank 0 bind it later raced with every other process
+  // binding ephemeral ports meanwhile (Gloo and gRPC listeners of concurrent jobs).
+  c10::intrusive_ptr<c10d::TCPStore> store;
+  std::string port;
+  if (const char* given = std::getenv("MASTER_PORT")) {
+    port = given;
+  } else {
+    c10d::TCPStoreOptions so;
+    so.port = 0;
+    so.isServer = true;
+    so.waitWorkers = false;
+    store = c10::make_intrusive<c10d::TCPStore>("127.0.0.1", so);
+    port = std::to_string(store->getPort());
+  }
+  // Everything the children need is built before fork(): between fork() and exec() a child of a
+  // multithreaded process (the store's thread, libtorch's pools) may only make async-signal-safe
+  // calls, and setenv/malloc are not.
+  std::vector<std::string> exec_args(argv.begin(), argv.end());
+  std::vector<char*> args;
+  for (auto& a : exec_args) args.push_back(a.data());
+  args.push_back(nullptr);
+  std::vector<std::vector<std::string>> envs(nproc);
+  std::vector<std::vector<char*>> envps(nproc);
+  const std::vector<std::string> ours{"MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE",
+                                      "LOCAL_WORLD_SIZE", "TORCHELASTIC_USE_AGENT_STORE"};
+  for (int r = 0; r < nproc; ++r) {
+    for (char** e = environ; *e; ++e) {
+      const std::string entry(*e);
+      const std::string name = entry.substr(0, entry.find('='));
+      if (std::find(ours.begin(), ours.end(), name) == ours.end()) envs[r].push_back(entry);
+    }
+    envs[r].push_back("MASTER_ADDR=127.0.0.1");
+    envs[r].push_back("MASTER_PORT=" + port);
+    envs[r].push_back("RANK=" + std::to_string(r));
+    envs[r].push_back("LOCAL_RANK=" + std::to_string(r));
+    envs[r].push_back("WORLD_SIZE=" + std::to_string(nproc));
+    envs[r].push_back("LOCAL_WORLD_SIZE=" + std::to_string(nproc));
+    if (store) envs[r].push_back("TORCHELASTIC_USE_AGENT_STORE=True");
+    for (auto& e : envs[r]) envps[r].push_back(e.data());
+    envps[r].push_back(nullptr);
+  }
+  static const char kExecFailed[] = "ddpkit: exec of /proc/self/exe failed\n";
   std::vector<pid_t> children;
   for (int r = 0; r < nproc; ++r) {
     const pid_t pid = fork();
     DDPKIT_CHECK(pid >= 0, "fork(): ", std::strerror(errno));
     if (pid == 0) {
-      setenv("MASTER_ADDR", "127.0.0.1", 1);
-      setenv("MASTER_PORT", port.c_str(), 1);
-      setenv("RANK", std::to_string(r).c_str(), 1);
-      setenv("LOCAL_RANK", std::to_string(r).c_str(), 1);
-      setenv("WORLD_SIZE", std::to_string(nproc).c_str(), 1);
-      setenv("LOCAL_WORLD_SIZE", std::to_string(nproc).c_str(), 1);
-      std::vector<char*> args;
-      for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
-      args.push_back(nullptr);
-      execv("/proc/self/exe", args.data());
-      std::cerr << "ddpkit: exec failed: " << std::strerror(errno) << "\n";
+      execve("/proc/self/exe", args.data(), envps[r].data());
+      (void)!write(STDERR_FILENO, kExecFailed, sizeof(kExecFailed) - 1);
       _exit(127);
     }
     children.push_back(pid);
