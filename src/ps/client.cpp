@@ -62,6 +62,14 @@ struct ParameterServerClient::Impl {
     ctx.set_deadline(std::chrono::system_clock::now() + timeout);
     if (!options.token().empty()) ctx.AddMetadata("authorization", "Bearer " + options.token());
   }
+  // A blocking call (`rpc(ctx)` returns its status), bounded by connect_timeout.
+  template <typename Rpc>
+  void call(const char* what, Rpc&& rpc) const {
+    grpc::ClientContext ctx;
+    prepare(ctx, options.connect_timeout());
+    const grpc::Status s = rpc(ctx);
+    if (!s.ok()) throw CommError(failure(what, s));
+  }
 
   // The session: a server stream that never carries a message; its end is the signal.
   class Session final : public grpc::ClientReadReactor<wire::SessionEvent> {
@@ -246,21 +254,13 @@ FuturePtr ParameterServerClient::average(int64_t batch_number, int64_t bucket_in
 }
 
 void ParameterServerClient::reset_state() {
-  grpc::ClientContext ctx;
-  impl_->prepare(ctx, impl_->options.connect_timeout());
-  wire::ResetRequest request;
   wire::ResetReply reply;
-  grpc::Status s = impl_->stub->ResetState(&ctx, request, &reply);
-  if (!s.ok()) throw CommError(impl_->failure("ResetState", s));
+  impl_->call("ResetState", [&](grpc::ClientContext& ctx) { return impl_->stub->ResetState(&ctx, {}, &reply); });
 }
 
 ParameterServerClient::ServerMetrics ParameterServerClient::get_metrics() {
-  grpc::ClientContext ctx;
-  impl_->prepare(ctx, impl_->options.connect_timeout());
-  wire::MetricsRequest request;
   wire::MetricsReply reply;
-  grpc::Status s = impl_->stub->GetMetrics(&ctx, request, &reply);
-  if (!s.ok()) throw CommError(impl_->failure("GetMetrics", s));
+  impl_->call("GetMetrics", [&](grpc::ClientContext& ctx) { return impl_->stub->GetMetrics(&ctx, {}, &reply); });
   ServerMetrics out;
   out.server_rank = reply.server_rank();
   for (const auto& m : reply.metrics()) out.series[m.name()] = std::vector<double>(m.elapsed_ms().begin(), m.elapsed_ms().end());

@@ -47,13 +47,11 @@ FuturePtr to_server(ParameterServerClient& client, HookState& state, GradBucket&
   return state.timed(batch, bucket, "rpc_dense", [&] { return client.average(batch, bucket.index(), buffer, buffer); });
 }
 
-FuturePtr allreduce(ProcessGroup& pg, HookState& state, GradBucket& bucket, int64_t batch) {
-  const bool sparse = bucket.buffer().is_sparse();
-  return state.timed(batch, bucket, pg.backend_name() + (sparse ? "_sparse_allreduce" : "_dense_allreduce"), [&] {
-    at::Tensor buffer = sparse ? bucket.buffer().coalesce() : bucket.buffer();
-    buffer.div_(pg.size());
-    return pg.allreduce(buffer);
-  });
+// The default allreduce hook (it coalesces sparse buckets), timed as the seed names it.
+FuturePtr allreduce(const CommHook& allreduce_hook, const std::string& backend, HookState& state, GradBucket& bucket,
+                    int64_t batch) {
+  const std::string name = backend + (bucket.is_sparse() ? "_sparse_allreduce" : "_dense_allreduce");
+  return state.timed(batch, bucket, name, [&] { return allreduce_hook(bucket); });
 }
 
 }  // namespace
@@ -69,9 +67,10 @@ CommHook sparse_rpc_hook(std::shared_ptr<ParameterServerClient> client, std::sha
   DDPKIT_CHECK(client, "sparse_rpc_hook: parameter server client is null");
   DDPKIT_CHECK(pg, "sparse_rpc_hook: process group is null");
   auto state = std::make_shared<HookState>(std::move(log));
-  return [client = std::move(client), pg = std::move(pg), state](GradBucket& bucket) {
+  return [client = std::move(client), dense = hooks::allreduce_hook(pg), backend = pg->backend_name(),
+          state](GradBucket& bucket) {
     if (bucket.is_sparse()) return to_server(*client, *state, bucket);
-    return allreduce(*pg, *state, bucket, state->batch_of(bucket));
+    return allreduce(dense, backend, *state, bucket, state->batch_of(bucket));
   };
 }
 
@@ -81,9 +80,11 @@ CommHook hybrid_hook(std::shared_ptr<ProcessGroup> sparse_pg, std::shared_ptr<Pr
   DDPKIT_CHECK(sparse_pg->size() == dense_pg->size(), "hybrid_hook: the sparse group has ", sparse_pg->size(),
                " ranks, the dense group ", dense_pg->size());
   auto state = std::make_shared<HookState>(std::move(log));
-  return [sparse_pg = std::move(sparse_pg), dense_pg = std::move(dense_pg), state](GradBucket& bucket) {
+  return [sparse = hooks::allreduce_hook(sparse_pg), dense = hooks::allreduce_hook(dense_pg),
+          sparse_backend = sparse_pg->backend_name(), dense_backend = dense_pg->backend_name(), state](GradBucket& bucket) {
     const int64_t batch = state->batch_of(bucket);
-    return allreduce(bucket.is_sparse() ? *sparse_pg : *dense_pg, *state, bucket, batch);
+    return bucket.is_sparse() ? allreduce(sparse, sparse_backend, *state, bucket, batch)
+                              : allreduce(dense, dense_backend, *state, bucket, batch);
   };
 }
 

@@ -174,6 +174,15 @@ std::vector<std::string> without_flags(const std::vector<std::string>& argv, con
   return out;
 }
 
+// Strings through the rendezvous store (server addresses, metrics, the data size).
+void store_put(c10d::Store& store, const std::string& key, const std::string& value) {
+  store.set(key, std::vector<uint8_t>(value.begin(), value.end()));
+}
+std::string store_get(c10d::Store& store, const std::string& key) {
+  const auto v = store.get(key);
+  return std::string(v.begin(), v.end());
+}
+
 json read_json(const std::string& path) {
   std::ifstream in(path);
   if (!in) throw std::runtime_error("missing " + path);
@@ -257,8 +266,7 @@ int run_server_rank(const Setup& s, ProcessGroup& world, int iterations) {
                                  .bucket_timeout(std::chrono::milliseconds(static_cast<int64_t>(s.server_config.bucket_timeout_s * 1000)))
                                  .trace_events(true));
   server.start();
-  const std::string address = server.address();
-  world.store()->set("bench/server/" + std::to_string(index), std::vector<uint8_t>(address.begin(), address.end()));
+  store_put(*world.store(), "bench/server/" + std::to_string(index), server.address());
   // Serve until trainer 0 has collected the metrics; a trainer that never finishes surfaces as the
   // store's timeout scaled by the run length.
   world.store()->wait({"bench/done"}, s.timeout * (iterations + s.warmup + 1));
@@ -297,12 +305,9 @@ int run_trainer_rank(const Setup& s, ProcessGroup& world, const std::string& hoo
     sparse_pg = std::make_shared<ProcessGroup>(store, rank, s.ntrainer,
                                                ProcessGroupOptions(pg->options()).backend("gloo").group_name("trainers_sparse"));
   auto log = std::make_shared<metrics::MetricsLogger>(rank);
-  auto address_of = [&](int server) {
-    auto v = store->get("bench/server/" + std::to_string(server));
-    return std::string(v.begin(), v.end());
-  };
   auto client_options = [&](int server, int trainer) {
-    return ps::ClientOptions().address(address_of(server)).trainer_id(trainer).timeout(s.timeout).token(s.token);
+    return ps::ClientOptions()
+        .address(store_get(*store, "bench/server/" + std::to_string(server))).trainer_id(trainer).timeout(s.timeout).token(s.token);
   };
   const bool uses_server = std::find(kServerHooks.begin(), kServerHooks.end(), hook_name) != kServerHooks.end();
   std::shared_ptr<ps::ParameterServerClient> client;
@@ -362,23 +367,16 @@ int run_trainer_rank(const Setup& s, ProcessGroup& world, const std::string& hoo
   const double bytes_per_step = static_cast<double>(comm.bytes_sent - comm_base.bytes_sent + ps_sent) / iterations;
 
   // ---- hand the metrics to trainer 0, which reports ----
-  auto put = [&](const std::string& key, const std::string& value) {
-    store->set(key, std::vector<uint8_t>(value.begin(), value.end()));
-  };
-  auto get = [&](const std::string& key) {
-    auto v = store->get(key);
-    return std::string(v.begin(), v.end());
-  };
-  put("bench/series/" + std::to_string(rank), metrics::series_to_json(log->processed()));
-  put("bench/events/" + std::to_string(rank), metrics::events_to_json(log->events()));
+  store_put(*store, "bench/series/" + std::to_string(rank), metrics::series_to_json(log->processed()));
+  store_put(*store, "bench/events/" + std::to_string(rank), metrics::events_to_json(log->events()));
   if (lead) {
     std::vector<std::pair<std::string, std::vector<metrics::Summary>>> tables;
     std::vector<std::pair<std::string, std::vector<metrics::Event>>> timeline;
     std::vector<metrics::Series> trainers, servers;
     for (int t = 0; t < s.ntrainer; ++t) {
-      trainers.push_back(metrics::series_from_json(get("bench/series/" + std::to_string(t))));
+      trainers.push_back(metrics::series_from_json(store_get(*store, "bench/series/" + std::to_string(t))));
       tables.emplace_back("trainer" + std::to_string(t), metrics::summarize(trainers.back()));
-      timeline.emplace_back("trainer " + std::to_string(t), metrics::events_from_json(get("bench/events/" + std::to_string(t))));
+      timeline.emplace_back("trainer " + std::to_string(t), metrics::events_from_json(store_get(*store, "bench/events/" + std::to_string(t))));
     }
     tables.emplace_back("all_trainers", metrics::summarize(metrics::merge(trainers)));
     int64_t gradients = 0, bytes_in = 0;
@@ -463,12 +461,8 @@ int run_bench(const std::vector<std::string>& args, const std::vector<std::strin
     rows = w.inputs.size(0);
   }
   const std::string key = "bench/rows";
-  if (world->rank() == 0) {
-    const std::string text = std::to_string(rows);
-    world->store()->set(key, std::vector<uint8_t>(text.begin(), text.end()));
-  }
-  const auto v = world->store()->get(key);
-  rows = std::stoll(std::string(v.begin(), v.end()));
+  if (world->rank() == 0) store_put(*world->store(), key, std::to_string(rows));
+  rows = std::stoll(store_get(*world->store(), key));
   const int64_t per_epoch = std::max<int64_t>(1, rows / (static_cast<int64_t>(s.batch) * s.ntrainer));
   int iterations = static_cast<int>(per_epoch * s.epochs);
   if (s.max_iterations > 0) iterations = std::min(iterations, s.max_iterations);
