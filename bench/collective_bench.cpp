@@ -4,7 +4,9 @@
 //   build/collective_bench [--ranks N] [--reps R] [--gloo-threads T]
 //
 // algbw = bytes / time. busbw = algbw * 2(n-1)/n for allreduce (the bytes each rank must send and
-// receive in an optimal ring), algbw * (n-1)/n for allgather/alltoall. Each row: median of R reps.
+// receive in an optimal ring), algbw * (n-1)/n for allgather/alltoall/reduce-scatter (bytes: the
+// whole gathered output, or the whole reduce-scatter input). Each row: median of R reps. With
+// libtorch >= 2.2 it adds Gloo's own _reduce_scatter_base/_allgather_base rows.
 #include <ddpkit/ddpkit.h>
 
 #include <ATen/Parallel.h>
@@ -33,7 +35,7 @@ int main(int argc, char** argv) {
   auto store = c10::make_intrusive<c10d::HashStore>();
   std::printf("# ddpkit collectives over Gloo, %d ranks as threads, %d Gloo threads, median of %d\n", world,
               gloo_threads, reps);
-  std::printf("# busbw factor: allreduce 2(n-1)/n, allgather/alltoall (n-1)/n\n");
+  std::printf("# libtorch %s; busbw factor: allreduce 2(n-1)/n, allgather/alltoall/reduce_scatter (n-1)/n\n", TORCH_VERSION);
   std::printf("%-34s %12s %10s %10s %10s\n", "op", "bytes", "time_ms", "algbw_GB/s", "busbw_GB/s");
   std::vector<std::thread> threads;
   for (int r = 0; r < world; ++r) {
@@ -80,6 +82,34 @@ int main(int argc, char** argv) {
         run("alltoall fp32", elems * 4, (n - 1) / n, [&] { ProcessGroup::wait(pg->alltoall(out, f)); });
         run("allgather fp32", elems * 4, (n - 1) / n,
             [&] { ProcessGroup::wait(pg->allgather(gathered, f.narrow(0, 0, elems / world))); });
+        // reduce-scatter: elems in, elems/world out per rank; busbw (n-1)/n of the input.
+        at::Tensor shard = at::empty({elems / world});
+        run("reduce_scatter fp32 (ddpkit)", elems * 4, (n - 1) / n,
+            [&] { ProcessGroup::wait(pg->reduce_scatter(shard, f)); });
+#if DDPKIT_GLOO_HAS_BASE_COLLECTIVES
+        // libtorch's own Gloo fallbacks (2.2+), called on the backend directly; barrier first so
+        // they are not issued while the sequencer still has work.
+        auto native = [&](const std::function<c10::intrusive_ptr<c10d::Work>()>& op) {
+          ProcessGroup::wait(ring->barrier());
+          op()->wait(ring->timeout());
+        };
+        run("reduce_scatter fp32 (gloo _base)", elems * 4, (n - 1) / n, [&] {
+          native([&] {
+            c10d::ReduceScatterOptions o;
+            o.timeout = ring->timeout();
+            return ring->backend()._reduce_scatter_base(shard, f, o);
+          });
+        });
+        at::Tensor flat_out = at::empty({elems});
+        at::Tensor piece = f.narrow(0, 0, elems / world);
+        run("allgather fp32 (gloo _base)", elems * 4, (n - 1) / n, [&] {
+          native([&] {
+            c10d::AllgatherOptions o;
+            o.timeout = ring->timeout();
+            return ring->backend()._allgather_base(flat_out, piece, o);
+          });
+        });
+#endif
       }
     });
   }

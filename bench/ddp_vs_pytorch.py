@@ -33,6 +33,16 @@ def last_json(text):
     return None
 
 
+def torch_version():
+    return subprocess.run([sys.executable, "-c", "import torch; print(torch.__version__)"], capture_output=True,
+                          text=True).stdout.strip() or "unknown"
+
+
+def ddpkit_torch(binary):
+    out = subprocess.run([binary, "version"], capture_output=True, text=True).stdout
+    return out.split("libtorch ")[1].split(",")[0] if "libtorch " in out else "unknown"
+
+
 def run_ddpkit(binary, hook, args):
     cmd = [binary, "train", "--model", "mlp", "--dataset", "synthetic", "--batch-size", "32",
            "--steps", str(args.steps), "--threads", "1", "--no-eval", "--quiet"]
@@ -102,6 +112,7 @@ def main():
     fmt = lambda x: "%9.1f" % x if x is not None else "%9s" % "-"
     print("\nMLP 1024-4096-4096-1024, batch 32/rank, 2 ranks x 1 thread, gloo; median step ms over %d reps x %d steps"
           % (args.reps, args.steps))
+    print("PyTorch %s (%s), ddpkit on libtorch %s" % (torch_version(), sys.executable, ddpkit_torch(args.ddpkit)))
     print("%-10s %9s %9s %8s %9s %8s %9s %8s" % ("hook", "ddpkit", "pytorch", "ratio", "pt-zero", "ratio",
                                                  "pt-malloc", "ratio"))
     results = {}

@@ -4,8 +4,7 @@
 //
 //   build/ps_server_bench [trainers=2] [batches=20] [sizes_mb=1,4,16,64]
 #include <ddpkit/ps/parameter_server.h>
-
-#include <malloc.h>
+#include <ddpkit/runtime/allocator.h>
 
 #include <chrono>
 #include <cstdio>
@@ -17,9 +16,7 @@
 using namespace ddpkit;
 
 int main(int argc, char** argv) {
-  // As the ddpkit CLI does (tools/ddpkit/main.cpp): keep large blocks in the heap for reuse.
-  mallopt(M_MMAP_THRESHOLD, 1 << 30);
-  mallopt(M_TRIM_THRESHOLD, 1 << 30);
+  tune_allocator_for_training();  // as the ddpkit CLI does: keep large blocks in the heap for reuse
   const int trainers = argc > 1 ? std::atoi(argv[1]) : 2;
   const int batches = argc > 2 ? std::atoi(argv[2]) : 20;
   std::vector<double> sizes_mb{1, 4, 16, 64};

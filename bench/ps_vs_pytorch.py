@@ -52,6 +52,10 @@ def main():
     theirs_args = common + ["--model", a.model, "--iterations", str(a.iterations)]
     print(f"# {a.trainers} trainers, {a.servers} server(s), model {a.model}, batch {a.batch_size}, "
           f"{a.iterations} iterations, median of {a.repeats} interleaved runs")
+    torch_version = subprocess.run([sys.executable, "-c", "import torch; print(torch.__version__)"],
+                                   capture_output=True, text=True).stdout.strip()
+    ddpkit_version = subprocess.run([a.ddpkit, "version"], capture_output=True, text=True).stdout.strip()
+    print(f"# PyTorch {torch_version} ({sys.executable}); {ddpkit_version}")
     print(f"{'hook':<11} {'ddpkit grad/s':>13} {'torch grad/s':>13} {'ratio':>6} {'ddpkit step ms':>15} "
           f"{'torch step ms':>14} {'ratio':>6}")
     for hook in a.hooks.split(","):

@@ -23,3 +23,14 @@ if(TARGET torch_cuda)
   endif()
 endif()
 message(STATUS "ddpkit: libtorch ${Torch_VERSION}, NCCL backend: ${DDPKIT_HAVE_NCCL}, flags: ${TORCH_CXX_FLAGS}")
+
+# find_package(Torch) makes its imported targets (torch, torch_cpu, c10, ...) visible in this
+# directory only. When a user's project does add_subdirectory(ddpkit) without finding Torch first,
+# its targets that link ddpkit would see "torch_cpu" as an unknown target: make them global.
+get_directory_property(_ddpkit_imported IMPORTED_TARGETS)
+foreach(_t IN LISTS _ddpkit_imported)
+  get_target_property(_is_global ${_t} IMPORTED_GLOBAL)
+  if(NOT _is_global)
+    set_target_properties(${_t} PROPERTIES IMPORTED_GLOBAL TRUE)
+  endif()
+endforeach()

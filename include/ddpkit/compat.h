@@ -6,6 +6,7 @@
 
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include <functional>
 #include <sstream>
@@ -28,9 +29,10 @@ using Backend = c10d::Backend;
 using Backend = c10d::ProcessGroup;
 #endif
 
-// Gloo gained _reduce_scatter_base/_allgather_base only in 2.2; on Gloo ddpkit's reduce-scatter
-// (ProcessGroup::reduce_scatter) is built from alltoall_base, which every version has, and NCCL's
-// _reduce_scatter_base (present in 1.13 and 2.x) is used for NCCL: chosen by backend, not version.
+// Gloo gained _reduce_scatter_base/_allgather_base in 2.2 (1.13 throws "no support"). Where they
+// exist, bench/collective_bench measures them beside ddpkit's own paths (alltoall + local sum for
+// reduce-scatter, list allgather); ProcessGroup picks per version by those numbers (docs/compat.md).
+#define DDPKIT_GLOO_HAS_BASE_COLLECTIVES DDPKIT_TORCH_AT_LEAST(2, 2)
 
 // torch::optim::Optimizer::state() is keyed by the parameter's TensorImpl: as the pointer printed
 // to a string in 1.13, as the pointer itself (void*) in 2.x. Pass the map to get its key type.
@@ -44,6 +46,24 @@ typename StateMap::key_type optimizer_state_key(const StateMap&, const at::Tenso
   } else {
     return static_cast<Key>(param.unsafeGetTensorImpl());
   }
+}
+
+// TCPStore options for the classic (socket) store server. 2.4+ default useLibUV to true, and a
+// libtorch built without libuv (Debian's 2.6) then refuses every TCPStore. Detected by the field
+// rather than by version, since the field and the default arrived in different releases.
+namespace detail {
+template <class Options>
+auto use_classic_store(Options& o, int) -> decltype(o.useLibUV = false, void()) {
+  o.useLibUV = false;
+}
+template <class Options>
+void use_classic_store(Options&, long) {}
+}  // namespace detail
+
+inline c10d::TCPStoreOptions tcp_store_options() {
+  c10d::TCPStoreOptions o;
+  detail::use_classic_store(o, 0);
+  return o;
 }
 
 // A post hook on a grad accumulator. operator() is unchanged from 1.13 to 2.x; compiled_args

@@ -576,7 +576,7 @@ std::shared_ptr<ProcessGroup> init_process_group(const InitOptions& o) {
         }
         DDPKIT_CHECK(port > 0 && port < 65536, "init_process_group: port ", port, " is out of range");
         where = "TCPStore " + host + ":" + std::to_string(port);
-        c10d::TCPStoreOptions so;
+        c10d::TCPStoreOptions so = compat::tcp_store_options();
         so.port = static_cast<uint16_t>(port);
         // torchrun's convention: with TORCHELASTIC_USE_AGENT_STORE=True the launcher already serves
         // the store at MASTER_PORT (ddpkit's launcher does: no window for another process to take

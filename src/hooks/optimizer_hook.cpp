@@ -144,15 +144,17 @@ CommHook optimizer_after_hook(CommHook hook, std::shared_ptr<FunctionalOptimizer
   auto only = std::make_shared<std::unordered_set<const c10::TensorImpl*>>();
   for (const auto& p : params_to_optimize) only->insert(p.unsafeGetTensorImpl());
   return [hook = std::move(hook), optimizer = std::move(optimizer), only](GradBucket& bucket) -> FuturePtr {
-    GradBucket view = bucket;  // outlives the call: offsets, shapes, parameters
+    // Outlives the call (offsets, shapes, parameters); held by pointer because 2.x calls then()'s
+    // callback as const.
+    auto view = std::make_shared<GradBucket>(bucket);
     return hook(bucket)->then(
-        [view, optimizer, only](c10::ivalue::Future& f) mutable -> c10::IValue {
+        [view, optimizer, only](c10::ivalue::Future& f) -> c10::IValue {
           at::Tensor result = f.value().toTensor();
-          DDPKIT_CHECK(!view.is_sparse(), "optimizer_after_hook: bucket ", view.index(),
+          DDPKIT_CHECK(!view->is_sparse(), "optimizer_after_hook: bucket ", view->index(),
                        " holds a sparse gradient; use the optimizer after backward for sparse parameters");
-          view.set_buffer(result.reshape({-1}));
-          const auto grads = view.gradients();
-          const auto& params = view.parameters();
+          view->set_buffer(result.reshape({-1}));
+          const auto grads = view->gradients();
+          const auto& params = view->parameters();
           for (size_t i = 0; i < params.size(); ++i)
             if (only->empty() || only->count(params[i].unsafeGetTensorImpl())) optimizer->step_param(params[i], grads[i]);
           return c10::IValue(result);

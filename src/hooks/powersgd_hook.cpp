@@ -359,11 +359,13 @@ class BatchedPowerSGDHook {
       ProcessGroup::wait(pg->allreduce(p));
       orthogonalize(p, eps);
       at::bmm_out(q, matrix.transpose(1, 2), p);
+      // 2.x calls then()'s callback as const: no mutable captures, so the out-argument is a local.
       return pg->allreduce(q)->then(
-          [=](c10::ivalue::Future& f) mutable -> c10::IValue {
+          [=](c10::ivalue::Future& f) -> c10::IValue {
             f.value();
             q.div_(world);
-            at::bmm_out(matrix, p, q.transpose(1, 2));
+            at::Tensor approximation = matrix;
+            at::bmm_out(approximation, p, q.transpose(1, 2));
             {
               std::lock_guard<std::mutex> lock(state->mutex_);
               if (state->options_.use_error_feedback()) b->error = input_copy - padded;

@@ -15,9 +15,19 @@
 #ifndef DDPKIT_BENCH_CONFIG_DIR
 #define DDPKIT_BENCH_CONFIG_DIR "configs/bench"
 #endif
+#ifndef DDPKIT_INSTALLED_CONFIG_DIR
+#define DDPKIT_INSTALLED_CONFIG_DIR DDPKIT_BENCH_CONFIG_DIR
+#endif
 
 namespace ddpkit {
 namespace cli {
+
+namespace {
+// The checkout's configs/bench when this binary runs from its build tree, else the installed copy.
+std::string default_config_dir() {
+  return std::filesystem::is_directory(DDPKIT_BENCH_CONFIG_DIR) ? DDPKIT_BENCH_CONFIG_DIR : DDPKIT_INSTALLED_CONFIG_DIR;
+}
+}  // namespace
 
 const char* kBenchUsage = R"(usage: ddpkit bench [flags]
 
@@ -89,7 +99,7 @@ Setup parse(const std::vector<std::string>& args) {
           {{"trainers", "2"}, {"servers", "1"}, {"backend", "gloo"}, {"hook", ""},
            {"hooks", "allreduce,fp16,int8,powersgd,rpc,sparse_rpc"}, {"data", "DummyData"},
            {"model", "DummyModelSparse"}, {"trainer", "DdpTrainer"}, {"server", "AverageParameterServer"},
-           {"config-dir", DDPKIT_BENCH_CONFIG_DIR}, {"data-config", ""}, {"model-config", ""}, {"trainer-config", ""},
+           {"config-dir", default_config_dir()}, {"data-config", ""}, {"model-config", ""}, {"trainer-config", ""},
            {"server-config", ""}, {"iteration-step", ""}, {"epochs", "1"}, {"max-iterations", "20"}, {"warmup", "3"},
            {"batch-size", "16"}, {"seed", "0"}, {"threads", "1"}, {"timeout-s", "300"}, {"token-file", ""},
            {"out-dir", "bench-report"}},
@@ -391,7 +401,7 @@ int run_trainer_rank(const Setup& s, ProcessGroup& world, const std::string& hoo
       server_seconds = std::max(server_seconds, m.counters.seconds_since_reset);
     }
     if (s.nserver > 0) tables.emplace_back("all_servers", metrics::summarize(metrics::merge(servers)));
-    store->set("bench/done", {1});
+    store->set("bench/done", std::vector<uint8_t>{1});
 
     double step_mean = 0, step_p50 = 0;
     for (const auto& row : tables[s.ntrainer].second)

@@ -32,10 +32,14 @@ class Flags {
   std::map<std::string, bool> switches_;
 };
 
-// Runs `nproc` copies of this program with torchrun-style variables (MASTER_ADDR=127.0.0.1, a
-// free MASTER_PORT, RANK, LOCAL_RANK, WORLD_SIZE) and the same arguments. If one fails, the others
-// are stopped. Returns the exit code to use (0, or the first failure's).
-int launch_local(int nproc, const std::vector<std::string>& argv);
+// Runs `nproc` copies of `program` (default: this program) with torchrun-style variables
+// (MASTER_ADDR=127.0.0.1, a free MASTER_PORT, RANK, LOCAL_RANK, WORLD_SIZE) and arguments `argv`
+// (argv[0] included). If one fails, the others are stopped. Returns the exit code to use (0, or
+// the first failure's).
+int launch_local(int nproc, const std::vector<std::string>& argv, const std::string& program = "/proc/self/exe");
+// `ddpkit launch`: launch_local for any program, found on PATH like a shell would.
+extern const char* kLaunchUsage;
+int run_launch(const std::vector<std::string>& args);
 // True when a torchrun-style environment names this process's rank.
 bool in_distributed_env();
 // The parameter server's shared secret: the first line of `path`, or DDPKIT_PS_TOKEN when `path`

@@ -1,5 +1,6 @@
 #include "cli.h"
 
+#include <ddpkit/compat.h>
 #include <ddpkit/error.h>
 
 #include <arpa/inet.h>
@@ -100,7 +101,7 @@ void on_signal(int) { g_interrupted = 1; }
 
 }  // namespace
 
-int launch_local(int nproc, const std::vector<std::string>& argv) {
+int launch_local(int nproc, const std::vector<std::string>& argv, const std::string& program) {
   DDPKIT_CHECK(nproc >= 1, "--nproc must be >= 1, got ", nproc);
   // The launcher serves the rendezvous store itself, on a port the kernel picks and that stays
   // bound: choosing a free port and letting rank 0 bind it later raced with every other process
@@ -110,7 +111,7 @@ int launch_local(int nproc, const std::vector<std::string>& argv) {
   if (const char* given = std::getenv("MASTER_PORT")) {
     port = given;
   } else {
-    c10d::TCPStoreOptions so;
+    c10d::TCPStoreOptions so = compat::tcp_store_options();
     so.port = 0;
     so.isServer = true;
     so.waitWorkers = false;
@@ -144,14 +145,14 @@ int launch_local(int nproc, const std::vector<std::string>& argv) {
     for (auto& e : envs[r]) envps[r].push_back(e.data());
     envps[r].push_back(nullptr);
   }
-  static const char kExecFailed[] = "ddpkit: exec of /proc/self/exe failed\n";
+  const std::string exec_failed = "ddpkit: cannot execute " + program + "\n";
   std::vector<pid_t> children;
   for (int r = 0; r < nproc; ++r) {
     const pid_t pid = fork();
     DDPKIT_CHECK(pid >= 0, "fork(): ", std::strerror(errno));
     if (pid == 0) {
-      execve("/proc/self/exe", args.data(), envps[r].data());
-      (void)!write(STDERR_FILENO, kExecFailed, sizeof(kExecFailed) - 1);
+      execve(program.c_str(), args.data(), envps[r].data());
+      (void)!write(STDERR_FILENO, exec_failed.data(), exec_failed.size());
       _exit(127);
     }
     children.push_back(pid);
@@ -198,6 +199,60 @@ int launch_local(int nproc, const std::vector<std::string>& argv) {
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
   return exit_code;
+}
+
+const char* kLaunchUsage = R"(usage: ddpkit launch [--nproc 2] [--] PROGRAM [ARGS...]
+
+Runs --nproc local copies of PROGRAM with torchrun's variables (MASTER_ADDR, MASTER_PORT, RANK,
+LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE; the rendezvous store is served by the launcher, as
+torchrun's TORCHELASTIC_USE_AGENT_STORE). A program that calls ddpkit::init_process_group() joins
+them. If a rank fails, the others are stopped; the exit status is the first failure's.
+)";
+
+namespace {
+// PROGRAM as execvp would find it, resolved before fork (the child may only exec).
+std::string resolve_program(const std::string& name) {
+  if (name.find('/') != std::string::npos) return name;
+  const char* path = std::getenv("PATH");
+  std::string dirs = path ? path : "/usr/local/bin:/usr/bin:/bin";
+  size_t start = 0;
+  for (;;) {
+    const size_t colon = dirs.find(':', start);
+    std::string dir = dirs.substr(start, colon == std::string::npos ? std::string::npos : colon - start);
+    const std::string candidate = (dir.empty() ? "." : dir) + "/" + name;
+    if (access(candidate.c_str(), X_OK) == 0) return candidate;
+    if (colon == std::string::npos) break;
+    start = colon + 1;
+  }
+  throw UsageError("launch: program '" + name + "' is not found on PATH");
+}
+}  // namespace
+
+int run_launch(const std::vector<std::string>& args) {
+  int nproc = 2;
+  size_t i = 0;
+  for (; i < args.size(); ++i) {
+    const std::string& a = args[i];
+    if (a == "--") {
+      ++i;
+      break;
+    }
+    if (a == "--nproc" || a.rfind("--nproc=", 0) == 0) {
+      std::string v = a == "--nproc" ? (i + 1 < args.size() ? args[++i] : "") : a.substr(8);
+      char* end = nullptr;
+      const long n = std::strtol(v.c_str(), &end, 10);
+      if (v.empty() || *end || n < 1) throw UsageError("--nproc expects a positive integer, got '" + v + "'");
+      nproc = static_cast<int>(n);
+      continue;
+    }
+    if (a.rfind("--", 0) == 0) throw UsageError("unknown flag " + a);
+    break;  // the program
+  }
+  if (i >= args.size()) throw UsageError("launch: no program given");
+  std::vector<std::string> argv(args.begin() + static_cast<std::ptrdiff_t>(i), args.end());
+  const std::string program = resolve_program(argv[0]);
+  if (access(program.c_str(), X_OK) != 0) throw UsageError("launch: '" + program + "' is not an executable file");
+  return launch_local(nproc, argv, program);
 }
 
 }  // namespace cli

@@ -3,9 +3,8 @@
 
 #include <ddpkit/codecs/cast.h>
 #include <ddpkit/error.h>
+#include <ddpkit/runtime/allocator.h>
 #include <torch/version.h>
-
-#include <malloc.h>
 
 #include <cstdlib>
 #include <cstring>
@@ -29,22 +28,19 @@ const char* kUsage = R"(usage: ddpkit <command> [flags]
 
 commands:
   train     data-parallel training (ddpkit train --help)
+  launch    run N local ranks of any program, torchrun-style (ddpkit launch --help)
   bench     the parameter-server benchmark: trainers + gRPC servers (ddpkit bench --help)
   ps-server a gradient-averaging parameter server (ddpkit ps-server --help)
   version   versions of ddpkit, libtorch, and the codec SIMD level
 )";
 }
 
-// Gradients and activations of a large model are tens of MB each. glibc serves blocks above its
-// mmap threshold (at most 32 MB by default) with fresh mappings, so every step re-faults them page
-// by page: on the 25M-parameter MLP a quarter of the step went to page faults. Keep large blocks in
-// the heap for reuse instead. A process-wide choice, so the program makes it, not the library; an
-// explicit MALLOC_MMAP_THRESHOLD_/MALLOC_TRIM_THRESHOLD_ or --no-malloc-tuning wins.
+// Allocator thresholds that keep large blocks in the heap (include/ddpkit/runtime/allocator.h);
+// --no-malloc-tuning, DDPKIT_MALLOC_TUNING=0 or glibc's own MALLOC_*_THRESHOLD_ variables opt out.
 void tune_allocator(int argc, char** argv) {
   for (int i = 1; i < argc; ++i)
     if (!std::strcmp(argv[i], "--no-malloc-tuning")) return;
-  if (!std::getenv("MALLOC_MMAP_THRESHOLD_")) mallopt(M_MMAP_THRESHOLD, 1 << 30);
-  if (!std::getenv("MALLOC_TRIM_THRESHOLD_")) mallopt(M_TRIM_THRESHOLD, 1 << 30);
+  ddpkit::tune_allocator_for_training();
 }
 
 int main(int argc, char** argv) {
@@ -80,6 +76,14 @@ int main(int argc, char** argv) {
       return cmd == "bench" ? run_bench(args, all) : run_ps_server(args);
     }
 #endif
+    if (cmd == "launch") {
+      usage = kLaunchUsage;
+      if (!args.empty() && (args[0] == "--help" || args[0] == "-h")) {
+        std::cout << kLaunchUsage;
+        return 0;
+      }
+      return run_launch(args);
+    }
     if (cmd == "version") {
       std::cout << "ddpkit 0.1.0, libtorch " << TORCH_VERSION << ", codecs " << ddpkit::codecs::simd_level_name() << "\n";
       return 0;

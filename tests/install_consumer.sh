@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# ddpkit as a dependency, the two ways a libtorch project takes it:
+#  1. cmake --install to a temporary prefix, then examples/train_mlp built with find_package(ddpkit)
+#     against that prefix alone, and run on 2 ranks by the installed `ddpkit launch`;
+#  2. add_subdirectory(ddpkit) from a project that never calls find_package(Torch): configure,
+#     generate, and check the example's link line names libtorch (--build adds a full build).
+#   install_consumer.sh SOURCE_DIR BUILD_DIR [--build]
+set -euo pipefail
+src=$1
+build=$2
+full=${3:-}
+work=$(mktemp -d /tmp/ddpkit-consumer.XXXXXX)
+trap 'rm -rf "$work"' EXIT
+
+echo "== install to $work/prefix"
+cmake --install "$build" --prefix "$work/prefix" >"$work/install.log"
+for f in include/ddpkit/ddpkit.h bin/ddpkit lib/cmake/ddpkit/ddpkitConfig.cmake lib/cmake/ddpkit/ddpkitTargets.cmake; do
+  [ -e "$work/prefix/$f" ] || { echo "missing after install: $f"; exit 1; }
+done
+ls "$work/prefix/lib"/libddpkit*.so >/dev/null
+
+echo "== examples/train_mlp against the installed package"
+cmake -S "$src/examples/train_mlp" -B "$work/example" -G Ninja -DCMAKE_BUILD_TYPE=Release \
+  -DCMAKE_PREFIX_PATH="$work/prefix" -DCMAKE_CXX_COMPILER_LAUNCHER="$(command -v ccache || true)" >"$work/example.cfg.log" \
+  || { cat "$work/example.cfg.log"; exit 1; }
+cmake --build "$work/example" -j2 >"$work/example.build.log" || { tail -40 "$work/example.build.log"; exit 1; }
+# The build tree's libraries must not be what the program loads.
+if ldd "$work/example/train_mlp" | grep -q "$build/"; then
+  echo "train_mlp loads libraries from the build tree:"; ldd "$work/example/train_mlp"; exit 1
+fi
+ldd "$work/example/train_mlp" | grep -q "$work/prefix/lib/libddpkit.so" || { ldd "$work/example/train_mlp"; exit 1; }
+"$work/prefix/bin/ddpkit" launch --nproc 2 "$work/example/train_mlp" --epochs 4 | tee "$work/run.log"
+grep -q "train_mlp: world 2, hook allreduce, .* ranks agree" "$work/run.log"
+"$work/prefix/bin/ddpkit" launch --nproc 2 "$work/example/train_mlp" --epochs 2 --hook fp16 | tee "$work/run16.log"
+grep -q "hook fp16, .* ranks agree" "$work/run16.log"
+
+echo "== add_subdirectory(ddpkit) without find_package(Torch)"
+cmake -S "$src/tests/consumer_subdir" -B "$work/subdir" -G Ninja -DCMAKE_BUILD_TYPE=Release \
+  -DDDPKIT_SOURCE_DIR="$src" >"$work/subdir.cfg.log" 2>&1 || { cat "$work/subdir.cfg.log"; exit 1; }
+grep -q "CMake Error" "$work/subdir.cfg.log" && { cat "$work/subdir.cfg.log"; exit 1; }
+# ddpkit's own tests and tools are off when it is a subproject.
+if grep -q "ddpkit_tests" "$work/subdir/build.ninja"; then echo "subproject builds ddpkit's tests"; exit 1; fi
+ninja -C "$work/subdir" -t commands train_mlp | tail -1 | grep -q "libtorch" \
+  || { echo "train_mlp's link line does not name libtorch:"; ninja -C "$work/subdir" -t commands train_mlp | tail -1; exit 1; }
+if [ "$full" = --build ]; then
+  cmake --build "$work/subdir" -j2 --target train_mlp >"$work/subdir.build.log" || { tail -40 "$work/subdir.build.log"; exit 1; }
+  "$build/ddpkit" launch --nproc 2 "$work/subdir/train_mlp" --epochs 2 | grep "ranks agree"
+fi
+echo "install_consumer: OK"
