@@ -32,6 +32,7 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
+  tune_allocator_for_training();  // as ddpkit's programs do
   auto store = c10::make_intrusive<c10d::HashStore>();
   std::printf("# ddpkit collectives over Gloo, %d ranks as threads, %d Gloo threads, median of %d\n", world,
               gloo_threads, reps);
@@ -80,19 +81,29 @@ int main(int argc, char** argv) {
         run("allreduce fp16 (two-phase alltoall)", elems * 2, 2 * (n - 1) / n, [&] { ProcessGroup::wait(pg->allreduce(h)); });
         run("allreduce bf16 (two-phase alltoall)", elems * 2, 2 * (n - 1) / n, [&] { ProcessGroup::wait(pg->allreduce(b)); });
         run("alltoall fp32", elems * 4, (n - 1) / n, [&] { ProcessGroup::wait(pg->alltoall(out, f)); });
-        run("allgather fp32", elems * 4, (n - 1) / n,
-            [&] { ProcessGroup::wait(pg->allgather(gathered, f.narrow(0, 0, elems / world))); });
+        // Gloo's own collectives, called on the backend directly (barrier first, so they are not
+        // issued while the sequencer still has work), beside ddpkit's paths.
+        auto native = [&](const std::function<c10::intrusive_ptr<c10d::Work>()>& op) {
+          ProcessGroup::wait(ring->barrier());
+          op()->wait(ring->timeout());
+        };
+        at::Tensor piece = f.narrow(0, 0, elems / world);
+        run("allgather fp32 (ddpkit: alltoall)", elems * 4, (n - 1) / n,
+            [&] { ProcessGroup::wait(pg->allgather(gathered, piece)); });
+        run("allgather fp32 (gloo list)", elems * 4, (n - 1) / n, [&] {
+          native([&] {
+            std::vector<std::vector<at::Tensor>> out{gathered};
+            std::vector<at::Tensor> in{piece};
+            c10d::AllgatherOptions o;
+            o.timeout = ring->timeout();
+            return ring->backend().allgather(out, in, o);
+          });
+        });
         // reduce-scatter: elems in, elems/world out per rank; busbw (n-1)/n of the input.
         at::Tensor shard = at::empty({elems / world});
         run("reduce_scatter fp32 (ddpkit)", elems * 4, (n - 1) / n,
             [&] { ProcessGroup::wait(pg->reduce_scatter(shard, f)); });
 #if DDPKIT_GLOO_HAS_BASE_COLLECTIVES
-        // libtorch's own Gloo fallbacks (2.2+), called on the backend directly; barrier first so
-        // they are not issued while the sequencer still has work.
-        auto native = [&](const std::function<c10::intrusive_ptr<c10d::Work>()>& op) {
-          ProcessGroup::wait(ring->barrier());
-          op()->wait(ring->timeout());
-        };
         run("reduce_scatter fp32 (gloo _base)", elems * 4, (n - 1) / n, [&] {
           native([&] {
             c10d::ReduceScatterOptions o;
@@ -101,7 +112,6 @@ int main(int argc, char** argv) {
           });
         });
         at::Tensor flat_out = at::empty({elems});
-        at::Tensor piece = f.narrow(0, 0, elems / world);
         run("allgather fp32 (gloo _base)", elems * 4, (n - 1) / n, [&] {
           native([&] {
             c10d::AllgatherOptions o;

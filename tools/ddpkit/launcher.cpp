@@ -151,20 +151,24 @@ int launch_local(int nproc, const std::vector<std::string>& argv, const std::str
     const pid_t pid = fork();
     DDPKIT_CHECK(pid >= 0, "fork(): ", std::strerror(errno));
     if (pid == 0) {
+      // Each rank leads its own process group, so stopping it also stops what it started
+      // (a shell's children, a data loader): signals go to the group, as torchrun does.
+      setpgid(0, 0);
       execve(program.c_str(), args.data(), envps[r].data());
       (void)!write(STDERR_FILENO, exec_failed.data(), exec_failed.size());
       _exit(127);
     }
+    setpgid(pid, pid);  // also here: whichever of parent and child runs first
     children.push_back(pid);
   }
+  const std::vector<pid_t> groups = children;
   signal(SIGINT, on_signal);
   signal(SIGTERM, on_signal);
   int exit_code = 0;
   size_t alive = children.size();
   bool stopping = false;
   auto stop_all = [&](int sig) {
-    for (pid_t c : children)
-      if (c > 0) kill(c, sig);
+    for (pid_t g : groups) kill(-g, sig);  // exited ranks' leftovers too; ESRCH when none
   };
   auto stop_deadline = std::chrono::steady_clock::time_point::max();
   while (alive > 0) {

@@ -78,7 +78,7 @@ accuracy, and a last line that is one JSON object.
   --no-ddp                train locally in one process, without DistributedDataParallel
   --no-eval               skip test-set evaluation
   --quiet                 no progress bar
-  --no-malloc-tuning      keep glibc's default mmap/trim thresholds (see tools/ddpkit/main.cpp)
+  --no-malloc-tuning      keep glibc's default mmap/trim thresholds (ddpkit::tune_allocator_for_training)
 )";
 
 namespace {
