@@ -88,7 +88,7 @@ int main(int argc, char** argv) {
           op()->wait(ring->timeout());
         };
         at::Tensor piece = f.narrow(0, 0, elems / world);
-        run("allgather fp32 (ddpkit: alltoall)", elems * 4, (n - 1) / n,
+        run("allgather fp32 (ddpkit)", elems * 4, (n - 1) / n,
             [&] { ProcessGroup::wait(pg->allgather(gathered, piece)); });
         run("allgather fp32 (gloo list)", elems * 4, (n - 1) / n, [&] {
           native([&] {

@@ -405,7 +405,7 @@ FuturePtr ProcessGroup::allgather(const std::vector<at::Tensor>& outputs, const 
   const uint64_t n = static_cast<uint64_t>(world_size_);
   if (options_.backend() == "gloo" && input.device().is_cpu() && !input.is_sparse()) {
     auto result = make_tensor_future(input.device());
-    post([this, outputs, input, result] { alltoall_allgather(outputs, input, result); });
+    post([this, outputs, input, result] { gloo_allgather(outputs, input, result); });
     return result;
   }
   auto out_copy = outputs;
@@ -419,25 +419,41 @@ FuturePtr ProcessGroup::allgather(const std::vector<at::Tensor>& outputs, const 
                });
 }
 
-// Allgather as one alltoall of the input replicated n times: Gloo's alltoall moves 2-3x the bytes
-// per second of its allgather (list form, or 2.2+'s _allgather_base) at 1-100 MB here (bench/
-// collective_bench), and sends the same (n-1)/n of the gathered bytes. Moved as bytes, so every
-// dtype travels (Gloo has no bfloat16).
-void ProcessGroup::alltoall_allgather(const std::vector<at::Tensor>& outputs, const at::Tensor& input,
-                                      const FuturePtr& result) {
+// Gloo allgather, by measurement (bench/collective_bench, docs/compat.md): one alltoall of the
+// input replicated n times moves ~2x the bytes per second of Gloo's allgather at 100 MB in 1.13
+// and 2.6 and sends the same (n-1)/n of the gathered bytes; 2.2+'s own _allgather_base is faster
+// below kBaseAllgatherMaxBytes gathered. Moved as bytes, so every dtype travels (Gloo has no bf16).
+namespace {
+constexpr uint64_t kBaseAllgatherMaxBytes = 32u << 20;
+}
+
+void ProcessGroup::gloo_allgather(const std::vector<at::Tensor>& outputs, const at::Tensor& input,
+                                  const FuturePtr& result) {
   const std::string what = "allgather (" + describe_tensor(input) + " per rank)";
   try {
     const int64_t n = world_size_, m = input.numel();
+    const uint64_t bytes = bytes_of(input);
     at::Tensor send = take_workspace(input.scalar_type(), n * m);
     at::Tensor recv = take_workspace(input.scalar_type(), n * m);
-    send.view({n, m}).copy_(input.reshape({1, m}).expand({n, m}));
-    const uint64_t bytes = bytes_of(input);
     count((n - 1) * bytes, (n - 1) * bytes);
-    at::Tensor send_bytes = send.view(at::kByte), recv_bytes = recv.view(at::kByte);
-    std::vector<int64_t> equal;
-    c10d::AllToAllOptions ao;
-    ao.timeout = options_.timeout();
-    auto work = backend_->alltoall_base(recv_bytes, send_bytes, equal, equal, ao);
+    at::Tensor recv_bytes = recv.view(at::kByte);
+    c10::intrusive_ptr<c10d::Work> work;
+#if DDPKIT_GLOO_HAS_BASE_COLLECTIVES
+    if (n * bytes < kBaseAllgatherMaxBytes) {
+      at::Tensor in_bytes = send.narrow(0, 0, m).copy_(input.reshape({-1})).view(at::kByte);
+      c10d::AllgatherOptions o;
+      o.timeout = options_.timeout();
+      work = backend_->_allgather_base(recv_bytes, in_bytes, o);
+    }
+#endif
+    if (!work) {
+      send.view({n, m}).copy_(input.reshape({1, m}).expand({n, m}));
+      at::Tensor send_bytes = send.view(at::kByte);
+      std::vector<int64_t> equal;
+      c10d::AllToAllOptions ao;
+      ao.timeout = options_.timeout();
+      work = backend_->alltoall_base(recv_bytes, send_bytes, equal, equal, ao);
+    }
     const int rank = rank_, world = world_size_;
     work->getFuture()->addCallback([=](c10::ivalue::Future& f) {
       give_workspace(send);  // the send buffer had to outlive the transfer

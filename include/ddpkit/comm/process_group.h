@@ -107,8 +107,8 @@ class ProcessGroup {
   // chunks are exchanged in the low-precision type and summed in fp32 (see two_phase_allreduce).
   FuturePtr allreduce(const at::Tensor& tensor, c10d::ReduceOp op = c10d::ReduceOp::SUM);
   FuturePtr broadcast(const at::Tensor& tensor, int root);
-  // outputs[r] receives rank r's input; all shapes equal. On Gloo (CPU): one alltoall of the
-  // replicated input, faster than Gloo's allgather in every libtorch version (docs/compat.md).
+  // outputs[r] receives rank r's input; all shapes equal. On Gloo (CPU) the faster of Gloo's
+  // _allgather_base (2.2+, small) and one alltoall of the replicated input (docs/compat.md).
   FuturePtr allgather(const std::vector<at::Tensor>& outputs, const at::Tensor& input);
   // Equal split along dim 0: chunk r of input goes to rank r; chunk r of output comes from rank r.
   FuturePtr alltoall(const at::Tensor& output, const at::Tensor& input);
@@ -149,7 +149,7 @@ class ProcessGroup {
                   std::function<c10::intrusive_ptr<c10d::Work>()> op);
   bool use_two_phase(const at::Tensor& tensor, c10d::ReduceOp op) const;
   void two_phase_allreduce(const at::Tensor& tensor, const FuturePtr& result);
-  void alltoall_allgather(const std::vector<at::Tensor>& outputs, const at::Tensor& input, const FuturePtr& result);
+  void gloo_allgather(const std::vector<at::Tensor>& outputs, const at::Tensor& input, const FuturePtr& result);
   void link(const c10::intrusive_ptr<c10d::Work>& work, const FuturePtr& result,
             const at::Tensor& value, const std::string& what);
   void count(uint64_t bytes_sent, uint64_t bytes_received);
