@@ -419,14 +419,10 @@ FuturePtr ProcessGroup::allgather(const std::vector<at::Tensor>& outputs, const 
                });
 }
 
-// Gloo allgather, by measurement (bench/collective_bench, docs/compat.md): one alltoall of the
-// input replicated n times moves ~2x the bytes per second of Gloo's allgather at 100 MB in 1.13
-// and 2.6 and sends the same (n-1)/n of the gathered bytes; 2.2+'s own _allgather_base is faster
-// below kBaseAllgatherMaxBytes gathered. Moved as bytes, so every dtype travels (Gloo has no bf16).
-namespace {
-constexpr uint64_t kBaseAllgatherMaxBytes = 32u << 20;
-}
-
+// Gloo allgather as one alltoall of the input replicated n times. Measured (bench/collective_bench,
+// docs/compat.md): at 100 MB gathered it takes half the time of Gloo's own allgather (list form,
+// and 2.6's _allgather_base) on libtorch 1.13 and 2.6, and it sends the same (n-1)/n of the
+// gathered bytes. Moved as bytes, so every dtype travels (Gloo has no bfloat16).
 void ProcessGroup::gloo_allgather(const std::vector<at::Tensor>& outputs, const at::Tensor& input,
                                   const FuturePtr& result) {
   const std::string what = "allgather (" + describe_tensor(input) + " per rank)";
@@ -435,25 +431,13 @@ void ProcessGroup::gloo_allgather(const std::vector<at::Tensor>& outputs, const 
     const uint64_t bytes = bytes_of(input);
     at::Tensor send = take_workspace(input.scalar_type(), n * m);
     at::Tensor recv = take_workspace(input.scalar_type(), n * m);
+    send.view({n, m}).copy_(input.reshape({1, m}).expand({n, m}));
     count((n - 1) * bytes, (n - 1) * bytes);
-    at::Tensor recv_bytes = recv.view(at::kByte);
-    c10::intrusive_ptr<c10d::Work> work;
-#if DDPKIT_GLOO_HAS_BASE_COLLECTIVES
-    if (n * bytes < kBaseAllgatherMaxBytes) {
-      at::Tensor in_bytes = send.narrow(0, 0, m).copy_(input.reshape({-1})).view(at::kByte);
-      c10d::AllgatherOptions o;
-      o.timeout = options_.timeout();
-      work = backend_->_allgather_base(recv_bytes, in_bytes, o);
-    }
-#endif
-    if (!work) {
-      send.view({n, m}).copy_(input.reshape({1, m}).expand({n, m}));
-      at::Tensor send_bytes = send.view(at::kByte);
-      std::vector<int64_t> equal;
-      c10d::AllToAllOptions ao;
-      ao.timeout = options_.timeout();
-      work = backend_->alltoall_base(recv_bytes, send_bytes, equal, equal, ao);
-    }
+    at::Tensor send_bytes = send.view(at::kByte), recv_bytes = recv.view(at::kByte);
+    std::vector<int64_t> equal;
+    c10d::AllToAllOptions ao;
+    ao.timeout = options_.timeout();
+    auto work = backend_->alltoall_base(recv_bytes, send_bytes, equal, equal, ao);
     const int rank = rank_, world = world_size_;
     work->getFuture()->addCallback([=](c10::ivalue::Future& f) {
       give_workspace(send);  // the send buffer had to outlive the transfer

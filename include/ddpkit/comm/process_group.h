@@ -107,8 +107,8 @@ class ProcessGroup {
   // chunks are exchanged in the low-precision type and summed in fp32 (see two_phase_allreduce).
   FuturePtr allreduce(const at::Tensor& tensor, c10d::ReduceOp op = c10d::ReduceOp::SUM);
   FuturePtr broadcast(const at::Tensor& tensor, int root);
-  // outputs[r] receives rank r's input; all shapes equal. On Gloo (CPU) the faster of Gloo's
-  // _allgather_base (2.2+, small) and one alltoall of the replicated input (docs/compat.md).
+  // outputs[r] receives rank r's input; all shapes equal. On Gloo (CPU): one alltoall of the
+  // replicated input, which outran Gloo's allgather at 100 MB in 1.13 and 2.6 (docs/compat.md).
   FuturePtr allgather(const std::vector<at::Tensor>& outputs, const at::Tensor& input);
   // Equal split along dim 0: chunk r of input goes to rank r; chunk r of output comes from rank r.
   FuturePtr alltoall(const at::Tensor& output, const at::Tensor& input);
