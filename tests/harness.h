@@ -31,9 +31,12 @@ inline std::shared_ptr<ProcessGroup> make_group(const c10::intrusive_ptr<c10d::S
       store, rank, world, ProcessGroupOptions().gloo_hostname("127.0.0.1").gloo_threads(gloo_threads).timeout(timeout));
 }
 
-// Runs fn(rank, pg) on `world` threads.
-inline void spawn_ranks(int world, const std::function<void(int, std::shared_ptr<ProcessGroup>)>& fn,
-                        int gloo_threads = 2) {
+using GroupFactory = std::function<std::shared_ptr<ProcessGroup>(const c10::intrusive_ptr<c10d::Store>&, int rank)>;
+using RankFn = std::function<void(int, std::shared_ptr<ProcessGroup>)>;
+
+// Runs fn(rank, make(store, rank)) on `world` threads over one in-memory store; rethrows the first
+// exception any rank threw.
+inline void spawn_groups(int world, const GroupFactory& make, const RankFn& fn) {
   auto store = c10::make_intrusive<c10d::HashStore>();
   std::vector<std::thread> threads;
   std::mutex mu;
@@ -41,9 +44,7 @@ inline void spawn_ranks(int world, const std::function<void(int, std::shared_ptr
   for (int r = 0; r < world; ++r) {
     threads.emplace_back([&, r] {
       try {
-        at::set_num_threads(1);
-        auto pg = make_group(store, r, world, gloo_threads);
-        fn(r, pg);
+        fn(r, make(store, r));
       } catch (...) {
         std::lock_guard<std::mutex> lock(mu);
         if (!first) first = std::current_exception();
@@ -52,6 +53,17 @@ inline void spawn_ranks(int world, const std::function<void(int, std::shared_ptr
   }
   for (auto& t : threads) t.join();
   if (first) std::rethrow_exception(first);
+}
+
+// Runs fn(rank, pg) on `world` threads, each with a Gloo group and one intra-op thread.
+inline void spawn_ranks(int world, const RankFn& fn, int gloo_threads = 2) {
+  spawn_groups(
+      world,
+      [&](const c10::intrusive_ptr<c10d::Store>& store, int r) {
+        at::set_num_threads(1);
+        return make_group(store, r, world, gloo_threads);
+      },
+      fn);
 }
 
 // Gathers a tensor from every rank (for comparing ranks inside a rank's thread).

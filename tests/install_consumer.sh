@@ -24,11 +24,13 @@ cmake -S "$src/examples/train_mlp" -B "$work/example" -G Ninja -DCMAKE_BUILD_TYP
   -DCMAKE_PREFIX_PATH="$work/prefix" -DCMAKE_CXX_COMPILER_LAUNCHER="$(command -v ccache || true)" >"$work/example.cfg.log" \
   || { cat "$work/example.cfg.log"; exit 1; }
 cmake --build "$work/example" -j2 >"$work/example.build.log" || { tail -40 "$work/example.build.log"; exit 1; }
-# The build tree's libraries must not be what the program loads.
-if ldd "$work/example/train_mlp" | grep -q "$build/"; then
-  echo "train_mlp loads libraries from the build tree:"; ldd "$work/example/train_mlp"; exit 1
+# The build tree's libraries must not be what the program loads. (Captured first: `ldd | grep -q`
+# under pipefail fails whenever grep exits before ldd has written everything.)
+libs=$(ldd "$work/example/train_mlp")
+if [[ "$libs" == *"$build/"* ]]; then
+  echo "train_mlp loads libraries from the build tree:"; echo "$libs"; exit 1
 fi
-ldd "$work/example/train_mlp" | grep -q "$work/prefix/lib/libddpkit.so" || { ldd "$work/example/train_mlp"; exit 1; }
+[[ "$libs" == *"$work/prefix/lib/libddpkit.so"* ]] || { echo "train_mlp does not load the installed libddpkit:"; echo "$libs"; exit 1; }
 "$work/prefix/bin/ddpkit" launch --nproc 2 "$work/example/train_mlp" --epochs 4 | tee "$work/run.log"
 grep -q "train_mlp: world 2, hook allreduce, .* ranks agree" "$work/run.log"
 "$work/prefix/bin/ddpkit" launch --nproc 2 "$work/example/train_mlp" --epochs 2 --hook fp16 | tee "$work/run16.log"
@@ -40,8 +42,8 @@ cmake -S "$src/tests/consumer_subdir" -B "$work/subdir" -G Ninja -DCMAKE_BUILD_T
 grep -q "CMake Error" "$work/subdir.cfg.log" && { cat "$work/subdir.cfg.log"; exit 1; }
 # ddpkit's own tests and tools are off when it is a subproject.
 if grep -q "ddpkit_tests" "$work/subdir/build.ninja"; then echo "subproject builds ddpkit's tests"; exit 1; fi
-ninja -C "$work/subdir" -t commands train_mlp | tail -1 | grep -q "libtorch" \
-  || { echo "train_mlp's link line does not name libtorch:"; ninja -C "$work/subdir" -t commands train_mlp | tail -1; exit 1; }
+link=$(ninja -C "$work/subdir" -t commands train_mlp | tail -1)
+[[ "$link" == *libtorch* ]] || { echo "train_mlp's link line does not name libtorch: $link"; exit 1; }
 if [ "$full" = --build ]; then
   cmake --build "$work/subdir" -j2 --target train_mlp >"$work/subdir.build.log" || { tail -40 "$work/subdir.build.log"; exit 1; }
   "$build/ddpkit" launch --nproc 2 "$work/subdir/train_mlp" --epochs 2 | grep "ranks agree"

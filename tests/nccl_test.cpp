@@ -4,34 +4,22 @@
 #include "harness.h"
 
 #include <c10/cuda/CUDAFunctions.h>
-#include <c10/cuda/CUDAGuard.h>
 
 namespace ddpkit {
 namespace {
 
 int nccl_world() { return std::max(1, std::min<int>(4, c10::cuda::device_count())); }
 
-void spawn_nccl(const std::function<void(int, std::shared_ptr<ProcessGroup>)>& fn) {
+void spawn_nccl(const testing::RankFn& fn) {
   const int world = nccl_world();
-  auto store = c10::make_intrusive<c10d::HashStore>();
-  std::vector<std::thread> threads;
-  std::mutex mu;
-  std::exception_ptr first;
-  for (int r = 0; r < world; ++r) {
-    threads.emplace_back([&, r] {
-      try {
-        c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(r));
-        auto pg = std::make_shared<ProcessGroup>(store, r, world,
-                                                 ProcessGroupOptions().backend("nccl").timeout(std::chrono::seconds(60)));
-        fn(r, pg);
-      } catch (...) {
-        std::lock_guard<std::mutex> lock(mu);
-        if (!first) first = std::current_exception();
-      }
-    });
-  }
-  for (auto& t : threads) t.join();
-  if (first) std::rethrow_exception(first);
+  testing::spawn_groups(
+      world,
+      [world](const c10::intrusive_ptr<c10d::Store>& store, int r) {
+        c10::cuda::set_device(static_cast<c10::DeviceIndex>(r));  // this rank thread's GPU
+        return std::make_shared<ProcessGroup>(store, r, world,
+                                              ProcessGroupOptions().backend("nccl").timeout(std::chrono::seconds(60)));
+      },
+      fn);
 }
 
 at::TensorOptions on(int rank, at::ScalarType dtype = at::kFloat) {
