@@ -62,7 +62,10 @@ def run_pytorch(hook, args, env=None):
     cmd = [sys.executable, os.path.join(HERE, "pytorch_ddp.py"), "--hook", hook, "--steps", str(args.steps)]
     cmd += args.pytorch_args
     try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=dict(os.environ, **(env or {})))
+        # torch.set_num_threads does not reach OpenBLAS where libtorch links the generic libblas
+        # (Debian 13's 2.6): limit it as ddpkit::set_compute_threads does, so both run 1 thread.
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=900,
+                           env=dict(os.environ, OPENBLAS_NUM_THREADS="1", **(env or {})))
     except subprocess.TimeoutExpired:
         return None, "timed out"
     out = last_json(p.stdout)

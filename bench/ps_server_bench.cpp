@@ -4,7 +4,7 @@
 //
 //   build/ps_server_bench [trainers=2] [batches=20] [sizes_mb=1,4,16,64]
 #include <ddpkit/ps/parameter_server.h>
-#include <ddpkit/runtime/allocator.h>
+#include <ddpkit/runtime/runtime.h>
 
 #include <chrono>
 #include <cstdio>

@@ -27,7 +27,9 @@ def last_json(out):
 
 
 def run(cmd):
-    env = dict(os.environ, GLOG_minloglevel="2")
+    # OpenBLAS limited as ddpkit::set_compute_threads does (torch.set_num_threads does not reach it
+    # where libtorch links the generic libblas, as Debian 13's 2.6 does).
+    env = dict(os.environ, GLOG_minloglevel="2", OPENBLAS_NUM_THREADS="1")
     p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
     if p.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed ({p.returncode}):\n{p.stdout[-2000:]}\n{p.stderr[-2000:]}")

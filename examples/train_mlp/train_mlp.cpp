@@ -28,7 +28,7 @@ int main(int argc, char** argv) {
     else if (!std::strcmp(argv[i], "--epochs")) epochs = std::atoi(argv[i + 1]);
     else { std::fprintf(stderr, "usage: train_mlp [--hook allreduce|fp16] [--epochs N]\n"); return 2; }
   }
-  at::set_num_threads(1);
+  ddpkit::set_compute_threads(1);
 
   auto pg = ddpkit::init_process_group();  // RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
   const int rank = pg->rank(), world = pg->size();

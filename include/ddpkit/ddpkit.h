@@ -3,7 +3,7 @@
 #include <ddpkit/codecs/cast.h>
 #include <ddpkit/codecs/quantize.h>
 #include <ddpkit/comm/process_group.h>
-#include <ddpkit/runtime/allocator.h>
+#include <ddpkit/runtime/runtime.h>
 #include <ddpkit/ddp/distributed_data_parallel.h>
 #include <ddpkit/hooks/default_hooks.h>
 #include <ddpkit/hooks/fsdp_hooks.h>

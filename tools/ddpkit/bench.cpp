@@ -305,7 +305,7 @@ CommHook make_trainer_hook(const Setup& s, const std::string& name, const std::s
 int run_trainer_rank(const Setup& s, ProcessGroup& world, const std::string& hook_name, int iterations,
                      bench::Workload& w) {
   const int rank = world.rank();
-  at::set_num_threads(s.threads);
+  set_compute_threads(s.threads);
   auto store = world.store();
   auto pg = std::make_shared<ProcessGroup>(
       store, rank, s.ntrainer,

@@ -3,7 +3,7 @@
 
 #include <ddpkit/codecs/cast.h>
 #include <ddpkit/error.h>
-#include <ddpkit/runtime/allocator.h>
+#include <ddpkit/runtime/runtime.h>
 #include <torch/version.h>
 
 #include <cstdlib>
@@ -35,7 +35,7 @@ commands:
 )";
 }
 
-// Allocator thresholds that keep large blocks in the heap (include/ddpkit/runtime/allocator.h);
+// Allocator thresholds that keep large blocks in the heap (include/ddpkit/runtime/runtime.h);
 // --no-malloc-tuning, DDPKIT_MALLOC_TUNING=0 or glibc's own MALLOC_*_THRESHOLD_ variables opt out.
 void tune_allocator(int argc, char** argv) {
   for (int i = 1; i < argc; ++i)

@@ -143,7 +143,7 @@ int run_train(const std::vector<std::string>& args, const std::vector<std::strin
 
   if (use_ddp && !in_distributed_env()) return launch_local(nproc, argv);
 
-  at::set_num_threads(threads);
+  set_compute_threads(threads);
   std::shared_ptr<ProcessGroup> pg;
   if (use_ddp) {
     if (f.integer("gloo-threads") < 1) throw UsageError("--gloo-threads must be >= 1");

@@ -1,5 +1,6 @@
-// Process-wide glibc malloc settings that suit training.
+// Process-wide settings that suit training: glibc's allocator thresholds, and compute threads.
 //
+// Allocator:
 // A large model's gradients, activations and communication buffers are tens of MB each. glibc
 // serves blocks above its mmap threshold (dynamic, at most 32 MB) with fresh mappings and returns
 // them on free, so every step faults the same memory in again page by page; on a 25M-parameter
@@ -24,5 +25,13 @@ struct AllocatorTuning {
 // user already chose through glibc's MALLOC_MMAP_THRESHOLD_ / MALLOC_TRIM_THRESHOLD_ variables, or
 // DDPKIT_MALLOC_TUNING=0 is set. Returns what it set.
 AllocatorTuning tune_allocator_for_training(std::size_t threshold_bytes = std::size_t{1} << 30);
+
+// Compute threads: at::set_num_threads(n), and the same limit for OpenBLAS's own thread pool when
+// OpenBLAS is loaded. libtorch passes the limit on to OpenBLAS only when it was built against
+// OpenBLAS itself; Debian 13's libtorch 2.6 links the generic libblas.so.3 (OpenBLAS behind the
+// alternatives), so every rank kept one BLAS thread per core and 2 ranks on 2 cores ran a DDP step
+// 2.5x slower (351 vs 142 ms, MLP 1024-4096-4096-1024). Use this instead of at::set_num_threads.
+// Returns true when OpenBLAS was found and limited too.
+bool set_compute_threads(int n);
 
 }  // namespace ddpkit

@@ -1,4 +1,9 @@
-#include <ddpkit/runtime/allocator.h>
+#include <ddpkit/error.h>
+#include <ddpkit/runtime/runtime.h>
+
+#include <ATen/Parallel.h>
+
+#include <dlfcn.h>
 
 #include <climits>
 #include <cstdlib>
@@ -22,6 +27,16 @@ AllocatorTuning tune_allocator_for_training(std::size_t threshold_bytes) {
   (void)threshold_bytes;
 #endif
   return done;
+}
+
+bool set_compute_threads(int n) {
+  DDPKIT_CHECK(n >= 1, "set_compute_threads: thread count must be >= 1, got ", n);
+  at::set_num_threads(n);
+  // Looked up at run time: ddpkit does not link OpenBLAS, and the BLAS behind libtorch varies.
+  using SetThreads = void (*)(int);
+  auto openblas = reinterpret_cast<SetThreads>(dlsym(RTLD_DEFAULT, "openblas_set_num_threads"));
+  if (openblas) openblas(n);
+  return openblas != nullptr;
 }
 
 }  // namespace ddpkit
