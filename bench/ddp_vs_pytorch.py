@@ -55,6 +55,11 @@ def run_ddpkit(binary, hook, args):
     return out["median_step_ms"], None
 
 
+# For PyTorch: torch.set_num_threads does not reach OpenBLAS where libtorch links the generic libblas
+# (Debian 13's 2.6), so limit it as ddpkit::set_compute_threads does; and Debian's 2.6 is built
+# without libuv, which torch.distributed's TCPStore asks for unless USE_LIBUV=0.
+PEER_ENV = dict(os.environ, OPENBLAS_NUM_THREADS="1", USE_LIBUV="0")
+
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(1 << 30), "MALLOC_TRIM_THRESHOLD_": str(1 << 30)}
 
 
@@ -62,10 +67,7 @@ def run_pytorch(hook, args, env=None):
     cmd = [sys.executable, os.path.join(HERE, "pytorch_ddp.py"), "--hook", hook, "--steps", str(args.steps)]
     cmd += args.pytorch_args
     try:
-        # torch.set_num_threads does not reach OpenBLAS where libtorch links the generic libblas
-        # (Debian 13's 2.6): limit it as ddpkit::set_compute_threads does, so both run 1 thread.
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=900,
-                           env=dict(os.environ, OPENBLAS_NUM_THREADS="1", **(env or {})))
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=dict(PEER_ENV, **(env or {})))
     except subprocess.TimeoutExpired:
         return None, "timed out"
     out = last_json(p.stdout)
@@ -85,6 +87,9 @@ def main():
     ap.add_argument("--ddpkit-args", default="", help="extra flags for ddpkit train")
     ap.add_argument("--pytorch-args", default="", help="extra flags for bench/pytorch_ddp.py")
     args = ap.parse_args()
+    if subprocess.run([sys.executable, "-c", "import torch"], capture_output=True).returncode != 0:
+        sys.exit("%s cannot import torch: run this with the Python that has PyTorch (Debian: /usr/bin/python3 "
+                 "with python3-torch)" % sys.executable)
     args.ddpkit_args = args.ddpkit_args.split()
     args.pytorch_args = args.pytorch_args.split()
     hooks = args.hooks.split(",")
