@@ -30,8 +30,8 @@ using Backend = c10d::ProcessGroup;
 #endif
 
 // Gloo gained _reduce_scatter_base/_allgather_base in 2.2 (1.13 throws "no support"). Where they
-// exist, bench/collective_bench measures them beside ddpkit's own paths (alltoall + local sum for
-// reduce-scatter, list allgather); ProcessGroup picks per version by those numbers (docs/compat.md).
+// exist, bench/collective_bench measures them beside ddpkit's own alltoall-based reduce-scatter and
+// allgather; those were faster at 100 MB in both versions, so ProcessGroup uses its own (docs/compat.md).
 #define DDPKIT_GLOO_HAS_BASE_COLLECTIVES DDPKIT_TORCH_AT_LEAST(2, 2)
 
 // torch::optim::Optimizer::state() is keyed by the parameter's TensorImpl: as the pointer printed
