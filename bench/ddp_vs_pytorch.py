@@ -20,6 +20,8 @@ import statistics
 import subprocess
 import sys
 
+from pytorch_peer import PEER_ENV, torch_version_or_exit
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 HOOKS = ["local", "none", "allreduce", "fp16", "bf16", "noop"]
@@ -31,11 +33,6 @@ def last_json(text):
         if line.startswith("{"):
             return json.loads(line)
     return None
-
-
-def torch_version():
-    return subprocess.run([sys.executable, "-c", "import torch; print(torch.__version__)"], capture_output=True,
-                          text=True).stdout.strip() or "unknown"
 
 
 def ddpkit_torch(binary):
@@ -54,11 +51,6 @@ def run_ddpkit(binary, hook, args):
         return None, (p.stderr.strip().splitlines() or ["exit %d" % p.returncode])[-1]
     return out["median_step_ms"], None
 
-
-# For PyTorch: torch.set_num_threads does not reach OpenBLAS where libtorch links the generic libblas
-# (Debian 13's 2.6), so limit it as ddpkit::set_compute_threads does; and Debian's 2.6 is built
-# without libuv, which torch.distributed's TCPStore asks for unless USE_LIBUV=0.
-PEER_ENV = dict(os.environ, OPENBLAS_NUM_THREADS="1", USE_LIBUV="0")
 
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(1 << 30), "MALLOC_TRIM_THRESHOLD_": str(1 << 30)}
 
@@ -87,9 +79,7 @@ def main():
     ap.add_argument("--ddpkit-args", default="", help="extra flags for ddpkit train")
     ap.add_argument("--pytorch-args", default="", help="extra flags for bench/pytorch_ddp.py")
     args = ap.parse_args()
-    if subprocess.run([sys.executable, "-c", "import torch"], capture_output=True).returncode != 0:
-        sys.exit("%s cannot import torch: run this with the Python that has PyTorch (Debian: /usr/bin/python3 "
-                 "with python3-torch)" % sys.executable)
+    peer_torch = torch_version_or_exit()
     args.ddpkit_args = args.ddpkit_args.split()
     args.pytorch_args = args.pytorch_args.split()
     hooks = args.hooks.split(",")
@@ -120,7 +110,7 @@ def main():
     fmt = lambda x: "%9.1f" % x if x is not None else "%9s" % "-"
     print("\nMLP 1024-4096-4096-1024, batch 32/rank, 2 ranks x 1 thread, gloo; median step ms over %d reps x %d steps"
           % (args.reps, args.steps))
-    print("PyTorch %s (%s), ddpkit on libtorch %s" % (torch_version(), sys.executable, ddpkit_torch(args.ddpkit)))
+    print("PyTorch %s (%s), ddpkit on libtorch %s" % (peer_torch, sys.executable, ddpkit_torch(args.ddpkit)))
     print("%-10s %9s %9s %8s %9s %8s %9s %8s" % ("hook", "ddpkit", "pytorch", "ratio", "pt-zero", "ratio",
                                                  "pt-malloc", "ratio"))
     results = {}

@@ -15,6 +15,8 @@ import subprocess
 import sys
 import tempfile
 
+from pytorch_peer import PEER_ENV, torch_version_or_exit
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -27,10 +29,7 @@ def last_json(out):
 
 
 def run(cmd):
-    # OpenBLAS limited as ddpkit::set_compute_threads does (torch.set_num_threads does not reach it
-    # where libtorch links the generic libblas, as Debian 13's 2.6 does); Debian's 2.6 is built
-    # without libuv, which torch.distributed's TCPStore asks for unless USE_LIBUV=0.
-    env = dict(os.environ, GLOG_minloglevel="2", OPENBLAS_NUM_THREADS="1", USE_LIBUV="0")
+    env = dict(PEER_ENV, GLOG_minloglevel="2")
     p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
     if p.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed ({p.returncode}):\n{p.stdout[-2000:]}\n{p.stderr[-2000:]}")
@@ -48,9 +47,7 @@ def main():
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=3)
     a = ap.parse_args()
-    if subprocess.run([sys.executable, "-c", "import torch"], capture_output=True).returncode != 0:
-        sys.exit("%s cannot import torch: run this with the Python that has PyTorch (Debian: /usr/bin/python3 "
-                 "with python3-torch)" % sys.executable)
+    torch_version = torch_version_or_exit()
     tmp = tempfile.mkdtemp(prefix="ps_vs_pytorch_")
     common = ["--trainers", str(a.trainers), "--servers", str(a.servers), "--batch-size", str(a.batch_size)]
     ours_args = common + ["--model", {"dummy": "DummyModel", "dummy_sparse": "DummyModelSparse"}[a.model],
@@ -58,8 +55,6 @@ def main():
     theirs_args = common + ["--model", a.model, "--iterations", str(a.iterations)]
     print(f"# {a.trainers} trainers, {a.servers} server(s), model {a.model}, batch {a.batch_size}, "
           f"{a.iterations} iterations, median of {a.repeats} interleaved runs")
-    torch_version = subprocess.run([sys.executable, "-c", "import torch; print(torch.__version__)"],
-                                   capture_output=True, text=True).stdout.strip()
     ddpkit_version = subprocess.run([a.ddpkit, "version"], capture_output=True, text=True).stdout.strip()
     print(f"# PyTorch {torch_version} ({sys.executable}); {ddpkit_version}")
     print(f"{'hook':<11} {'ddpkit grad/s':>13} {'torch grad/s':>13} {'ratio':>6} {'ddpkit step ms':>15} "

@@ -36,15 +36,13 @@ fi
 if [ "$cuda" = 1 ] && ! command -v nvcc >/dev/null && [ -x /usr/local/cuda/bin/nvcc ]; then
   export PATH=/usr/local/cuda/bin:$PATH
 fi
-cmake -S . -B build-pip -G Ninja "${args[@]}"
-grep -E "ddpkit: libtorch" build-pip/CMakeFiles/CMakeOutput.log 2>/dev/null || true
+mkdir -p build-pip
+cmake -S . -B build-pip -G Ninja "${args[@]}" 2>&1 | tee build-pip/configure.log
+if [ "$cuda" = 1 ] && [ "$gpus" -gt 0 ] && ! grep -q "NCCL backend: ON" build-pip/configure.log; then
+  echo "check-pip-torch: CUDA torch, but ddpkit did not enable NCCL (build-pip/configure.log)" >&2
+  exit 1
+fi
 ninja -C build-pip -j"${DDPKIT_JOBS:-$(nproc)}"
 build-pip/ddpkit version
-if [ "$cuda" = 1 ] && [ "$gpus" -gt 0 ]; then
-  grep -q "NCCL backend: ON" <(cmake -S . -B build-pip -G Ninja "${args[@]}" 2>&1) || {
-    echo "check-pip-torch: CUDA torch, but ddpkit did not enable NCCL" >&2
-    exit 1
-  }
-fi
 cd build-pip
 ctest --output-on-failure --timeout 600 "${ctest_args[@]}"

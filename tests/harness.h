@@ -60,7 +60,7 @@ inline void spawn_ranks(int world, const RankFn& fn, int gloo_threads = 2) {
   spawn_groups(
       world,
       [&](const c10::intrusive_ptr<c10d::Store>& store, int r) {
-        at::set_num_threads(1);
+        set_compute_threads(1);  // OpenBLAS too: libtorch 2.6 no longer limits it
         return make_group(store, r, world, gloo_threads);
       },
       fn);

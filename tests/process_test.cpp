@@ -105,7 +105,7 @@ TEST(Processes, MissingPeerTimesOutAtRendezvous) {
 
 // ---- workers -------------------------------------------------------------------------------------
 int worker(const std::string& role) {
-  at::set_num_threads(1);
+  set_compute_threads(1);
   std::ofstream out(std::getenv("DDPKIT_TEST_OUT"));
   const auto timeout = std::chrono::seconds(role == "missing_peer" ? 3 : kKilledPeerTimeoutS);
   try {

@@ -214,9 +214,12 @@ them. If a rank fails, the others are stopped; the exit status is the first fail
 )";
 
 namespace {
-// PROGRAM as execvp would find it, resolved before fork (the child may only exec).
+// PROGRAM as execvp would find it, resolved and checked before fork (the child may only exec).
 std::string resolve_program(const std::string& name) {
-  if (name.find('/') != std::string::npos) return name;
+  if (name.find('/') != std::string::npos) {
+    if (access(name.c_str(), X_OK) != 0) throw UsageError("launch: '" + name + "' is not an executable file");
+    return name;
+  }
   const char* path = std::getenv("PATH");
   std::string dirs = path ? path : "/usr/local/bin:/usr/bin:/bin";
   size_t start = 0;
@@ -254,9 +257,7 @@ int run_launch(const std::vector<std::string>& args) {
   }
   if (i >= args.size()) throw UsageError("launch: no program given");
   std::vector<std::string> argv(args.begin() + static_cast<std::ptrdiff_t>(i), args.end());
-  const std::string program = resolve_program(argv[0]);
-  if (access(program.c_str(), X_OK) != 0) throw UsageError("launch: '" + program + "' is not an executable file");
-  return launch_local(nproc, argv, program);
+  return launch_local(nproc, argv, resolve_program(argv[0]));
 }
 
 }  // namespace cli

@@ -1,0 +1,20 @@
+"""What the side-by-side benchmarks need to run PyTorch as a fair peer (imported by
+ddp_vs_pytorch.py and ps_vs_pytorch.py, which run from this folder)."""
+import os
+import subprocess
+import sys
+
+# torch.set_num_threads does not reach OpenBLAS where libtorch links the generic libblas (Debian
+# 13's 2.6), so limit it as ddpkit::set_compute_threads does; and Debian's 2.6 is built without
+# libuv, which torch.distributed's TCPStore asks for unless USE_LIBUV=0.
+PEER_ENV = dict(os.environ, OPENBLAS_NUM_THREADS="1", USE_LIBUV="0")
+
+
+def torch_version_or_exit():
+    """The version of the torch this Python (sys.executable) imports; exits naming the problem if none."""
+    p = subprocess.run([sys.executable, "-c", "import torch; print(torch.__version__)"], capture_output=True,
+                       text=True)
+    if p.returncode != 0:
+        sys.exit("%s cannot import torch: run this with the Python that has PyTorch (Debian: /usr/bin/python3 "
+                 "with python3-torch)" % sys.executable)
+    return p.stdout.strip()
