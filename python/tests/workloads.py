@@ -47,3 +47,6 @@ def flat_parameters(model):
 
 def ddp(dims, **kwargs):
     return DistributedDataParallel(mlp(dims), **kwargs)
+
+
+DIMS_SMALL = [16, 32, 4]
