@@ -2,10 +2,13 @@
 """PyTorch's own DDP (Debian python3-torch, Gloo) on the benchmark MLP, for side-by-side numbers.
 
     /usr/bin/python3 bench/pytorch_ddp.py --hook allreduce --steps 20
+    PYTHONPATH=build/python /usr/bin/python3 bench/pytorch_ddp.py --impl ddpkit --hook int8
 
 Prints one JSON line like ddpkit train: hook, world_size, steps, median_step_ms.
 --hook: none (DDP's built-in allreduce), allreduce, fp16, bf16, noop, powersgd, batched_powersgd,
-quantize_per_tensor, quantize_per_channel, local (no DDP, one process).
+quantize_per_tensor, quantize_per_channel, int8 (ddpkit only), local (no DDP, one process).
+--impl ddpkit registers ddpkit's hook of that name (the Python package) on the same PyTorch DDP
+model instead of PyTorch's, and adds its traffic and per-bucket launch cost to the line.
 With RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT set (torchrun style), runs just that rank in
 this process (bench/netns_hooks.sh runs one rank per network namespace this way).
 """
@@ -40,6 +43,7 @@ def train(rank, world, args, port, queue, master_addr="127.0.0.1"):
     torch.manual_seed(1)
     dims = [int(d) for d in args.mlp_dims.split(",")]
     model = build(dims)
+    ddpkit_state = None
     if args.hook != "local":
         os.environ["MASTER_ADDR"] = master_addr
         os.environ["MASTER_PORT"] = str(port)
@@ -53,7 +57,16 @@ def train(rank, world, args, port, queue, master_addr="127.0.0.1"):
             "quantize_per_tensor": quantization_hooks.quantization_pertensor_hook,
             "quantize_per_channel": quantization_hooks.quantization_perchannel_hook,
         }
-        if args.hook in hooks:
+        if args.impl == "ddpkit" and args.hook != "none":
+            import ddpkit
+            options = {}
+            if "powersgd" in args.hook:
+                options = {"matrix_approximation_rank": args.powersgd_rank,
+                           "start_powerSGD_iter": args.powersgd_start_iter}
+            ddpkit_state = ddpkit.register_comm_hook(model, args.hook, **options)
+        elif args.hook == "int8":
+            raise SystemExit("PyTorch has no int8 hook: use --impl ddpkit")
+        elif args.hook in hooks:
             model.register_comm_hook(dist.group.WORLD, hooks[args.hook])
         elif args.hook in ("powersgd", "batched_powersgd"):
             state = powersgd.PowerSGDState(process_group=None, matrix_approximation_rank=args.powersgd_rank,
@@ -75,7 +88,10 @@ def train(rank, world, args, port, queue, master_addr="127.0.0.1"):
     times = []
     error = None
     try:
-        for _ in range(args.steps):
+        for step in range(args.steps):
+            if ddpkit_state is not None and step == 1:  # count traffic from the second step on
+                sent_before = sum(b["bytes_sent"] for b in ddpkit_state.bucket_traffic())
+                plain_before = sum(b["allreduce_bytes"] for b in ddpkit_state.bucket_traffic())
             t0 = time.perf_counter()
             opt.zero_grad(set_to_none=args.zero_grad == "none")
             loss = torch.nn.functional.cross_entropy(model(x), y)
@@ -87,10 +103,21 @@ def train(rank, world, args, port, queue, master_addr="127.0.0.1"):
     state_bytes = sum(t.numel() * t.element_size() for st in (opt.optim if args.zero else opt).state.values()
                       for t in st.values() if torch.is_tensor(t) and t.dim() > 0)
     if rank == 0:
-        queue.put({"hook": args.hook, "impl": "pytorch", "world_size": world if args.hook != "local" else 1,
-                   "optimizer": args.optimizer, "zero": "1" if args.zero else "off", "optimizer_state_bytes": state_bytes,
-                   "steps": len(times), "median_step_ms": statistics.median(times) if times else None,
-                   "error": error})
+        result = {"hook": args.hook, "impl": args.impl, "world_size": world if args.hook != "local" else 1,
+                  "optimizer": args.optimizer, "zero": "1" if args.zero else "off", "optimizer_state_bytes": state_bytes,
+                  "steps": len(times), "median_step_ms": statistics.median(times) if times else None,
+                  "error": error}
+        if ddpkit_state is not None and len(times) > 1:
+            traffic = ddpkit_state.bucket_traffic()
+            sent = sum(b["bytes_sent"] for b in traffic) - sent_before
+            plain = sum(b["allreduce_bytes"] for b in traffic) - plain_before
+            launch = ddpkit_state.launch_stats()
+            result.update(bytes_sent_per_step=sent / (len(times) - 1),
+                          compression_ratio=plain / sent if sent else None,
+                          buckets=len(traffic), python_calls_per_bucket=launch["python_calls_per_bucket"],
+                          adapter_us_per_bucket=launch["adapter_us_per_bucket"],
+                          launch_us_per_bucket=launch["launch_us_per_bucket"])
+        queue.put(result)
     if args.hook != "local":
         dist.destroy_process_group()
 
@@ -115,7 +142,10 @@ def signal_alarm(seconds):
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--hook", default="none", choices=["none", "allreduce", "fp16", "bf16", "noop", "local", "powersgd",
-                                                      "batched_powersgd", "quantize_per_tensor", "quantize_per_channel"])
+                                                      "batched_powersgd", "quantize_per_tensor", "quantize_per_channel",
+                                                      "int8"])
+    p.add_argument("--impl", default="pytorch", choices=["pytorch", "ddpkit"],
+                   help="whose hook: PyTorch's, or ddpkit's through its Python package")
     p.add_argument("--powersgd-rank", type=int, default=4)
     p.add_argument("--powersgd-start-iter", type=int, default=2)
     p.add_argument("--nproc", type=int, default=2)

@@ -36,6 +36,23 @@ grep -q "train_mlp: world 2, hook allreduce, .* ranks agree" "$work/run.log"
 "$work/prefix/bin/ddpkit" launch --nproc 2 "$work/example/train_mlp" --epochs 2 --hook fp16 | tee "$work/run16.log"
 grep -q "hook fp16, .* ranks agree" "$work/run16.log"
 
+echo "== the Python package from the prefix"
+pydirs=("$work"/prefix/lib/python3*/*-packages)
+if [ -d "${pydirs[0]}/ddpkit" ]; then
+  # Loads the installed extension and, through its RPATH, the installed libddpkit.
+  PYTHONPATH="${pydirs[0]}" /usr/bin/python3 -c "
+import ddpkit, os
+so = ddpkit._C.__file__
+assert so.startswith('$work/prefix/'), so
+maps = open('/proc/self/maps').read()
+lib = [l.split()[-1] for l in maps.splitlines() if 'libddpkit.so' in l][0]
+assert lib.startswith('$work/prefix/lib/'), lib
+print('python: ddpkit', ddpkit.__version__, 'from', os.path.dirname(so), 'hooks:', len(ddpkit.hook_names()))
+"
+elif grep -q "DDPKIT_HAVE_PYTHON:INTERNAL=ON\|ddpkit_python" "$build/build.ninja"; then
+  echo "the Python package was built but not installed under $work/prefix/lib/python3*"; exit 1
+fi
+
 echo "== add_subdirectory(ddpkit) without find_package(Torch)"
 cmake -S "$src/tests/consumer_subdir" -B "$work/subdir" -G Ninja -DCMAKE_BUILD_TYPE=Release \
   -DDDPKIT_SOURCE_DIR="$src" >"$work/subdir.cfg.log" 2>&1 || { cat "$work/subdir.cfg.log"; exit 1; }
