@@ -38,7 +38,7 @@ std::tuple<double, int64_t, int64_t> PowerSGDState::compression_stats() const {
 at::Tensor PowerSGDState::error(size_t bucket_index) const {
   std::lock_guard<std::mutex> lock(mutex_);
   auto it = buckets_.find(bucket_index);
-  return it == buckets_.end() ? at::Tensor() : it->second->error;
+  return it == buckets_.end() || !it->second->error.defined() ? at::Tensor() : it->second->error.clone();
 }
 
 std::shared_ptr<PowerSGDState::Bucket> PowerSGDState::bucket(size_t index) {
@@ -160,7 +160,8 @@ class PowerSGDHook {
       } else {
         b->error = at::zeros({buffer.numel()}, buffer.options());
       }
-      input_copy = buffer.clone();
+      if (!b->input.defined() || b->input.numel() != buffer.numel()) b->input = at::empty_like(buffer);
+      input_copy = b->input.copy_(buffer);
     }
 
     // Split into matrices worth compressing and the rest.
@@ -290,7 +291,7 @@ class PowerSGDHook {
   static at::Tensor finish(PowerSGDState* s, const std::shared_ptr<PowerSGDState::Bucket>& b,
                            const at::Tensor& buffer, const at::Tensor& input_copy) {
     std::lock_guard<std::mutex> lock(s->mutex_);  // error() reads it from other threads
-    if (s->options_.use_error_feedback()) b->error = input_copy - buffer;
+    if (s->options_.use_error_feedback()) at::sub_out(b->error, input_copy, buffer);
     if (!s->options_.warm_start()) {
       b->p = at::Tensor();
       b->q = at::Tensor();
@@ -340,7 +341,8 @@ class BatchedPowerSGDHook {
       } else {
         b->error = at::zeros({padded_numel}, buffer.options());
       }
-      input_copy = padded.clone();
+      if (!b->input.defined() || b->input.numel() != padded_numel) b->input = at::empty_like(padded);
+      input_copy = b->input.copy_(padded);
     }
     if (!o.warm_start() || !b->p.defined()) {
       b->p = at::empty({1, side, r}, buffer.options());
@@ -368,7 +370,7 @@ class BatchedPowerSGDHook {
             at::bmm_out(approximation, p, q.transpose(1, 2));
             {
               std::lock_guard<std::mutex> lock(state->mutex_);
-              if (state->options_.use_error_feedback()) b->error = input_copy - padded;
+              if (state->options_.use_error_feedback()) at::sub_out(b->error, input_copy, padded);
               if (!state->options_.warm_start()) b->p = at::Tensor();
             }
             buffer.copy_(padded.narrow(0, 0, numel).view(buffer.sizes()));

@@ -62,7 +62,8 @@ class PowerSGDState {
   int64_t iteration() const;
   // (numel before / numel after, numel before, numel after), summed over compressed iterations.
   std::tuple<double, int64_t, int64_t> compression_stats() const;
-  // Error-feedback memory of a bucket: what the last compressed step left out (undefined if none).
+  // Error-feedback memory of a bucket: what the last compressed step left out (undefined if none);
+  // a copy.
   at::Tensor error(size_t bucket_index) const;
 
  private:
@@ -71,6 +72,10 @@ class PowerSGDState {
   struct Bucket {
     at::Tensor error, p, q;  // error feedback; warm-start P and Q memory
     at::Tensor padded;       // batched hook: the bucket as a square matrix
+    // Error feedback: the compensated input, kept until the approximation is known. Reused, as
+    // is `error`, updated in place: two fresh bucket-sized allocations per step cost more in page
+    // faults than the arithmetic.
+    at::Tensor input;
   };
   std::shared_ptr<Bucket> bucket(size_t index);
   // Counts the iteration on the last bucket; before start_powerSGD_iter, allreduces the bucket and
