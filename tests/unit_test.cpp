@@ -1,6 +1,10 @@
 // Bucket assignment, codecs and process-group collectives.
 #include "harness.h"
 
+#include <ddpkit/runtime/divergence_guard.h>
+
+#include <cmath>
+
 namespace ddpkit {
 namespace {
 
@@ -218,6 +222,44 @@ TEST(ProcessGroup, FileStoreRendezvous) {
   for (auto& t : ts) t.join();
   std::remove(path.c_str());
   EXPECT_EQ(ok.load(), 2);
+}
+
+// Issue 14: the divergence guard decides on every rank alike, at the same step.
+TEST(DivergenceGuard, NonFiniteLossOnOneRankStopsEveryRankAtTheSameStep) {
+  spawn_ranks(2, [](int rank, std::shared_ptr<ProcessGroup> pg) {
+    DivergenceGuard guard(pg, DivergenceGuardOptions().window(10));
+    std::optional<Divergence> d;
+    int64_t step = 0;
+    for (; step < 100 && !d; ++step) d = guard.observe(rank == 1 && step == 23 ? NAN : 2.0 - 0.01 * step);
+    ASSERT_TRUE(d.has_value());
+    EXPECT_EQ(d->step, 29);
+    EXPECT_EQ(d->what, "the loss became NaN or Inf (steps 20-29)");
+  });
+}
+
+TEST(DivergenceGuard, ExplosionAndLostProgressAreCaughtAndTrainingIsNot) {
+  auto run = [](const std::function<double(int64_t)>& loss) -> std::optional<Divergence> {
+    DivergenceGuard guard(nullptr, DivergenceGuardOptions().window(10));
+    for (int64_t s = 0; s < 400; ++s)
+      if (auto d = guard.observe(loss(s))) return d;
+    return std::nullopt;
+  };
+  // Falling with noise: never stopped.
+  EXPECT_FALSE(run([](int64_t s) { return 2.3 * std::exp(-0.01 * s) + 0.3 + 0.2 * ((s * 7919) % 13) / 13.0; }));
+  // Flat (a model that cannot learn this data): not divergence either.
+  EXPECT_FALSE(run([](int64_t s) { return 6.93 + 0.01 * (s % 3); }));
+  // Learns, then blows up: more than 3x the best window.
+  auto up = run([](int64_t s) { return s < 200 ? 2.0 - 0.009 * s : 50.0; });
+  ASSERT_TRUE(up);
+  EXPECT_EQ(up->step, 209);
+  EXPECT_NE(up->what.find("x the lowest window mean so far"), std::string::npos) << up->what;
+  // Learns a little, then returns to chance (PowerSGD at too low a rank): above where it started.
+  auto lost = run([](int64_t s) { return s < 20 ? 2.3 - 0.06 * s : 2.6; });
+  ASSERT_TRUE(lost);
+  EXPECT_EQ(lost->step, 29);
+  EXPECT_NE(lost->what.find("above where training started"), std::string::npos) << lost->what;
+  EXPECT_NE(testing::error_of([] { DivergenceGuard(nullptr, DivergenceGuardOptions().window(0)); }).find("window must be >= 1"),
+            std::string::npos);
 }
 
 }  // namespace

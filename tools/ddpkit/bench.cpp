@@ -6,6 +6,7 @@
 
 #include <ddpkit/ps/parameter_server.h>
 #include <ddpkit/ps/trainer_hooks.h>
+#include <ddpkit/runtime/divergence_guard.h>
 
 #include <filesystem>
 #include <fstream>
@@ -332,6 +333,7 @@ int run_trainer_rank(const Setup& s, ProcessGroup& world, const std::string& hoo
   const bool lead = rank == 0;
   Progress progress(lead && !s.quiet);
   std::vector<double> losses, step_ms;
+  DivergenceGuard guard(pg);  // trainers check the loss together every 20 iterations
   CommStats comm_base;
   ps::ParameterServerClient::Traffic ps_base;
   for (int it = 0; it < s.warmup + iterations; ++it) {
@@ -364,6 +366,17 @@ int run_trainer_rank(const Setup& s, ProcessGroup& world, const std::string& hoo
     optimizer.zero_grad();
     log->record_end("batch_level_metric", key);
     const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    if (auto d = guard.observe(loss.item<double>())) {
+      std::ostringstream os;
+      os << "training diverged with hook " << hook_name << ": " << d->what << ". ";
+      if (hook_name.find("powersgd") != std::string::npos)
+        os << "Raise powersgd_rank (now " << s.trainer_config.powersgd_rank << ") or powersgd_start_iter (now "
+           << s.trainer_config.powersgd_start_iter << ") in the trainer configuration, or lower its lr (now "
+           << s.trainer_config.lr << ")";
+      else
+        os << "Lower lr in the trainer configuration (now " << s.trainer_config.lr << ")";
+      throw std::runtime_error(os.str());
+    }
     if (it >= s.warmup) {
       losses.push_back(loss.item<double>());
       step_ms.push_back(ms);
