@@ -177,13 +177,12 @@ def table(title, rows):
               f"{launch if launch is not None else float('nan'):17.1f}  {note}")
 
 
-def check(label, value, target, lower_is_better=True):
+def check(label, value, target):
+    """A ratio or a drop that must be at most `target`."""
     if value is None:
         print(f"  {label:62} {'-':>7}  target {target}: not measured")
-        return False
-    ok = value <= target if lower_is_better else value >= target
-    print(f"  {label:62} {value:7.3f}  target {'<=' if lower_is_better else '>='} {target}: {'met' if ok else 'MISSED'}")
-    return ok
+        return
+    print(f"  {label:62} {value:7.3f}  target <= {target}: {'met' if value <= target else 'MISSED'}")
 
 
 def main():

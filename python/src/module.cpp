@@ -135,10 +135,8 @@ hooks::PowerSGDOptions powersgd_options(Options& o) {
 // has the hook). Runs without the GIL only where noted: option parsing needs it.
 std::shared_ptr<HookState> make_hook(const std::string& name, std::shared_ptr<ProcessGroup> group, py::dict kwargs,
                                      std::shared_ptr<ProcessGroup> dense_group) {
-  const auto names = all_hook_names();
-  if (std::find(names.begin(), names.end(), name) == names.end())
-    throw py::value_error("ddpkit.register_comm_hook: unknown hook '" + name + "' (known: " + join(names) + ")");
-  if (!group) throw py::value_error("ddpkit.register_comm_hook: group is None");
+  // ddpkit.register_comm_hook has checked the name (before making a group: a collective) and
+  // passes a group.
   auto state = std::make_shared<HookState>();
   state->name = name;
   state->group = group;
@@ -252,15 +250,15 @@ py::list bucket_traffic(const HookState& state) {
   }
   py::list out;
   for (const auto& [index, b] : buckets) {
-    const CommStats t = state.group->traffic(state.key_base + static_cast<int64_t>(index));
-    py::dict d = comm_stats_dict(t);
+    BucketTraffic t;  // the C++ DDP's per-bucket record, for its compression ratio
+    t.traffic = state.group->traffic(state.key_base + static_cast<int64_t>(index));
+    t.allreduce_bytes = b.allreduce_bytes;
+    py::dict d = comm_stats_dict(t.traffic);
     d["index"] = index;
     d["numel"] = b.numel;
     d["launches"] = b.launches;
     d["allreduce_bytes"] = b.allreduce_bytes;
-    d["compression_ratio"] = t.bytes_sent ? py::object(py::float_(static_cast<double>(b.allreduce_bytes) /
-                                                                   static_cast<double>(t.bytes_sent)))
-                                          : py::object(py::none());
+    d["compression_ratio"] = t.traffic.bytes_sent ? py::object(py::float_(t.compression_ratio())) : py::object(py::none());
     out.append(d);
   }
   return out;

@@ -50,10 +50,9 @@ c10::intrusive_ptr<c10::ivalue::Future> TorchDdpHook::runHook(c10d::GradBucket& 
   std::lock_guard<std::mutex> lock(state_->mutex);
   auto& b = state_->buckets[index];
   b.numel = sparse ? buffer._nnz() : buffer.numel();
-  b.element_size = buffer.element_size();
   ++b.launches;
-  const int n = state_->group->size();
-  if (!sparse) b.allreduce_bytes += 2ull * (n - 1) * b.numel * b.element_size / n;
+  const uint64_t n = static_cast<uint64_t>(state_->group->size());
+  if (!sparse) b.allreduce_bytes += 2 * (n - 1) * static_cast<uint64_t>(b.numel * buffer.element_size()) / n;
   ++state_->launches;
   if (torch_bucket.isLast()) ++state_->iterations;
   state_->adapter_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(adapted - start).count();

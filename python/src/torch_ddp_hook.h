@@ -11,6 +11,7 @@
 #include <ddpkit/hooks/post_local_sgd_hook.h>
 #include <ddpkit/hooks/powersgd_hook.h>
 #include <ddpkit/reducer/grad_bucket.h>
+#include <ddpkit/reducer/reducer.h>
 
 #include <torch/csrc/distributed/c10d/comm.hpp>
 
@@ -42,7 +43,6 @@ struct HookState {
 
   struct Bucket {
     int64_t numel = 0;
-    int64_t element_size = 0;
     int64_t launches = 0;
     uint64_t allreduce_bytes = 0;  // what a ring allreduce of these buckets would have sent
   };
