@@ -6,6 +6,7 @@
 #
 #   sudo bench/netns_hooks.sh                  # 1 Gbit/s, 150 steps, the 24M-parameter MLP
 #   sudo bench/netns_hooks.sh --rate 10gbit --steps 60 --pytorch-steps 15
+#   sudo bench/netns_hooks.sh --steps 40 --only ddpkit:allreduce,ddpkit:int8
 #
 # Model: MLP 784-4096-4096-1024-10 (24.2M parameters) on Fashion-MNIST, batch 64 per rank, SGD.
 # Accuracy is measured after the same number of steps for every hook. Step time is the median.
@@ -17,6 +18,7 @@ STEPS=150
 PT_STEPS=20
 DIMS=784,4096,4096,1024,10
 OUT=""
+ONLY=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --rate) RATE=$2; shift 2 ;;
@@ -24,7 +26,8 @@ while [ $# -gt 0 ]; do
     --pytorch-steps) PT_STEPS=$2; shift 2 ;;
     --mlp-dims) DIMS=$2; shift 2 ;;
     --out) OUT=$2; shift 2 ;;
-    *) echo "unknown option $1 (--rate R --steps N --pytorch-steps N --mlp-dims D --out FILE)" >&2; exit 2 ;;
+    --only) ONLY=$2; shift 2 ;;
+    *) echo "unknown option $1 (--rate R --steps N --pytorch-steps N --mlp-dims D --out FILE --only impl:label,...)" >&2; exit 2 ;;
   esac
 done
 [ "$(id -u)" = 0 ] || { echo "netns_hooks.sh: needs root (ip netns, tc)" >&2; exit 2; }
@@ -67,14 +70,18 @@ run_pair() {
 }
 
 RESULTS=$(mktemp)
+# --only ddpkit:int8,pytorch:fp16 runs just those rows (ddpkit:allreduce is the ratios' base).
+selected() { [ -z "$ONLY" ] || [[ ",$ONLY," == *",$1:$2,"* ]]; }
 ddpkit_run() {  # label, ddpkit train flags...
   local label=$1; shift
+  selected ddpkit "$label" || return 0
   echo "  ddpkit  $label" >&2
   echo "ddpkit $label $(run_pair $DDPKIT train --dataset fashion-mnist --mlp-dims $DIMS --steps $STEPS \
     --batch-size 64 --threads 1 --quiet --timeout-s 600 "$@")" >>"$RESULTS"
 }
 pytorch_run() {  # label, pytorch_ddp.py flags...
   local label=$1; shift
+  selected pytorch "$label" || return 0
   echo "  pytorch $label" >&2
   echo "pytorch $label $(run_pair /usr/bin/python3 bench/pytorch_ddp.py --mlp-dims $DIMS --steps $PT_STEPS \
     --batch-size 64 --timeout 600 "$@")" >>"$RESULTS"
@@ -82,6 +89,7 @@ pytorch_run() {  # label, pytorch_ddp.py flags...
 
 echo "link: veth + tbf $RATE each way; model MLP $DIMS; $STEPS steps (PyTorch: $PT_STEPS, timing only)" >&2
 ddpkit_run allreduce --hook allreduce
+ddpkit_run noop --hook noop  # no communication: the compute floor
 ddpkit_run fp16 --hook fp16
 ddpkit_run bf16 --hook bf16
 ddpkit_run int8 --hook int8

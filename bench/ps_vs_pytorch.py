@@ -6,6 +6,13 @@
 
 Ratios: server_gradients_per_s ddpkit / PyTorch (higher is better for ddpkit) and step time
 ddpkit / PyTorch (lower is better).
+
+  /usr/bin/python3 bench/ps_vs_pytorch.py build/ddpkit --sizes 1,4,16,25,64,100
+
+--sizes measures the engines alone, all in separate processes on loopback: 2 trainers send one
+bucket of each size per round to one server and wait for the average (`ddpkit ps-server` with
+`ps_server_bench --connect`, against pytorch_ps.py --sizes on TensorPipe). Ratio: PyTorch's
+round time / ddpkit's (throughput, higher is better for ddpkit).
 """
 import argparse
 import json
@@ -36,6 +43,62 @@ def run(cmd):
     return last_json(p.stdout)
 
 
+def free_port():
+    import socket
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def ddpkit_sizes(ddpkit, sizes, rounds, trainers):
+    """One run of `ddpkit ps-server` + `ps_server_bench --connect` trainers; {size_mb: round_ms_p50}."""
+    bench = os.path.join(os.path.dirname(os.path.abspath(ddpkit)), "ps_server_bench")
+    env = dict(PEER_ENV, GLOG_minloglevel="2")
+    address = f"127.0.0.1:{free_port()}"
+    server = subprocess.Popen([ddpkit, "ps-server", "--trainers", str(trainers), "--address", address],
+                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        procs = [subprocess.Popen([bench, "--connect", address, "--trainer-id", str(t), "--sizes", sizes,
+                                   "--batches", str(rounds)], env=env, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True) for t in range(trainers)]
+        outs = [p.communicate(timeout=900) for p in procs]
+        for p, (out, err) in zip(procs, outs):
+            if p.returncode != 0:
+                raise RuntimeError(f"ps_server_bench failed ({p.returncode}):\n{out[-2000:]}\n{err[-2000:]}")
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+    rows = [json.loads(line) for line in outs[0][0].splitlines() if line.startswith("{")]
+    return {r["size_mb"]: r["round_ms_p50"] for r in rows}
+
+
+def pytorch_sizes(sizes, rounds, trainers):
+    env = dict(PEER_ENV, GLOG_minloglevel="2")
+    p = subprocess.run([sys.executable, os.path.join(HERE, "pytorch_ps.py"), "--sizes", sizes, "--iterations",
+                        str(rounds), "--trainers", str(trainers)], capture_output=True, text=True, env=env, timeout=900)
+    if p.returncode != 0:
+        raise RuntimeError(f"pytorch_ps.py --sizes failed ({p.returncode}):\n{p.stdout[-2000:]}\n{p.stderr[-2000:]}")
+    rows = [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
+    return {r["size_mb"]: r["round_ms_p50"] for r in rows}
+
+
+def compare_sizes(a, torch_version):
+    print(f"# engines only: {a.trainers} trainers + 1 server, separate processes, loopback; one bucket per round; "
+          f"median over {a.repeats} interleaved runs of each run's median of {a.iterations} rounds")
+    print(f"# PyTorch {torch_version} RPC (TensorPipe) vs ddpkit ps (gRPC, chunked buckets)")
+    print(f"{'size_MB':>8} {'ddpkit ms':>10} {'torch ms':>10} {'ratio':>6} {'ddpkit GB/s':>12} {'torch GB/s':>11}")
+    ours, theirs = [], []
+    for _ in range(a.repeats):
+        ours.append(ddpkit_sizes(a.ddpkit, a.sizes, a.iterations, a.trainers))
+        theirs.append(pytorch_sizes(a.sizes, a.iterations, a.trainers))
+    for mb in [float(x) for x in a.sizes.split(",")]:
+        o = statistics.median(r[mb] for r in ours)
+        t = statistics.median(r[mb] for r in theirs)
+        # GB/s: payload per direction through the server (every trainer's bucket in, and out).
+        gbs = lambda ms: a.trainers * mb * 1024 * 1024 / 1e9 / (ms / 1000)
+        print(f"{mb:8.1f} {o:10.2f} {t:10.2f} {t / o:6.2f} {gbs(o):12.2f} {gbs(t):11.2f}", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("ddpkit")
@@ -46,11 +109,16 @@ def main():
     ap.add_argument("--iterations", type=int, default=20)
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--sizes", default="", help="engines only: bucket sizes in MB (see above)")
     a = ap.parse_args()
     torch_version = torch_version_or_exit()
+    if a.sizes:
+        return compare_sizes(a, torch_version)
     tmp = tempfile.mkdtemp(prefix="ps_vs_pytorch_")
     common = ["--trainers", str(a.trainers), "--servers", str(a.servers), "--batch-size", str(a.batch_size)]
-    ours_args = common + ["--model", {"dummy": "DummyModel", "dummy_sparse": "DummyModelSparse"}[a.model],
+    # The seed's data and trainer named explicitly: `ddpkit bench`'s default workload is another.
+    ours_args = common + ["--data", "DummyData", "--trainer", "DdpTrainer",
+                          "--model", {"dummy": "DummyModel", "dummy_sparse": "DummyModelSparse"}[a.model],
                           "--max-iterations", str(a.iterations), "--out-dir", os.path.join(tmp, "runs")]
     theirs_args = common + ["--model", a.model, "--iterations", str(a.iterations)]
     print(f"# {a.trainers} trainers, {a.servers} server(s), model {a.model}, batch {a.batch_size}, "
@@ -69,7 +137,8 @@ def main():
         os_ = statistics.median(r["step_ms_p50"] for r in ours)
         ts = statistics.median(r["step_ms_p50"] for r in theirs)
         ratio = f"{og / tg:6.2f}" if tg else "     -"
-        print(f"{hook:<11} {og:13.1f} {tg:13.1f} {ratio} {os_:15.1f} {ts:14.1f} {os_ / ts:6.2f}", flush=True)
+        rate = lambda g: f"{g:13.1f}" if g else f"{'-':>13}"  # hooks without a server
+        print(f"{hook:<11} {rate(og)} {rate(tg)} {ratio} {os_:15.1f} {ts:14.1f} {os_ / ts:6.2f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -171,6 +171,9 @@ def run(rank, a, rpc_port, pg_port):
         return
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{pg_port}", rank=rank, world_size=a.trainers)
     rpc.init_rpc(f"trainer{rank}", rank=rank, world_size=world, rpc_backend_options=opts)
+    if a.sizes:
+        engine_sweep(rank, a)
+        return
     torch.manual_seed(a.seed)
     model = DummyModel(a.dim, a.dim, a.layers, a.model == "dummy_sparse")
     data = DummyData(a.dim, a.sample_count, a.sample_length, a.sparsity, a.seed)
@@ -222,6 +225,29 @@ def run(rank, a, rpc_port, pg_port):
     dist.destroy_process_group()
 
 
+def engine_sweep(rank, a):
+    """No model: per size, `iterations` rounds in which every trainer sends one bucket of that
+    many MB to its server and waits for the average (as ps_server_bench --connect does)."""
+    per = a.trainers // a.servers
+    server = f"server{rank // per}"
+    batch = 0
+    for mb in [float(x) for x in a.sizes.split(",")]:
+        grad = torch.full((int(mb * 1024 * 1024 / 4),), float(rank))
+        rounds = []
+        for it in range(a.iterations + 2):
+            t0 = time.perf_counter()
+            avg = rpc.rpc_sync(server, average_gradient, args=(batch, 0, grad))
+            batch += 1
+            if it >= 2:  # the first two warm the connections and allocator
+                rounds.append((time.perf_counter() - t0) * 1000)
+        assert avg.numel() == grad.numel()
+        if rank == 0:  # a round ends for every trainer when the server answers the last one
+            print(json.dumps({"impl": "pytorch", "size_mb": mb, "round_ms_p50": float(np.median(rounds)),
+                              "round_ms_min": float(np.min(rounds))}), flush=True)
+    rpc.shutdown()
+    dist.destroy_process_group()
+
+
 def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -246,6 +272,7 @@ def main():
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--sizes", default="", help="engine only: bucket sizes in MB, e.g. 1,4,16 (no model, no DDP)")
     a = p.parse_args()
     if a.trainers % max(a.servers, 1):
         p.error("--trainers must be a multiple of --servers")

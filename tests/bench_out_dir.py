@@ -12,7 +12,7 @@ import xml.dom.minidom
 
 ddpkit = sys.argv[1]
 with tempfile.TemporaryDirectory() as out:
-    p = subprocess.run([ddpkit, "bench", "--hooks", "sparse_rpc,allreduce", "--data", "DummyDataSmall", "--model",
+    p = subprocess.run([ddpkit, "bench", "--seed-workload", "--hooks", "sparse_rpc,allreduce", "--data", "DummyDataSmall", "--model",
                         "DummyModelSmall", "--max-iterations", "3", "--warmup", "1", "--out-dir", out],
                        capture_output=True, text=True, timeout=180)
     assert p.returncode == 0, p.stdout + p.stderr
@@ -53,7 +53,7 @@ with tempfile.TemporaryDirectory() as out:
     assert html.startswith("<!DOCTYPE html>") and "http://" not in html.replace("http://www.w3.org/2000/svg", ""), \
         "the report must not load anything"
     svgs = html.split("<svg")[1:]
-    assert len(svgs) == 3, len(svgs)
+    assert len(svgs) == 4, len(svgs)
     for s in svgs:  # each chart is well-formed XML
         xml.dom.minidom.parseString("<svg" + s[:s.index("</svg>") + 6])
 print("ok")

@@ -128,6 +128,44 @@ TEST(ParameterServer, HundredMegabyteBucket) {
   EXPECT_EQ(ga.data_ptr<float>()[12345], 2.0f);  // `into` received the average
 }
 
+// A bucket larger than chunk_bytes goes as chunks on parallel calls: same average as a bucket
+// sent whole (both server kinds, into or not), and the server holds a few chunks, not the bucket.
+TEST(ParameterServer, ChunkedBucketsAverageLikeWholeOnesInBoundedMemory) {
+  for (ServerKind kind : {ServerKind::kAverage, ServerKind::kAverageBatch}) {
+    auto server = start_server({0, 1}, kind);
+    const int64_t chunk = 1 << 20;
+    auto a = connect(*server, 0, ClientOptions().chunk_bytes(chunk).chunks_in_flight(2));
+    auto b = connect(*server, 1, ClientOptions().chunk_bytes(chunk).chunks_in_flight(2));
+    const int64_t n = 1000 * 10007;  // 40 MB: 39 chunks, the last one short
+    at::Tensor ga = seeded_randn({n}, 1), gb = seeded_randn({n}, 2).view({1000, -1}).t();  // strided, 2-D
+    at::Tensor want = (ga + gb.reshape({-1})) / 2;  // elementwise in row-major order
+    at::Tensor into = at::empty({n});
+    auto fa = a->average(0, 0, ga, into), fb = b->average(0, 0, gb);
+    EXPECT_TRUE(at::equal(ProcessGroup::wait(fa), want));
+    EXPECT_TRUE(at::equal(into, want));
+    at::Tensor rb = ProcessGroup::wait(fb);
+    EXPECT_EQ(rb.sizes(), gb.sizes());
+    EXPECT_TRUE(at::equal(rb, want.view(gb.sizes())));
+    const auto c = server->counters();
+    EXPECT_EQ(c.buckets_averaged, 1);
+    EXPECT_EQ(c.gradients_received, 2);
+    EXPECT_GT(c.peak_bytes_held, 0);
+    // Each trainer has at most two chunks in flight: requests and sums of ~6 chunks at worst.
+    EXPECT_LE(c.peak_bytes_held, 8 * chunk) << ps::server_kind_name(kind);
+    EXPECT_EQ(a->traffic().calls, (n * 4 + chunk - 1) / chunk);
+  }
+}
+
+TEST(ParameterServer, ChunkedLowPrecisionSumsInFloat32) {
+  auto server = start_server({0, 1});
+  auto a = connect(*server, 0, ClientOptions().chunk_bytes(256)), b = connect(*server, 1, ClientOptions().chunk_bytes(256));
+  at::Tensor g = at::full({1000}, 65504.0f).to(at::kHalf);
+  auto fa = a->average(0, 0, g), fb = b->average(0, 0, g);
+  EXPECT_TRUE(at::equal(ProcessGroup::wait(fa), g));
+  EXPECT_TRUE(at::equal(ProcessGroup::wait(fb), g));
+  EXPECT_EQ(server->counters().buckets_averaged, 1);
+}
+
 TEST(ParameterServer, LowPrecisionGradientsAreSummedInFloat32) {
   auto server = start_server({0, 1});
   auto a = connect(*server, 0), b = connect(*server, 1);
@@ -170,6 +208,18 @@ TEST(ParameterServerRejects, DuplicateShapeDtypeAndLayoutMismatchWithoutCorrupti
   auto second = b->average(0, 0, at::full({4}, 3.0f));
   EXPECT_TRUE(at::equal(ProcessGroup::wait(first), at::full({4}, 2.0f)));
   EXPECT_TRUE(at::equal(ProcessGroup::wait(second), at::full({4}, 2.0f)));
+}
+
+TEST(ParameterServerRejects, TrainersThatCutABucketDifferently) {
+  auto server = start_server({0, 1});
+  auto a = connect(*server, 0, ClientOptions().chunk_bytes(4000)), b = connect(*server, 1, ClientOptions().chunk_bytes(4000));
+  auto first = a->average(0, 2, at::ones({3000}));  // 3 chunks of 1000
+  wait_received(*server, 1);
+  EXPECT_THAT(failure(b->average(0, 2, at::ones({2500}))),  // 3 chunks of 1000, 1000, 500
+              ::testing::HasSubstr("INVALID_ARGUMENT: trainer 1 cut bucket 2 of batch 0 into 3 chunks of a 2500-element "
+                                   "bucket, the other trainers into 3 of 3000"));
+  auto next = b->average(1, 0, at::ones({4}));  // moves the server on: `first` fails
+  EXPECT_THAT(failure(first), ::testing::HasSubstr("superseded by batch 1"));
 }
 
 TEST(ParameterServerRejects, StaleBatchAndSupersededWaiters) {

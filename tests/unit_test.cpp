@@ -8,7 +8,9 @@
 namespace ddpkit {
 namespace {
 
-using testing::spawn_ranks;
+using testing::error_of, testing::spawn_groups, testing::spawn_ranks;
+using ::testing::AllOf;
+using ::testing::HasSubstr;
 
 std::vector<at::Tensor> tensors_of(std::vector<std::pair<int64_t, at::ScalarType>> spec) {
   std::vector<at::Tensor> out;
@@ -159,6 +161,55 @@ TEST(ProcessGroup, LowPrecisionAllreduceSumsInFloat32) {
       }
     });
   }
+}
+
+// Cut into many pieces (tiny piece_bytes; pieces do not divide the tensor), the pipelined
+// two-phase path gives the same bits as one piece.
+TEST(ProcessGroup, LowPrecisionAllreduceInPiecesEqualsOnePiece) {
+  for (int world : {2, 3}) {
+    spawn_groups(
+        world,
+        [world](const c10::intrusive_ptr<c10d::Store>& store, int r) {
+          return std::make_shared<ProcessGroup>(store, r, world,
+                                                ProcessGroupOptions().gloo_hostname("127.0.0.1").piece_bytes(96));
+        },
+        [world](int rank, std::shared_ptr<ProcessGroup> pg) {
+          const int64_t n = 4099;
+          EXPECT_GT(pg->pieces_for(n * 2), 20);
+          for (auto dt : {at::kHalf, at::kBFloat16}) {
+            auto gen = at::make_generator<at::CPUGeneratorImpl>(11);
+            at::Tensor want = at::zeros({n});
+            at::Tensor mine;
+            for (int r = 0; r < world; ++r) {
+              at::Tensor in = at::randn({n}, gen).to(dt);
+              want += in.to(at::kFloat);
+              if (r == rank) mine = in;
+            }
+            pg->reset_stats();
+            ProcessGroup::wait(pg->allreduce(mine));
+            EXPECT_TRUE(at::equal(mine.view(at::kShort), want.to(dt).view(at::kShort))) << dt << " world " << world;
+            // Two alltoalls per piece; bytes as one ring allreduce (plus padding of under a piece).
+            const CommStats st = pg->stats();
+            EXPECT_EQ(st.collectives % 2, 0u);
+            EXPECT_GE(st.bytes_sent, 2u * (world - 1) * n * 2 / world);
+            EXPECT_LE(st.bytes_sent, 2u * (world - 1) * (n + 96 * world) * 2 / world);
+          }
+        });
+  }
+}
+
+// A job whose buffers do not split into pieces x ranks is refused with the caller's name for it.
+TEST(ProcessGroup, TwoPhaseJobErrorsNameTheOperation) {
+  spawn_ranks(2, [](int, std::shared_ptr<ProcessGroup> pg) {
+    auto job = std::make_shared<TwoPhaseJob>();
+    job->pieces = 3;
+    job->send1 = job->recv1 = job->send2 = job->recv2 = at::zeros({10});
+    job->reduce = [](int64_t) {};
+    EXPECT_THAT(error_of([&] { ProcessGroup::wait(pg->two_phase(job, job->send1, "my codec")); }),
+                AllOf(HasSubstr("my codec"), HasSubstr("3 x 2 equal chunks")));
+    job->reduce = nullptr;
+    EXPECT_THAT(error_of([&] { pg->two_phase(job, job->send1, "my codec"); }), HasSubstr("reduce step"));
+  });
 }
 
 // The opt-in fp32 paths (two alltoalls; slices over several connections) sum like Gloo's ring.

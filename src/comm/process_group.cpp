@@ -100,6 +100,7 @@ ProcessGroup::ProcessGroup(c10::intrusive_ptr<c10d::Store> store, int rank, int 
     if (options_.backend() == "gloo") {
       DDPKIT_CHECK(options_.gloo_threads() >= 1, "gloo_threads must be >= 1, got ", options_.gloo_threads());
       auto gopts = c10d::ProcessGroupGloo::Options::create(options_.timeout());
+      DDPKIT_CHECK(options_.piece_bytes() >= 1, "piece_bytes must be >= 1, got ", options_.piece_bytes());
       DDPKIT_CHECK(options_.gloo_connections() >= 1, "gloo_connections must be >= 1, got ", options_.gloo_connections());
       for (int c = 0; c < options_.gloo_connections(); ++c) gopts->devices.push_back(make_gloo_device(options_));
       gopts->threads = std::max(options_.gloo_threads(), options_.gloo_connections());
@@ -315,57 +316,52 @@ FuturePtr ProcessGroup::allreduce(const at::Tensor& tensor, c10d::ReduceOp op) {
 //   1. reduce-scatter: alltoall, so rank r holds everyone's chunk r;
 //   2. sum the n copies of chunk r (fp32 accumulation for fp16/bf16: one rounding);
 //   3. allgather: alltoall of the reduced chunk replicated n times, straight into the tensor.
-// Per rank it sends 2(n-1)/n of the tensor, like a ring allreduce. Runs on the sequencer, so its
-// two steps are issued in the same order on every rank; the first is waited for there, the second
-// completes the future from Gloo's thread.
+// Per rank it sends 2(n-1)/n of the tensor, like a ring allreduce. Done in pieces by two_phase.
 void ProcessGroup::two_phase_allreduce(const at::Tensor& tensor, const FuturePtr& result) {
   const std::string what = "allreduce (" + describe_tensor(tensor) + ", two-phase alltoall path)";
   try {
     const int64_t n = world_size_;
     const int64_t numel = tensor.numel();
-    const int64_t chunk = (numel + n - 1) / n;
-    const bool padded = chunk * n != numel || !tensor.is_contiguous();
+    const int64_t pieces = pieces_for(bytes_of(tensor) * (n - 1) / n);
+    const int64_t chunk = (numel + n * pieces - 1) / (n * pieces);
+    const int64_t total = chunk * n * pieces;
+    const bool padded = total != numel || !tensor.is_contiguous();
     const at::Tensor flat = tensor.reshape({-1});
     at::Tensor data = flat;
     if (padded) {
-      data = take_workspace(tensor.scalar_type(), chunk * n);
+      data = take_workspace(tensor.scalar_type(), total);
       data.narrow(0, 0, numel).copy_(flat);
-      data.narrow(0, numel, chunk * n - numel).zero_();
+      data.narrow(0, numel, total - numel).zero_();
     }
     // Gloo refuses bf16 (and has no use for the dtype when only moving bytes): low-precision
     // tensors travel as float16 bits.
     const bool lowp = tensor.scalar_type() == at::kHalf || tensor.scalar_type() == at::kBFloat16;
     auto wire = [lowp](const at::Tensor& t) { return lowp ? t.view(at::kHalf) : t; };
-    at::Tensor scratch = take_workspace(tensor.scalar_type(), chunk * n);
-    const uint64_t bytes = bytes_of(data);
-    std::vector<int64_t> equal;
-    c10d::AllToAllOptions ao;
-    ao.timeout = options_.timeout();
-
-    count(bytes * (n - 1) / n, bytes * (n - 1) / n);
-    at::Tensor send1 = wire(data), recv1 = wire(scratch);
-    backend_->alltoall_base(recv1, send1, equal, equal, ao)->wait(options_.timeout());
-
-    const at::Tensor parts = scratch.view({n, chunk});
-    // Reduce into scratch's own chunk, then replicate it over the others: the send buffer of step 3.
-    at::Tensor mine = parts[rank_];
-    if (lowp) {
-      codecs::sum_low_precision_into(parts.unbind(0), mine);
-    } else {
+    at::Tensor scratch = take_workspace(tensor.scalar_type(), total);
+    auto job = std::make_shared<TwoPhaseJob>();
+    job->pieces = pieces;
+    job->send1 = job->recv2 = wire(data);
+    job->recv1 = job->send2 = wire(scratch);
+    const int me = rank_;
+    job->reduce = [scratch, n, chunk, me, lowp](int64_t p) {
+      const at::Tensor parts = scratch.narrow(0, p * n * chunk, n * chunk).view({n, chunk});
+      // Reduce into this rank's own chunk, then replicate it over the others: phase 2's send block.
+      at::Tensor mine = parts[me];
+      if (lowp) {
+        codecs::sum_low_precision_into(parts.unbind(0), mine);
+      } else {
+        for (int64_t k = 0; k < n; ++k)
+          if (k != me) mine.add_(parts[k]);
+      }
       for (int64_t k = 0; k < n; ++k)
-        if (k != rank_) mine.add_(parts[k]);
-    }
-    for (int64_t k = 0; k < n; ++k)
-      if (k != rank_) parts[k].copy_(mine);
-
-    count(bytes * (n - 1) / n, bytes * (n - 1) / n);
-    at::Tensor send2 = wire(scratch), recv2 = wire(data);
-    auto second = backend_->alltoall_base(recv2, send2, equal, equal, ao);
-    const int rank = rank_, world = world_size_;
-    second->getFuture()->addCallback([=](c10::ivalue::Future& f) {
-      give_workspace(scratch);  // the send buffer had to outlive the transfer
+        if (k != me) parts[k].copy_(mine);
+    };
+    FuturePtr pieces_done = make_tensor_future(tensor.device());
+    run_two_phase(job, data, what, pieces_done);
+    pieces_done->addCallback([this, tensor, data, scratch, numel, padded, result, what](c10::ivalue::Future& f) {
+      give_workspace(scratch);  // phase 2's send buffer had to outlive the transfer
       if (f.hasError()) {
-        fail(result, what, rank, world, f.exception_ptr());
+        result->setError(f.exception_ptr());  // already names the operation
         return;
       }
       try {
@@ -375,11 +371,86 @@ void ProcessGroup::two_phase_allreduce(const at::Tensor& tensor, const FuturePtr
         }
         result->markCompleted(c10::IValue(tensor));
       } catch (...) {
-        result->setError(std::current_exception());
+        fail(result, what, rank_, world_size_, std::current_exception());
       }
     });
   } catch (...) {
     fail(result, what, rank_, world_size_, std::current_exception());
+  }
+}
+
+int64_t ProcessGroup::pieces_for(uint64_t bytes_per_rank) const {
+  const uint64_t per_peer = bytes_per_rank / std::max(1, world_size_ - 1);
+  const uint64_t piece = static_cast<uint64_t>(std::max<int64_t>(options_.piece_bytes(), 1));
+  return static_cast<int64_t>(std::max<uint64_t>(1, (per_peer + piece - 1) / piece));
+}
+
+FuturePtr ProcessGroup::two_phase(std::shared_ptr<TwoPhaseJob> job, const at::Tensor& value, const std::string& what) {
+  DDPKIT_CHECK(job && job->pieces >= 1, what, ": two_phase needs a job with at least one piece");
+  DDPKIT_CHECK(job->reduce, what, ": two_phase needs a reduce step");
+  auto result = make_tensor_future(value.device());
+  post([this, job = std::move(job), value, what, result] { run_two_phase(job, value, what, result); });
+  return result;
+}
+
+// On the sequencer. Issue order is fixed by the piece count alone (phase 1 of pieces 0 and 1,
+// then per piece p: phase 2 of p, phase 1 of p + 2), so every rank issues the same sequence. With
+// two Gloo threads one transfer runs while the next piece is reduced here.
+void ProcessGroup::run_two_phase(const std::shared_ptr<TwoPhaseJob>& job, const at::Tensor& value,
+                                 const std::string& what, const FuturePtr& result) {
+  struct Progress {
+    std::atomic<int64_t> remaining;
+    std::atomic<bool> failed{false};
+  };
+  const int64_t pieces = job->pieces, n = world_size_;
+  auto progress = std::make_shared<Progress>();
+  progress->remaining = pieces;
+  const int rank = rank_, world = world_size_;
+  auto fail_once = [progress, result, what, rank, world](std::exception_ptr cause) {
+    if (!progress->failed.exchange(true)) fail(result, what, rank, world, cause);
+  };
+  try {
+    for (const at::Tensor* t : {&job->send1, &job->recv1, &job->send2, &job->recv2})
+      DDPKIT_CHECK(t->defined() && t->is_contiguous() && t->numel() % (pieces * n) == 0, what,
+                   ": two_phase buffers must be contiguous and split into ", pieces, " x ", n, " equal chunks");
+    auto block = [pieces](const at::Tensor& t, int64_t p) {
+      const int64_t len = t.numel() / pieces;
+      return t.view({-1}).narrow(0, p * len, len);
+    };
+    std::vector<int64_t> equal;
+    c10d::AllToAllOptions ao;
+    ao.timeout = options_.timeout();
+    auto phase_bytes = [&](const at::Tensor& t) { return bytes_of(t) / pieces * (n - 1) / n; };
+    std::vector<c10::intrusive_ptr<c10d::Work>> first(pieces);
+    auto send_first = [&](int64_t p) {
+      if (job->encode) job->encode(p);
+      count(phase_bytes(job->send1), phase_bytes(job->send1));
+      at::Tensor recv = block(job->recv1, p), send = block(job->send1, p);
+      first[p] = backend_->alltoall_base(recv, send, equal, equal, ao);
+    };
+    const int64_t window = 2;
+    for (int64_t p = 0; p < std::min(window, pieces); ++p) send_first(p);
+    for (int64_t p = 0; p < pieces; ++p) {
+      first[p]->wait(options_.timeout());
+      first[p].reset();
+      job->reduce(p);
+      count(phase_bytes(job->send2), phase_bytes(job->send2));
+      at::Tensor recv = block(job->recv2, p), send = block(job->send2, p);
+      auto second = backend_->alltoall_base(recv, send, equal, equal, ao);
+      second->getFuture()->addCallback([job, p, progress, result, value, fail_once](c10::ivalue::Future& f) {
+        if (f.hasError()) return fail_once(f.exception_ptr());
+        if (progress->failed) return;
+        try {
+          if (job->decode) job->decode(p);
+        } catch (...) {
+          return fail_once(std::current_exception());
+        }
+        if (progress->remaining.fetch_sub(1) == 1 && !progress->failed) result->markCompleted(c10::IValue(value));
+      });
+      if (p + window < pieces) send_first(p + window);
+    }
+  } catch (...) {
+    fail_once(std::current_exception());
   }
 }
 
@@ -654,7 +725,8 @@ std::shared_ptr<ProcessGroup> init_process_group(const InitOptions& o) {
                                                .gloo_threads(o.gloo_threads())
                                                .gloo_hostname(o.gloo_hostname())
                                                .two_phase_min_bytes(o.two_phase_min_bytes())
-                                               .gloo_connections(o.gloo_connections()));
+                                               .gloo_connections(o.gloo_connections())
+                                               .piece_bytes(o.piece_bytes()));
   std::lock_guard<std::mutex> lock(g_default_mutex);
   if (!g_default) g_default = pg;
   return pg;

@@ -135,6 +135,44 @@ void fill_random(const at::Tensor& q, uint64_t seed) {
   q.copy_(at::randn(q.sizes(), gen, at::TensorOptions().dtype(q.scalar_type())));
 }
 
+// Rows per block for the blockwise passes below: about 2 MB of the matrix, so a block read for
+// one operation is still in cache for the next.
+int64_t rows_per_block(int64_t cols) { return std::max<int64_t>(1, (512 * 1024) / std::max<int64_t>(cols, 1)); }
+
+// P = (M + E) Q, adding E into M on the way (E undefined: P = M Q). Blockwise, M crosses memory once.
+void add_error_and_project(const at::Tensor& m, const at::Tensor& e, const at::Tensor& q, const at::Tensor& p) {
+  const int64_t rows = m.size(0), step = rows_per_block(m.size(1));
+  for (int64_t r0 = 0; r0 < rows; r0 += step) {
+    const int64_t len = std::min(step, rows - r0);
+    at::Tensor mb = m.narrow(0, r0, len);
+    if (e.defined()) mb.add_(e.narrow(0, r0, len));
+    at::Tensor pb = p.narrow(0, r0, len);
+    at::mm_out(pb, mb, q);
+  }
+}
+
+// M <- P Q^T; with error feedback also E <- M - P Q^T first (M holding gradient plus old error).
+// Blockwise through a cached scratch block: M is read once and written once, E written once.
+void approximate(const at::Tensor& m, const at::Tensor& e, const at::Tensor& p, const at::Tensor& q) {
+  const int64_t rows = m.size(0), cols = m.size(1), step = rows_per_block(cols);
+  const at::Tensor qt = q.t();
+  at::Tensor scratch = e.defined() ? at::empty({std::min(step, rows), cols}, m.options()) : at::Tensor();
+  for (int64_t r0 = 0; r0 < rows; r0 += step) {
+    const int64_t len = std::min(step, rows - r0);
+    at::Tensor mb = m.narrow(0, r0, len);
+    const at::Tensor pb = p.narrow(0, r0, len);
+    if (!e.defined()) {
+      at::mm_out(mb, pb, qt);
+      continue;
+    }
+    at::Tensor a = scratch.narrow(0, 0, len);
+    at::mm_out(a, pb, qt);
+    at::Tensor eb = e.narrow(0, r0, len);
+    at::sub_out(eb, mb, a);
+    mb.copy_(a);
+  }
+}
+
 }  // namespace
 
 // ---- powerSGD_hook --------------------------------------------------------------------------------
@@ -153,16 +191,17 @@ class PowerSGDHook {
 
     const PowerSGDOptions& o = s_->options_;
     auto b = s_->bucket(bucket.index());
-    at::Tensor input_copy;
-    if (o.use_error_feedback()) {
-      if (b->error.defined() && b->error.numel() == buffer.numel()) {
-        buffer.add_(b->error);
-      } else {
-        b->error = at::zeros({buffer.numel()}, buffer.options());
-      }
-      if (!b->input.defined() || b->input.numel() != buffer.numel()) b->input = at::empty_like(buffer);
-      input_copy = b->input.copy_(buffer);
-    }
+    // Error feedback as PyTorch's: the bucket plus last step's error is what gets compressed, and
+    // the new error is that minus what the bucket becomes. Kept per bucket, updated in place (a
+    // fresh bucket-sized tensor per step costs more in page faults than the arithmetic).
+    const bool ef = o.use_error_feedback();
+    if (ef && (!b->error.defined() || b->error.numel() != buffer.numel()))
+      b->error = at::zeros({buffer.numel()}, buffer.options());
+    const at::Tensor error = ef ? b->error : at::Tensor();
+    const int64_t base = buffer.storage_offset();
+    auto error_of = [error, base](const at::Tensor& t) {
+      return error.defined() ? error.narrow(0, t.storage_offset() - base, t.numel()).view(t.sizes()) : at::Tensor();
+    };
 
     // Split into matrices worth compressing and the rest.
     std::vector<at::Tensor> compress, uncompressed;
@@ -189,11 +228,15 @@ class PowerSGDHook {
       }
     }
     s_->add_stats(before, after);
-    at::Tensor uncompressed_memory;
+    at::Tensor uncompressed_memory, uncompressed_input;
     if (!uncompressed.empty()) {
       std::vector<at::Tensor> flat;
-      for (const auto& t : uncompressed) flat.push_back(t.reshape({-1}));
+      for (const auto& t : uncompressed) {
+        if (ef) t.add_(error_of(t));
+        flat.push_back(t.reshape({-1}));
+      }
       uncompressed_memory = at::cat(flat);
+      if (ef) uncompressed_input = uncompressed_memory.clone();
     }
 
     bool randomize = false;
@@ -216,27 +259,30 @@ class PowerSGDHook {
     }
     struct Batch {
       at::Tensor matrices;               // [b, n, m]: a view of the bucket, or a stacked copy
-      std::vector<at::Tensor> originals; // set when stacked
+      std::vector<at::Tensor> originals; // the bucket's matrices (views)
       at::Tensor p, q;                   // [b, n, r], [b, m, r] views of the P/Q memory
+      bool stacked = false;
     };
     auto batches = std::make_shared<std::vector<Batch>>();
-    int64_t p_off = 0, q_off = 0;
     for (auto& entry : by_shape) {
       if (o.batch_tensors_with_same_shape() && entry.second.size() > 1) {
         Batch bt;
-        bt.matrices = at::stack(entry.second);
         bt.originals = entry.second;
+        bt.stacked = true;
         batches->push_back(bt);
       } else {
         for (auto& mtx : entry.second) {
           Batch bt;
           bt.matrices = mtx.unsqueeze(0);
+          bt.originals = {mtx};
           batches->push_back(bt);
         }
       }
     }
+    int64_t p_off = 0, q_off = 0;
     for (Batch& bt : *batches) {
-      const int64_t bs = bt.matrices.size(0), n = bt.matrices.size(1), m = bt.matrices.size(2);
+      const int64_t bs = static_cast<int64_t>(bt.originals.size());
+      const int64_t n = bt.originals[0].size(0), m = bt.originals[0].size(1);
       const int64_t r = std::min({n, m, o.matrix_approximation_rank()});
       bt.p = b->p.narrow(0, p_off, bs * n * r).view({bs, n, r});
       bt.q = b->q.narrow(0, q_off, bs * m * r).view({bs, m, r});
@@ -246,13 +292,43 @@ class PowerSGDHook {
     for (Batch& bt : *batches) {
       if (randomize) fill_random(bt.q, s_->next_seed());
       orthogonalize(bt.q, o.orthogonalization_epsilon());  // warm start: last iteration's Q
-      at::bmm_out(bt.p, bt.matrices, bt.q);
+      if (bt.stacked) {
+        for (const auto& mtx : bt.originals)
+          if (ef) mtx.add_(error_of(mtx));
+        bt.matrices = at::stack(bt.originals);
+        at::bmm_out(bt.p, bt.matrices, bt.q);
+      } else {
+        add_error_and_project(bt.originals[0], error_of(bt.originals[0]), bt.q[0], bt.p[0]);
+      }
     }
 
     PowerSGDState* state = s_.get();
     at::Tensor p_memory = b->p, q_memory = b->q;
     const double eps = o.orthogonalization_epsilon();
     const int64_t world = pg->size();
+    // Writes the decompressed bucket and, with error feedback, the new error: the compensated input
+    // (the bucket now, or uncompressed_input) minus the result.
+    auto finish = [=]() {
+      std::lock_guard<std::mutex> lock(state->mutex_);  // error() reads it from other threads
+      int64_t off = 0;
+      for (const auto& t : uncompressed) {
+        const at::Tensor avg = uncompressed_memory.narrow(0, off, t.numel()).view(t.sizes());
+        if (ef) {
+          at::Tensor e = error_of(t);
+          at::sub_out(e, uncompressed_input.narrow(0, off, t.numel()).view(t.sizes()), avg);
+        }
+        t.copy_(avg);
+        off += t.numel();
+      }
+      for (const Batch& bt : *batches)
+        for (size_t i = 0; i < bt.originals.size(); ++i)
+          approximate(bt.originals[i], error_of(bt.originals[i]), bt.p[i], bt.q[i]);
+      if (!state->options_.warm_start()) {
+        b->p = at::Tensor();
+        b->q = at::Tensor();
+      }
+      return buffer;
+    };
     // Collectives are issued on the sequencer (blocking there is allowed); the last one
     // completes the hook's future, and decompression runs in its callback: local work only.
     return pg->run_ordered_async([=]() -> FuturePtr {
@@ -261,13 +337,8 @@ class PowerSGDHook {
       if (un) {
         ProcessGroup::wait(un);
         uncompressed_memory.div_(world);
-        int64_t off = 0;
-        for (const auto& t : uncompressed) {
-          t.copy_(uncompressed_memory.narrow(0, off, t.numel()).view(t.sizes()));
-          off += t.numel();
-        }
       }
-      if (!pf) return completed_future(finish(state, b, buffer, input_copy));
+      if (!pf) return completed_future(finish());
       ProcessGroup::wait(pf);
       for (Batch& bt : *batches) {
         orthogonalize(bt.p, eps);
@@ -277,28 +348,13 @@ class PowerSGDHook {
           [=](c10::ivalue::Future& f) -> c10::IValue {
             f.value();
             q_memory.div_(world);
-            for (Batch& bt : *batches) {
-              at::bmm_out(bt.matrices, bt.p, bt.q.transpose(1, 2));
-              for (size_t i = 0; i < bt.originals.size(); ++i) bt.originals[i].copy_(bt.matrices[i]);
-            }
-            return c10::IValue(finish(state, b, buffer, input_copy));
+            return c10::IValue(finish());
           },
           c10::TensorType::get());
     });
   }
 
  private:
-  static at::Tensor finish(PowerSGDState* s, const std::shared_ptr<PowerSGDState::Bucket>& b,
-                           const at::Tensor& buffer, const at::Tensor& input_copy) {
-    std::lock_guard<std::mutex> lock(s->mutex_);  // error() reads it from other threads
-    if (s->options_.use_error_feedback()) at::sub_out(b->error, input_copy, buffer);
-    if (!s->options_.warm_start()) {
-      b->p = at::Tensor();
-      b->q = at::Tensor();
-    }
-    return buffer;
-  }
-
   std::shared_ptr<PowerSGDState> s_;
 };
 

@@ -79,12 +79,15 @@ CommHook gathered_uint8_hook(std::shared_ptr<ProcessGroup> pg, int64_t cols, con
 }
 
 // ---- scalable int8 allreduce ----------------------------------------------------------------------
+// The bucket is cut into pieces (ProcessGroup::pieces_for), each of n chunks of `chunk` elements:
+// chunk r of piece p goes to rank r, which sums the n copies it receives and sends the int8 sum
+// back to everyone. ProcessGroup::two_phase overlaps one piece's codec with others' transfers.
 struct Int8BucketState {
-  int64_t numel = -1;
-  at::Tensor send1, recv1, send2, recv2;  // n encoded chunks each
-  at::Tensor reduced;                     // this rank's chunk, fp32
+  int64_t numel = -1, pieces = 0, chunk = 0, enc = 0;
+  at::Tensor send1, recv1, send2, recv2;  // pieces x n encoded chunks each
+  at::Tensor reduced;                     // this rank's chunk of every piece, fp32
   at::Tensor worker_error;                // error feedback: this rank's quantization error, numel
-  at::Tensor owner_error;                 // error feedback: requantization error of this rank's chunk
+  at::Tensor owner_error;                 // error feedback: requantization error of this rank's chunks
 };
 
 class Int8Allreduce {
@@ -102,68 +105,75 @@ class Int8Allreduce {
                  buffer.scalar_type());
     const int64_t n = pg_->size(), me = pg_->rank(), block = o_.block();
     const int64_t numel = buffer.numel();
-    const int64_t chunk = std::max<int64_t>(((numel + n - 1) / n + block - 1) / block * block, block);
-    const int64_t enc = codecs::int8_encoded_bytes(chunk, block);
-    std::shared_ptr<Int8BucketState> st = state(bucket.index(), numel, n, chunk, enc, buffer.device());
-    at::Tensor flat = buffer.view({-1});
-    auto valid = [numel, chunk](int64_t c) { return std::max<int64_t>(0, std::min(chunk, numel - c * chunk)); };
-
-    if (o_.error_feedback()) flat.add_(st->worker_error);
-    for (int64_t c = 0; c < n; ++c) {
-      const int64_t v = valid(c), off = std::min(c * chunk, numel);
-      codecs::int8_encode(flat.narrow(0, off, v), v, chunk, block, st->send1.narrow(0, c * enc, enc),
-                          o_.error_feedback() ? st->worker_error.narrow(0, off, v) : at::Tensor());
-    }
+    // One byte per element on the wire, (n-1)/n of it to the peers in each phase.
+    const int64_t pieces = pg_->pieces_for(static_cast<uint64_t>(numel) * (n - 1) / n);
+    const int64_t per_chunk = (numel + n * pieces - 1) / (n * pieces);
+    const int64_t chunk = std::max<int64_t>((per_chunk + block - 1) / block * block, block);
+    std::shared_ptr<Int8BucketState> st = state(bucket.index(), numel, n, pieces, chunk, buffer.device());
+    const int64_t enc = st->enc;
     const bool ef = o_.error_feedback();
-    // A raw pointer in the closures: they may be destroyed on the sequencer or a Gloo thread, which
-    // must never drop the last reference to the group (docs/threading.md). The hook owns it.
-    ProcessGroup* pg = pg_.get();
-    // Both exchanges run on the sequencer so every rank issues them in the same order; the
-    // reduction between them is local work on this rank's chunk only.
-    return pg_->run_ordered_async([pg, st, buffer, flat, n, me, block, chunk, enc, numel, ef, valid] {
-      ProcessGroup::wait(pg->alltoall(st->recv1, st->send1));
+    const at::Tensor flat = buffer.view({-1});
+    // Elements [offset, offset + valid) of the bucket are chunk r of piece p (the rest is padding).
+    auto offset = [numel, n, chunk](int64_t p, int64_t r) { return std::min((p * n + r) * chunk, numel); };
+    auto valid = [numel, chunk, offset](int64_t p, int64_t r) { return std::min(chunk, numel - offset(p, r)); };
+
+    auto job = std::make_shared<TwoPhaseJob>();
+    job->pieces = pieces;
+    job->send1 = st->send1;
+    job->recv1 = st->recv1;
+    job->send2 = st->send2;
+    job->recv2 = st->recv2;
+    job->encode = [st, flat, n, chunk, block, enc, ef, offset, valid](int64_t p) {
+      for (int64_t r = 0; r < n; ++r) {
+        const int64_t off = offset(p, r), v = valid(p, r);
+        at::Tensor x = flat.narrow(0, off, v);
+        if (ef) x.add_(st->worker_error.narrow(0, off, v));
+        codecs::int8_encode(x, v, chunk, block, st->send1.narrow(0, (p * n + r) * enc, enc),
+                            ef ? st->worker_error.narrow(0, off, v) : at::Tensor());
+      }
+    };
+    job->reduce = [st, n, me, chunk, block, enc, ef](int64_t p) {
       const float inv_n = 1.0f / static_cast<float>(n);
+      at::Tensor reduced = st->reduced.narrow(0, p * chunk, chunk);
       for (int64_t r = 0; r < n; ++r)
-        codecs::int8_decode(st->recv1.narrow(0, r * enc, enc), chunk, block, st->reduced, chunk, inv_n, r > 0);
-      if (ef) st->reduced.add_(st->owner_error);
-      at::Tensor mine = st->send2.narrow(0, me * enc, enc);
-      codecs::int8_encode(st->reduced, chunk, chunk, block, mine, ef ? st->owner_error : at::Tensor());
+        codecs::int8_decode(st->recv1.narrow(0, (p * n + r) * enc, enc), chunk, block, reduced, chunk, inv_n, r > 0);
+      at::Tensor owner_error = ef ? st->owner_error.narrow(0, p * chunk, chunk) : at::Tensor();
+      if (ef) reduced.add_(owner_error);
+      at::Tensor mine = st->send2.narrow(0, (p * n + me) * enc, enc);
+      codecs::int8_encode(reduced, chunk, chunk, block, mine, owner_error);
       for (int64_t r = 0; r < n; ++r)
-        if (r != me) st->send2.narrow(0, r * enc, enc).copy_(mine);
-      return pg->alltoall(st->recv2, st->send2)
-          ->then(
-              [st, buffer, flat, n, block, chunk, enc, numel, valid](c10::ivalue::Future& f) -> c10::IValue {
-                f.value();
-                for (int64_t c = 0; c < n; ++c) {
-                  const int64_t v = valid(c);
-                  if (v > 0)
-                    codecs::int8_decode(st->recv2.narrow(0, c * enc, enc), chunk, block, flat.narrow(0, c * chunk, v), v);
-                }
-                return c10::IValue(buffer);
-              },
-              c10::TensorType::get());
-    }, buffer.device());
+        if (r != me) st->send2.narrow(0, (p * n + r) * enc, enc).copy_(mine);
+    };
+    job->decode = [st, flat, n, chunk, block, enc, offset, valid](int64_t p) {
+      for (int64_t r = 0; r < n; ++r) {
+        const int64_t v = valid(p, r);
+        if (v > 0)
+          codecs::int8_decode(st->recv2.narrow(0, (p * n + r) * enc, enc), chunk, block, flat.narrow(0, offset(p, r), v), v);
+      }
+    };
+    return pg_->two_phase(std::move(job), buffer, "int8 allreduce of bucket " + std::to_string(bucket.index()));
   }
 
  private:
-  std::shared_ptr<Int8BucketState> state(size_t index, int64_t numel, int64_t n, int64_t chunk, int64_t enc,
+  std::shared_ptr<Int8BucketState> state(size_t index, int64_t numel, int64_t n, int64_t pieces, int64_t chunk,
                                          c10::Device device) {
     std::lock_guard<std::mutex> lock(mutex_);
     if (states_.size() <= index) states_.resize(index + 1);
     auto& st = states_[index];
-    if (!st || st->numel != numel || st->send1.device() != device) {  // first use, or buckets were rebuilt
+    // First use, or buckets were rebuilt (the error feedback of a changed bucket starts over).
+    if (!st || st->numel != numel || st->pieces != pieces || st->chunk != chunk || st->send1.device() != device) {
       st = std::make_shared<Int8BucketState>();
       st->numel = numel;
+      st->pieces = pieces;
+      st->chunk = chunk;
+      st->enc = codecs::int8_encoded_bytes(chunk, o_.block());
       auto bytes = at::TensorOptions().dtype(at::kByte).device(device);
       auto floats = at::TensorOptions().dtype(at::kFloat).device(device);
-      st->send1 = at::empty({n * enc}, bytes);
-      st->recv1 = at::empty({n * enc}, bytes);
-      st->send2 = at::empty({n * enc}, bytes);
-      st->recv2 = at::empty({n * enc}, bytes);
-      st->reduced = at::empty({chunk}, floats);
+      for (at::Tensor* t : {&st->send1, &st->recv1, &st->send2, &st->recv2}) *t = at::empty({pieces * n * st->enc}, bytes);
+      st->reduced = at::empty({pieces * chunk}, floats);
       if (o_.error_feedback()) {
         st->worker_error = at::zeros({numel}, floats);
-        st->owner_error = at::zeros({chunk}, floats);
+        st->owner_error = at::zeros({pieces * chunk}, floats);
       }
     }
     return st;

@@ -115,10 +115,14 @@ struct ParameterServerClient::Impl {
     std::condition_variable cv;
     std::set<Call*> calls;
     int callbacks = 0;
-    void begin(Call* c) {
+    bool closing = false;
+    // False once the client is closing: a chunk's callback must not start another call then.
+    bool begin(Call* c) {
       std::lock_guard<std::mutex> lock(mu);
+      if (closing) return false;
       calls.insert(c);
       ++callbacks;
+      return true;
     }
     void end(Call* c) {
       std::lock_guard<std::mutex> lock(mu);
@@ -131,6 +135,7 @@ struct ParameterServerClient::Impl {
     }
     void cancel_and_wait() {
       std::unique_lock<std::mutex> lock(mu);
+      closing = true;
       for (Call* c : calls) c->ctx.TryCancel();
       cv.wait(lock, [&] { return callbacks == 0; });
     }
@@ -140,6 +145,11 @@ struct ParameterServerClient::Impl {
     std::atomic<int64_t> sent{0}, received{0}, calls{0};
   };
   std::shared_ptr<Counters> counters = std::make_shared<Counters>();
+
+  // Sends one serialized AverageGradient; `done` runs once, on a gRPC thread (or here, with
+  // CANCELLED, when the client is closing), after the call is released.
+  void send(grpc::ByteBuffer request,
+            std::function<void(const grpc::Status&, grpc::ByteBuffer&)> done);
 };
 
 ParameterServerClient::ParameterServerClient(ClientOptions options) : impl_(std::make_unique<Impl>()) {
@@ -150,6 +160,9 @@ ParameterServerClient::ParameterServerClient(ClientOptions options) : impl_(std:
   DDPKIT_CHECK(o.timeout().count() > 0, "parameter server client: timeout must be positive");
   DDPKIT_CHECK(o.max_message_bytes() > 0 && o.max_message_bytes() <= (int64_t(1) << 31) - 1,
                "parameter server client: max_message_bytes must be in 1..2^31-1");
+  DDPKIT_CHECK(o.chunk_bytes() >= 0, "parameter server client: chunk_bytes must be >= 0, got ", o.chunk_bytes());
+  DDPKIT_CHECK(o.chunks_in_flight() >= 1, "parameter server client: chunks_in_flight must be >= 1, got ",
+               o.chunks_in_flight());
   std::shared_ptr<grpc::ChannelCredentials> creds;
   if (!o.tls().root_certificate().empty()) {
     grpc::SslCredentialsOptions ssl;
@@ -193,63 +206,176 @@ ParameterServerClient::Traffic ParameterServerClient::traffic() const {
 int ParameterServerClient::trainer_id() const { return impl_->options.trainer_id(); }
 const std::string& ParameterServerClient::address() const { return impl_->options.address(); }
 
+namespace {
+
+// One AverageGradient of a dense bucket cut into chunks: chunk i is elements [i*per, ...) of the
+// flat gradient, its average lands in the same elements of `out`. Up to `window` calls in flight;
+// each completion starts the next chunk. The first failure fails the whole and starts no more.
+struct ChunkedAverage {
+  at::Tensor flat, out, value;
+  int64_t per = 0, count = 0;
+  std::mutex mu;
+  int64_t next = 0, remaining = 0;
+  bool failed = false;
+  FuturePtr result;
+};
+
+}  // namespace
+
+void ParameterServerClient::Impl::send(grpc::ByteBuffer request,
+                                       std::function<void(const grpc::Status&, grpc::ByteBuffer&)> done) {
+  auto* call = new Call;
+  prepare(call->ctx, options.timeout());
+  call->request = std::move(request);
+  counters->sent += static_cast<int64_t>(call->request.Length());
+  if (!flight->begin(call)) {
+    delete call;
+    grpc::ByteBuffer none;
+    done(grpc::Status(grpc::StatusCode::CANCELLED, "the client is closing"), none);
+    return;
+  }
+  generic->UnaryCall(&call->ctx, "/ddpkit.ps.wire.ParameterServer/AverageGradient", grpc::StubOptions(),
+                     &call->request, &call->reply,
+                     [call, flight = flight, counters = counters, done = std::move(done)](grpc::Status status) {
+                       if (status.ok()) {
+                         counters->received += static_cast<int64_t>(call->reply.Length());
+                         counters->calls++;
+                       }
+                       grpc::ByteBuffer reply = std::move(call->reply);
+                       // Release the call (its ClientContext holds a channel reference) before
+                       // anyone waiting on a future can destroy the client: the last channel
+                       // reference must not drop on this gRPC callback thread (grpc/grpc#32584).
+                       flight->end(call);
+                       delete call;
+                       done(status, reply);
+                       flight->done();
+                     });
+}
+
 FuturePtr ParameterServerClient::average(int64_t batch_number, int64_t bucket_index, const at::Tensor& gradient,
                                          at::Tensor into) {
   DDPKIT_CHECK(gradient.defined(), "parameter server client: gradient is undefined");
   DDPKIT_CHECK(!into.defined() || (!gradient.is_sparse() && into.numel() == gradient.numel() &&
                                    into.scalar_type() == gradient.scalar_type()),
                "parameter server client: `into` must be dense with the gradient's numel and dtype");
-  auto* call = new Impl::Call;
-  impl_->prepare(call->ctx, impl_->options.timeout());
-  call->request = serialize_gradient_request(impl_->options.trainer_id(), batch_number, bucket_index, gradient);
-
   const c10::Device device = gradient.device();
   FuturePtr result = make_tensor_future(device);
   const std::string what = "AverageGradient(batch " + std::to_string(batch_number) + ", bucket " +
                            std::to_string(bucket_index) + ")";
+  const std::string address = impl_->options.address();
+  const int trainer = impl_->options.trainer_id();
+  const int64_t bytes = gradient.is_sparse() ? 0 : gradient.numel() * static_cast<int64_t>(gradient.element_size());
+  const int64_t chunk_bytes = impl_->options.chunk_bytes();
+
+  if (chunk_bytes > 0 && bytes > chunk_bytes) {
+    auto st = std::make_shared<ChunkedAverage>();
+    st->flat = gradient.contiguous().view({-1});
+    if (into.defined() && into.is_contiguous() && into.device().is_cpu()) {
+      st->out = into.view({-1});
+      st->value = into;
+    } else {
+      st->out = at::empty({gradient.numel()}, gradient.options().device(c10::kCPU));
+      st->value = into.defined() ? into : gradient;  // replaced below by a copy of out
+    }
+    st->per = std::max<int64_t>(1, chunk_bytes / static_cast<int64_t>(gradient.element_size()));
+    st->count = (gradient.numel() + st->per - 1) / st->per;
+    st->remaining = st->count;
+    st->result = result;
+    const bool copy_out = st->out.data_ptr() != (into.defined() ? into.data_ptr() : nullptr);
+    const std::vector<int64_t> shape = gradient.sizes().vec();
+    Impl* impl = impl_.get();
+    // Starts chunks while fewer than the window are in flight. Called with st->mu not held.
+    auto pump = std::make_shared<std::function<void()>>();
+    *pump = [st, impl, trainer, batch_number, bucket_index, what, address, copy_out, into, shape, device,
+             weak = std::weak_ptr<std::function<void()>>(pump)]() {
+      for (;;) {
+        int64_t i;
+        {
+          std::lock_guard<std::mutex> lock(st->mu);
+          if (st->failed || st->next >= st->count) return;
+          i = st->next++;
+        }
+        const int64_t off = i * st->per, len = std::min(st->per, st->flat.numel() - off);
+        const std::string chunk_what = what + " chunk " + std::to_string(i) + " of " + std::to_string(st->count);
+        auto self = weak.lock();
+        impl->send(serialize_gradient_request(trainer, batch_number, bucket_index, st->flat.narrow(0, off, len),
+                                              ChunkOf{i, st->count, st->flat.numel()}),
+                   [st, off, len, chunk_what, address, copy_out, into, shape, device, self](const grpc::Status& status,
+                                                                                           grpc::ByteBuffer& reply) {
+                     std::string error = status.ok() ? "" : failure_message(address, chunk_what, status);
+                     at::Tensor part = st->out.narrow(0, off, len);
+                     if (status.ok() && !parse_dense_reply_into(reply, part, &error))
+                       error = "ddpkit ps: " + chunk_what + " on " + address + ": malformed reply: " + error;
+                     bool last = false;
+                     {
+                       std::lock_guard<std::mutex> lock(st->mu);
+                       if (st->failed) return;
+                       if (!error.empty()) {
+                         st->failed = true;
+                       } else {
+                         last = --st->remaining == 0;
+                       }
+                     }
+                     if (!error.empty()) {
+                       st->result->setError(std::make_exception_ptr(CommError(error)));
+                       return;
+                     }
+                     if (last) {
+                       at::Tensor value = st->value;
+                       if (copy_out) {
+                         at::Tensor avg = st->out.view(shape);
+                         if (into.defined()) {
+                           into.copy_(avg);
+                         } else {
+                           value = device.is_cpu() ? avg : avg.to(device);
+                         }
+                       }
+                       st->result->markCompleted(c10::IValue(value));
+                       return;
+                     }
+                     (*self)();
+                   });
+        {
+          std::lock_guard<std::mutex> lock(st->mu);
+          if (st->next - (st->count - st->remaining) >= impl->options.chunks_in_flight()) return;
+        }
+      }
+    };
+    // The pump lives while a chunk is pending: each chunk's callback holds it (and it holds
+    // only a weak reference to itself, so nothing cycles).
+    (*pump)();
+    return result;
+  }
+
   const bool sparse = gradient.is_sparse();
   const std::vector<int64_t> shape = gradient.sizes().vec();
-  auto flight = impl_->flight;
-  auto counters = impl_->counters;
-  counters->sent += static_cast<int64_t>(call->request.Length());
-  flight->begin(call);
-  impl_->generic->UnaryCall(
-      &call->ctx, "/ddpkit.ps.wire.ParameterServer/AverageGradient", grpc::StubOptions(), &call->request,
-      &call->reply,
-      [call, flight, counters, result, into, device, what, sparse, shape, address = impl_->options.address()](grpc::Status status) mutable {
-        std::string error = status.ok() ? "" : failure_message(address, what, status);
-        if (status.ok()) {
-          counters->received += static_cast<int64_t>(call->reply.Length());
-          counters->calls++;
-        }
-        at::Tensor out;
-        if (status.ok() && !sparse && into.defined()) {
-          if (parse_dense_reply_into(call->reply, into, &error)) out = into;
-        } else if (status.ok()) {
-          wire::GradientReply reply;
-          if (!grpc::SerializationTraits<wire::GradientReply>::Deserialize(&call->reply, &reply).ok()) {
-            error = "unparsable GradientReply";
-          } else {
-            out = decode_tensor(reply.average(), &error);
-            if (out.defined() && out.sizes().vec() != shape) {
-              error = "reply " + describe(reply.average()) + " has another shape than the gradient";
-              out = at::Tensor();
-            }
-          }
-          if (out.defined() && out.device() != device) out = out.to(device);
-        }
-        if (status.ok() && !out.defined()) error = "ddpkit ps: " + what + " on " + address + ": malformed reply: " + error;
-        // Release the call (its ClientContext holds a channel reference) before anyone waiting
-        // on the future can destroy the client: the last channel reference must not drop on
-        // this gRPC callback thread (grpc/grpc#32584).
-        flight->end(call);
-        delete call;
-        if (out.defined())
-          result->markCompleted(c10::IValue(out));
-        else
-          result->setError(std::make_exception_ptr(CommError(error)));
-        flight->done();
-      });
+  impl_->send(serialize_gradient_request(trainer, batch_number, bucket_index, gradient),
+              [result, into, device, what, sparse, shape, address](const grpc::Status& status, grpc::ByteBuffer& raw) {
+                std::string error = status.ok() ? "" : failure_message(address, what, status);
+                at::Tensor out;
+                if (status.ok() && !sparse && into.defined()) {
+                  at::Tensor target = into;
+                  if (parse_dense_reply_into(raw, target, &error)) out = into;
+                } else if (status.ok()) {
+                  wire::GradientReply reply;
+                  if (!grpc::SerializationTraits<wire::GradientReply>::Deserialize(&raw, &reply).ok()) {
+                    error = "unparsable GradientReply";
+                  } else {
+                    out = decode_tensor(reply.average(), &error);
+                    if (out.defined() && out.sizes().vec() != shape) {
+                      error = "reply " + describe(reply.average()) + " has another shape than the gradient";
+                      out = at::Tensor();
+                    }
+                  }
+                  if (out.defined() && out.device() != device) out = out.to(device);
+                }
+                if (status.ok() && !out.defined())
+                  error = "ddpkit ps: " + what + " on " + address + ": malformed reply: " + error;
+                if (out.defined())
+                  result->markCompleted(c10::IValue(out));
+                else
+                  result->setError(std::make_exception_ptr(CommError(error)));
+              });
   return result;
 }
 
@@ -270,6 +396,7 @@ ParameterServerClient::ServerMetrics ParameterServerClient::get_metrics() {
   out.counters.bytes_received = reply.bytes_received();
   out.counters.bytes_sent = reply.bytes_sent();
   out.counters.seconds_since_reset = reply.seconds_since_reset();
+  out.counters.peak_bytes_held = reply.peak_bytes_held();
   return out;
 }
 

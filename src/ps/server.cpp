@@ -75,13 +75,18 @@ struct ParameterServer::Impl {
     serving = std::set<int>(options.trainer_ids().begin(), options.trainer_ids().end());
   }
 
+  // (bucket index, chunk index): a chunked bucket's chunks are averaged independently, so the
+  // server holds chunks in flight, never a whole large bucket.
+  using BucketKey = std::pair<int64_t, int64_t>;
   struct Bucket {
+    int64_t chunk_count = 0, bucket_numel = 0;  // 0: sent whole
     std::map<int, AverageCall*> waiting;  // trainer -> call not yet answered
     std::set<int> sent;
     wire::Tensor signature;  // dtype, shape, layout of the first gradient (no data)
-    at::Tensor sum;          // kAverage
+    at::Tensor first_gradient, sum;  // kAverage: the first gradient, then the sum of all so far
     std::map<int, at::Tensor> parts;  // kAverageBatch
     Clock::time_point first;
+    int64_t held_bytes = 0;  // gradient data kept for it: waiting requests, sum or parts
   };
 
   grpc::Status check_token(grpc::CallbackServerContext* ctx) const;
@@ -95,8 +100,13 @@ struct ParameterServer::Impl {
   void fail_batch_locked(const grpc::Status& status, std::vector<std::pair<AverageCall*, grpc::Status>>* finish);
   void reaper_loop();
   void reset();
-  std::string key(int64_t batch, int64_t bucket) const {
-    return std::to_string(batch) + "," + std::to_string(bucket);
+  std::string key(int64_t batch, const BucketKey& k, int64_t chunk_count) const {
+    return std::to_string(batch) + "," + std::to_string(k.first) +
+           (chunk_count > 1 ? "," + std::to_string(k.second) : std::string());
+  }
+  static std::string name(const BucketKey& k, int64_t chunk_count) {
+    return "bucket " + std::to_string(k.first) +
+           (chunk_count > 1 ? " (chunk " + std::to_string(k.second) + " of " + std::to_string(chunk_count) + ")" : "");
   }
 
   ServerOptions options;
@@ -108,7 +118,8 @@ struct ParameterServer::Impl {
 
   mutable std::mutex mu;
   int64_t batch = 0;
-  std::map<int64_t, Bucket> buckets;
+  std::map<BucketKey, Bucket> buckets;
+  std::map<int64_t, int64_t> chunks_averaged;  // of `batch`, per chunked bucket
   grpc::Status batch_failure = grpc::Status::OK;  // of `batch`
   std::set<int> disconnected;
   // Open sessions, finished by shutdown. Recursive: Finish may run OnDone on the calling thread.
@@ -116,6 +127,16 @@ struct ParameterServer::Impl {
   std::set<SessionCall*> sessions;
   metrics::MetricsLogger log;
   Counters counters;
+  int64_t held_bytes = 0;  // over all buckets; counters.peak_bytes_held is its maximum
+  void hold(Bucket& bucket, int64_t bytes) {
+    bucket.held_bytes += bytes;
+    held_bytes += bytes;
+    counters.peak_bytes_held = std::max(counters.peak_bytes_held, held_bytes);
+  }
+  void release(Bucket& bucket) {
+    held_bytes -= bucket.held_bytes;
+    bucket.held_bytes = 0;
+  }
   Clock::time_point reset_at = Clock::now();
 
   std::mutex stop_mu;
@@ -137,7 +158,7 @@ class AverageCall final : public grpc::ServerUnaryReactor {
   grpc::ByteBuffer* response;
   wire::GradientRequest request;  // the gradient's bytes stay here until the call is finished
   int trainer = -1;
-  int64_t batch = 0, bucket = 0;
+  int64_t batch = 0, bucket = 0, chunk = 0, chunk_count = 0;
   bool waiting = true;  // guarded by impl_->mu
 };
 
@@ -202,6 +223,7 @@ class Service final
       reply->set_bytes_received(c.bytes_received);
       reply->set_bytes_sent(c.bytes_sent);
       reply->set_seconds_since_reset(c.seconds_since_reset);
+      reply->set_peak_bytes_held(c.peak_bytes_held);
     }
     reactor->Finish(s);
     return reactor;
@@ -259,15 +281,29 @@ grpc::ServerUnaryReactor* ParameterServer::Impl::average_gradient(grpc::Callback
   const wire::GradientRequest* req = &call->request;
   const int trainer = req->trainer_id();
   const int64_t b = req->batch_number(), index = req->bucket_index();
+  const int64_t chunk = req->chunk_index(), chunk_count = req->chunk_count();
+  const BucketKey bkey(index, chunk);
   call->trainer = trainer;
   call->batch = b;
   call->bucket = index;
-  const std::string where = "bucket " + std::to_string(index) + " of batch " + std::to_string(b);
+  call->chunk = chunk;
+  call->chunk_count = chunk_count;
+  const std::string where = name(bkey, chunk_count) + " of batch " + std::to_string(b);
   if (!serving.count(trainer))
     return reject(grpc::StatusCode::INVALID_ARGUMENT, "trainer " + std::to_string(trainer) +
                                                           " is not served here (this server serves trainers " +
                                                           join_ids(options.trainer_ids()) + ")");
   if (b < 0 || index < 0) return reject(grpc::StatusCode::INVALID_ARGUMENT, "negative batch number or bucket index (" + where + ")");
+  if (chunk_count < 0 || chunk < 0 || (chunk_count <= 1 && chunk != 0) || (chunk_count > 1 && chunk >= chunk_count))
+    return reject(grpc::StatusCode::INVALID_ARGUMENT, "chunk index " + std::to_string(chunk) + " is outside a bucket of " +
+                                                          std::to_string(chunk_count) + " chunks (" + where + ")");
+  if (chunk_count > 1) {
+    const wire::Tensor& g = req->gradient();
+    if (g.sparse() || g.shape_size() != 1 || req->bucket_numel() < chunk_count || g.shape(0) > req->bucket_numel())
+      return reject(grpc::StatusCode::INVALID_ARGUMENT,
+                    "a chunk must be a 1-D dense part of a bucket of at least as many elements as chunks (" + where +
+                        ": " + describe(g) + ", bucket of " + std::to_string(req->bucket_numel()) + " elements)");
+  }
 
   // Decode outside the lock: it is the expensive part.
   std::string error;
@@ -285,7 +321,7 @@ grpc::ServerUnaryReactor* ParameterServer::Impl::average_gradient(grpc::Callback
   wire::Tensor signature;
   {
     std::lock_guard<std::mutex> lock(mu);
-    counters.gradients_received++;
+    if (chunk == 0) counters.gradients_received++;  // a gradient is a whole bucket from one trainer
     counters.bytes_received += in_bytes;
     if (b < batch) {
       call->waiting = false;
@@ -301,6 +337,7 @@ grpc::ServerUnaryReactor* ParameterServer::Impl::average_gradient(grpc::Callback
                           &finish);
       batch = b;
       buckets.clear();
+      chunks_averaged.clear();
       batch_failure = grpc::Status::OK;
     }
     if (!call->waiting) {
@@ -309,7 +346,7 @@ grpc::ServerUnaryReactor* ParameterServer::Impl::average_gradient(grpc::Callback
       call->waiting = false;
       finish.emplace_back(call, batch_failure);
     } else {
-      Bucket& bucket = buckets[index];
+      Bucket& bucket = buckets[bkey];
       wire::Tensor sig = req->gradient();
       sig.clear_data();
       sig.clear_indices();
@@ -323,39 +360,63 @@ grpc::ServerUnaryReactor* ParameterServer::Impl::average_gradient(grpc::Callback
         finish.emplace_back(call, grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
                                                "trainer " + std::to_string(trainer) + " sent " + describe(sig) + " for " +
                                                    where + ", but the other trainers sent " + describe(bucket.signature)));
+      } else if (!bucket.sent.empty() &&
+                 (chunk_count != bucket.chunk_count || req->bucket_numel() != bucket.bucket_numel)) {
+        call->waiting = false;
+        finish.emplace_back(call, grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                                               "trainer " + std::to_string(trainer) + " cut bucket " + std::to_string(index) +
+                                                   " of batch " + std::to_string(b) + " into " + std::to_string(chunk_count) +
+                                                   " chunks of a " + std::to_string(req->bucket_numel()) +
+                                                   "-element bucket, the other trainers into " +
+                                                   std::to_string(bucket.chunk_count) + " of " +
+                                                   std::to_string(bucket.bucket_numel)));
       } else {
         std::vector<int> gone;
         for (int t : serving)
           if (!bucket.sent.count(t) && t != trainer && disconnected.count(t)) gone.push_back(t);
         if (bucket.sent.empty()) {
           bucket.signature = sig;
+          bucket.chunk_count = chunk_count;
+          bucket.bucket_numel = req->bucket_numel();
           bucket.first = Clock::now();
-          log.record_start("parameter_server_straggler_metric", key(b, index), "param_index_straggler");
-          log.record_start("parameter_server_batch_metric", key(b, index), "param_index_batch");
+          log.record_start("parameter_server_straggler_metric", key(b, bkey, chunk_count), "param_index_straggler");
+          log.record_start("parameter_server_batch_metric", key(b, bkey, chunk_count), "param_index_batch");
         }
         bucket.sent.insert(trainer);
         bucket.waiting[trainer] = call;
         const bool borrowed = !grad.is_sparse() && grad.data_ptr() == req->gradient().data().data();
+        const int64_t grad_bytes = grad.is_sparse() ? in_bytes : grad.numel() * static_cast<int64_t>(grad.element_size());
+        hold(bucket, in_bytes);  // the request stays until answered
         if (options.kind() == ServerKind::kAverage) {
-          if (!bucket.sum.defined())
-            bucket.sum = borrowed ? grad.clone() : grad;
-          else if (grad.is_sparse())
-            bucket.sum = bucket.sum + grad;  // concatenates; coalesced once at the end
-          else
+          // The first gradient is kept as it came (a view of its request, which waits too); the
+          // second makes the sum, in one pass, and later ones add into it.
+          if (!bucket.sum.defined() && !bucket.first_gradient.defined()) {
+            bucket.first_gradient = grad;
+            if (!borrowed) hold(bucket, grad_bytes);
+          } else if (bucket.first_gradient.defined()) {
+            bucket.sum = bucket.first_gradient + grad;  // sparse: concatenates; coalesced once at the end
+            bucket.first_gradient = at::Tensor();
+            hold(bucket, grad_bytes);
+          } else if (grad.is_sparse()) {
+            bucket.sum = bucket.sum + grad;
+          } else {
             bucket.sum.add_(grad);
+          }
         } else {
           bucket.parts[trainer] = borrowed ? grad.clone() : grad;
+          hold(bucket, grad_bytes);
         }
         if (!gone.empty()) {
           fail_batch_locked(grpc::Status(grpc::StatusCode::UNAVAILABLE,
                                          "trainer(s) " + join_ids(gone) + " disconnected before sending " + where),
                             &finish);
         } else if (bucket.sent.size() == serving.size()) {
-          log.record_end("parameter_server_straggler_metric", key(b, index));
-          const std::string method_key = "avg," + key(b, index);
+          log.record_end("parameter_server_straggler_metric", key(b, bkey, chunk_count));
+          const std::string method_key = "avg," + key(b, bkey, chunk_count);
           log.record_start("method_metric", method_key, "average computation");
           if (options.kind() == ServerKind::kAverage) {
-            average = bucket.sum;
+            // One trainer: its gradient may still be a view of a request about to be released.
+            average = bucket.sum.defined() ? bucket.sum : bucket.first_gradient.clone();
           } else {
             average = bucket.parts.begin()->second;
             for (auto it = std::next(bucket.parts.begin()); it != bucket.parts.end(); ++it)
@@ -370,9 +431,10 @@ grpc::ServerUnaryReactor* ParameterServer::Impl::average_gradient(grpc::Callback
             answer.push_back(c);
           }
           bucket.waiting.clear();
-          bucket.sum = at::Tensor();
+          bucket.sum = bucket.first_gradient = at::Tensor();
           bucket.parts.clear();
-          counters.buckets_averaged++;
+          release(bucket);
+          if (chunk_count <= 1 || ++chunks_averaged[index] == chunk_count) counters.buckets_averaged++;
         }
       }
     }
@@ -380,18 +442,18 @@ grpc::ServerUnaryReactor* ParameterServer::Impl::average_gradient(grpc::Callback
   if (!answer.empty()) {
     const at::ScalarType wire_type = scalar_type_of(signature);
     if (average.scalar_type() != wire_type) average = average.to(wire_type);
-    wire::GradientReply reply;
-    encode_tensor(average, reply.mutable_average());
-    const int64_t out_bytes = payload_bytes(reply.average());
-    grpc::Slice slice(reply.ByteSizeLong());
-    reply.SerializeWithCachedSizesToArray(const_cast<uint8_t*>(slice.begin()));
+    // Serialized once; every waiting trainer's response shares its slices (the data slice is the
+    // average's own memory).
+    const grpc::ByteBuffer reply = serialize_reply(average);
+    const int64_t out_bytes = static_cast<int64_t>(
+        average.is_sparse() ? average._values().nbytes() + average._indices().nbytes() : average.nbytes());
     for (AverageCall* c : answer) {
-      *c->response = grpc::ByteBuffer(&slice, 1);
+      *c->response = reply;
       c->Finish(grpc::Status::OK);
     }
     std::lock_guard<std::mutex> lock(mu);
     counters.bytes_sent += out_bytes * static_cast<int64_t>(answer.size());
-    log.record_end("parameter_server_batch_metric", key(b, index));
+    log.record_end("parameter_server_batch_metric", key(b, bkey, chunk_count));
   }
   for (auto& [c, s] : finish) c->Finish(s);
   return call;
@@ -406,8 +468,9 @@ void ParameterServer::Impl::fail_batch_locked(const grpc::Status& status,
       finish->emplace_back(c, status);
     }
     bucket.waiting.clear();
-    bucket.sum = at::Tensor();
+    bucket.sum = bucket.first_gradient = at::Tensor();
     bucket.parts.clear();
+    release(bucket);
   }
 }
 
@@ -417,9 +480,9 @@ void ParameterServer::Impl::on_cancel(AverageCall* call) {
     std::lock_guard<std::mutex> lock(mu);
     if (!call->waiting) return;
     fail_batch_locked(grpc::Status(grpc::StatusCode::ABORTED,
-                                   "trainer " + std::to_string(call->trainer) + " gave up on bucket " +
-                                       std::to_string(call->bucket) + " of batch " + std::to_string(call->batch) +
-                                       " (its deadline passed or it was cancelled)"),
+                                   "trainer " + std::to_string(call->trainer) + " gave up on " +
+                                       name({call->bucket, call->chunk}, call->chunk_count) + " of batch " +
+                                       std::to_string(call->batch) + " (its deadline passed or it was cancelled)"),
                       &finish);
   }
   for (auto& [c, s] : finish) c->Finish(s);
@@ -457,8 +520,8 @@ void ParameterServer::Impl::on_session_lost(int trainer) {
       std::vector<int> waiting;
       for (auto& [t, c] : bucket.waiting) waiting.push_back(t);
       fail_batch_locked(grpc::Status(grpc::StatusCode::UNAVAILABLE,
-                                     "trainer " + std::to_string(trainer) + " disconnected before sending bucket " +
-                                         std::to_string(index) + " of batch " + std::to_string(batch) +
+                                     "trainer " + std::to_string(trainer) + " disconnected before sending " +
+                                         name(index, bucket.chunk_count) + " of batch " + std::to_string(batch) +
                                          " (trainers " + join_ids(waiting) + " were waiting for it)"),
                         &finish);
       break;
@@ -484,7 +547,7 @@ void ParameterServer::Impl::reaper_loop() {
           if (!bucket.sent.count(t)) missing.push_back(t);
         for (auto& [t, c] : bucket.waiting) waiting.push_back(t);
         fail_batch_locked(grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED,
-                                       "bucket " + std::to_string(index) + " of batch " + std::to_string(batch) +
+                                       name(index, bucket.chunk_count) + " of batch " + std::to_string(batch) +
                                            ": trainer(s) " + join_ids(missing) + " did not send within " +
                                            std::to_string(options.bucket_timeout().count()) + " ms (trainers " +
                                            join_ids(waiting) + " were waiting)"),
@@ -505,10 +568,12 @@ void ParameterServer::Impl::reset() {
     if (!buckets.empty())
       fail_batch_locked(grpc::Status(grpc::StatusCode::ABORTED, "the server's state was reset"), &finish);
     buckets.clear();
+    chunks_averaged.clear();
     batch = 0;
     batch_failure = grpc::Status::OK;
     log.clear();
     counters = Counters();
+    held_bytes = 0;
     reset_at = Clock::now();
   }
   for (auto& [c, s] : finish) c->Finish(s);

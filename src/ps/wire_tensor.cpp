@@ -4,6 +4,7 @@
 
 #include <c10/util/accumulate.h>
 #include <google/protobuf/io/coded_stream.h>
+#include <google/protobuf/io/zero_copy_stream_impl_lite.h>
 #include <google/protobuf/wire_format_lite.h>
 #include <grpcpp/support/proto_buffer_reader.h>
 
@@ -51,6 +52,23 @@ void put_bytes(const at::Tensor& t, std::string* out) {
   out->assign(static_cast<const char*>(c.data_ptr()), c.nbytes());
 }
 
+// A slice over the tensor's bytes, no copy: the slice holds a reference to the tensor until gRPC
+// has sent it. The tensor must not change meanwhile (a gradient being averaged does not).
+grpc::Slice tensor_slice(const at::Tensor& contiguous_cpu) {
+  auto* keep = new at::Tensor(contiguous_cpu);
+  return grpc::Slice(keep->data_ptr(), keep->nbytes(), [](void* p) { delete static_cast<at::Tensor*>(p); }, keep);
+}
+
+// A Tensor message carrying `data` as field 3, serialized as [head slice][data slice]: `head` is
+// what goes before the data (the outer fields and the Tensor's other fields).
+std::vector<grpc::Slice> with_data(const std::string& head, const at::Tensor& data, const std::string& tail = "") {
+  std::vector<grpc::Slice> out;
+  out.emplace_back(head);
+  if (data.nbytes() > 0) out.push_back(tensor_slice(data));
+  if (!tail.empty()) out.emplace_back(tail);
+  return out;
+}
+
 }  // namespace
 
 // Everything but `data`; returns the contiguous CPU tensor whose bytes belong in `data`.
@@ -71,39 +89,61 @@ at::Tensor encode_header(const at::Tensor& tensor, wire::Tensor* out) {
   return t.contiguous();
 }
 
-void encode_tensor(const at::Tensor& tensor, wire::Tensor* out) {
-  at::Tensor data = encode_header(tensor, out);
-  out->mutable_data()->assign(static_cast<const char*>(data.data_ptr()), data.nbytes());
-}
-
-grpc::ByteBuffer serialize_gradient_request(int trainer, int64_t batch, int64_t bucket, const at::Tensor& gradient) {
+grpc::ByteBuffer serialize_gradient_request(int trainer, int64_t batch, int64_t bucket, const at::Tensor& gradient,
+                                            ChunkOf chunk) {
   using google::protobuf::internal::WireFormatLite;
   using google::protobuf::io::CodedOutputStream;
   wire::Tensor header;
   at::Tensor data = encode_header(gradient, &header);
-  const std::string head = header.SerializeAsString();
+  const std::string tensor_head = header.SerializeAsString();
   const size_t n = data.nbytes();
-  // Tensor = header fields + field 3 (data); GradientRequest = fields 1-3 + field 4 (Tensor).
-  const size_t tensor_len = head.size() + 1 + CodedOutputStream::VarintSize64(n) + n;
-  const size_t total = 1 + CodedOutputStream::VarintSize32SignExtended(trainer) + 1 +
-                       CodedOutputStream::VarintSize64(static_cast<uint64_t>(batch)) + 1 +
-                       CodedOutputStream::VarintSize64(static_cast<uint64_t>(bucket)) + 1 +
-                       CodedOutputStream::VarintSize64(tensor_len) + tensor_len;
-  grpc::Slice slice(total);
-  uint8_t* p = const_cast<uint8_t*>(slice.begin());
-  p = WireFormatLite::WriteInt32ToArray(1, trainer, p);
-  p = WireFormatLite::WriteInt64ToArray(2, batch, p);
-  p = WireFormatLite::WriteInt64ToArray(3, bucket, p);
-  p = WireFormatLite::WriteTagToArray(4, WireFormatLite::WIRETYPE_LENGTH_DELIMITED, p);
-  p = CodedOutputStream::WriteVarint64ToArray(tensor_len, p);
-  std::memcpy(p, head.data(), head.size());
-  p += head.size();
-  p = WireFormatLite::WriteTagToArray(3, WireFormatLite::WIRETYPE_LENGTH_DELIMITED, p);
-  p = CodedOutputStream::WriteVarint64ToArray(n, p);
-  std::memcpy(p, data.data_ptr(), n);
-  p += n;
-  TORCH_INTERNAL_ASSERT(p == slice.end(), "serialize_gradient_request: size mismatch");
-  return grpc::ByteBuffer(&slice, 1);
+  // Tensor = header fields + field 3 (data); GradientRequest = fields 1-3, field 4 (Tensor), 5-7.
+  const size_t tensor_len = tensor_head.size() + 1 + CodedOutputStream::VarintSize64(n) + n;
+  std::string head;
+  {
+    google::protobuf::io::StringOutputStream raw(&head);
+    CodedOutputStream out(&raw);
+    WireFormatLite::WriteInt32(1, trainer, &out);
+    WireFormatLite::WriteInt64(2, batch, &out);
+    WireFormatLite::WriteInt64(3, bucket, &out);
+    WireFormatLite::WriteTag(4, WireFormatLite::WIRETYPE_LENGTH_DELIMITED, &out);
+    out.WriteVarint64(tensor_len);
+    out.WriteRaw(tensor_head.data(), static_cast<int>(tensor_head.size()));
+    WireFormatLite::WriteTag(3, WireFormatLite::WIRETYPE_LENGTH_DELIMITED, &out);
+    out.WriteVarint64(n);
+  }
+  std::string tail;
+  if (chunk.count != 0) {
+    google::protobuf::io::StringOutputStream raw(&tail);
+    CodedOutputStream out(&raw);
+    WireFormatLite::WriteInt64(5, chunk.index, &out);
+    WireFormatLite::WriteInt64(6, chunk.count, &out);
+    WireFormatLite::WriteInt64(7, chunk.bucket_numel, &out);
+  }
+  auto slices = with_data(head, data, tail);
+  return grpc::ByteBuffer(slices.data(), slices.size());
+}
+
+grpc::ByteBuffer serialize_reply(const at::Tensor& average) {
+  using google::protobuf::internal::WireFormatLite;
+  using google::protobuf::io::CodedOutputStream;
+  wire::Tensor header;
+  at::Tensor data = encode_header(average, &header);
+  const std::string tensor_head = header.SerializeAsString();
+  const size_t n = data.nbytes();
+  const size_t tensor_len = tensor_head.size() + 1 + CodedOutputStream::VarintSize64(n) + n;
+  std::string head;
+  {
+    google::protobuf::io::StringOutputStream raw(&head);
+    CodedOutputStream out(&raw);
+    WireFormatLite::WriteTag(1, WireFormatLite::WIRETYPE_LENGTH_DELIMITED, &out);  // GradientReply.average
+    out.WriteVarint64(tensor_len);
+    out.WriteRaw(tensor_head.data(), static_cast<int>(tensor_head.size()));
+    WireFormatLite::WriteTag(3, WireFormatLite::WIRETYPE_LENGTH_DELIMITED, &out);
+    out.WriteVarint64(n);
+  }
+  auto slices = with_data(head, data);
+  return grpc::ByteBuffer(slices.data(), slices.size());
 }
 
 bool parse_dense_reply_into(grpc::ByteBuffer& reply, at::Tensor& into, std::string* error) {

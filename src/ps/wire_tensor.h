@@ -12,17 +12,22 @@
 namespace ddpkit {
 namespace ps {
 
-// Dense: the elements (contiguous copy). Sparse: coalesced indices and values.
-void encode_tensor(const at::Tensor& tensor, wire::Tensor* out);
 // Bytes of tensor data a message carries (data + indices).
 int64_t payload_bytes(const wire::Tensor& t);
 // Returns the tensor (CPU); on a malformed message returns an undefined tensor and sets *error.
 // A dense tensor owns its memory unless `borrow_dense`: then it views the message's bytes and is
 // valid only while the message lives (saves a copy when the caller only reads it once).
 at::Tensor decode_tensor(const wire::Tensor& t, std::string* error, bool borrow_dense = false);
-// A serialized GradientRequest whose tensor bytes are copied once, from the tensor straight into
-// the outgoing slice (through the generated message they would be copied twice).
-grpc::ByteBuffer serialize_gradient_request(int trainer, int64_t batch, int64_t bucket, const at::Tensor& gradient);
+// Which part of a bucket a request carries (GradientRequest fields 5-7); count 0: the whole bucket.
+struct ChunkOf {
+  int64_t index = 0, count = 0, bucket_numel = 0;
+};
+// A serialized GradientRequest whose tensor bytes are not copied: the data slice refers to the
+// (contiguous CPU) tensor's memory until gRPC has sent it.
+grpc::ByteBuffer serialize_gradient_request(int trainer, int64_t batch, int64_t bucket, const at::Tensor& gradient,
+                                            ChunkOf chunk = {});
+// A serialized GradientReply of `average`, its data sent from the tensor's memory, no copy.
+grpc::ByteBuffer serialize_reply(const at::Tensor& average);
 // Parses a serialized GradientReply holding a dense tensor, copying its elements straight from
 // the received slices into `into` (same numel and dtype). False with *error otherwise.
 bool parse_dense_reply_into(grpc::ByteBuffer& reply, at::Tensor& into, std::string* error);

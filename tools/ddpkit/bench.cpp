@@ -32,31 +32,38 @@ std::string default_config_dir() {
 
 const char* kBenchUsage = R"(usage: ddpkit bench [flags]
 
-The parameter-server benchmark. With no flags it compares the hooks allreduce, fp16, int8,
-powersgd, rpc and sparse_rpc on the seed's DummyModelSparse (2 trainers, 1 server), prints a
-comparison table and writes a report to bench-report/ (report.html, comparison.json, and per hook
-metrics.csv, metrics.json, summary.json, trace.json).
+Compares communication hooks on one workload, one run each: 2 trainers and 1 parameter server on
+this host. With no flags it trains an MLP on Fashion-MNIST (the default workload learns, so the
+loss curves show what each hook's compression costs) with allreduce, fp16, int8, powersgd and
+rpc, prints a comparison table with each hook's time to --target-loss, and writes a report to
+bench-report/ (report.html, comparison.json, and per hook metrics.csv, metrics.json,
+summary.json, trace.json). --seed-workload runs the seed benchmark instead.
 
 flags:
+  --seed-workload         the seed's workload: DummyModelSparse on DummyData, trainer DdpTrainer
+                          (lr 1e-4; its loss stays at 6.93, so only timings mean anything), batch
+                          16, 20 iterations, hooks as below plus sparse_rpc, no target loss
   --trainers N            trainer processes (default 2)
   --servers N             parameter servers; trainers split into N equal groups (default 1)
   --backend NAME          trainers' process group backend: gloo (the bench trains on CPU)
   --hook NAME             run one hook: allreduce | rpc | sparse_rpc | hybrid | any `ddpkit train`
                           hook (fp16, int8, powersgd, ...; sparse buckets are then allreduced)
-  --hooks LIST            compare these hooks, one run each (default allreduce,fp16,int8,powersgd,rpc,sparse_rpc)
-  --data ID               entry of the data configuration (default DummyData)
-  --model ID              entry of the model configuration (default DummyModelSparse)
-  --trainer ID            entry of the trainer configuration (default DdpTrainer)
+  --hooks LIST            compare these hooks, one run each (default allreduce,fp16,int8,powersgd,rpc)
+  --data ID               entry of the data configuration (default FashionMNIST)
+  --model ID              entry of the model configuration (default MLP)
+  --trainer ID            entry of the trainer configuration (default DdpTrainerFast)
   --server ID             entry of the server configuration (default AverageParameterServer)
+  --target-loss X         time-to-target column: wall-clock seconds of training until the mean loss
+                          of the last 20 iterations is at most X (default 0.6)
   --config-dir DIR        where data.json, model.json, trainer.json, server.json are
                           (default: the ones shipped in configs/bench)
   --data-config F, --model-config F, --trainer-config F, --server-config F
                           a file in place of the one in --config-dir
   --iteration-step NAME   overrides the trainer configuration's (basic_iteration_step)
   --epochs N              passes over the data (default 1), capped by --max-iterations
-  --max-iterations N      measured iterations at most (default 20; 0: no cap)
+  --max-iterations N      measured iterations at most (default 300; 0: no cap)
   --warmup N              iterations before the servers are reset and timing starts (default 3)
-  --batch-size N          samples per trainer per iteration (default 16)
+  --batch-size N          samples per trainer per iteration (default 64)
   --seed N                model and data seed (default 0)
   --threads N             intra-op threads per trainer (default 1)
   --timeout-s N           bound on every collective, RPC and rendezvous (default 300)
@@ -84,6 +91,7 @@ struct Setup {
   std::string out_dir, token, backend;
   std::chrono::seconds timeout{300};
   uint64_t seed = 0;
+  double target_loss = 0;  // 0: none (no time-to-target column)
   bool quiet = false, report_only = false, tables = true;
 };
 
@@ -97,22 +105,28 @@ std::vector<std::string> split_list(const std::string& s) {
 
 Setup parse(const std::vector<std::string>& args) {
   Flags f(args,
-          {{"trainers", "2"}, {"servers", "1"}, {"backend", "gloo"}, {"hook", ""},
-           {"hooks", "allreduce,fp16,int8,powersgd,rpc,sparse_rpc"}, {"data", "DummyData"},
-           {"model", "DummyModelSparse"}, {"trainer", "DdpTrainer"}, {"server", "AverageParameterServer"},
+          {{"trainers", "2"}, {"servers", "1"}, {"backend", "gloo"}, {"hook", ""}, {"hooks", ""}, {"data", ""},
+           {"model", ""}, {"trainer", ""}, {"server", "AverageParameterServer"}, {"target-loss", ""},
            {"config-dir", default_config_dir()}, {"data-config", ""}, {"model-config", ""}, {"trainer-config", ""},
-           {"server-config", ""}, {"iteration-step", ""}, {"epochs", "1"}, {"max-iterations", "20"}, {"warmup", "3"},
-           {"batch-size", "16"}, {"seed", "0"}, {"threads", "1"}, {"timeout-s", "300"}, {"token-file", ""},
+           {"server-config", ""}, {"iteration-step", ""}, {"epochs", "1"}, {"max-iterations", ""}, {"warmup", "3"},
+           {"batch-size", ""}, {"seed", "0"}, {"threads", "1"}, {"timeout-s", "300"}, {"token-file", ""},
            {"out-dir", "bench-report"}},
-          {"quiet", "report-only", "no-tables"});
+          {"quiet", "report-only", "no-tables", "seed-workload"});
   Setup s;
+  // Two workloads. The default learns (an MLP on Fashion-MNIST), so the loss curves show what
+  // each hook's compression costs; --seed-workload is the seed benchmark's (DummyModelSparse on
+  // DummyData at lr 1e-4, whose loss stays at ln 1024 = 6.93: a timing workload only).
+  const bool seed = f.on("seed-workload");
+  auto or_default = [&](const char* flag, const char* learning, const char* seeds) {
+    return f.str(flag).empty() ? std::string(seed ? seeds : learning) : f.str(flag);
+  };
   auto file = [&](const char* kind) {
     const std::string own = f.str(std::string(kind) + "-config");
     return own.empty() ? f.str("config-dir") + "/" + kind + ".json" : own;
   };
-  s.data = bench::load_entry(file("data"), "data", f.str("data"));
-  s.model = bench::load_entry(file("model"), "model", f.str("model"));
-  s.trainer = bench::load_entry(file("trainer"), "trainer", f.str("trainer"));
+  s.data = bench::load_entry(file("data"), "data", or_default("data", "FashionMNIST", "DummyData"));
+  s.model = bench::load_entry(file("model"), "model", or_default("model", "MLP", "DummyModelSparse"));
+  s.trainer = bench::load_entry(file("trainer"), "trainer", or_default("trainer", "DdpTrainerFast", "DdpTrainer"));
   s.server = bench::load_entry(file("server"), "server", f.str("server"));
   s.trainer_config = bench::trainer_config(s.trainer);
   if (!f.str("iteration-step").empty()) {
@@ -129,7 +143,9 @@ Setup parse(const std::vector<std::string>& args) {
   if (s.nserver > 0 && s.ntrainer % s.nserver)
     throw UsageError("--trainers " + std::to_string(s.ntrainer) + " is not a multiple of --servers " +
                      std::to_string(s.nserver) + " (each server serves trainers/servers trainers)");
-  s.hooks = f.str("hook").empty() ? split_list(f.str("hooks")) : std::vector<std::string>{f.str("hook")};
+  // sparse_rpc differs from allreduce only for sparse gradients, which the MLP has none of.
+  const std::string hooks = or_default("hooks", "allreduce,fp16,int8,powersgd,rpc", "allreduce,fp16,int8,powersgd,rpc,sparse_rpc");
+  s.hooks = f.str("hook").empty() ? split_list(hooks) : std::vector<std::string>{f.str("hook")};
   if (s.hooks.empty()) throw UsageError("--hooks is empty");
   const auto train_hooks = hooks::hook_names();
   for (const auto& h : s.hooks) {
@@ -144,9 +160,20 @@ Setup parse(const std::vector<std::string>& args) {
       throw UsageError("hook " + h + " needs --servers >= 1");
   }
   s.warmup = f.integer("warmup");
-  s.batch = f.integer("batch-size");
+  auto number = [](const char* flag, const std::string& text) {
+    char* end = nullptr;
+    const double x = std::strtod(text.c_str(), &end);
+    if (text.empty() || *end) throw UsageError(std::string("--") + flag + " expects a number, got '" + text + "'");
+    return x;
+  };
+  s.batch = static_cast<int>(number("batch-size", or_default("batch-size", "64", "16")));
   s.epochs = f.integer("epochs");
-  s.max_iterations = f.integer("max-iterations");
+  s.max_iterations = static_cast<int>(number("max-iterations", or_default("max-iterations", "300", "20")));
+  const std::string target = or_default("target-loss", "0.6", "");
+  if (!target.empty()) {
+    s.target_loss = number("target-loss", target);
+    if (!(s.target_loss > 0)) throw UsageError("--target-loss must be positive");
+  }
   if (s.warmup < 0 || s.batch < 1 || s.epochs < 1 || s.max_iterations < 0)
     throw UsageError("--batch-size and --epochs must be >= 1, --warmup and --max-iterations >= 0");
   s.threads = f.integer("threads");
@@ -442,9 +469,15 @@ int run_trainer_rank(const Setup& s, ProcessGroup& world, const std::string& hoo
                     {"server_gradients_per_s", server_seconds > 0 ? gradients / server_seconds : 0.0},
                     {"server_MB_in_per_s", server_seconds > 0 ? bytes_in / server_seconds / 1e6 : 0.0},
                     {"final_loss", losses.empty() ? 0.0 : losses.back()}};
-    std::cout << summary.dump() << std::endl;  // one line, without the per-iteration arrays
+    if (s.target_loss > 0) summary["target_loss"] = s.target_loss;
     summary["loss"] = losses;
     summary["step_ms"] = step_ms;
+    if (auto t = bench::time_to_target_s(summary)) summary["time_to_target_s"] = *t;
+    // One line, without the per-iteration arrays.
+    json line = summary;
+    line.erase("loss");
+    line.erase("step_ms");
+    std::cout << line.dump() << std::endl;
     if (s.tables)
       for (const auto& [source, rows] : tables) {
         metrics::write_table(std::cout, source, rows);

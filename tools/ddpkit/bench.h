@@ -11,6 +11,7 @@
 
 #include <functional>
 #include <memory>
+#include <optional>
 #include <ostream>
 #include <string>
 #include <vector>
@@ -61,10 +62,16 @@ const std::vector<std::string>& iteration_steps();
 // ---- report ----
 // Chrome / Perfetto trace ("traceEvents", complete events, one process per rank).
 nlohmann::json trace_json(const std::vector<std::pair<std::string, std::vector<metrics::Event>>>& ranks);
-// Comparison of runs (each run's summary.json) as a fixed-width table.
+// Wall-clock seconds of training (the sum of step times) until the mean loss of the last
+// kTargetWindow iterations first reaches the run's target_loss; none without a target or when
+// never reached.
+constexpr int kTargetWindow = 20;
+std::optional<double> time_to_target_s(const nlohmann::json& run);
+// Comparison of runs (each run's summary.json) as a fixed-width table; a column that does not
+// apply to a run (server rates without a server, time to an unreached target) shows "-".
 void write_comparison(std::ostream& os, const std::vector<nlohmann::json>& runs);
-// A self-contained HTML page: the comparison table and SVG charts of step time and bytes per
-// step by hook, and the loss curve of each.
+// A self-contained HTML page (fits a 1280-pixel window): the comparison table and SVG charts of
+// step time and bytes per step by hook, loss per iteration, and loss against wall-clock time.
 void write_html_report(std::ostream& os, const std::vector<nlohmann::json>& runs, const std::string& title);
 
 }  // namespace bench

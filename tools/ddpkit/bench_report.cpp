@@ -109,7 +109,8 @@ void line_chart(std::ostream& os, const std::string& title, const std::string& u
   }
   if (!(lo <= hi)) lo = 0, hi = 1;
   const double pad = std::max((hi - lo) * 0.1, std::max(std::abs(hi), 1.0) * 1e-4);
-  const double step = nice_max((hi - lo + 2 * pad) / 4);
+  double step = nice_max((hi - lo + 2 * pad) / 4);
+  while (std::floor((lo - pad) / step) * step + 4 * step < hi) step = nice_max(step * 1.01);  // the floor lowered the top
   const double ymin = std::floor((lo - pad) / step) * step, ymax = ymin + 4 * step;
   axes(os, title, unit, ymin, ymax);
   const int plot_w = kWidth - kLeft - kRight, plot_h = kHeight - kTop - kBottom;
@@ -132,6 +133,98 @@ void line_chart(std::ostream& os, const std::string& title, const std::string& u
 }
 
 double num(const nlohmann::json& j, const char* key) { return j.contains(key) && j.at(key).is_number() ? j.at(key).get<double>() : 0.0; }
+
+std::vector<double> series(const nlohmann::json& run, const char* key) { return run.value(key, std::vector<double>{}); }
+
+// Trailing mean over kTargetWindow iterations (fewer at the start).
+std::vector<double> smoothed(const std::vector<double>& v) {
+  std::vector<double> out;
+  double sum = 0;
+  for (size_t i = 0; i < v.size(); ++i) {
+    sum += v[i];
+    if (i >= static_cast<size_t>(kTargetWindow)) sum -= v[i - kTargetWindow];
+    out.push_back(sum / static_cast<double>(std::min<size_t>(i + 1, kTargetWindow)));
+  }
+  return out;
+}
+
+std::vector<double> elapsed_s(const nlohmann::json& run) {
+  std::vector<double> out;
+  double t = 0;
+  for (double ms : series(run, "step_ms")) out.push_back(t += ms / 1000);
+  return out;
+}
+
+// The table's cells: hook, then numbers, "-" where a column does not apply.
+const std::vector<std::string> kColumns{"hook", "step_ms", "p50_ms", "vs_first", "MB/step", "server_g/s", "final_loss", "to_target_s"};
+
+std::vector<std::vector<std::string>> table_rows(const std::vector<nlohmann::json>& runs) {
+  std::vector<std::vector<std::string>> rows;
+  const double base = runs.empty() ? 0 : num(runs.front(), "step_ms_p50");
+  for (const auto& r : runs) {
+    const double p50 = num(r, "step_ms_p50");
+    const bool served = num(r, "server_gradients_averaged") > 0;  // only rpc-style hooks use the servers
+    const auto to_target = time_to_target_s(r);
+    rows.push_back({r.value("hook", "?"), fmt(num(r, "step_ms_mean")), fmt(p50), base > 0 ? fmt(p50 / base, 2) : "-",
+                    fmt(num(r, "bytes_sent_per_step") / 1e6, 2), served ? fmt(num(r, "server_gradients_per_s")) : "-",
+                    fmt(num(r, "final_loss"), 4), to_target ? fmt(*to_target, 2) : "-"});
+  }
+  return rows;
+}
+
+std::vector<std::string> footnotes(const std::vector<nlohmann::json>& runs) {
+  std::vector<std::string> out{
+      "vs_first: p50 step time relative to the first hook.",
+      "MB/step: bytes trainer 0 sent per step; collectives count bus bytes (2(n-1)/n of the bucket for an "
+      "allreduce), plus parameter-server requests.",
+      "server_g/s: gradients the parameter servers averaged per second (hooks that use them)."};
+  if (!runs.empty() && runs.front().contains("target_loss"))
+    out.push_back("to_target_s: seconds of training (summed step times) until the mean loss of the last " +
+                  std::to_string(kTargetWindow) + " iterations is at most " + fmt(num(runs.front(), "target_loss"), 3) +
+                  "; - if it never was.");
+  return out;
+}
+
+// Loss (trailing mean) against wall-clock seconds, with the target as a dashed line.
+void loss_time_chart(std::ostream& os, const std::vector<nlohmann::json>& runs) {
+  double tmax = 0, lo = INFINITY, hi = -INFINITY;
+  std::vector<std::pair<std::vector<double>, std::vector<double>>> lines;
+  for (const auto& r : runs) {
+    lines.emplace_back(elapsed_s(r), smoothed(series(r, "loss")));
+    if (!lines.back().first.empty()) tmax = std::max(tmax, lines.back().first.back());
+    for (double y : lines.back().second)
+      if (std::isfinite(y)) lo = std::min(lo, y), hi = std::max(hi, y);
+  }
+  const double target = runs.empty() ? 0 : num(runs.front(), "target_loss");
+  if (target > 0) lo = std::min(lo, target), hi = std::max(hi, target);
+  if (!(lo <= hi)) lo = 0, hi = 1;
+  double step = nice_max(std::max(hi - lo, 1e-6) * 1.1 / 4);
+  while (std::floor(lo / step) * step + 4 * step < hi) step = nice_max(step * 1.01);  // the floor lowered the top
+  const double ymin = std::floor(lo / step) * step, ymax = ymin + 4 * step;
+  const double xmax = 4 * nice_max(std::max(tmax, 1e-3) / 4);
+  axes(os, "Loss against wall-clock time (trainer 0, mean of " + std::to_string(kTargetWindow) + ")", "loss", ymin, ymax);
+  const int plot_w = kWidth - kLeft - kRight, plot_h = kHeight - kTop - kBottom;
+  auto px = [&](double x) { return kLeft + plot_w * x / xmax; };
+  auto py = [&](double y) { return kTop + plot_h - plot_h * (std::clamp(y, ymin, ymax) - ymin) / (ymax - ymin); };
+  for (int i = 0; i <= 4; ++i)
+    os << "<text x='" << fmt(px(xmax * i / 4)) << "' y='" << kHeight - kBottom + 16 << "' text-anchor='middle'>"
+       << tick(xmax * i / 4, xmax / 4) << "</text>\n";
+  if (target > 0)
+    os << "<line x1='" << kLeft << "' x2='" << kWidth - kRight << "' y1='" << fmt(py(target)) << "' y2='" << fmt(py(target))
+       << "' stroke='#888' stroke-dasharray='6 4'><title>target loss " << fmt(target, 3) << "</title></line>\n";
+  for (size_t i = 0; i < lines.size(); ++i) {
+    const std::string hook = runs[i].value("hook", "?");
+    os << "<polyline fill='none' stroke-width='2' stroke='" << kColors[i % 8] << "' points='";
+    for (size_t k = 0; k < lines[i].first.size() && k < lines[i].second.size(); ++k)
+      os << fmt(px(lines[i].first[k])) << "," << fmt(py(lines[i].second[k])) << " ";
+    os << "'><title>" << escape(hook) << "</title></polyline>\n";
+    const int ly = kTop + 8 + 14 * static_cast<int>(i);
+    os << "<rect x='" << kWidth - kRight - 100 << "' y='" << ly << "' width='10' height='10' fill='" << kColors[i % 8]
+       << "'/><text x='" << kWidth - kRight - 86 << "' y='" << ly + 9 << "'>" << escape(hook) << "</text>\n";
+  }
+  os << "<text x='" << kLeft + plot_w / 2 << "' y='" << kHeight - kBottom + 34
+     << "' text-anchor='middle' fill='#666'>seconds of training (summed step times)</text>\n</svg>\n";
+}
 
 }  // namespace
 
@@ -156,20 +249,26 @@ nlohmann::json trace_json(const std::vector<std::pair<std::string, std::vector<m
   return {{"traceEvents", events}, {"displayTimeUnit", "ms"}};
 }
 
+std::optional<double> time_to_target_s(const nlohmann::json& run) {
+  const double target = num(run, "target_loss");
+  if (!(target > 0)) return std::nullopt;
+  const auto loss = smoothed(series(run, "loss"));
+  const auto t = elapsed_s(run);
+  for (size_t i = static_cast<size_t>(kTargetWindow) - 1; i < loss.size() && i < t.size(); ++i)
+    if (loss[i] <= target) return t[i];
+  return std::nullopt;
+}
+
 void write_comparison(std::ostream& os, const std::vector<nlohmann::json>& runs) {
-  os << std::left << std::setw(12) << "hook" << std::right << std::setw(10) << "step_ms" << std::setw(10) << "p50_ms"
-     << std::setw(9) << "vs_first" << std::setw(13) << "MB/step" << std::setw(12) << "server_g/s" << std::setw(12)
-     << "final_loss" << "\n";
-  const double base = runs.empty() ? 0 : num(runs.front(), "step_ms_p50");
-  for (const auto& r : runs) {
-    const double p50 = num(r, "step_ms_p50");
-    os << std::left << std::setw(12) << r.value("hook", "?") << std::right << std::setw(10) << fmt(num(r, "step_ms_mean"))
-       << std::setw(10) << fmt(p50) << std::setw(9) << (base > 0 ? fmt(p50 / base, 2) : "-") << std::setw(13)
-       << fmt(num(r, "bytes_sent_per_step") / 1e6, 2) << std::setw(12) << fmt(num(r, "server_gradients_per_s"))
-       << std::setw(12) << fmt(num(r, "final_loss"), 4) << "\n";
+  const std::vector<int> widths{12, 10, 10, 9, 10, 12, 12, 13};
+  for (size_t c = 0; c < kColumns.size(); ++c)
+    os << (c == 0 ? std::left : std::right) << std::setw(widths[c]) << kColumns[c];
+  os << "\n";
+  for (const auto& row : table_rows(runs)) {
+    for (size_t c = 0; c < row.size(); ++c) os << (c == 0 ? std::left : std::right) << std::setw(widths[c]) << row[c];
+    os << "\n";
   }
-  os << "(vs_first: p50 step time relative to the first hook; MB/step: bytes trainer 0 sent per step, "
-        "collectives counted as bus bytes 2(n-1)/n for allreduce, plus parameter-server requests)\n";
+  for (const auto& note : footnotes(runs)) os << "  " << note << "\n";
 }
 
 void write_html_report(std::ostream& os, const std::vector<nlohmann::json>& runs, const std::string& title) {
@@ -179,13 +278,15 @@ void write_html_report(std::ostream& os, const std::vector<nlohmann::json>& runs
     const std::string hook = r.value("hook", "?");
     step.emplace_back(hook, num(r, "step_ms_p50"));
     bytes.emplace_back(hook, num(r, "bytes_sent_per_step") / 1e6);
-    loss.emplace_back(hook, r.value("loss", std::vector<double>{}));
+    loss.emplace_back(hook, series(r, "loss"));
   }
-  std::ostringstream table;
-  write_comparison(table, runs);
+  // Two 560-pixel charts per row and a table narrower than that: no horizontal scrolling in a
+  // 1280-pixel window.
   os << "<!DOCTYPE html>\n<html><head><meta charset='utf-8'><title>" << escape(title) << "</title>\n"
-     << "<style>body{font-family:sans-serif;margin:24px;color:#222}pre{background:#f6f6f6;padding:12px}"
-        ".charts{display:flex;flex-wrap:wrap;gap:16px}</style></head><body>\n"
+     << "<style>body{font-family:sans-serif;margin:24px;color:#222;max-width:1200px}"
+        "table{border-collapse:collapse;font-size:14px}th,td{padding:4px 10px;border-bottom:1px solid #ddd;"
+        "text-align:right}th:first-child,td:first-child{text-align:left}.notes{font-size:13px;color:#555}"
+        ".charts{display:flex;flex-wrap:wrap;gap:16px}svg{max-width:100%;height:auto}</style></head><body>\n"
      << "<h1>" << escape(title) << "</h1>\n";
   if (!runs.empty()) {
     const auto& r = runs.front();
@@ -193,12 +294,23 @@ void write_html_report(std::ostream& os, const std::vector<nlohmann::json>& runs
        << r.value("servers", 0) << " servers, batch " << r.value("batch_size", 0) << " per trainer, "
        << r.value("iterations", 0) << " measured iterations after " << r.value("warmup", 0) << " warm-up.</p>\n";
   }
-  os << "<pre>" << escape(table.str()) << "</pre>\n<div class='charts'>\n";
+  os << "<table><tr>";
+  for (const auto& c : kColumns) os << "<th>" << escape(c) << "</th>";
+  os << "</tr>\n";
+  for (const auto& row : table_rows(runs)) {
+    os << "<tr>";
+    for (const auto& cell : row) os << "<td>" << escape(cell) << "</td>";
+    os << "</tr>\n";
+  }
+  os << "</table>\n<div class='notes'>\n";
+  for (const auto& note : footnotes(runs)) os << "<p>" << escape(note) << "</p>\n";
+  os << "</div>\n<div class='charts'>\n";
   bar_chart(os, "Step time by hook (p50)", "ms", step);
   bar_chart(os, "Bytes sent per step by hook (trainer 0)", "MB", bytes);
-  line_chart(os, "Loss (trainer 0)", "loss", loss);
-  os << "</div>\n<p>Per-run tables: &lt;hook&gt;/metrics.csv, metrics.json; timelines: &lt;hook&gt;/trace.json "
-        "(open in https://ui.perfetto.dev or chrome://tracing).</p>\n</body></html>\n";
+  line_chart(os, "Loss per iteration (trainer 0)", "loss", loss);
+  loss_time_chart(os, runs);
+  os << "</div>\n<p class='notes'>Per-run tables: &lt;hook&gt;/metrics.csv, metrics.json; timelines: "
+        "&lt;hook&gt;/trace.json (open in https://ui.perfetto.dev or chrome://tracing).</p>\n</body></html>\n";
 }
 
 }  // namespace bench

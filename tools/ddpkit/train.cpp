@@ -61,7 +61,7 @@ accuracy, and a last line that is one JSON object.
   --zero-shard-buckets    --zero 1 with overlap: split buckets among ranks by size
   --zero-bucket-view      --zero 1: each rank's shard in one flat buffer (parameters as bucket views)
   --zero-precision fp32|fp16|bf16     --zero 2: precision of the reduce-scatter (default fp32)
-  --bucket-cap-mb X       bucket cap in MiB (default 25)
+  --bucket-cap-mb X       bucket cap in MiB (default: 6 for fp16/bf16/int8/quantize hooks, else 25)
   --epochs N              (default 3)
   --steps N               stop after N steps (default 0: run all epochs)
   --batch-size N          per rank (default 64)
@@ -75,6 +75,8 @@ accuracy, and a last line that is one JSON object.
   --gloo-connections N    TCP connections per peer pair; large allreduces are split over them
   --two-phase-min-mb X    fp32 allreduces of at least X MiB use two alltoalls instead of Gloo's
                           ring (default 0: off; fp16/bf16 always do)
+  --piece-kb N            two-phase collectives (fp16/bf16, int8) move N KiB per peer per
+                          message, pipelined (default 1024)
   --gradient-as-bucket-view
   --find-unused-parameters
   --no-ddp                train locally in one process, without DistributedDataParallel
@@ -123,9 +125,9 @@ int run_train(const std::vector<std::string>& args, const std::vector<std::strin
   Flags f(args,
           {{"nproc", "2"}, {"model", "mlp"}, {"dataset", "fashion-mnist"},
            {"data-dir", "/usr/share/datasets/fashion-mnist"}, {"mlp-dims", ""}, {"hook", "none"},
-           {"bucket-cap-mb", "25"}, {"epochs", "3"}, {"steps", "0"}, {"batch-size", "64"}, {"lr", ""},
+           {"bucket-cap-mb", ""}, {"epochs", "3"}, {"steps", "0"}, {"batch-size", "64"}, {"lr", ""},
            {"seed", "1"}, {"threads", "1"}, {"backend", "gloo"}, {"timeout-s", "300"}, {"synthetic-size", "8192"},
-           {"gloo-threads", "2"}, {"two-phase-min-mb", "0"}, {"gloo-connections", "1"}, {"powersgd-rank", ""},
+           {"gloo-threads", "2"}, {"two-phase-min-mb", "0"}, {"gloo-connections", "1"}, {"piece-kb", "1024"}, {"powersgd-rank", ""},
            {"powersgd-start-iter", "10"}, {"powersgd-min-compression-rate", "2"}, {"powersgd-epsilon", "0"},
            {"powersgd-seed", "0"}, {"int8-block", "512"}, {"perchannel-bucket-size", "512"},
            {"local-sgd-start-iter", "100"}, {"local-sgd-period", "4"}, {"local-sgd-group-size", "0"},
@@ -151,7 +153,7 @@ int run_train(const std::vector<std::string>& args, const std::vector<std::strin
   const int nproc = f.integer("nproc"), epochs = f.integer("epochs"), max_steps = f.integer("steps");
   const int batch = f.integer("batch-size"), threads = f.integer("threads");
   const double lr = !f.str("lr").empty() ? f.real("lr") : optimizer_name == "sgd" ? 0.05 : 1e-3;
-  const double cap = f.real("bucket-cap-mb");
+  const double cap = f.str("bucket-cap-mb").empty() ? hooks::default_bucket_cap_mb(hook_name) : f.real("bucket-cap-mb");
   if (nproc < 1) throw UsageError("--nproc must be >= 1");
   if (epochs < 1) throw UsageError("--epochs must be >= 1");
   if (max_steps < 0) throw UsageError("--steps must be >= 0");
@@ -179,12 +181,14 @@ int run_train(const std::vector<std::string>& args, const std::vector<std::strin
     if (f.integer("gloo-threads") < 1) throw UsageError("--gloo-threads must be >= 1");
     if (f.integer("gloo-connections") < 1) throw UsageError("--gloo-connections must be >= 1");
     if (f.real("two-phase-min-mb") < 0) throw UsageError("--two-phase-min-mb must be >= 0");
+    if (f.integer("piece-kb") < 1) throw UsageError("--piece-kb must be >= 1");
     pg = init_process_group(InitOptions()
                                 .backend(f.str("backend"))
                                 .timeout(std::chrono::seconds(f.integer("timeout-s")))
                                 .gloo_threads(f.integer("gloo-threads"))
                                 .gloo_connections(f.integer("gloo-connections"))
-                                .two_phase_min_bytes(static_cast<int64_t>(f.real("two-phase-min-mb") * 1024 * 1024)));
+                                .two_phase_min_bytes(static_cast<int64_t>(f.real("two-phase-min-mb") * 1024 * 1024))
+                                .piece_bytes(f.integer("piece-kb") * 1024));
   }
   const int rank = pg ? pg->rank() : 0, world = pg ? pg->size() : 1;
   const bool lead = rank == 0;

@@ -63,6 +63,21 @@ class TrafficScope {
   int64_t previous_;
 };
 
+// A reduction moved as two alltoalls per piece (ProcessGroup::two_phase): the caller's codec
+// encodes, reduces and decodes; the group moves the bytes and overlaps the pieces.
+struct TwoPhaseJob {
+  // The four buffers hold `pieces` consecutive equal blocks, each of size() equal chunks: chunk r
+  // of a send block goes to rank r, chunk r of a receive block comes from rank r. Any dtype Gloo
+  // moves (fp16/bf16 travel as bytes). recv1 and send2 may be one buffer, as may send1 and recv2.
+  int64_t pieces = 1;
+  at::Tensor send1, recv1, send2, recv2;
+  // Called once per piece, in piece order. encode fills block p of send1 (on the sequencer, just
+  // before it is sent; empty when send1 already holds the data); reduce turns block p of recv1
+  // (every rank's chunk rank()) into block p of send2 (on the sequencer); decode takes block p of
+  // recv2 into the result (on a Gloo thread as the piece lands; empty when recv2 is the result).
+  std::function<void(int64_t)> encode, reduce, decode;
+};
+
 struct ProcessGroupOptions {
   // "gloo" (CPU tensors) or "nccl" (CUDA tensors; only when libtorch was built with CUDA).
   TORCH_ARG(std::string, backend) = "gloo";
@@ -82,6 +97,11 @@ struct ProcessGroupOptions {
   // instead of Gloo's ring. Off (0) by default: alone it wins at 1-16 MB, but inside a DDP step
   // its blocking first phase delays later buckets (docs/performance.md). fp16/bf16 always use it.
   TORCH_ARG(int64_t, two_phase_min_bytes) = 0;
+  // Two-phase collectives (fp16/bf16 allreduce, the int8 hook) move their data in pieces of about
+  // this many bytes per peer, so a piece's encode/sum/decode overlaps other pieces' transfers.
+  // Whole-bucket messages of 8-16 MB also lost 40% of a 1 Gbit/s rate-limited link to TCP
+  // (bench/netns_hooks.sh, docs/performance.md).
+  TORCH_ARG(int64_t, piece_bytes) = 1 << 20;
   // Key prefix in the store, so several groups can share one store.
   TORCH_ARG(std::string, group_name) = "default";
 };
@@ -118,6 +138,14 @@ class ProcessGroup {
   // way each rank sends (n-1)/n of its input.
   FuturePtr reduce_scatter(const at::Tensor& output, const at::Tensor& input);
   FuturePtr barrier();
+  // Runs `job` (see TwoPhaseJob) on the sequencer: phase 1 of the first pieces goes out at once,
+  // and as each lands it is reduced and its phase 2 sent while later pieces travel. The future
+  // completes with `value` once every piece is decoded; a failure names `what`. Per piece each
+  // rank sends (n-1)/n of each phase's block, counted like alltoall.
+  FuturePtr two_phase(std::shared_ptr<TwoPhaseJob> job, const at::Tensor& value, const std::string& what);
+  // How many pieces two_phase should cut `bytes_per_rank` (what one rank sends to all peers in
+  // one phase) into, by options().piece_bytes(): at least 1.
+  int64_t pieces_for(uint64_t bytes_per_rank) const;
 
   // Runs `fn` on the sequencer: collectives it issues (through this group) are ordered with all
   // others, and it may block on them. Its return value completes the returned future.
@@ -149,6 +177,8 @@ class ProcessGroup {
                   std::function<c10::intrusive_ptr<c10d::Work>()> op);
   bool use_two_phase(const at::Tensor& tensor, c10d::ReduceOp op) const;
   void two_phase_allreduce(const at::Tensor& tensor, const FuturePtr& result);
+  void run_two_phase(const std::shared_ptr<TwoPhaseJob>& job, const at::Tensor& value, const std::string& what,
+                     const FuturePtr& result);
   void gloo_allgather(const std::vector<at::Tensor>& outputs, const at::Tensor& input, const FuturePtr& result);
   void link(const c10::intrusive_ptr<c10d::Work>& work, const FuturePtr& result,
             const at::Tensor& value, const std::string& what);
@@ -193,6 +223,7 @@ struct InitOptions {
   TORCH_ARG(std::string, gloo_hostname) = "";
   TORCH_ARG(int64_t, two_phase_min_bytes) = 0;  // see ProcessGroupOptions
   TORCH_ARG(int, gloo_connections) = 1;         // see ProcessGroupOptions
+  TORCH_ARG(int64_t, piece_bytes) = 1 << 20;    // see ProcessGroupOptions
 };
 
 // Rendezvous and create a process group; the first one created also becomes the default group.

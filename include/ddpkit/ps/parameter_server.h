@@ -9,7 +9,8 @@
 //   at::Tensor avg = ParameterServer::wait(client.average(batch, bucket, gradient));
 //
 // Per (batch number, bucket index) the server collects one gradient from each of its trainers
-// and answers every one of them with the average when the last arrives. Requests are served by
+// and answers every one of them with the average when the last arrives; a large dense bucket
+// goes as chunks on parallel calls (ClientOptions::chunk_bytes), each chunk averaged the same way. Requests are served by
 // gRPC's callback API: a waiting trainer costs a pending reply, not a thread. A newer batch
 // number drops older state (and fails whoever still waits on it). Rejected, with a status that
 // names the problem and without touching the sum: an unknown trainer id, a second gradient from
@@ -91,6 +92,9 @@ class ParameterServer {
     int64_t bytes_received = 0;
     int64_t bytes_sent = 0;
     double seconds_since_reset = 0;
+    // Most gradient data (waiting requests, sums) held at once: a chunked bucket keeps this to a
+    // few chunks per trainer, not the bucket.
+    int64_t peak_bytes_held = 0;
   };
   Counters counters() const;
   metrics::Series metrics() const;
@@ -116,6 +120,12 @@ struct ClientOptions {
   TORCH_ARG(bool, open_session) = true;
   // Time to wait for the server to come up (connect) before the first call fails.
   TORCH_ARG(std::chrono::milliseconds, connect_timeout) = std::chrono::seconds(30);
+  // A dense gradient of more than chunk_bytes travels as chunks of that size, each its own call
+  // (with its own deadline), at most chunks_in_flight at once: the server sums and answers each
+  // chunk as it lands, so transfer, sum and reply overlap and the server holds chunks, not
+  // whole buckets. 0: always whole.
+  TORCH_ARG(int64_t, chunk_bytes) = 1 << 20;
+  TORCH_ARG(int, chunks_in_flight) = 4;
 };
 
 // Errors from the server arrive as CommError, whose what() holds the gRPC status code name and
