@@ -10,7 +10,7 @@ namespace ddpkit {
 namespace {
 
 using ::testing::HasSubstr;
-using testing::allgather, testing::error_of, testing::make_mlp, testing::spawn_groups, testing::spawn_ranks;
+using testing::allgather, testing::error_of, testing::make_mlp, testing::spawn_ranks_with, testing::spawn_ranks;
 
 at::Tensor randn(std::vector<int64_t> shape, uint64_t seed) { return testing::seeded_randn(std::move(shape), seed); }
 
@@ -169,13 +169,7 @@ TEST(QuantizationHooks, Int8AllreduceWithinDocumentedBound) {
 // bytes stay those of one int8 ring allreduce.
 TEST(QuantizationHooks, Int8AllreduceInPieces) {
   for (int world : {2, 3}) {
-    spawn_groups(
-        world,
-        [world](const c10::intrusive_ptr<c10d::Store>& store, int r) {
-          return std::make_shared<ProcessGroup>(store, r, world,
-                                                ProcessGroupOptions().gloo_hostname("127.0.0.1").piece_bytes(2000));
-        },
-        [world](int rank, std::shared_ptr<ProcessGroup> pg) {
+    spawn_ranks_with(world, ProcessGroupOptions().piece_bytes(2000), [world](int rank, std::shared_ptr<ProcessGroup> pg) {
           const int64_t n = 20011;
           ASSERT_GE(pg->pieces_for(n * (world - 1) / world), 4);
           auto gen = at::make_generator<at::CPUGeneratorImpl>(5);

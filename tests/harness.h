@@ -66,6 +66,17 @@ inline void spawn_ranks(int world, const RankFn& fn, int gloo_threads = 2) {
       fn);
 }
 
+// Like spawn_ranks, with groups made from `options` (on 127.0.0.1).
+inline void spawn_ranks_with(int world, ProcessGroupOptions options, const RankFn& fn) {
+  spawn_groups(
+      world,
+      [&](const c10::intrusive_ptr<c10d::Store>& store, int r) {
+        set_compute_threads(1);
+        return std::make_shared<ProcessGroup>(store, r, world, ProcessGroupOptions(options).gloo_hostname("127.0.0.1"));
+      },
+      fn);
+}
+
 // Gathers a tensor from every rank (for comparing ranks inside a rank's thread).
 inline std::vector<at::Tensor> allgather(ProcessGroup& pg, const at::Tensor& t) {
   std::vector<at::Tensor> out;

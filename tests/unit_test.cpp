@@ -8,7 +8,7 @@
 namespace ddpkit {
 namespace {
 
-using testing::error_of, testing::spawn_groups, testing::spawn_ranks;
+using testing::error_of, testing::spawn_ranks_with, testing::spawn_ranks;
 using ::testing::AllOf;
 using ::testing::HasSubstr;
 
@@ -167,13 +167,7 @@ TEST(ProcessGroup, LowPrecisionAllreduceSumsInFloat32) {
 // two-phase path gives the same bits as one piece.
 TEST(ProcessGroup, LowPrecisionAllreduceInPiecesEqualsOnePiece) {
   for (int world : {2, 3}) {
-    spawn_groups(
-        world,
-        [world](const c10::intrusive_ptr<c10d::Store>& store, int r) {
-          return std::make_shared<ProcessGroup>(store, r, world,
-                                                ProcessGroupOptions().gloo_hostname("127.0.0.1").piece_bytes(96));
-        },
-        [world](int rank, std::shared_ptr<ProcessGroup> pg) {
+    spawn_ranks_with(world, ProcessGroupOptions().piece_bytes(96), [world](int rank, std::shared_ptr<ProcessGroup> pg) {
           const int64_t n = 4099;
           EXPECT_GT(pg->pieces_for(n * 2), 20);
           for (auto dt : {at::kHalf, at::kBFloat16}) {

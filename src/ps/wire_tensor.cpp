@@ -89,30 +89,38 @@ at::Tensor encode_header(const at::Tensor& tensor, wire::Tensor* out) {
   return t.contiguous();
 }
 
+namespace {
+
+using google::protobuf::internal::WireFormatLite;
+using google::protobuf::io::CodedOutputStream;
+
+// Writes field `field` of the enclosing message: a Tensor with `header`'s fields and `n` bytes of
+// data, up to where those bytes go (they follow in a slice of their own).
+void write_tensor_up_to_data(CodedOutputStream& out, int field, const wire::Tensor& header, size_t n) {
+  const std::string head = header.SerializeAsString();
+  const size_t len = head.size() + 1 + CodedOutputStream::VarintSize64(n) + n;  // + field 3's tag
+  WireFormatLite::WriteTag(field, WireFormatLite::WIRETYPE_LENGTH_DELIMITED, &out);
+  out.WriteVarint64(len);
+  out.WriteRaw(head.data(), static_cast<int>(head.size()));
+  WireFormatLite::WriteTag(3, WireFormatLite::WIRETYPE_LENGTH_DELIMITED, &out);
+  out.WriteVarint64(n);
+}
+
+}  // namespace
+
 grpc::ByteBuffer serialize_gradient_request(int trainer, int64_t batch, int64_t bucket, const at::Tensor& gradient,
                                             ChunkOf chunk) {
-  using google::protobuf::internal::WireFormatLite;
-  using google::protobuf::io::CodedOutputStream;
   wire::Tensor header;
-  at::Tensor data = encode_header(gradient, &header);
-  const std::string tensor_head = header.SerializeAsString();
-  const size_t n = data.nbytes();
-  // Tensor = header fields + field 3 (data); GradientRequest = fields 1-3, field 4 (Tensor), 5-7.
-  const size_t tensor_len = tensor_head.size() + 1 + CodedOutputStream::VarintSize64(n) + n;
-  std::string head;
+  const at::Tensor data = encode_header(gradient, &header);
+  std::string head, tail;
   {
     google::protobuf::io::StringOutputStream raw(&head);
     CodedOutputStream out(&raw);
     WireFormatLite::WriteInt32(1, trainer, &out);
     WireFormatLite::WriteInt64(2, batch, &out);
     WireFormatLite::WriteInt64(3, bucket, &out);
-    WireFormatLite::WriteTag(4, WireFormatLite::WIRETYPE_LENGTH_DELIMITED, &out);
-    out.WriteVarint64(tensor_len);
-    out.WriteRaw(tensor_head.data(), static_cast<int>(tensor_head.size()));
-    WireFormatLite::WriteTag(3, WireFormatLite::WIRETYPE_LENGTH_DELIMITED, &out);
-    out.WriteVarint64(n);
+    write_tensor_up_to_data(out, 4, header, data.nbytes());
   }
-  std::string tail;
   if (chunk.count != 0) {
     google::protobuf::io::StringOutputStream raw(&tail);
     CodedOutputStream out(&raw);
@@ -125,22 +133,13 @@ grpc::ByteBuffer serialize_gradient_request(int trainer, int64_t batch, int64_t 
 }
 
 grpc::ByteBuffer serialize_reply(const at::Tensor& average) {
-  using google::protobuf::internal::WireFormatLite;
-  using google::protobuf::io::CodedOutputStream;
   wire::Tensor header;
-  at::Tensor data = encode_header(average, &header);
-  const std::string tensor_head = header.SerializeAsString();
-  const size_t n = data.nbytes();
-  const size_t tensor_len = tensor_head.size() + 1 + CodedOutputStream::VarintSize64(n) + n;
+  const at::Tensor data = encode_header(average, &header);
   std::string head;
   {
     google::protobuf::io::StringOutputStream raw(&head);
     CodedOutputStream out(&raw);
-    WireFormatLite::WriteTag(1, WireFormatLite::WIRETYPE_LENGTH_DELIMITED, &out);  // GradientReply.average
-    out.WriteVarint64(tensor_len);
-    out.WriteRaw(tensor_head.data(), static_cast<int>(tensor_head.size()));
-    WireFormatLite::WriteTag(3, WireFormatLite::WIRETYPE_LENGTH_DELIMITED, &out);
-    out.WriteVarint64(n);
+    write_tensor_up_to_data(out, 1, header, data.nbytes());  // GradientReply.average
   }
   auto slices = with_data(head, data);
   return grpc::ByteBuffer(slices.data(), slices.size());
