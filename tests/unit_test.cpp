@@ -1,6 +1,7 @@
 // Bucket assignment, codecs and process-group collectives.
 #include "harness.h"
 
+#include <ddpkit/comm/host_topology.h>
 #include <ddpkit/runtime/divergence_guard.h>
 
 #include <cmath>
@@ -204,6 +205,60 @@ TEST(ProcessGroup, TwoPhaseJobErrorsNameTheOperation) {
     job->reduce = nullptr;
     EXPECT_THAT(error_of([&] { pg->two_phase(job, job->send1, "my codec"); }), HasSubstr("reduce step"));
   });
+}
+
+// Hosts are numbered by their lowest rank; local ranks ascend within a host.
+TEST(HostTopology, GroupsRanksByHostKey) {
+  const std::vector<std::string> keys{"a", "b", "a", "c", "b"};
+  const HostTopology t = topology_from_keys(keys, 4);
+  EXPECT_EQ(t.hosts(), 3);
+  EXPECT_EQ(t.host_of_rank, (std::vector<int>{0, 1, 0, 2, 1}));
+  EXPECT_EQ(t.ranks_of_host, (std::vector<std::vector<int>>{{0, 2}, {1, 4}, {3}}));
+  EXPECT_EQ(t.host(), 1);
+  EXPECT_EQ(t.local_rank(), 1);
+  EXPECT_EQ(t.local_size(), 2);
+  EXPECT_FALSE(t.single_host());
+  EXPECT_EQ(topology_from_keys(keys, 3).local_size(), 1);
+  EXPECT_THAT(error_of([&] { topology_from_keys(keys, 5); }), HasSubstr("rank 5 outside 0..4"));
+}
+
+// Ranks as threads of one process are one host, whatever LOCAL_WORLD_SIZE says.
+TEST(HostTopology, RanksAsThreadsShareOneHost) {
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  std::vector<HostTopology> got(3);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 3; ++r)
+    threads.emplace_back([&, r] { got[r] = discover_host_topology(*store, "g", r, 3, std::chrono::seconds(10)); });
+  for (auto& t : threads) t.join();
+  for (int r = 0; r < 3; ++r) {
+    EXPECT_TRUE(got[r].single_host());
+    EXPECT_EQ(got[r].local_rank(), r);
+    EXPECT_EQ(got[r].local_size(), 3);
+  }
+  const std::string key = this_host_key();
+  EXPECT_EQ(std::count(key.begin(), key.end(), '/'), 2) << key;  // machine / boot / netns
+}
+
+// Every group knows its topology; a subgroup's is its own (two groups of 2 out of 4 ranks).
+TEST(HostTopology, EachGroupFindsItsOwn) {
+  spawn_ranks(4, [](int rank, std::shared_ptr<ProcessGroup> pg) {
+    EXPECT_TRUE(pg->topology().single_host());
+    EXPECT_EQ(pg->topology().local_size(), 4);
+    auto sub = new_subgroups(*pg, 2);
+    EXPECT_EQ(sub->topology().local_size(), 2);
+    EXPECT_EQ(sub->topology().local_rank(), rank % 2);
+  });
+}
+
+TEST(HostTopology, ARankThatNeverPublishesIsNamed) {
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  std::string error;
+  std::string other_error;
+  std::thread other([&] { other_error = error_of([&] { discover_host_topology(*store, "g", 2, 3, std::chrono::milliseconds(300)); }); });
+  error = error_of([&] { discover_host_topology(*store, "g", 0, 3, std::chrono::milliseconds(300)); });
+  other.join();
+  EXPECT_THAT(error, AllOf(HasSubstr("rank(s) 1 did not publish their host within 300 ms"), HasSubstr("rank 0 of 3")));
+  EXPECT_THAT(other_error, HasSubstr("rank(s) 1 did not publish"));
 }
 
 // The opt-in fp32 paths (two alltoalls; slices over several connections) sum like Gloo's ring.

@@ -2,6 +2,7 @@
 #pragma once
 #include <ddpkit/codecs/cast.h>
 #include <ddpkit/codecs/quantize.h>
+#include <ddpkit/comm/host_topology.h>
 #include <ddpkit/comm/process_group.h>
 #include <ddpkit/runtime/runtime.h>
 #include <ddpkit/ddp/distributed_data_parallel.h>

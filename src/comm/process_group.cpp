@@ -118,6 +118,8 @@ ProcessGroup::ProcessGroup(c10::intrusive_ptr<c10d::Store> store, int rank, int 
   } catch (const std::exception&) {
     throw CommError(describe_comm_failure(what, rank_, world_size_, std::current_exception()));
   }
+  // Which ranks share a host: per group, from what each rank publishes (docs/design.md).
+  topology_ = discover_host_topology(*prefixed, "ddpkit/topology", rank_, world_size_, options_.timeout());
   sequencer_ = std::thread([this] { sequencer_loop(); });
 }
 

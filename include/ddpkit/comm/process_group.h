@@ -10,6 +10,7 @@
 // steps are issued in the same order on every rank. See docs/threading.md.
 #pragma once
 
+#include <ddpkit/comm/host_topology.h>
 #include <ddpkit/compat.h>
 #include <ddpkit/error.h>
 
@@ -120,6 +121,9 @@ class ProcessGroup {
   std::chrono::milliseconds timeout() const { return options_.timeout(); }
   const c10::intrusive_ptr<c10d::Store>& store() const { return store_; }
   const ProcessGroupOptions& options() const { return options_; }
+  // Which of this group's ranks share a host (same machine id, boot id and network namespace),
+  // found through the store when the group was made.
+  const HostTopology& topology() const { return topology_; }
 
   // Collectives. All are asynchronous and in place where the c10d one is; each returns a future
   // whose value is the result tensor, or whose error is a CommError naming the operation.
@@ -193,6 +197,7 @@ class ProcessGroup {
   int world_size_;
   ProcessGroupOptions options_;
   c10::intrusive_ptr<compat::Backend> backend_;
+  HostTopology topology_;
 
   std::mutex mutex_;
   std::condition_variable cv_;
