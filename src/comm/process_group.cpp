@@ -90,6 +90,7 @@ ProcessGroup::ProcessGroup(c10::intrusive_ptr<c10d::Store> store, int rank, int 
   DDPKIT_CHECK(world_size_ >= 1, "world_size must be >= 1, got ", world_size_);
   DDPKIT_CHECK(rank_ >= 0 && rank_ < world_size_, "rank must be in [0, ", world_size_, "), got ", rank_);
   DDPKIT_CHECK(options_.timeout().count() > 0, "timeout must be positive, got ", options_.timeout().count(), " ms");
+  DDPKIT_CHECK(options_.piece_bytes() >= 1, "piece_bytes must be >= 1, got ", options_.piece_bytes());
   DDPKIT_CHECK(options_.backend() == "gloo" || options_.backend() == "nccl", "unknown backend '", options_.backend(),
                "' (expected gloo or nccl)");
   auto prefixed = c10::make_intrusive<c10d::PrefixStore>(options_.group_name() + "/", store_);
@@ -100,7 +101,6 @@ ProcessGroup::ProcessGroup(c10::intrusive_ptr<c10d::Store> store, int rank, int 
     if (options_.backend() == "gloo") {
       DDPKIT_CHECK(options_.gloo_threads() >= 1, "gloo_threads must be >= 1, got ", options_.gloo_threads());
       auto gopts = c10d::ProcessGroupGloo::Options::create(options_.timeout());
-      DDPKIT_CHECK(options_.piece_bytes() >= 1, "piece_bytes must be >= 1, got ", options_.piece_bytes());
       DDPKIT_CHECK(options_.gloo_connections() >= 1, "gloo_connections must be >= 1, got ", options_.gloo_connections());
       for (int c = 0; c < options_.gloo_connections(); ++c) gopts->devices.push_back(make_gloo_device(options_));
       gopts->threads = std::max(options_.gloo_threads(), options_.gloo_connections());
@@ -383,7 +383,7 @@ void ProcessGroup::two_phase_allreduce(const at::Tensor& tensor, const FuturePtr
 
 int64_t ProcessGroup::pieces_for(uint64_t bytes_per_rank) const {
   const uint64_t per_peer = bytes_per_rank / std::max(1, world_size_ - 1);
-  const uint64_t piece = static_cast<uint64_t>(std::max<int64_t>(options_.piece_bytes(), 1));
+  const uint64_t piece = static_cast<uint64_t>(options_.piece_bytes());  // >= 1: checked at construction
   return static_cast<int64_t>(std::max<uint64_t>(1, (per_peer + piece - 1) / piece));
 }
 

@@ -160,20 +160,13 @@ Setup parse(const std::vector<std::string>& args) {
       throw UsageError("hook " + h + " needs --servers >= 1");
   }
   s.warmup = f.integer("warmup");
-  auto number = [](const char* flag, const std::string& text) {
-    char* end = nullptr;
-    const double x = std::strtod(text.c_str(), &end);
-    if (text.empty() || *end) throw UsageError(std::string("--") + flag + " expects a number, got '" + text + "'");
-    return x;
-  };
-  s.batch = static_cast<int>(number("batch-size", or_default("batch-size", "64", "16")));
+  // Numbers the user left out take the workload's default; given ones are parsed by Flags.
+  auto given = [&](const char* flag) { return !f.str(flag).empty(); };
+  s.batch = given("batch-size") ? f.integer("batch-size") : seed ? 16 : 64;
   s.epochs = f.integer("epochs");
-  s.max_iterations = static_cast<int>(number("max-iterations", or_default("max-iterations", "300", "20")));
-  const std::string target = or_default("target-loss", "0.6", "");
-  if (!target.empty()) {
-    s.target_loss = number("target-loss", target);
-    if (!(s.target_loss > 0)) throw UsageError("--target-loss must be positive");
-  }
+  s.max_iterations = given("max-iterations") ? f.integer("max-iterations") : seed ? 20 : 300;
+  s.target_loss = given("target-loss") ? f.real("target-loss") : seed ? 0 : 0.6;
+  if (given("target-loss") && !(s.target_loss > 0)) throw UsageError("--target-loss must be positive");
   if (s.warmup < 0 || s.batch < 1 || s.epochs < 1 || s.max_iterations < 0)
     throw UsageError("--batch-size and --epochs must be >= 1, --warmup and --max-iterations >= 0");
   s.threads = f.integer("threads");

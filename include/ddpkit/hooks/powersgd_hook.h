@@ -72,9 +72,9 @@ class PowerSGDState {
   struct Bucket {
     at::Tensor error, p, q;  // error feedback; warm-start P and Q memory
     at::Tensor padded;       // batched hook: the bucket as a square matrix
-    // Error feedback: the compensated input, kept until the approximation is known. Reused, as
-    // is `error`, updated in place: two fresh bucket-sized allocations per step cost more in page
-    // faults than the arithmetic.
+    // Batched hook with error feedback: the compensated input, kept until the approximation is
+    // known. Reused, as is `error`, updated in place: two fresh bucket-sized allocations per step
+    // cost more in page faults than the arithmetic.
     at::Tensor input;
   };
   std::shared_ptr<Bucket> bucket(size_t index);
