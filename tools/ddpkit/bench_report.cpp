@@ -5,6 +5,7 @@
 #include <cmath>
 #include <iomanip>
 #include <sstream>
+#include <tuple>
 
 namespace ddpkit {
 namespace cli {
@@ -93,8 +94,29 @@ void bar_chart(std::ostream& os, const std::string& title, const std::string& un
   os << "</svg>\n";
 }
 
-// Lines over a y range fitted to the data (a loss that barely moves is still visible), legend in
-// the top right corner.
+// Four round ticks from ymin to ymax covering [lo, hi] with some padding, so a loss that barely
+// moves is still visible.
+std::pair<double, double> fitted_range(double lo, double hi) {
+  if (!(lo <= hi)) lo = 0, hi = 1;
+  const double pad = std::max((hi - lo) * 0.1, std::max(std::abs(hi), 1.0) * 1e-4);
+  double step = nice_max((hi - lo + 2 * pad) / 4);
+  while (std::floor((lo - pad) / step) * step + 4 * step < hi) step = nice_max(step * 1.01);  // the floor lowered the top
+  const double ymin = std::floor((lo - pad) / step) * step;
+  return {ymin, ymin + 4 * step};
+}
+
+// Series i as a polyline through `points` (pixel coordinates), and its legend entry in the top
+// right corner.
+void series_line(std::ostream& os, size_t i, const std::string& label, const std::vector<std::pair<double, double>>& points) {
+  os << "<polyline fill='none' stroke-width='2' stroke='" << kColors[i % 8] << "' points='";
+  for (const auto& [x, y] : points) os << fmt(x) << "," << fmt(y) << " ";
+  os << "'><title>" << escape(label) << "</title></polyline>\n";
+  const int ly = kTop + 8 + 14 * static_cast<int>(i);
+  os << "<rect x='" << kWidth - kRight - 100 << "' y='" << ly << "' width='10' height='10' fill='" << kColors[i % 8]
+     << "'/><text x='" << kWidth - kRight - 86 << "' y='" << ly + 9 << "'>" << escape(label) << "</text>\n";
+}
+
+// Lines over a y range fitted to the data, one point per measured iteration.
 void line_chart(std::ostream& os, const std::string& title, const std::string& unit,
                 const std::vector<std::pair<std::string, std::vector<double>>>& lines) {
   double lo = INFINITY, hi = -INFINITY;
@@ -107,25 +129,16 @@ void line_chart(std::ostream& os, const std::string& title, const std::string& u
       }
     longest = std::max(longest, ys.size());
   }
-  if (!(lo <= hi)) lo = 0, hi = 1;
-  const double pad = std::max((hi - lo) * 0.1, std::max(std::abs(hi), 1.0) * 1e-4);
-  double step = nice_max((hi - lo + 2 * pad) / 4);
-  while (std::floor((lo - pad) / step) * step + 4 * step < hi) step = nice_max(step * 1.01);  // the floor lowered the top
-  const double ymin = std::floor((lo - pad) / step) * step, ymax = ymin + 4 * step;
+  const auto [ymin, ymax] = fitted_range(lo, hi);
   axes(os, title, unit, ymin, ymax);
   const int plot_w = kWidth - kLeft - kRight, plot_h = kHeight - kTop - kBottom;
   for (size_t i = 0; i < lines.size(); ++i) {
     const auto& ys = lines[i].second;
-    os << "<polyline fill='none' stroke-width='2' stroke='" << kColors[i % 8] << "' points='";
-    for (size_t k = 0; k < ys.size(); ++k) {
-      const double x = kLeft + (longest > 1 ? plot_w * static_cast<double>(k) / (longest - 1) : 0);
-      const double y = kTop + plot_h - plot_h * (std::clamp(ys[k], ymin, ymax) - ymin) / (ymax - ymin);
-      os << fmt(x) << "," << fmt(y) << " ";
-    }
-    os << "'><title>" << escape(lines[i].first) << "</title></polyline>\n";
-    const int ly = kTop + 8 + 14 * static_cast<int>(i);
-    os << "<rect x='" << kWidth - kRight - 100 << "' y='" << ly << "' width='10' height='10' fill='" << kColors[i % 8]
-       << "'/><text x='" << kWidth - kRight - 86 << "' y='" << ly + 9 << "'>" << escape(lines[i].first) << "</text>\n";
+    std::vector<std::pair<double, double>> points;
+    for (size_t k = 0; k < ys.size(); ++k)
+      points.emplace_back(kLeft + (longest > 1 ? plot_w * static_cast<double>(k) / (longest - 1) : 0),
+                          kTop + plot_h - plot_h * (std::clamp(ys[k], ymin, ymax) - ymin) / (ymax - ymin));
+    series_line(os, i, lines[i].first, points);
   }
   os << "<text x='" << kLeft + plot_w / 2 << "' y='" << kHeight - kBottom + 20
      << "' text-anchor='middle' fill='#666'>measured iteration (1.." << longest << ")</text>\n";
@@ -197,10 +210,8 @@ void loss_time_chart(std::ostream& os, const std::vector<nlohmann::json>& runs) 
   }
   const double target = runs.empty() ? 0 : num(runs.front(), "target_loss");
   if (target > 0) lo = std::min(lo, target), hi = std::max(hi, target);
-  if (!(lo <= hi)) lo = 0, hi = 1;
-  double step = nice_max(std::max(hi - lo, 1e-6) * 1.1 / 4);
-  while (std::floor(lo / step) * step + 4 * step < hi) step = nice_max(step * 1.01);  // the floor lowered the top
-  const double ymin = std::floor(lo / step) * step, ymax = ymin + 4 * step;
+  double ymin, ymax;  // plain variables: the lambdas below capture them
+  std::tie(ymin, ymax) = fitted_range(lo, hi);
   const double xmax = 4 * nice_max(std::max(tmax, 1e-3) / 4);
   axes(os, "Loss against wall-clock time (trainer 0, mean of " + std::to_string(kTargetWindow) + ")", "loss", ymin, ymax);
   const int plot_w = kWidth - kLeft - kRight, plot_h = kHeight - kTop - kBottom;
@@ -213,14 +224,10 @@ void loss_time_chart(std::ostream& os, const std::vector<nlohmann::json>& runs) 
     os << "<line x1='" << kLeft << "' x2='" << kWidth - kRight << "' y1='" << fmt(py(target)) << "' y2='" << fmt(py(target))
        << "' stroke='#888' stroke-dasharray='6 4'><title>target loss " << fmt(target, 3) << "</title></line>\n";
   for (size_t i = 0; i < lines.size(); ++i) {
-    const std::string hook = runs[i].value("hook", "?");
-    os << "<polyline fill='none' stroke-width='2' stroke='" << kColors[i % 8] << "' points='";
+    std::vector<std::pair<double, double>> points;
     for (size_t k = 0; k < lines[i].first.size() && k < lines[i].second.size(); ++k)
-      os << fmt(px(lines[i].first[k])) << "," << fmt(py(lines[i].second[k])) << " ";
-    os << "'><title>" << escape(hook) << "</title></polyline>\n";
-    const int ly = kTop + 8 + 14 * static_cast<int>(i);
-    os << "<rect x='" << kWidth - kRight - 100 << "' y='" << ly << "' width='10' height='10' fill='" << kColors[i % 8]
-       << "'/><text x='" << kWidth - kRight - 86 << "' y='" << ly + 9 << "'>" << escape(hook) << "</text>\n";
+      points.emplace_back(px(lines[i].first[k]), py(lines[i].second[k]));
+    series_line(os, i, runs[i].value("hook", "?"), points);
   }
   os << "<text x='" << kLeft + plot_w / 2 << "' y='" << kHeight - kBottom + 34
      << "' text-anchor='middle' fill='#666'>seconds of training (summed step times)</text>\n</svg>\n";
