@@ -1,14 +1,20 @@
-// Collective bandwidth through ddpkit::ProcessGroup (Gloo), ranks as threads over a HashStore,
-// printed like nccl-tests:
+// Collective bandwidth through ddpkit::ProcessGroup, ranks as threads over a HashStore, printed
+// like nccl-tests:
 //
-//   build/collective_bench [--ranks N] [--reps R] [--gloo-threads T]
+//   build/collective_bench [--ranks N] [--reps R] [--gloo-threads T] [--max-mb M] [--gloo-variants]
+//
+// The main table runs each collective at 1 KB .. M MB (default 100) twice in one run: through
+// shared memory (the default on one host) and over Gloo's loopback TCP (shared_memory off), and
+// prints both times, both bus bandwidths and the speedup. --gloo-variants adds the older table of
+// Gloo paths (ring, two connections, two-phase alltoall, Gloo's own allgather/_base collectives).
 //
 // algbw = bytes / time. busbw = algbw * 2(n-1)/n for allreduce (the bytes each rank must send and
 // receive in an optimal ring), algbw * (n-1)/n for allgather/alltoall/reduce-scatter (bytes: the
-// whole gathered output, or the whole reduce-scatter input). Each row: median of R reps. With
-// libtorch >= 2.2 it adds Gloo's own _reduce_scatter_base/_allgather_base rows.
+// whole gathered output, or the whole reduce-scatter input) and broadcast. Each row: median of R
+// reps, each rep preceded by a barrier.
 #include <ddpkit/ddpkit.h>
 
+#include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Parallel.h>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 
@@ -21,20 +27,166 @@
 
 using namespace ddpkit;
 
+namespace {
+
+double median_ms(ProcessGroup& sync, int reps, const std::function<void()>& op) {
+  op();  // warm: workspaces, page faults
+  std::vector<double> ms;
+  for (int i = 0; i < reps; ++i) {
+    ProcessGroup::wait(sync.barrier());
+    const auto t0 = std::chrono::steady_clock::now();
+    op();
+    ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+  }
+  std::sort(ms.begin(), ms.end());
+  return ms[ms.size() / 2];
+}
+
+// Shared memory against Gloo loopback, each collective and size in turn (interleaved, so drift in
+// this machine's speed hits both columns alike).
+void shm_vs_gloo(int world, int reps, int gloo_threads, int64_t max_bytes) {
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  std::printf("# ddpkit collectives: shared memory vs Gloo loopback TCP, %d ranks as threads, median of %d\n", world, reps);
+  std::printf("# libtorch %s; busbw factor: allreduce 2(n-1)/n, the others (n-1)/n\n", TORCH_VERSION);
+  std::printf("%-16s %12s %10s %10s %10s %10s %8s\n", "op", "bytes", "gloo_ms", "shm_ms", "gloo_busbw", "shm_busbw",
+              "speedup");
+  std::vector<std::thread> threads;
+  for (int r = 0; r < world; ++r) {
+    threads.emplace_back([&, r] {
+      at::set_num_threads(1);
+      auto options = ProcessGroupOptions().gloo_hostname("127.0.0.1").gloo_threads(gloo_threads);
+      auto shm = std::make_shared<ProcessGroup>(store, r, world, ProcessGroupOptions(options).group_name("shm"));
+      auto gloo = std::make_shared<ProcessGroup>(store, r, world,
+                                                 ProcessGroupOptions(options).group_name("gloo").shared_memory(false));
+      if (r == 0 && !shm->uses_shared_memory()) std::printf("# shared memory is off (DDPKIT_SHM=0?)\n");
+      const double n = world;
+      std::vector<int64_t> sizes;
+      for (int64_t b = 1024; b < max_bytes; b *= 4) sizes.push_back(b);
+      sizes.push_back(max_bytes);
+      for (int64_t bytes : sizes) {
+        const int64_t elems = bytes / 4 / world * world;
+        at::Tensor f = at::ones({elems}), out = at::empty({elems}), shard = at::empty({elems / world});
+        at::Tensor h = at::ones({elems}, at::kHalf);
+        std::vector<at::Tensor> gathered;
+        for (int k = 0; k < world; ++k) gathered.push_back(at::empty({elems / world}));
+        struct Row {
+          const char* name;
+          int64_t bytes;
+          double factor;
+          std::function<void(ProcessGroup&)> op;
+        };
+        const std::vector<Row> rows = {
+            {"allreduce fp32", elems * 4, 2 * (n - 1) / n, [&](ProcessGroup& pg) { ProcessGroup::wait(pg.allreduce(f)); }},
+            {"allreduce fp16", elems * 2, 2 * (n - 1) / n, [&](ProcessGroup& pg) { ProcessGroup::wait(pg.allreduce(h)); }},
+            {"broadcast", elems * 4, (n - 1) / n, [&](ProcessGroup& pg) { ProcessGroup::wait(pg.broadcast(f, 0)); }},
+            {"allgather", elems * 4, (n - 1) / n,
+             [&](ProcessGroup& pg) { ProcessGroup::wait(pg.allgather(gathered, shard)); }},
+            {"reduce_scatter", elems * 4, (n - 1) / n,
+             [&](ProcessGroup& pg) { ProcessGroup::wait(pg.reduce_scatter(shard, f)); }},
+            {"alltoall", elems * 4, (n - 1) / n, [&](ProcessGroup& pg) { ProcessGroup::wait(pg.alltoall(out, f)); }},
+        };
+        for (const Row& row : rows) {
+          const int row_reps = row.bytes >= (16 << 20) ? std::max(3, reps / 2) : reps;
+          const double g = median_ms(*gloo, row_reps, [&] { row.op(*gloo); });
+          const double s = median_ms(*shm, row_reps, [&] { row.op(*shm); });
+          auto bw = [&](double ms) { return row.bytes / (ms * 1e6) * row.factor; };
+          if (r == 0)
+            std::printf("%-16s %12lld %10.3f %10.3f %10.2f %10.2f %7.2fx\n", row.name, static_cast<long long>(row.bytes),
+                        g, s, bw(g), bw(s), g / s);
+        }
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+}
+
+// One process per rank (torchrun variables; e.g. bench/netns_hierarchical.sh puts two ranks in
+// each of two network namespaces). Checks that the group's default path (shared memory within a
+// host; hierarchical allreduce across hosts) gives the bits flat Gloo gives, on integer data so
+// every sum is exact, then times fp32 allreduce both ways, interleaved. Returns nonzero on a mismatch.
+int processes(int reps, const std::vector<int64_t>& sizes_mb) {
+  auto pg = init_process_group(InitOptions().timeout(std::chrono::seconds(120)));
+  const int rank = pg->rank(), world = pg->size();
+  auto flat = std::make_shared<ProcessGroup>(pg->store(), rank, world,
+                                             ProcessGroupOptions(pg->options()).group_name("flat").shared_memory(false));
+  const auto& topo = pg->topology();
+  if (rank == 0)
+    std::printf("# %d ranks on %d host(s), %d per host; default group: %s\n", world, topo.hosts(), topo.local_size(),
+                pg->hierarchical() ? "hierarchical (shared memory within hosts, Gloo across)"
+                                   : pg->uses_shared_memory() ? "shared memory" : "Gloo only");
+  int mismatches = 0;
+  for (auto dt : {at::kFloat, at::kHalf, at::kBFloat16})
+    for (int64_t n : {int64_t(0), int64_t(1), int64_t(7), int64_t(4099), int64_t(100003), int64_t(1 << 20) + 3}) {
+      auto gen = at::make_generator<at::CPUGeneratorImpl>(rank * 7919 + n);
+      at::Tensor a = at::randint(-50, 50, {n}, gen).to(dt), b = a.clone();
+      ProcessGroup::wait(pg->allreduce(a));
+      ProcessGroup::wait(flat->allreduce(b));
+      if (!at::equal(a.view(at::kByte), b.view(at::kByte))) {
+        std::fprintf(stderr, "rank %d: allreduce of %lld %s differs from flat Gloo\n", rank, static_cast<long long>(n),
+                     c10::toString(dt));
+        ++mismatches;
+      }
+    }
+  if (rank == 0) std::printf("# equal to flat Gloo (fp32/fp16/bf16, 0..1M elements): %s\n", mismatches ? "NO" : "yes");
+  if (rank == 0) std::printf("%12s %10s %10s %8s\n", "bytes", "flat_ms", "default_ms", "ratio");
+  for (int64_t mb : sizes_mb) {
+    at::Tensor t = at::ones({(mb << 20) / 4});
+    std::vector<double> f, d;
+    for (int i = 0; i <= reps; ++i) {  // the first round warms up
+      const double fm = median_ms(*flat, 1, [&] { ProcessGroup::wait(flat->allreduce(t)); });
+      const double dm = median_ms(*pg, 1, [&] { ProcessGroup::wait(pg->allreduce(t)); });
+      if (i) f.push_back(fm), d.push_back(dm);
+    }
+    std::sort(f.begin(), f.end());
+    std::sort(d.begin(), d.end());
+    if (rank == 0)
+      std::printf("%12lld %10.1f %10.1f %7.2fx\n", static_cast<long long>(mb << 20), f[f.size() / 2], d[d.size() / 2],
+                  d[d.size() / 2] / f[f.size() / 2]);
+  }
+  ProcessGroup::wait(pg->barrier());
+  return mismatches ? 1 : 0;
+}
+
+}  // namespace
+
 int main(int argc, char** argv) {
   int world = 2, reps = 7, gloo_threads = 2;
-  for (int i = 1; i + 1 < argc; i += 2) {
-    if (!std::strcmp(argv[i], "--ranks")) world = std::atoi(argv[i + 1]);
-    else if (!std::strcmp(argv[i], "--reps")) reps = std::atoi(argv[i + 1]);
-    else if (!std::strcmp(argv[i], "--gloo-threads")) gloo_threads = std::atoi(argv[i + 1]);
+  int64_t max_mb = 100;
+  bool variants = false, from_env = false;
+  std::vector<int64_t> sizes_mb = {1, 25, 100};
+  for (int i = 1; i < argc; ++i) {
+    const bool has_value = i + 1 < argc;
+    if (!std::strcmp(argv[i], "--ranks") && has_value) world = std::atoi(argv[++i]);
+    else if (!std::strcmp(argv[i], "--reps") && has_value) reps = std::atoi(argv[++i]);
+    else if (!std::strcmp(argv[i], "--gloo-threads") && has_value) gloo_threads = std::atoi(argv[++i]);
+    else if (!std::strcmp(argv[i], "--max-mb") && has_value) max_mb = std::atoll(argv[++i]);
+    else if (!std::strcmp(argv[i], "--gloo-variants")) variants = true;
+    else if (!std::strcmp(argv[i], "--processes")) from_env = true;
+    else if (!std::strcmp(argv[i], "--sizes-mb") && has_value) {
+      sizes_mb.clear();
+      for (char* p = argv[++i]; *p;) {
+        sizes_mb.push_back(std::strtoll(p, &p, 10));
+        if (*p == ',') ++p;
+        else if (*p) sizes_mb.push_back(-1), p += std::strlen(p);
+      }
+    }
     else {
-      std::fprintf(stderr, "usage: collective_bench [--ranks N] [--reps R] [--gloo-threads T]\n");
+      std::fprintf(stderr, "usage: collective_bench [--ranks N] [--reps R] [--gloo-threads T] [--max-mb M] [--gloo-variants]\n"
+                           "       collective_bench --processes [--reps R] [--sizes-mb A,B,..]   (one process per rank, torchrun env)\n");
       return 2;
     }
   }
+  if (world < 1 || reps < 1 || max_mb < 1 ||
+      std::any_of(sizes_mb.begin(), sizes_mb.end(), [](int64_t mb) { return mb < 1; })) {
+    std::fprintf(stderr, "collective_bench: --ranks, --reps, --max-mb and --sizes-mb must be positive integers\n");
+    return 2;
+  }
   tune_allocator_for_training();  // as ddpkit's programs do
+  if (from_env) return processes(reps, sizes_mb);
+  shm_vs_gloo(world, reps, gloo_threads, max_mb << 20);
+  if (!variants) return 0;
   auto store = c10::make_intrusive<c10d::HashStore>();
-  std::printf("# ddpkit collectives over Gloo, %d ranks as threads, %d Gloo threads, median of %d\n", world,
+  std::printf("\n# Gloo paths, %d ranks as threads, %d Gloo threads, median of %d\n", world,
               gloo_threads, reps);
   std::printf("# libtorch %s; busbw factor: allreduce 2(n-1)/n, allgather/alltoall/reduce_scatter (n-1)/n\n", TORCH_VERSION);
   std::printf("%-34s %12s %10s %10s %10s\n", "op", "bytes", "time_ms", "algbw_GB/s", "busbw_GB/s");
@@ -43,19 +195,21 @@ int main(int argc, char** argv) {
     threads.emplace_back([&, r] {
       at::set_num_threads(1);
       auto pg = std::make_shared<ProcessGroup>(
-          store, r, world, ProcessGroupOptions().gloo_hostname("127.0.0.1").gloo_threads(gloo_threads).two_phase_min_bytes(1));
+          store, r, world, ProcessGroupOptions().gloo_hostname("127.0.0.1").gloo_threads(gloo_threads).two_phase_min_bytes(1).shared_memory(false));
       auto ring = std::make_shared<ProcessGroup>(store, r, world,
                                                  ProcessGroupOptions()
                                                      .gloo_hostname("127.0.0.1")
                                                      .gloo_threads(gloo_threads)
                                                      .group_name("ring")
-                                                     .two_phase_min_bytes(0));
+                                                     .two_phase_min_bytes(0)
+                                                     .shared_memory(false));
       auto multi = std::make_shared<ProcessGroup>(store, r, world,
                                                   ProcessGroupOptions()
                                                       .gloo_hostname("127.0.0.1")
                                                       .gloo_threads(gloo_threads)
                                                       .group_name("multi")
-                                                      .gloo_connections(2));
+                                                      .gloo_connections(2)
+                                                      .shared_memory(false));
       auto run = [&](const char* name, int64_t bytes, double bus_factor, const std::function<void()>& op) {
         op();
         std::vector<double> ms;

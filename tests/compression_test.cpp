@@ -184,7 +184,7 @@ TEST(QuantizationHooks, Int8AllreduceInPieces) {
             GradBucket bucket(0, 1, buffer, {0}, {{n}}, {}, false);
             pg->reset_stats();
             at::Tensor got = ProcessGroup::wait(hook(bucket));
-            const uint64_t sent = pg->stats().bytes_sent;
+            const uint64_t sent = pg->stats().bytes_sent + pg->stats().shm_bytes_sent;  // either path
             EXPECT_LE((got - avg).abs().max().item<float>(), 2 * bound) << "step " << step << " world " << world;
             for (const auto& other : testing::allgather(*pg, got)) EXPECT_TRUE(at::equal(other, got));
             const double ring_fp32 = 2.0 * (world - 1) / world * n * 4;
@@ -507,7 +507,8 @@ TEST(Accounting, PerBucketBytesAndCompressionRatio) {
   const std::vector<std::pair<std::string, std::pair<double, double>>> expected = {
       {"allreduce", {0.99, 1.01}}, {"fp16", {1.99, 2.01}}, {"int8", {3.8, 4.0}}, {"powersgd", {5, 1e9}}};
   for (const auto& e : expected) {
-    spawn_ranks(2, [&](int rank, std::shared_ptr<ProcessGroup> pg) {
+    // Network bytes: over Gloo (shared-memory bytes are counted apart: tests/shm_test.cpp).
+    spawn_ranks_with(2, ProcessGroupOptions().shared_memory(false), [&](int rank, std::shared_ptr<ProcessGroup> pg) {
       auto model = make_mlp(13, {64, 256, 256, 8});
       DistributedDataParallel<torch::nn::Sequential> ddp(model, pg,
                                                           DistributedDataParallelOptions().bucket_cap_mb(0.2).first_bucket_cap_mb(0.2));

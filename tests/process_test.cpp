@@ -5,8 +5,10 @@
 #include <torch/nn/modules/linear.h>
 
 #include <arpa/inet.h>
+#include <dirent.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
+#include <csignal>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -92,6 +94,47 @@ TEST(Processes, KilledPeerGivesSurvivorsAnErrorWithinTheTimeout) {
   for (int r = 0; r < 3; ++r) std::remove((out + std::to_string(r)).c_str());
 }
 
+std::vector<std::string> ddpkit_segments() {
+  std::vector<std::string> names;
+  if (DIR* d = opendir("/dev/shm")) {
+    while (dirent* e = readdir(d))
+      if (std::string(e->d_name).rfind("ddpkit-", 0) == 0) names.push_back(e->d_name);
+    closedir(d);
+  }
+  return names;
+}
+
+// Issue 15: ranks on one host talk through shared memory. A peer SIGKILLed or SIGSTOPped in the
+// middle of training gives every survivor a CommError within the timeout (death is noticed at
+// once through the peer's lock; a stop by the deadline), and nothing is left in /dev/shm.
+void expect_survivors_fail(const std::string& role, int signal, const std::string& cause) {
+  const std::string out = "/tmp/ddpkit_pt_" + role + "_" + std::to_string(getpid()) + "_";
+  const auto before = ddpkit_segments();
+  const auto t0 = std::chrono::steady_clock::now();
+  auto pids = start_workers(role, 3, 3, free_port(), out);
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(wait_exit(pids[r]), 42) << "rank " << r << " said: " << slurp(out + std::to_string(r));
+    const std::string msg = slurp(out + std::to_string(r));
+    EXPECT_THAT(msg, ::testing::HasSubstr("on rank " + std::to_string(r) + " of 3"));
+    EXPECT_THAT(msg, ::testing::HasSubstr("shared memory"));
+    EXPECT_THAT(msg, ::testing::HasSubstr("rank 2 (on this host) " + cause));
+  }
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_LT(seconds, kKilledPeerTimeoutS + 20);
+  if (signal == SIGSTOP) kill(pids[2], SIGKILL);  // still stopped: the test ends it
+  EXPECT_EQ(wait_exit(pids[2]), 128 + SIGKILL);
+  EXPECT_EQ(ddpkit_segments(), before) << "a segment was left in /dev/shm";
+  for (int r = 0; r < 3; ++r) std::remove((out + std::to_string(r)).c_str());
+}
+
+TEST(Processes, SharedMemoryPeerSigkilledGivesSurvivorsAnError) {
+  expect_survivors_fail("sigkill_peer", SIGKILL, "died during shared-memory allreduce");
+}
+
+TEST(Processes, SharedMemoryPeerSigstoppedGivesSurvivorsAnErrorWithinTheTimeout) {
+  expect_survivors_fail("sigstop_peer", SIGSTOP, "did not take its part in shared-memory allreduce");
+}
+
 TEST(Processes, MissingPeerTimesOutAtRendezvous) {
   const std::string out = "/tmp/ddpkit_pt_missing_" + std::to_string(getpid()) + "_";
   const auto t0 = std::chrono::steady_clock::now();
@@ -114,9 +157,15 @@ int worker(const std::string& role) {
     auto model = std::make_shared<torch::nn::LinearImpl>(64, 64);
     DistributedDataParallel<std::shared_ptr<torch::nn::LinearImpl>> ddp(model, pg);
     for (int step = 0; step < 1000; ++step) {
-      if (role == "killed_peer" && pg->rank() == 2 && step == 3) {
+      if (step == 0 && role != "missing_peer" && !pg->uses_shared_memory()) {
+        out << "ranks on one host should use shared memory";
+        return 1;
+      }
+      if (pg->rank() == 2 && step == 3) {
         std::cout.flush();
-        _exit(9);
+        if (role == "killed_peer") _exit(9);
+        if (role == "sigkill_peer") raise(SIGKILL);
+        if (role == "sigstop_peer") raise(SIGSTOP);
       }
       for (auto& p : model->parameters()) p.mutable_grad() = at::Tensor();
       ddp.forward(at::randn({4, 64})).sum().backward();

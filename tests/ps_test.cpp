@@ -42,9 +42,15 @@ std::shared_ptr<ParameterServerClient> connect(const ParameterServer& server, in
 
 // Calls from one client may be served in any order: tests whose point is an order wait for the
 // server to have taken the earlier ones.
-void wait_received(const ParameterServer& server, int64_t count) {
-  for (int i = 0; i < 5000 && server.counters().gradients_received < count; ++i) std::this_thread::sleep_for(1ms);
-  ASSERT_GE(server.counters().gradients_received, count);
+// A chunked gradient counts as received at its first chunk: `bytes` waits for the rest too.
+void wait_received(const ParameterServer& server, int64_t count, int64_t bytes = 0) {
+  auto done = [&] {
+    const auto c = server.counters();
+    return c.gradients_received >= count && c.bytes_received >= bytes;
+  };
+  for (int i = 0; i < 5000 && !done(); ++i) std::this_thread::sleep_for(1ms);
+  ASSERT_TRUE(done()) << "the server took " << server.counters().gradients_received << " gradient(s), "
+                      << server.counters().bytes_received << " bytes; expected " << count << ", " << bytes;
 }
 
 at::Tensor sparse_gradient(int64_t rows, int64_t cols, uint64_t seed) {
@@ -214,7 +220,7 @@ TEST(ParameterServerRejects, TrainersThatCutABucketDifferently) {
   auto server = start_server({0, 1});
   auto a = connect(*server, 0, ClientOptions().chunk_bytes(4000)), b = connect(*server, 1, ClientOptions().chunk_bytes(4000));
   auto first = a->average(0, 2, at::ones({3000}));  // 3 chunks of 1000
-  wait_received(*server, 1);
+  wait_received(*server, 1, 3000 * 4);  // all of them: else b's last chunk may be first at its place
   EXPECT_THAT(failure(b->average(0, 2, at::ones({2500}))),  // 3 chunks of 1000, 1000, 500
               ::testing::HasSubstr("INVALID_ARGUMENT: trainer 1 cut bucket 2 of batch 0 into 3 chunks of a 2500-element "
                                    "bucket, the other trainers into 3 of 3000"));

@@ -45,13 +45,14 @@ def _require_initialized(caller):
             "torch.distributed.init_process_group('gloo') first (ddpkit's group uses its store and ranks)")
 
 
-def new_group(*, gloo_threads=2, timeout=timedelta(minutes=5), gloo_hostname=""):
+def new_group(*, gloo_threads=2, timeout=timedelta(minutes=5), gloo_hostname="", shared_memory=True):
     """A ddpkit process group over torch.distributed's default store, with its ranks.
 
     Every rank must call it, in the same order as its other new_group calls. gloo_threads: Gloo
     worker threads (collectives in flight); timeout bounds every collective and the rendezvous;
     gloo_hostname: the address Gloo listens on (default: GLOO_SOCKET_IFNAME's, else loopback when
-    MASTER_ADDR is loopback, else this host's name).
+    MASTER_ADDR is loopback, else this host's name); shared_memory: ranks on one host exchange
+    through a shared-memory segment instead of loopback TCP (DDPKIT_SHM=0 turns it off too).
     """
     _require_initialized("ddpkit.new_group")
     if isinstance(timeout, timedelta):
@@ -63,7 +64,7 @@ def new_group(*, gloo_threads=2, timeout=timedelta(minutes=5), gloo_hostname="")
     store = dist.distributed_c10d._get_default_store()
     name = f"python/{next(_group_numbers)}"
     return _C.ProcessGroup(store, dist.get_rank(), dist.get_world_size(), name, gloo_threads, timeout_s,
-                           gloo_hostname)
+                           gloo_hostname, bool(shared_memory))
 
 
 def default_group():

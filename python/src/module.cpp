@@ -239,6 +239,8 @@ py::dict comm_stats_dict(const CommStats& s) {
   d["bytes_sent"] = s.bytes_sent;
   d["bytes_received"] = s.bytes_received;
   d["collectives"] = s.collectives;
+  d["shm_bytes_sent"] = s.shm_bytes_sent;
+  d["shm_bytes_received"] = s.shm_bytes_received;
   return d;
 }
 
@@ -258,7 +260,7 @@ py::list bucket_traffic(const HookState& state) {
     d["numel"] = b.numel;
     d["launches"] = b.launches;
     d["allreduce_bytes"] = b.allreduce_bytes;
-    d["compression_ratio"] = t.traffic.bytes_sent ? py::object(py::float_(t.compression_ratio())) : py::object(py::none());
+    d["compression_ratio"] = t.traffic.bytes_sent + t.traffic.shm_bytes_sent ? py::object(py::float_(t.compression_ratio())) : py::object(py::none());
     out.append(d);
   }
   return out;
@@ -288,7 +290,7 @@ PYBIND11_MODULE(_C, m) {
   py::class_<ProcessGroup, std::shared_ptr<ProcessGroup>>(m, "ProcessGroup",
       "A ddpkit process group (Gloo): ordered collectives with a timeout; see ddpkit.new_group")
       .def(py::init([](const c10::intrusive_ptr<c10d::Store>& store, int rank, int world_size, const std::string& name,
-                       int gloo_threads, double timeout_s, const std::string& gloo_hostname) {
+                       int gloo_threads, double timeout_s, const std::string& gloo_hostname, bool shared_memory) {
              if (world_size < 1 || rank < 0 || rank >= world_size)
                throw py::value_error("ddpkit.new_group: rank " + std::to_string(rank) + " is not in a world of " +
                                      std::to_string(world_size));
@@ -299,19 +301,21 @@ PYBIND11_MODULE(_C, m) {
              ProcessGroupOptions o;
              o.group_name(name).gloo_threads(gloo_threads).gloo_hostname(gloo_hostname).timeout(
                  std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000)));
+             o.shared_memory(shared_memory);
              py::gil_scoped_release no_gil;  // rendezvous with the other ranks
              auto prefixed = c10::make_intrusive<c10d::PrefixStore>("ddpkit", store);
              return std::make_shared<ProcessGroup>(prefixed, rank, world_size, o);
            }),
            py::arg("store"), py::arg("rank"), py::arg("world_size"), py::arg("name"), py::arg("gloo_threads") = 2,
-           py::arg("timeout_s") = 300.0, py::arg("gloo_hostname") = "")
+           py::arg("timeout_s") = 300.0, py::arg("gloo_hostname") = "", py::arg("shared_memory") = true)
       .def("rank", &ProcessGroup::rank)
       .def("size", &ProcessGroup::size)
       .def_property_readonly("name", [](const ProcessGroup& g) { return g.options().group_name(); })
       .def_property_readonly("gloo_threads", [](const ProcessGroup& g) { return g.options().gloo_threads(); })
       .def_property_readonly("timeout_s", [](const ProcessGroup& g) { return g.timeout().count() / 1000.0; })
       .def("stats", [](const ProcessGroup& g) { return comm_stats_dict(g.stats()); },
-           "Bytes this rank sent and received (nccl-tests' bus-bandwidth model) and collectives issued")
+           "Bytes this rank sent and received over the network and through shared memory (nccl-tests' "
+           "bus-bandwidth model) and collectives issued")
       .def("reset_stats", &ProcessGroup::reset_stats)
       .def("allreduce",
            [](ProcessGroup& g, const at::Tensor& t) {

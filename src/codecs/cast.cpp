@@ -42,13 +42,25 @@ void b2f_scalar(const uint16_t* in, float* out, int64_t n, float s) {
   for (int64_t i = 0; i < n; ++i) out[i] = b2f(in[i]) * s;
 }
 template <bool kBf16>
-void sum_scalar(const uint16_t* const* in, int k, uint16_t* out, int64_t n) {
+void sum_scalar(const uint16_t* const* in, int k, uint16_t* out, int64_t n, float s) {
   for (int64_t i = 0; i < n; ++i) {
     float acc = 0.f;
     for (int r = 0; r < k; ++r) acc += kBf16 ? b2f(in[r][i]) : h2f(in[r][i]);
+    if (s != 1.f) acc *= s;
     out[i] = kBf16 ? f2b(acc) : f2h(acc);
   }
 }
+// Full-precision sums (the shared-memory allreduce): left to the compiler, built per target below.
+template <typename T>
+inline void sum_full(const T* const* in, int k, T* out, int64_t n, T s) {
+  for (int64_t i = 0; i < n; ++i) {
+    T acc = in[0][i];
+    for (int r = 1; r < k; ++r) acc += in[r][i];
+    out[i] = s == T(1) ? acc : acc * s;
+  }
+}
+void sum_f32_scalar(const float* const* in, int k, float* out, int64_t n, float s) { sum_full(in, k, out, n, s); }
+void sum_f64_scalar(const double* const* in, int k, double* out, int64_t n, double s) { sum_full(in, k, out, n, s); }
 
 // ---- AVX2 + F16C: 8 lanes ------------------------------------------------------------------------
 #define DDPKIT_AVX2 __attribute__((target("avx2,f16c,fma")))
@@ -103,12 +115,14 @@ DDPKIT_AVX2 void b2f_avx2(const uint16_t* in, float* out, int64_t n, float s) {
   b2f_scalar(in + i, out + i, n - i, s);
 }
 template <bool kBf16>
-DDPKIT_AVX2 void sum_avx2(const uint16_t* const* in, int k, uint16_t* out, int64_t n) {
+DDPKIT_AVX2 void sum_avx2(const uint16_t* const* in, int k, uint16_t* out, int64_t n, float s) {
+  const __m256 vs = _mm256_set1_ps(s);
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
     __m256 acc = _mm256_setzero_ps();
     for (int r = 0; r < k; ++r)
       acc = _mm256_add_ps(acc, kBf16 ? bf16_load_avx2(in[r] + i) : f16_load_avx2(in[r] + i));
+    if (s != 1.f) acc = _mm256_mul_ps(acc, vs);
     const __m128i h = kBf16 ? bf16_round_avx2(acc) : _mm256_cvtps_ph(acc, _MM_FROUND_TO_NEAREST_INT);
     _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), h);
   }
@@ -116,9 +130,26 @@ DDPKIT_AVX2 void sum_avx2(const uint16_t* const* in, int k, uint16_t* out, int64
     const uint16_t* tails[64];
     DDPKIT_CHECK(k <= 64, "sum_low_precision_into supports at most 64 inputs, got ", k);
     for (int r = 0; r < k; ++r) tails[r] = in[r] + i;
-    sum_scalar<kBf16>(tails, k, out + i, n - i);
+    sum_scalar<kBf16>(tails, k, out + i, n - i, s);
   }
 }
+
+DDPKIT_AVX2 void sum_f32_avx2(const float* const* in, int k, float* out, int64_t n, float s) {
+  const __m256 vs = _mm256_set1_ps(s);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    __m256 acc = _mm256_loadu_ps(in[0] + i);
+    for (int r = 1; r < k; ++r) acc = _mm256_add_ps(acc, _mm256_loadu_ps(in[r] + i));
+    if (s != 1.f) acc = _mm256_mul_ps(acc, vs);
+    _mm256_storeu_ps(out + i, acc);
+  }
+  if (i < n) {
+    const float* tails[64];
+    for (int r = 0; r < k; ++r) tails[r] = in[r] + i;
+    sum_full(tails, k, out + i, n - i, s);
+  }
+}
+DDPKIT_AVX2 void sum_f64_avx2(const double* const* in, int k, double* out, int64_t n, double s) { sum_full(in, k, out, n, s); }
 
 // ---- AVX-512: 16 lanes ---------------------------------------------------------------------------
 #define DDPKIT_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,f16c")))
@@ -172,12 +203,14 @@ DDPKIT_AVX512 void b2f_avx512(const uint16_t* in, float* out, int64_t n, float s
   b2f_scalar(in + i, out + i, n - i, s);
 }
 template <bool kBf16>
-DDPKIT_AVX512 void sum_avx512(const uint16_t* const* in, int k, uint16_t* out, int64_t n) {
+DDPKIT_AVX512 void sum_avx512(const uint16_t* const* in, int k, uint16_t* out, int64_t n, float s) {
+  const __m512 vs = _mm512_set1_ps(s);
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
     __m512 acc = _mm512_setzero_ps();
     for (int r = 0; r < k; ++r)
       acc = _mm512_add_ps(acc, kBf16 ? bf16_load_avx512(in[r] + i) : f16_load_avx512(in[r] + i));
+    if (s != 1.f) acc = _mm512_mul_ps(acc, vs);
     const __m256i h = kBf16 ? bf16_round_avx512(acc)
                             : _mm512_cvtps_ph(acc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), h);
@@ -186,9 +219,26 @@ DDPKIT_AVX512 void sum_avx512(const uint16_t* const* in, int k, uint16_t* out, i
     const uint16_t* tails[64];
     DDPKIT_CHECK(k <= 64, "sum_low_precision_into supports at most 64 inputs, got ", k);
     for (int r = 0; r < k; ++r) tails[r] = in[r] + i;
-    sum_scalar<kBf16>(tails, k, out + i, n - i);
+    sum_scalar<kBf16>(tails, k, out + i, n - i, s);
   }
 }
+
+DDPKIT_AVX512 void sum_f32_avx512(const float* const* in, int k, float* out, int64_t n, float s) {
+  const __m512 vs = _mm512_set1_ps(s);
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    __m512 acc = _mm512_loadu_ps(in[0] + i);
+    for (int r = 1; r < k; ++r) acc = _mm512_add_ps(acc, _mm512_loadu_ps(in[r] + i));
+    if (s != 1.f) acc = _mm512_mul_ps(acc, vs);
+    _mm512_storeu_ps(out + i, acc);
+  }
+  if (i < n) {
+    const float* tails[64];
+    for (int r = 0; r < k; ++r) tails[r] = in[r] + i;
+    sum_full(tails, k, out + i, n - i, s);
+  }
+}
+DDPKIT_AVX512 void sum_f64_avx512(const double* const* in, int k, double* out, int64_t n, double s) { sum_full(in, k, out, n, s); }
 
 // ---- dispatch ------------------------------------------------------------------------------------
 struct Kernels {
@@ -196,13 +246,17 @@ struct Kernels {
   void (*h2f)(const uint16_t*, float*, int64_t, float);
   void (*f2b)(const float*, uint16_t*, int64_t, float);
   void (*b2f)(const uint16_t*, float*, int64_t, float);
-  void (*sum_h)(const uint16_t* const*, int, uint16_t*, int64_t);
-  void (*sum_b)(const uint16_t* const*, int, uint16_t*, int64_t);
+  void (*sum_h)(const uint16_t* const*, int, uint16_t*, int64_t, float);
+  void (*sum_b)(const uint16_t* const*, int, uint16_t*, int64_t, float);
+  void (*sum_f)(const float* const*, int, float*, int64_t, float);
+  void (*sum_d)(const double* const*, int, double*, int64_t, double);
 };
 
-const Kernels kScalar{f2h_scalar, h2f_scalar, f2b_scalar, b2f_scalar, sum_scalar<false>, sum_scalar<true>};
-const Kernels kAvx2{f2h_avx2, h2f_avx2, f2b_avx2, b2f_avx2, sum_avx2<false>, sum_avx2<true>};
-const Kernels kAvx512{f2h_avx512, h2f_avx512, f2b_avx512, b2f_avx512, sum_avx512<false>, sum_avx512<true>};
+const Kernels kScalar{f2h_scalar, h2f_scalar,        f2b_scalar,     b2f_scalar,
+                      sum_scalar<false>, sum_scalar<true>, sum_f32_scalar, sum_f64_scalar};
+const Kernels kAvx2{f2h_avx2, h2f_avx2, f2b_avx2, b2f_avx2, sum_avx2<false>, sum_avx2<true>, sum_f32_avx2, sum_f64_avx2};
+const Kernels kAvx512{f2h_avx512,        h2f_avx512,       f2b_avx512,     b2f_avx512,
+                      sum_avx512<false>, sum_avx512<true>, sum_f32_avx512, sum_f64_avx512};
 
 SimdLevel best_level() {
   if (const char* forced = std::getenv("DDPKIT_SIMD")) {
@@ -318,8 +372,30 @@ void sum_low_precision_into(const std::vector<at::Tensor>& inputs, const at::Ten
   at::parallel_for(0, out.numel(), kGrain, [&](int64_t b, int64_t e) {
     std::vector<const uint16_t*> shifted(ptrs.size());
     for (size_t r = 0; r < ptrs.size(); ++r) shifted[r] = ptrs[r] + b;
-    (dt == at::kHalf ? k.sum_h : k.sum_b)(shifted.data(), count, o + b, e - b);
+    (dt == at::kHalf ? k.sum_h : k.sum_b)(shifted.data(), count, o + b, e - b, 1.f);
   });
+}
+
+bool sums_raw(c10::ScalarType dtype) {
+  return dtype == at::kFloat || dtype == at::kDouble || dtype == at::kHalf || dtype == at::kBFloat16;
+}
+
+void sum_raw(c10::ScalarType dtype, const void* const* inputs, int count, void* out, int64_t n, double scale) {
+  DDPKIT_CHECK(count >= 1 && count <= 64, "sum_raw takes 1 to 64 inputs, got ", count);
+  const Kernels& k = kernels();
+  switch (dtype) {
+    case at::kFloat:
+      return k.sum_f(reinterpret_cast<const float* const*>(inputs), count, static_cast<float*>(out), n,
+                     static_cast<float>(scale));
+    case at::kDouble:
+      return k.sum_d(reinterpret_cast<const double* const*>(inputs), count, static_cast<double*>(out), n, scale);
+    case at::kHalf:
+    case at::kBFloat16:
+      return (dtype == at::kHalf ? k.sum_h : k.sum_b)(reinterpret_cast<const uint16_t* const*>(inputs), count,
+                                                      static_cast<uint16_t*>(out), n, static_cast<float>(scale));
+    default:
+      DDPKIT_CHECK(false, "sum_raw: no kernel for ", dtype, " (float32, float64, float16, bfloat16)");
+  }
 }
 
 }  // namespace codecs

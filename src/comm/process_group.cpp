@@ -1,6 +1,8 @@
 #include <ddpkit/codecs/cast.h>
 #include <ddpkit/comm/process_group.h>
 
+#include "shm_domain.h"
+
 #include <torch/csrc/distributed/c10d/FileStore.hpp>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
@@ -63,6 +65,14 @@ uint64_t bytes_of(const at::Tensor& t) {
   return static_cast<uint64_t>(t.numel()) * static_cast<uint64_t>(t.element_size());
 }
 
+// Runs fn on `t` if contiguous, else on a contiguous copy that is copied back (in-place collectives).
+void on_contiguous(const at::Tensor& t, const std::function<void(const at::Tensor&)>& fn) {
+  if (t.is_contiguous()) return fn(t);
+  at::Tensor c = t.contiguous();
+  fn(c);
+  t.copy_(c);
+}
+
 bool is_loopback(const std::string& host) {
   return host.empty() || host == "localhost" || host.rfind("127.", 0) == 0 || host == "::1";
 }
@@ -82,6 +92,50 @@ std::shared_ptr<::gloo::transport::Device> make_gloo_device(const ProcessGroupOp
 }
 
 }  // namespace
+
+// The shared-memory engine of a group: its segment, the thread that runs its collectives in the
+// order the sequencer handed them over, and for hierarchical allreduce the group of the ranks
+// with this local rank on every host.
+struct ProcessGroup::Shm {
+  std::unique_ptr<shm::Domain> domain;
+  std::shared_ptr<ProcessGroup> across;  // null on one host
+  std::mutex mutex;
+  std::condition_variable cv;
+  std::deque<std::function<void()>> jobs;
+  bool stopping = false;
+  std::thread thread;
+
+  void start() {
+    thread = std::thread([this] {
+      for (;;) {
+        std::function<void()> job;
+        {
+          std::unique_lock<std::mutex> lock(mutex);
+          cv.wait(lock, [&] { return stopping || !jobs.empty(); });
+          if (jobs.empty()) return;  // stopping and drained
+          job = std::move(jobs.front());
+          jobs.pop_front();
+        }
+        job();  // jobs put their own errors into their futures
+      }
+    });
+  }
+  void post(std::function<void()> job) {
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      jobs.push_back(std::move(job));
+    }
+    cv.notify_one();
+  }
+  ~Shm() {
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      stopping = true;
+    }
+    cv.notify_all();
+    if (thread.joinable()) thread.join();
+  }
+};
 
 ProcessGroup::ProcessGroup(c10::intrusive_ptr<c10d::Store> store, int rank, int world_size,
                            ProcessGroupOptions options)
@@ -120,6 +174,7 @@ ProcessGroup::ProcessGroup(c10::intrusive_ptr<c10d::Store> store, int rank, int 
   }
   // Which ranks share a host: per group, from what each rank publishes (docs/design.md).
   topology_ = discover_host_topology(*prefixed, "ddpkit/topology", rank_, world_size_, options_.timeout());
+  setup_shared_memory(*prefixed);
   sequencer_ = std::thread([this] { sequencer_loop(); });
 }
 
@@ -130,6 +185,80 @@ ProcessGroup::~ProcessGroup() {
   }
   cv_.notify_all();
   if (sequencer_.joinable()) sequencer_.join();
+  shm_.reset();  // after the sequencer: it may still hand jobs over while draining
+}
+
+// Every rank publishes whether it wants shared memory and all read all: the choice is the
+// group's (a host whose ranks disagreed would run other algorithms than its peers and hang).
+// Used when every rank wants it, a host has two or more ranks, and (several hosts) every host
+// has the same number, which hierarchical allreduce needs.
+void ProcessGroup::setup_shared_memory(c10d::Store& store) {
+  const char* env = std::getenv("DDPKIT_SHM");
+  const bool want = options_.shared_memory() && options_.backend() == "gloo" && !(env && std::string(env) == "0");
+  if (world_size_ == 1) return;
+  DDPKIT_CHECK(options_.shm_slot_bytes() >= 4096 && options_.shm_slot_bytes() % 64 == 0,
+               "shm_slot_bytes must be a multiple of 64 and at least 4096, got ", options_.shm_slot_bytes());
+  const std::string prefix = "ddpkit/shm/";
+  store.set(prefix + "want/" + std::to_string(rank_), std::vector<uint8_t>{static_cast<uint8_t>(want ? '1' : '0')});
+  bool all = true;
+  for (int r = 0; r < world_size_ && all; ++r) {
+    const std::string key = prefix + "want/" + std::to_string(r);
+    store.wait({key}, options_.timeout());
+    all = store.get(key) == std::vector<uint8_t>{'1'};
+  }
+  const auto& hosts = topology_.ranks_of_host;
+  const size_t local = hosts[topology_.host_of_rank[rank_]].size();
+  bool uniform = true;
+  for (const auto& h : hosts) uniform = uniform && h.size() == local;
+  if (!all || local < 2 || !uniform) return;
+  shm::DomainOptions o;
+  o.local_rank = topology_.local_rank();
+  o.local_size = static_cast<int>(local);
+  o.group_ranks = hosts[topology_.host_of_rank[rank_]];
+  o.timeout = options_.timeout();
+  o.slot_bytes = options_.shm_slot_bytes();
+  auto engine = std::make_unique<Shm>();
+  try {
+    engine->domain = shm::Domain::create(store, prefix + "host" + std::to_string(topology_.host_of_rank[rank_]), o);
+  } catch (const std::exception&) {
+    throw CommError(describe_comm_failure("shared-memory setup of process group '" + options_.group_name() + "'",
+                                          rank_, world_size_, std::current_exception()));
+  }
+  if (hosts.size() > 1) {
+    // Rank h of this group is the rank with this local rank on host h: it allreduces shards.
+    ProcessGroupOptions across = options_;
+    across.shared_memory(false).group_name(options_.group_name() + "/across-hosts-" + std::to_string(o.local_rank));
+    engine->across = std::make_shared<ProcessGroup>(store_, topology_.host_of_rank[rank_],
+                                                    static_cast<int>(hosts.size()), across);
+  }
+  engine->start();
+  shm_ = std::move(engine);
+}
+
+bool ProcessGroup::uses_shared_memory() const { return shm_ != nullptr; }
+bool ProcessGroup::hierarchical() const { return shm_ && shm_->across; }
+
+bool ProcessGroup::shm_takes(const at::Tensor& t) const {
+  return shm_ && !shm_->across && t.device().is_cpu() && !t.is_sparse();
+}
+
+FuturePtr ProcessGroup::shm_issue(const std::string& what, uint64_t bus_bytes, const at::Tensor& value,
+                                  std::function<void()> op) {
+  auto result = make_tensor_future(value.device());
+  post([this, what, bus_bytes, value, result, op = std::move(op)] {
+    count(bus_bytes, bus_bytes, /*shared_memory=*/true);
+    const int rank = rank_, world = world_size_;
+    shm_->post([what, value, result, op, rank, world] {
+      try {
+        op();
+      } catch (...) {
+        fail(result, what + " in shared memory", rank, world, std::current_exception());
+        return;
+      }
+      result->markCompleted(c10::IValue(value));
+    });
+  });
+  return result;
 }
 
 void ProcessGroup::sequencer_loop() {
@@ -171,12 +300,12 @@ void ProcessGroup::post(Job job) {
   cv_.notify_one();
 }
 
-void ProcessGroup::count(uint64_t bytes_sent, uint64_t bytes_received) {
+void ProcessGroup::count(uint64_t bytes_sent, uint64_t bytes_received, bool shared_memory) {
   std::lock_guard<std::mutex> lock(stats_mutex_);
   for (CommStats* s : {&totals_, TrafficScope::current() >= 0 ? &by_key_[TrafficScope::current()] : nullptr}) {
     if (!s) continue;
-    s->bytes_sent += bytes_sent;
-    s->bytes_received += bytes_received;
+    (shared_memory ? s->shm_bytes_sent : s->bytes_sent) += bytes_sent;
+    (shared_memory ? s->shm_bytes_received : s->bytes_received) += bytes_received;
     s->collectives += 1;
   }
 }
@@ -258,6 +387,54 @@ bool ProcessGroup::use_two_phase(const at::Tensor& tensor, c10d::ReduceOp op) co
 FuturePtr ProcessGroup::allreduce(const at::Tensor& tensor, c10d::ReduceOp op) {
   // One rank: every reduction is the identity (and Gloo would reject bfloat16).
   if (world_size_ == 1 && options_.backend() == "gloo") return completed_future(tensor);
+  const bool avg = op == c10d::ReduceOp::AVG;
+  if (shm_ && tensor.device().is_cpu() && !tensor.is_sparse() && (op == c10d::ReduceOp::SUM || avg) &&
+      codecs::sums_raw(tensor.scalar_type())) {
+    const double scale = avg ? 1.0 / world_size_ : 1.0;
+    const uint64_t n = static_cast<uint64_t>(world_size_);
+    const std::string what = "allreduce (" + describe_tensor(tensor) + ")";
+    if (!shm_->across)
+      return shm_issue(what, 2 * (n - 1) * bytes_of(tensor) / n, tensor, [this, tensor, scale] {
+        on_contiguous(tensor, [&](const at::Tensor& c) {
+          shm_->domain->allreduce(c.data_ptr(), c.numel(), c.scalar_type(), scale);
+        });
+      });
+    // Hierarchical: the network carries each host's sum once, split over its ranks.
+    const uint64_t hosts = static_cast<uint64_t>(topology_.hosts()), local = static_cast<uint64_t>(topology_.local_size());
+    const uint64_t net = 2 * (hosts - 1) * bytes_of(tensor) / hosts / local;
+    auto result = make_tensor_future(tensor.device());
+    post([this, tensor, scale, net, local, what, result] {
+      count(net, net);
+      count(2 * (local - 1) * bytes_of(tensor) / local, 2 * (local - 1) * bytes_of(tensor) / local, true);
+      const int rank = rank_, world = world_size_;
+      shm_->post([this, tensor, scale, what, result, rank, world] {
+        try {
+          on_contiguous(tensor, [&](const at::Tensor& c) { hierarchical_allreduce(c, scale); });
+        } catch (...) {
+          fail(result, what + " (hierarchical: shared memory within hosts, gloo across)", rank, world,
+               std::current_exception());
+          return;
+        }
+        result->markCompleted(c10::IValue(tensor));
+      });
+    });
+    return result;
+  }
+  if (avg) {
+    // Gloo has no AVG: a SUM, divided when it lands.
+    auto result = make_tensor_future(tensor.device());
+    const int rank = rank_, world = world_size_;
+    allreduce(tensor, c10d::ReduceOp::SUM)->addCallback([tensor, result, rank, world](c10::ivalue::Future& f) {
+      if (f.hasError()) return result->setError(f.exception_ptr());
+      try {
+        tensor.div_(world);
+        result->markCompleted(c10::IValue(tensor));
+      } catch (...) {
+        fail(result, "allreduce (AVG)", rank, world, std::current_exception());
+      }
+    });
+    return result;
+  }
   if (use_two_phase(tensor, op)) {
     auto result = make_tensor_future(tensor.device());
     post([this, tensor, result] { two_phase_allreduce(tensor, result); });
@@ -311,6 +488,44 @@ FuturePtr ProcessGroup::allreduce(const at::Tensor& tensor, c10d::ReduceOp op) {
     o.timeout = options_.timeout();
     return backend_->allreduce(v, o);
   });
+}
+
+// On the shm thread, `data` contiguous. Local rank l owns row l of the tensor viewed as
+// [local_size, m]: shared-memory reduce-scatter gives it its host's sum of row l, the group of the
+// ranks with local rank l on every host allreduces that shard over Gloo, and a shared-memory
+// allgather hands every shard to every local rank. In pieces, so piece k crosses the network
+// while piece k + 1 is reduced here.
+void ProcessGroup::hierarchical_allreduce(const at::Tensor& data, double scale) {
+  shm::Domain& d = *shm_->domain;
+  const int64_t L = d.local_size(), numel = data.numel(), m = (numel + L - 1) / L;
+  const auto dtype = data.scalar_type();
+  const int64_t elt = static_cast<int64_t>(data.element_size());
+  at::Tensor rows = data.view({-1});
+  const bool padded = m * L != numel;
+  if (padded) {
+    rows = take_workspace(dtype, m * L);
+    rows.narrow(0, 0, numel).copy_(data.view({-1}));
+    rows.narrow(0, numel, m * L - numel).zero_();
+  }
+  at::Tensor shard = take_workspace(dtype, std::max<int64_t>(m, 1));
+  const int64_t piece = std::max<int64_t>(1, std::max<int64_t>(options_.piece_bytes(), 1 << 20) / elt);
+  auto* rows_ptr = static_cast<uint8_t*>(rows.data_ptr());
+  std::vector<std::pair<int64_t, FuturePtr>> across;
+  for (int64_t off = 0; off < m; off += piece) {
+    const int64_t c = std::min(piece, m - off);
+    d.reduce_scatter(rows_ptr + off * elt, static_cast<uint8_t*>(shard.data_ptr()) + off * elt, c, dtype, m);
+    across.emplace_back(off, shm_->across->allreduce(shard.narrow(0, off, c)));
+  }
+  for (auto& [off, future] : across) {
+    at::Tensor part = ProcessGroup::wait(future);
+    if (scale != 1.0) part.mul_(scale);
+    d.allgather(part.data_ptr(), rows_ptr + off * elt, part.numel() * elt, m * elt);
+  }
+  give_workspace(shard);
+  if (padded) {
+    data.view({-1}).copy_(rows.narrow(0, 0, numel));
+    give_workspace(rows);
+  }
 }
 
 // Allreduce as two alltoalls (Gloo's alltoall moves ~2.5x the bytes per second of its ring
@@ -391,8 +606,48 @@ FuturePtr ProcessGroup::two_phase(std::shared_ptr<TwoPhaseJob> job, const at::Te
   DDPKIT_CHECK(job && job->pieces >= 1, what, ": two_phase needs a job with at least one piece");
   DDPKIT_CHECK(job->reduce, what, ": two_phase needs a reduce step");
   auto result = make_tensor_future(value.device());
+  if (shm_takes(job->send1)) {
+    // In shared memory, piece by piece: each exchange runs at memory speed, nothing to overlap.
+    post([this, job, value, what, result] {
+      const int rank = rank_, world = world_size_;
+      try {
+        check_two_phase(*job, what);
+        for (int64_t p = 0; p < job->pieces; ++p)
+          for (const at::Tensor* t : {&job->send1, &job->send2})
+            count(bytes_of(*t) / job->pieces * (world - 1) / world, bytes_of(*t) / job->pieces * (world - 1) / world, true);
+      } catch (...) {
+        return fail(result, what, rank, world, std::current_exception());
+      }
+      shm_->post([this, job, value, what, result, rank, world] {
+        try {
+          auto block = [&](const at::Tensor& t, int64_t p) {
+            const int64_t len = t.numel() / job->pieces;
+            return static_cast<uint8_t*>(t.data_ptr()) + p * len * t.element_size();
+          };
+          for (int64_t p = 0; p < job->pieces; ++p) {
+            if (job->encode) job->encode(p);
+            shm_->domain->alltoall(block(job->send1, p), block(job->recv1, p), bytes_of(job->send1) / job->pieces / world);
+            job->reduce(p);
+            shm_->domain->alltoall(block(job->send2, p), block(job->recv2, p), bytes_of(job->send2) / job->pieces / world);
+            if (job->decode) job->decode(p);
+          }
+        } catch (...) {
+          return fail(result, what + " in shared memory", rank, world, std::current_exception());
+        }
+        result->markCompleted(c10::IValue(value));
+      });
+    });
+    return result;
+  }
   post([this, job = std::move(job), value, what, result] { run_two_phase(job, value, what, result); });
   return result;
+}
+
+void ProcessGroup::check_two_phase(const TwoPhaseJob& job, const std::string& what) const {
+  for (const at::Tensor* t : {&job.send1, &job.recv1, &job.send2, &job.recv2})
+    DDPKIT_CHECK(t->defined() && t->is_contiguous() && t->numel() % (job.pieces * world_size_) == 0, what,
+                 ": two_phase buffers must be contiguous and split into ", job.pieces, " x ", world_size_,
+                 " equal chunks");
 }
 
 // On the sequencer. Issue order is fixed by the piece count alone (phase 1 of pieces 0 and 1,
@@ -412,9 +667,7 @@ void ProcessGroup::run_two_phase(const std::shared_ptr<TwoPhaseJob>& job, const 
     if (!progress->failed.exchange(true)) fail(result, what, rank, world, cause);
   };
   try {
-    for (const at::Tensor* t : {&job->send1, &job->recv1, &job->send2, &job->recv2})
-      DDPKIT_CHECK(t->defined() && t->is_contiguous() && t->numel() % (pieces * n) == 0, what,
-                   ": two_phase buffers must be contiguous and split into ", pieces, " x ", n, " equal chunks");
+    check_two_phase(*job, what);
     auto block = [pieces](const at::Tensor& t, int64_t p) {
       const int64_t len = t.numel() / pieces;
       return t.view({-1}).narrow(0, p * len, len);
@@ -459,6 +712,11 @@ void ProcessGroup::run_two_phase(const std::shared_ptr<TwoPhaseJob>& job, const 
 FuturePtr ProcessGroup::broadcast(const at::Tensor& tensor, int root) {
   DDPKIT_CHECK(root >= 0 && root < world_size_, "broadcast root must be in [0, ", world_size_, "), got ", root);
   const uint64_t n = static_cast<uint64_t>(world_size_);
+  if (shm_takes(tensor))
+    return shm_issue("broadcast from rank " + std::to_string(root) + " (" + describe_tensor(tensor) + ")",
+                     (n - 1) * bytes_of(tensor) / n, tensor, [this, tensor, root] {
+                       on_contiguous(tensor, [&](const at::Tensor& c) { shm_->domain->broadcast(c.data_ptr(), bytes_of(c), root); });
+                     });
   return issue("broadcast from rank " + std::to_string(root) + " (" + describe_tensor(tensor) + ")",
                (n - 1) * bytes_of(tensor) / n, tensor, [this, tensor, root] {
                  std::vector<at::Tensor> v{tensor};
@@ -476,6 +734,17 @@ FuturePtr ProcessGroup::allgather(const std::vector<at::Tensor>& outputs, const 
     DDPKIT_CHECK(outputs[k].numel() == input.numel() && outputs[k].scalar_type() == input.scalar_type(),
                  "allgather: output ", k, " is ", describe_tensor(outputs[k]), ", the input ", describe_tensor(input));
   const uint64_t n = static_cast<uint64_t>(world_size_);
+  if (shm_takes(input)) {
+    return shm_issue("allgather (" + describe_tensor(input) + " per rank)", (n - 1) * bytes_of(input), input,
+                     [this, outputs, input] {
+                       const at::Tensor in = input.contiguous();
+                       const int64_t m = in.numel();
+                       at::Tensor all = take_workspace(in.scalar_type(), m * world_size_);
+                       shm_->domain->allgather(in.data_ptr(), all.data_ptr(), bytes_of(in));
+                       for (int k = 0; k < world_size_; ++k) outputs[k].copy_(all.narrow(0, k * m, m).view(outputs[k].sizes()));
+                       give_workspace(all);
+                     });
+  }
   if (options_.backend() == "gloo" && input.device().is_cpu() && !input.is_sparse()) {
     auto result = make_tensor_future(input.device());
     post([this, outputs, input, result] { gloo_allgather(outputs, input, result); });
@@ -537,9 +806,21 @@ FuturePtr ProcessGroup::alltoall(const at::Tensor& output, const at::Tensor& inp
   DDPKIT_CHECK(input.size(0) % world_size_ == 0, "alltoall: dim 0 (", input.size(0),
                ") must divide evenly among ", world_size_, " ranks");
   const uint64_t n = static_cast<uint64_t>(world_size_);
+  DDPKIT_CHECK(bytes_of(output) == bytes_of(input), "alltoall: output is ", describe_tensor(output), ", the input ",
+               describe_tensor(input));
+  if (shm_takes(input))
+    return shm_issue("alltoall (" + describe_tensor(input) + ")", (n - 1) * bytes_of(input) / n, output,
+                     [this, output, input] {
+                       const at::Tensor in = input.contiguous();
+                       on_contiguous(output, [&](const at::Tensor& out) {
+                         shm_->domain->alltoall(in.data_ptr(), out.data_ptr(), bytes_of(in) / world_size_);
+                       });
+                     });
   return issue("alltoall (" + describe_tensor(input) + ")", (n - 1) * bytes_of(input) / n, output,
                [this, output, input] {
-                 at::Tensor out = output, in = input;
+                 // Only bytes move: Gloo has no bfloat16, so 16-bit types travel as bytes.
+                 const bool half = input.scalar_type() == at::kHalf || input.scalar_type() == at::kBFloat16;
+                 at::Tensor out = half ? output.view(at::kByte) : output, in = half ? input.view(at::kByte) : input;
                  std::vector<int64_t> equal;
                  c10d::AllToAllOptions o;
                  o.timeout = options_.timeout();
@@ -554,6 +835,13 @@ FuturePtr ProcessGroup::reduce_scatter(const at::Tensor& output, const at::Tenso
                "reduce_scatter: input ", describe_tensor(input), " and output ", describe_tensor(output),
                " must share dtype and device");
   DDPKIT_CHECK(input.is_contiguous() && output.is_contiguous(), "reduce_scatter: tensors must be contiguous");
+  if (shm_takes(input) && codecs::sums_raw(input.scalar_type())) {
+    const uint64_t n = static_cast<uint64_t>(world_size_);
+    return shm_issue("reduce_scatter (" + describe_tensor(input) + ")", (n - 1) * bytes_of(input) / n, output,
+                     [this, output, input] {
+                       shm_->domain->reduce_scatter(input.data_ptr(), output.data_ptr(), output.numel(), input.scalar_type());
+                     });
+  }
   if (options_.backend() == "nccl") {
     const uint64_t n = static_cast<uint64_t>(world_size_);
     return issue("reduce_scatter (" + describe_tensor(input) + ")", (n - 1) * bytes_of(input) / n, output,
@@ -568,10 +856,7 @@ FuturePtr ProcessGroup::reduce_scatter(const at::Tensor& output, const at::Tenso
   at::Tensor received = take_workspace(input.scalar_type(), input.numel()).view({world_size_, output.numel()});
   auto result = make_tensor_future(output.device());
   const int rank = rank_, world = world_size_;
-  // Gloo has no bfloat16 (nor int16): move 16-bit types as bytes (alltoall only moves bytes).
-  const bool half = input.scalar_type() == at::kHalf || input.scalar_type() == at::kBFloat16;
-  const at::Tensor send = input.reshape({world_size_, -1});
-  alltoall(half ? received.view(at::kByte) : received, half ? send.view(at::kByte) : send)
+  alltoall(received, input.reshape({world_size_, -1}))
       ->addCallback([=](c10::ivalue::Future& f) {
     if (f.hasError()) {
       fail(result, "reduce_scatter", rank, world, f.exception_ptr());
@@ -597,6 +882,7 @@ FuturePtr ProcessGroup::barrier() {
   // An allreduce of one element: unlike c10d barrier it goes through the same ordered path and
   // carries the same error decoration.
   auto t = at::zeros({1}, at::kFloat);
+  if (shm_takes(t)) return shm_issue("barrier", 0, t, [this] { shm_->domain->barrier(); });
   return issue("barrier", 0, t, [this, t] {
     std::vector<at::Tensor> v{t};
     c10d::AllreduceOptions o;
@@ -728,7 +1014,8 @@ std::shared_ptr<ProcessGroup> init_process_group(const InitOptions& o) {
                                                .gloo_hostname(o.gloo_hostname())
                                                .two_phase_min_bytes(o.two_phase_min_bytes())
                                                .gloo_connections(o.gloo_connections())
-                                               .piece_bytes(o.piece_bytes()));
+                                               .piece_bytes(o.piece_bytes())
+                                               .shared_memory(o.shared_memory()));
   std::lock_guard<std::mutex> lock(g_default_mutex);
   if (!g_default) g_default = pg;
   return pg;

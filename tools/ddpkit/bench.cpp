@@ -407,7 +407,10 @@ int run_trainer_rank(const Setup& s, ProcessGroup& world, const std::string& hoo
   CommStats comm = pg->stats();
   if (sparse_pg) comm.bytes_sent += sparse_pg->stats().bytes_sent;
   const int64_t ps_sent = client ? client->traffic().bytes_sent - ps_base.bytes_sent : 0;
-  const double bytes_per_step = static_cast<double>(comm.bytes_sent - comm_base.bytes_sent + ps_sent) / iterations;
+  // Over the network and through shared memory (trainers on one host share it): what each hook moves.
+  const double bytes_per_step = static_cast<double>(comm.bytes_sent - comm_base.bytes_sent + comm.shm_bytes_sent -
+                                                    comm_base.shm_bytes_sent + ps_sent) /
+                                iterations;
 
   // ---- hand the metrics to trainer 0, which reports ----
   store_put(*store, "bench/series/" + std::to_string(rank), metrics::series_to_json(log->processed()));

@@ -437,9 +437,12 @@ int run_train(const std::vector<std::string>& args, const std::vector<std::strin
     table << "bucket  elements   sent/step B  received/step B  vs allreduce\n";
     for (const auto& b : ddp->bucket_traffic()) {
       allreduce_bytes += b.allreduce_bytes;
-      sent += b.traffic.bytes_sent;
-      table << std::setw(6) << b.index << std::setw(10) << b.numel << std::setw(14) << (step ? b.traffic.bytes_sent / step : 0)
-            << std::setw(17) << (step ? b.traffic.bytes_received / step : 0) << std::setw(13) << std::fixed
+      // Over the network or through shared memory (ranks on one host): what the hook moved.
+      const uint64_t moved = b.traffic.bytes_sent + b.traffic.shm_bytes_sent;
+      sent += moved;
+      table << std::setw(6) << b.index << std::setw(10) << b.numel << std::setw(14) << (step ? moved / step : 0)
+            << std::setw(17) << (step ? (b.traffic.bytes_received + b.traffic.shm_bytes_received) / step : 0)
+            << std::setw(13) << std::fixed
             << std::setprecision(2) << b.compression_ratio() << "x\n";
     }
     compression_ratio = sent ? static_cast<double>(allreduce_bytes) / static_cast<double>(sent) : 0.0;
@@ -456,6 +459,8 @@ int run_train(const std::vector<std::string>& args, const std::vector<std::strin
        << (train_seconds > 0 ? static_cast<double>(step) * batch * world / train_seconds : 0.0)
        << ", \"bytes_sent_per_step\": " << (step ? traffic.bytes_sent / step : 0)
        << ", \"bytes_received_per_step\": " << (step ? traffic.bytes_received / step : 0)
+       << ", \"shm_bytes_sent_per_step\": " << (step ? traffic.shm_bytes_sent / step : 0)
+       << ", \"shared_memory\": " << (pg && pg->uses_shared_memory() ? (pg->hierarchical() ? "\"hierarchical\"" : "\"host\"") : "false")
        << ", \"compression_ratio\": " << std::setprecision(3) << compression_ratio
        << ", \"test_accuracy\": ";
     if (accuracy >= 0) js << std::setprecision(4) << accuracy; else js << "null";

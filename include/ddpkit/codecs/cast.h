@@ -27,5 +27,11 @@ at::Tensor cast_scaled(const at::Tensor& src, at::ScalarType dtype, double scale
 // accumulating in fp32 (one rounding, not one per addition). Contiguous CPU tensors only.
 void sum_low_precision_into(const std::vector<at::Tensor>& inputs, const at::Tensor& out);
 
+// out[i] = scale * sum over k of inputs[k][i], on raw buffers of n elements of `dtype` (float32,
+// float64, float16, bfloat16; the 16-bit types accumulate in fp32 and round once). One thread:
+// the shared-memory collectives call it from every rank at once. `out` may be one of the inputs.
+bool sums_raw(c10::ScalarType dtype);
+void sum_raw(c10::ScalarType dtype, const void* const* inputs, int count, void* out, int64_t n, double scale = 1.0);
+
 }  // namespace codecs
 }  // namespace ddpkit

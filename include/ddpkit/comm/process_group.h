@@ -43,10 +43,14 @@ FuturePtr completed_future(const at::Tensor& value);
 // allreduce of B bytes over n ranks counts 2(n-1)/n*B each way, alltoall and broadcast (n-1)/n*B of
 // the full tensor, allgather (n-1)*B of one rank's input. A sparse allreduce counts (n-1) times this
 // rank's indices and values (Gloo pads every rank's part to the largest, so this is a lower bound).
+// Bytes moved through shared memory between ranks of one host are counted apart, by the same
+// model: bytes_sent/bytes_received are what went over the network.
 struct CommStats {
   uint64_t bytes_sent = 0;
   uint64_t bytes_received = 0;
   uint64_t collectives = 0;
+  uint64_t shm_bytes_sent = 0;
+  uint64_t shm_bytes_received = 0;
 };
 
 // Attributes traffic to `key` (the Reducer uses the bucket index) while alive on this thread:
@@ -105,6 +109,13 @@ struct ProcessGroupOptions {
   TORCH_ARG(int64_t, piece_bytes) = 1 << 20;
   // Key prefix in the store, so several groups can share one store.
   TORCH_ARG(std::string, group_name) = "default";
+  // Ranks on one host (topology()) exchange through a shared-memory segment of the group instead
+  // of loopback TCP: all collectives when every rank is on one host; with several hosts,
+  // allreduce is hierarchical (shared memory within hosts, Gloo between them). Used only where
+  // every rank of the host agrees; DDPKIT_SHM=0 in the environment turns it off too. CPU only.
+  TORCH_ARG(bool, shared_memory) = true;
+  // Bytes per rank per step of the shared-memory path (two such slots per rank are mapped).
+  TORCH_ARG(int64_t, shm_slot_bytes) = 1 << 20;
 };
 
 class ProcessGroup {
@@ -124,6 +135,10 @@ class ProcessGroup {
   // Which of this group's ranks share a host (same machine id, boot id and network namespace),
   // found through the store when the group was made.
   const HostTopology& topology() const { return topology_; }
+  // Whether collectives between this host's ranks go through shared memory (see the option),
+  // and whether allreduce across hosts is hierarchical.
+  bool uses_shared_memory() const;
+  bool hierarchical() const;
 
   // Collectives. All are asynchronous and in place where the c10d one is; each returns a future
   // whose value is the result tensor, or whose error is a CommError naming the operation.
@@ -181,12 +196,20 @@ class ProcessGroup {
                   std::function<c10::intrusive_ptr<c10d::Work>()> op);
   bool use_two_phase(const at::Tensor& tensor, c10d::ReduceOp op) const;
   void two_phase_allreduce(const at::Tensor& tensor, const FuturePtr& result);
+  void check_two_phase(const TwoPhaseJob& job, const std::string& what) const;
   void run_two_phase(const std::shared_ptr<TwoPhaseJob>& job, const at::Tensor& value, const std::string& what,
                      const FuturePtr& result);
   void gloo_allgather(const std::vector<at::Tensor>& outputs, const at::Tensor& input, const FuturePtr& result);
+  // Shared memory (src/comm/shm_domain.h): set up at construction, run on the group's shm thread.
+  struct Shm;
+  void setup_shared_memory(c10d::Store& store);
+  bool shm_takes(const at::Tensor& t) const;
+  // Runs `op` on the shm thread, in issue order; bus_bytes count as shared-memory bytes.
+  FuturePtr shm_issue(const std::string& what, uint64_t bus_bytes, const at::Tensor& value, std::function<void()> op);
+  void hierarchical_allreduce(const at::Tensor& data, double scale);
   void link(const c10::intrusive_ptr<c10d::Work>& work, const FuturePtr& result,
             const at::Tensor& value, const std::string& what);
-  void count(uint64_t bytes_sent, uint64_t bytes_received);
+  void count(uint64_t bytes_sent, uint64_t bytes_received, bool shared_memory = false);
   // Scratch tensors reused across calls: a fresh 100 MB allocation costs ~25k page faults, more
   // than the transfer itself. A buffer returns to the pool when its collective completes.
   at::Tensor take_workspace(at::ScalarType dtype, int64_t numel);
@@ -198,6 +221,7 @@ class ProcessGroup {
   ProcessGroupOptions options_;
   c10::intrusive_ptr<compat::Backend> backend_;
   HostTopology topology_;
+  std::unique_ptr<Shm> shm_;  // null: no shared memory
 
   std::mutex mutex_;
   std::condition_variable cv_;
@@ -229,6 +253,7 @@ struct InitOptions {
   TORCH_ARG(int64_t, two_phase_min_bytes) = 0;  // see ProcessGroupOptions
   TORCH_ARG(int, gloo_connections) = 1;         // see ProcessGroupOptions
   TORCH_ARG(int64_t, piece_bytes) = 1 << 20;    // see ProcessGroupOptions
+  TORCH_ARG(bool, shared_memory) = true;        // see ProcessGroupOptions
 };
 
 // Rendezvous and create a process group; the first one created also becomes the default group.

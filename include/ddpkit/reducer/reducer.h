@@ -35,9 +35,11 @@ struct BucketTraffic {
   int64_t numel = 0;
   CommStats traffic;              // what its hook's collectives sent and received
   uint64_t allreduce_bytes = 0;   // what a ring allreduce of the uncompressed buckets would have sent
-  // allreduce_bytes / bytes sent: 1 for allreduce, ~2 for fp16, ~4 for int8 (0 before any traffic).
+  // allreduce_bytes / bytes sent (over the network and through shared memory): 1 for allreduce,
+  // ~2 for fp16, ~4 for int8 (0 before any traffic).
   double compression_ratio() const {
-    return traffic.bytes_sent ? static_cast<double>(allreduce_bytes) / static_cast<double>(traffic.bytes_sent) : 0.0;
+    const uint64_t sent = traffic.bytes_sent + traffic.shm_bytes_sent;
+    return sent ? static_cast<double>(allreduce_bytes) / static_cast<double>(sent) : 0.0;
   }
 };
 

@@ -1,0 +1,475 @@
+#include "shm_domain.h"
+
+#include <ddpkit/codecs/cast.h>
+#include <ddpkit/error.h>
+
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <fcntl.h>
+#include <immintrin.h>
+#include <linux/futex.h>
+#include <sched.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <climits>
+#include <cstring>
+#include <random>
+#include <sstream>
+#include <stdexcept>
+
+namespace ddpkit {
+namespace shm {
+namespace {
+
+constexpr uint64_t kMagic = 0x64647073686d3031ull;  // "ddpshm01"
+enum Counter { kArrived = 0, kReduced = 1, kDone = 2 };
+enum Op : uint32_t { kAllreduce = 1, kReduceScatter, kAllgather, kBroadcast, kAlltoall, kBarrier };
+
+const char* op_name(uint32_t op) {
+  switch (op) {
+    case kAllreduce: return "allreduce";
+    case kReduceScatter: return "reduce_scatter";
+    case kAllgather: return "allgather";
+    case kBroadcast: return "broadcast";
+    case kAlltoall: return "alltoall";
+    case kBarrier: return "barrier";
+  }
+  return "?";
+}
+
+struct alignas(64) Word {
+  std::atomic<uint32_t> value{0};
+};
+static_assert(sizeof(std::atomic<uint32_t>) == 4, "futex words are 32-bit");
+
+// What a rank's collective is, written before its first `arrived` of that collective, so peers
+// that called something else say so instead of exchanging the wrong bytes.
+struct Announcement {
+  uint32_t op = 0;
+  int32_t dtype = 0;
+  int64_t size = 0;
+  int32_t root = 0;
+};
+
+struct RankControl {
+  Word counters[3];
+  Word sleepers;                     // peers asleep (futex) on one of this rank's counters
+  alignas(64) Announcement said[2];  // by step parity: a slot's announcement lives as long as it
+};
+
+struct Header {
+  uint64_t magic;
+  int64_t slot_bytes;
+  int32_t local_size;
+};
+
+size_t round_up(size_t x, size_t to) { return (x + to - 1) / to * to; }
+size_t control_offset() { return 64; }
+size_t data_offset(int local_size) { return round_up(control_offset() + sizeof(RankControl) * local_size, 4096); }
+size_t segment_bytes(int local_size, int64_t slot_bytes) {
+  return data_offset(local_size) + static_cast<size_t>(local_size) * 2 * static_cast<size_t>(slot_bytes);
+}
+
+bool reached(uint32_t value, uint32_t target) { return static_cast<int32_t>(value - target) >= 0; }
+
+std::string errno_text(int e) { return std::strerror(e); }
+
+std::string random_name() {
+  std::random_device rd;
+  const uint64_t x = (static_cast<uint64_t>(rd()) << 32) ^ rd();
+  std::ostringstream os;
+  os << "/ddpkit-" << getpid() << "-" << std::hex << x;
+  return os.str();
+}
+
+// Holds each rank's liveness lock: the kernel drops it when the process dies.
+bool lock_byte(int fd, int index) {
+  struct flock fl {};
+  fl.l_type = F_WRLCK;
+  fl.l_whence = SEEK_SET;
+  fl.l_start = index;
+  fl.l_len = 1;
+  return fcntl(fd, F_OFD_SETLK, &fl) == 0;
+}
+
+std::string text(const std::vector<uint8_t>& v) { return std::string(v.begin(), v.end()); }
+std::vector<uint8_t> bytes(const std::string& s) { return std::vector<uint8_t>(s.begin(), s.end()); }
+
+}  // namespace
+
+struct Domain::Segment {
+  static Header* header(void* base) { return static_cast<Header*>(base); }
+  static RankControl* control(void* base, int r) {
+    return reinterpret_cast<RankControl*>(static_cast<uint8_t*>(base) + control_offset()) + r;
+  }
+};
+
+std::unique_ptr<Domain> Domain::create(c10d::Store& store, const std::string& key, DomainOptions o) {
+  DDPKIT_CHECK(o.local_size >= 1 && o.local_rank >= 0 && o.local_rank < o.local_size, "shared memory: local rank ",
+               o.local_rank, " of ", o.local_size);
+  DDPKIT_CHECK(o.slot_bytes >= 4096 && o.slot_bytes % 64 == 0, "shared memory: slot_bytes must be a multiple of 64 "
+               "and at least 4096, got ", o.slot_bytes);
+  const bool leader = o.local_rank == 0;
+  std::string name, error;
+  int fd = -1;
+  void* base = nullptr;
+  size_t size = 0;
+  auto cleanup = [&] {
+    if (base) munmap(base, size);
+    if (fd >= 0) close(fd);
+    base = nullptr;
+    fd = -1;
+  };
+  if (leader) {
+    name = random_name();
+    size = segment_bytes(o.local_size, o.slot_bytes);
+    fd = shm_open(name.c_str(), O_RDWR | O_CREAT | O_EXCL, 0600);
+    if (fd < 0) {
+      error = "shm_open(" + name + ") failed: " + errno_text(errno);
+    } else if (int e = posix_fallocate(fd, 0, static_cast<off_t>(size))) {
+      // Reserved now: a full /dev/shm is an error here, not a SIGBUS in the middle of a step.
+      error = "cannot reserve " + std::to_string(size >> 20) + " MiB in /dev/shm for " + name + ": " + errno_text(e);
+    } else if ((base = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0)) == MAP_FAILED) {
+      base = nullptr;
+      error = "mmap of " + name + " failed: " + errno_text(errno);
+    } else {
+      new (base) Header{kMagic, o.slot_bytes, o.local_size};
+      for (int r = 0; r < o.local_size; ++r) new (Segment::control(base, r)) RankControl();
+    }
+    store.set(key + "/name", bytes(error.empty() ? name : "!" + error));
+    if (!error.empty() && fd >= 0) shm_unlink(name.c_str());
+  } else {
+    try {
+      store.wait({key + "/name"}, o.timeout);
+    } catch (const std::exception& e) {
+      throw std::runtime_error("shared memory: local rank 0 did not publish the segment within " +
+                               std::to_string(o.timeout.count()) + " ms (" + e.what() + ")");
+    }
+    name = text(store.get(key + "/name"));
+    if (!name.empty() && name[0] == '!') throw std::runtime_error("shared memory: local rank 0: " + name.substr(1));
+    struct stat st {};
+    fd = shm_open(name.c_str(), O_RDWR, 0);
+    if (fd < 0) {
+      error = "shm_open(" + name + ") failed: " + errno_text(errno);
+    } else if (fstat(fd, &st) != 0 || st.st_size < static_cast<off_t>(sizeof(Header))) {
+      error = name + " is not a ddpkit segment";
+    } else if ((base = mmap(nullptr, st.st_size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0)) == MAP_FAILED) {
+      base = nullptr;
+      error = "mmap of " + name + " failed: " + errno_text(errno);
+    } else {
+      size = st.st_size;
+      const Header* h = Segment::header(base);
+      if (h->magic != kMagic || h->local_size != o.local_size ||
+          size < segment_bytes(h->local_size, h->slot_bytes)) {
+        error = name + " does not match this group (" + std::to_string(o.local_size) + " local ranks)";
+      } else {
+        o.slot_bytes = h->slot_bytes;
+      }
+    }
+  }
+  if (error.empty() && !lock_byte(fd, o.local_rank)) error = "cannot lock " + name + ": " + errno_text(errno);
+  if (!error.empty()) store.set(key + "/error", bytes("local rank " + std::to_string(o.local_rank) + ": " + error));
+  // The last to map says so; then the name can go.
+  if (store.add(key + "/mapped", 1) == o.local_size) store.set(key + "/ready", bytes("1"));
+  std::string failure;
+  try {
+    store.wait({key + "/ready"}, o.timeout);
+    if (store.check({key + "/error"})) failure = text(store.get(key + "/error"));
+  } catch (const std::exception& e) {
+    failure = "not every local rank mapped the segment within " + std::to_string(o.timeout.count()) + " ms (" +
+              e.what() + ")";
+  }
+  if (leader && !name.empty() && name[0] != '!') shm_unlink(name.c_str());
+  if (!failure.empty()) {
+    cleanup();
+    throw std::runtime_error("shared memory: " + failure);
+  }
+  return std::unique_ptr<Domain>(new Domain(std::move(o), name, fd, base, size));
+}
+
+Domain::Domain(DomainOptions options, std::string name, int fd, void* base, size_t bytes)
+    : options_(std::move(options)), name_(std::move(name)), fd_(fd), base_(base), bytes_(bytes) {}
+
+Domain::~Domain() {
+  if (base_) munmap(base_, bytes_);
+  if (fd_ >= 0) close(fd_);
+}
+
+uint8_t* Domain::slot(int rank, uint32_t step) const {
+  return static_cast<uint8_t*>(base_) + data_offset(options_.local_size) +
+         (static_cast<size_t>(rank) * 2 + (step & 1)) * static_cast<size_t>(options_.slot_bytes);
+}
+
+void Domain::fail(const std::string& message) {
+  broken_ = message;
+  throw std::runtime_error(message);
+}
+
+bool Domain::peer_alive(int peer) const {
+  struct flock fl {};
+  fl.l_type = F_WRLCK;
+  fl.l_whence = SEEK_SET;
+  fl.l_start = peer;
+  fl.l_len = 1;
+  if (fcntl(fd_, F_OFD_GETLK, &fl) != 0) return true;  // cannot tell: the deadline still holds
+  return fl.l_type != F_UNLCK;
+}
+
+void Domain::publish(int counter, uint32_t value) {
+  RankControl* me = Segment::control(base_, options_.local_rank);
+  me->counters[counter].value.store(value, std::memory_order_seq_cst);
+  if (me->sleepers.value.load(std::memory_order_seq_cst) > 0)
+    syscall(SYS_futex, &me->counters[counter].value, FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
+}
+
+int Domain::group_rank(int local) const {
+  return options_.group_ranks.empty() ? local : options_.group_ranks[local];
+}
+
+void Domain::wait_peer(int peer, int counter, uint32_t target) {
+  RankControl* p = Segment::control(base_, peer);
+  std::atomic<uint32_t>& word = p->counters[counter].value;
+  if (reached(word.load(std::memory_order_acquire), target)) return;
+  // Peers usually arrive within microseconds: spin, then yield, then sleep.
+  for (int i = 0; i < 2000; ++i) {
+    _mm_pause();
+    if (reached(word.load(std::memory_order_acquire), target)) return;
+  }
+  const auto yield_until = std::chrono::steady_clock::now() + std::chrono::microseconds(100);
+  while (std::chrono::steady_clock::now() < yield_until) {
+    sched_yield();
+    if (reached(word.load(std::memory_order_acquire), target)) return;
+  }
+  for (int round = 1;; ++round) {
+    p->sleepers.value.fetch_add(1, std::memory_order_seq_cst);
+    const uint32_t seen = word.load(std::memory_order_seq_cst);
+    if (!reached(seen, target)) {
+      const timespec nap{0, 2 * 1000 * 1000};  // a missed wake costs at most this
+      syscall(SYS_futex, &word, FUTEX_WAIT, seen, &nap, nullptr, 0);
+    }
+    p->sleepers.value.fetch_sub(1, std::memory_order_seq_cst);
+    if (reached(word.load(std::memory_order_acquire), target)) return;
+    if (round % 16 == 0 && !peer_alive(peer))
+      fail("rank " + std::to_string(group_rank(peer)) + " (on this host) died during shared-memory " + what_);
+    if (std::chrono::steady_clock::now() > deadline_)
+      fail("rank " + std::to_string(group_rank(peer)) + " (on this host) did not take its part in shared-memory " +
+           what_ + " within " + std::to_string(options_.timeout.count()) +
+           " ms (stopped, hung, or not calling the same collective)");
+  }
+}
+
+void Domain::wait_all(int counter, uint32_t target) {
+  for (int p = 0; p < options_.local_size; ++p)
+    if (p != options_.local_rank) wait_peer(p, counter, target);
+}
+
+void Domain::begin(uint32_t op, int64_t size, c10::ScalarType dtype, int root) {
+  op_ = op;
+  size_ = size;
+  dtype_ = dtype;
+  root_ = root;
+  std::ostringstream os;
+  os << op_name(op) << " of " << size << " " << (op == kAllreduce || op == kReduceScatter ? c10::toString(dtype) : "byte")
+     << " elements";
+  if (op == kBroadcast) os << " from local rank " << root;
+  what_ = os.str();
+  if (!broken_.empty()) throw std::runtime_error("shared memory is unusable after an earlier failure: " + broken_);
+  deadline_ = std::chrono::steady_clock::now() + options_.timeout;
+}
+
+void Domain::claim(uint32_t s, bool first) {
+  wait_all(kDone, s - 1);
+  if (first)
+    Segment::control(base_, options_.local_rank)->said[s & 1] =
+        Announcement{op_, static_cast<int32_t>(dtype_), size_, root_};
+}
+
+void Domain::check(int peer, uint32_t s) {
+  const Announcement a = Segment::control(base_, peer)->said[s & 1];
+  if (a.op == op_ && a.size == size_ && a.root == root_ &&
+      (a.dtype == static_cast<int32_t>(dtype_) || (op_ != kAllreduce && op_ != kReduceScatter)))
+    return;
+  std::ostringstream os;
+  os << "rank " << group_rank(peer) << " (on this host) called " << op_name(a.op) << " of " << a.size
+     << (a.op == kAllreduce || a.op == kReduceScatter ? std::string(" ") + c10::toString(static_cast<c10::ScalarType>(a.dtype)) : " byte")
+     << " elements" << (a.op == kBroadcast ? " from local rank " + std::to_string(a.root) : "") << " where this rank called "
+     << what_ << ": every rank must issue the same collectives in the same order";
+  fail(os.str());
+}
+
+// ---- collectives ---------------------------------------------------------------------------------
+// Each step: claim my slot, fill it, arrive; wait for every peer to arrive; read their slots; done.
+
+void Domain::allreduce(void* data, int64_t numel, c10::ScalarType dtype, double scale) {
+  DDPKIT_CHECK(codecs::sums_raw(dtype), "shared-memory allreduce: no sum for ", dtype);
+  begin(kAllreduce, numel, dtype, 0);
+  const int L = options_.local_size, me = options_.local_rank;
+  const int64_t elt = static_cast<int64_t>(c10::elementSize(dtype));
+  auto* base = static_cast<uint8_t*>(data);
+  // Each rank sums one slice of every step's chunk: slices are whole cache lines.
+  const int64_t align = std::max<int64_t>(1, 64 / elt);
+  const int64_t per_step = std::max<int64_t>(align * L, options_.slot_bytes / elt / (align * L) * (align * L));
+  const void* inputs[64];
+  DDPKIT_CHECK(L <= 64, "shared memory supports at most 64 ranks per host, got ", L);
+  for (int64_t off = 0, first = 1; first || off < numel; first = 0) {
+    const int64_t c = std::min(per_step, numel - off);
+    const int64_t q = ((c + L - 1) / L + align - 1) / align * align;  // slice: c / L, rounded up to `align`
+    auto len = [&](int j) { return std::max<int64_t>(0, std::min(c, (j + 1) * q) - j * q); };
+    const uint32_t s = step_;
+    claim(s, first);
+    uint8_t* mine = slot(me, s);
+    for (int j = 0; j < L; ++j)
+      if (j != me && len(j) > 0) std::memcpy(mine + j * q * elt, base + (off + j * q) * elt, len(j) * elt);
+    publish(kArrived, s + 1);
+    wait_all(kArrived, s + 1);
+    if (first)
+      for (int p = 0; p < L; ++p)
+        if (p != me) check(p, s);
+    if (len(me) > 0) {
+      int k = 0;
+      inputs[k++] = base + (off + me * q) * elt;
+      for (int p = 0; p < L; ++p)
+        if (p != me) inputs[k++] = slot(p, s) + me * q * elt;
+      codecs::sum_raw(dtype, inputs, k, mine + me * q * elt, len(me), scale);
+    }
+    publish(kReduced, s + 1);
+    wait_all(kReduced, s + 1);
+    for (int j = 0; j < L; ++j)
+      if (len(j) > 0) std::memcpy(base + (off + j * q) * elt, slot(j, s) + j * q * elt, len(j) * elt);
+    publish(kDone, s + 1);
+    step_ = s + 1;
+    off += c;
+  }
+}
+
+void Domain::reduce_scatter(const void* in, void* out, int64_t numel, c10::ScalarType dtype, int64_t in_stride) {
+  if (in_stride < 0) in_stride = numel;
+  DDPKIT_CHECK(codecs::sums_raw(dtype), "shared-memory reduce_scatter: no sum for ", dtype);
+  begin(kReduceScatter, numel, dtype, 0);
+  const int L = options_.local_size, me = options_.local_rank;
+  const int64_t elt = static_cast<int64_t>(c10::elementSize(dtype));
+  const auto* src = static_cast<const uint8_t*>(in);
+  auto* dst = static_cast<uint8_t*>(out);
+  const int64_t per_step = std::max<int64_t>(1, options_.slot_bytes / elt / L);  // one part per rank
+  const void* inputs[64];
+  DDPKIT_CHECK(L <= 64, "shared memory supports at most 64 ranks per host, got ", L);
+  for (int64_t off = 0, first = 1; first || off < numel; first = 0) {
+    const int64_t c = std::min(per_step, numel - off);
+    const uint32_t s = step_;
+    claim(s, first);
+    uint8_t* mine = slot(me, s);
+    for (int j = 0; j < L; ++j)
+      if (j != me && c > 0) std::memcpy(mine + j * per_step * elt, src + (j * in_stride + off) * elt, c * elt);
+    publish(kArrived, s + 1);
+    wait_all(kArrived, s + 1);
+    if (first)
+      for (int p = 0; p < L; ++p)
+        if (p != me) check(p, s);
+    if (c > 0) {
+      int k = 0;
+      inputs[k++] = src + (me * in_stride + off) * elt;
+      for (int p = 0; p < L; ++p)
+        if (p != me) inputs[k++] = slot(p, s) + me * per_step * elt;
+      codecs::sum_raw(dtype, inputs, k, dst + off * elt, c);
+    }
+    publish(kDone, s + 1);
+    step_ = s + 1;
+    off += c;
+  }
+}
+
+void Domain::allgather(const void* in, void* out, int64_t bytes, int64_t out_stride) {
+  if (out_stride < 0) out_stride = bytes;
+  begin(kAllgather, bytes, c10::ScalarType::Byte, 0);
+  const int L = options_.local_size, me = options_.local_rank;
+  const auto* src = static_cast<const uint8_t*>(in);
+  auto* dst = static_cast<uint8_t*>(out);
+  for (int64_t off = 0, first = 1; first || off < bytes; first = 0) {
+    const int64_t c = std::min<int64_t>(options_.slot_bytes, bytes - off);
+    const uint32_t s = step_;
+    claim(s, first);
+    std::memcpy(slot(me, s), src + off, c);
+    publish(kArrived, s + 1);
+    wait_all(kArrived, s + 1);
+    if (first)
+      for (int p = 0; p < L; ++p)
+        if (p != me) check(p, s);
+    for (int p = 0; p < L; ++p) std::memcpy(dst + p * out_stride + off, p == me ? src + off : slot(p, s), c);
+    publish(kDone, s + 1);
+    step_ = s + 1;
+    off += c;
+  }
+}
+
+void Domain::broadcast(void* data, int64_t bytes, int root) {
+  DDPKIT_CHECK(root >= 0 && root < options_.local_size, "shared-memory broadcast: root ", root, " outside 0..",
+               options_.local_size - 1);
+  begin(kBroadcast, bytes, c10::ScalarType::Byte, root);
+  const int me = options_.local_rank;
+  auto* base = static_cast<uint8_t*>(data);
+  for (int64_t off = 0, first = 1; first || off < bytes; first = 0) {
+    const int64_t c = std::min<int64_t>(options_.slot_bytes, bytes - off);
+    const uint32_t s = step_;
+    if (me == root) {
+      claim(s, first);
+      std::memcpy(slot(me, s), base + off, c);
+      publish(kArrived, s + 1);
+    } else {
+      wait_peer(root, kArrived, s + 1);
+      if (first) check(root, s);
+      std::memcpy(base + off, slot(root, s), c);
+    }
+    publish(kDone, s + 1);
+    step_ = s + 1;
+    off += c;
+  }
+}
+
+void Domain::alltoall(const void* in, void* out, int64_t bytes_per_rank) {
+  begin(kAlltoall, bytes_per_rank, c10::ScalarType::Byte, 0);
+  const int L = options_.local_size, me = options_.local_rank;
+  const auto* src = static_cast<const uint8_t*>(in);
+  auto* dst = static_cast<uint8_t*>(out);
+  const int64_t m = bytes_per_rank;
+  const int64_t per_step = options_.slot_bytes / L / 64 * 64;
+  std::memcpy(dst + me * m, src + me * m, m);
+  for (int64_t off = 0, first = 1; first || off < m; first = 0) {
+    const int64_t c = std::min(per_step, m - off);
+    const uint32_t s = step_;
+    claim(s, first);
+    uint8_t* mine = slot(me, s);
+    for (int j = 0; j < L; ++j)
+      if (j != me) std::memcpy(mine + j * per_step, src + j * m + off, c);
+    publish(kArrived, s + 1);
+    wait_all(kArrived, s + 1);
+    if (first)
+      for (int p = 0; p < L; ++p)
+        if (p != me) check(p, s);
+    for (int p = 0; p < L; ++p)
+      if (p != me) std::memcpy(dst + p * m + off, slot(p, s) + me * per_step, c);
+    publish(kDone, s + 1);
+    step_ = s + 1;
+    off += c;
+  }
+}
+
+void Domain::barrier() {
+  begin(kBarrier, 0, c10::ScalarType::Byte, 0);
+  const uint32_t s = step_;
+  claim(s, true);
+  publish(kArrived, s + 1);
+  wait_all(kArrived, s + 1);
+  for (int p = 0; p < options_.local_size; ++p)
+    if (p != options_.local_rank) check(p, s);
+  publish(kDone, s + 1);
+  step_ = s + 1;
+}
+
+}  // namespace shm
+}  // namespace ddpkit

@@ -1,0 +1,105 @@
+// Collectives between the ranks of one host through one POSIX shared-memory segment (internal:
+// ProcessGroup routes to it; see docs/shared_memory.md).
+//
+// Layout: a header, one control block per local rank (its step counters, each on its own cache
+// line, written only by that rank) and two data slots per local rank. A collective is cut into
+// steps of at most one slot; step s uses slot s % 2, so filling the next step overlaps peers still
+// reading the last one. Each step is three counters, all monotone: `arrived` (my slot holds my
+// data), `reduced` (my slice of the sum is in my slot; allreduce only) and `done` (I have read
+// what I need from every peer's slot). No lock: a rank only ever writes its own counters and its
+// own slots, and waits for peers' counters with a deadline.
+//
+// Waiting spins briefly, then sleeps on a futex in the segment. A dead peer is noticed through an
+// open-file-description lock each rank holds on one byte of the segment (the kernel drops it when
+// the process dies, in any PID namespace); a stalled one by the group's timeout. After a failure
+// the domain refuses every later collective with the first error: the steps are out of step.
+#pragma once
+
+#include <c10/core/ScalarType.h>
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace c10d {
+class Store;
+}
+
+namespace ddpkit {
+namespace shm {
+
+struct DomainOptions {
+  int local_rank = 0;
+  int local_size = 1;
+  std::vector<int> group_ranks;  // group rank of each local rank (for error messages)
+  std::chrono::milliseconds timeout{300000};
+  int64_t slot_bytes = 1 << 20;  // taken from local rank 0, so every rank cuts steps alike
+};
+
+class Domain {
+ public:
+  // Collective over the local ranks: local rank 0 creates the segment under a random name and
+  // publishes it under `key` in `store`; every rank maps it and locks its byte; once all have,
+  // local rank 0 unlinks the name, so nothing is left in /dev/shm even if ranks are killed later.
+  static std::unique_ptr<Domain> create(c10d::Store& store, const std::string& key, DomainOptions options);
+  ~Domain();
+  Domain(const Domain&) = delete;
+  Domain& operator=(const Domain&) = delete;
+
+  int local_rank() const { return options_.local_rank; }
+  int local_size() const { return options_.local_size; }
+  int64_t slot_bytes() const { return options_.slot_bytes; }
+  const std::string& segment_name() const { return name_; }
+
+  // All in place or into the caller's buffers; each returns when this rank's part is done, or
+  // throws std::runtime_error naming the peer that died or did not arrive in time.
+  // data <- scale * sum over local ranks (16-bit types accumulate in fp32 and round once).
+  void allreduce(void* data, int64_t numel, c10::ScalarType dtype, double scale = 1.0);
+  // out (numel) <- sum over local ranks of block local_rank() of their `in`: local_size blocks of
+  // numel elements, block j starting at element j * in_stride (default numel).
+  void reduce_scatter(const void* in, void* out, int64_t numel, c10::ScalarType dtype, int64_t in_stride = -1);
+  // Block r of out <- local rank r's `in` (bytes); block r starts at byte r * out_stride (default bytes).
+  void allgather(const void* in, void* out, int64_t bytes, int64_t out_stride = -1);
+  // Every rank's data (bytes) <- local rank `root`'s.
+  void broadcast(void* data, int64_t bytes, int root);
+  // Block r (bytes_per_rank) of `in` goes to local rank r; block r of `out` comes from local rank r.
+  void alltoall(const void* in, void* out, int64_t bytes_per_rank);
+  void barrier();
+
+ private:
+  struct Segment;
+  Domain(DomainOptions options, std::string name, int fd, void* base, size_t bytes);
+  // Starts a collective: its deadline, and what this rank announces to its peers.
+  void begin(uint32_t op, int64_t size, c10::ScalarType dtype, int root);
+  // Waits until every peer is done with step s - 2 (which used the same slot as step s); on a
+  // collective's first step, then announces it.
+  void claim(uint32_t s, bool first);
+  // After `peer` arrived at step s (a collective's first): it must have announced the same call.
+  void check(int peer, uint32_t s);
+  void publish(int counter, uint32_t value);
+  void wait_peer(int peer, int counter, uint32_t target);
+  void wait_all(int counter, uint32_t target);
+  bool peer_alive(int peer) const;
+  [[noreturn]] void fail(const std::string& message);
+  uint8_t* slot(int rank, uint32_t step) const;
+  int group_rank(int local) const;
+
+  DomainOptions options_;
+  std::string name_;
+  int fd_ = -1;
+  void* base_ = nullptr;
+  size_t bytes_ = 0;
+  uint32_t step_ = 0;  // steps taken: the same on every rank between collectives
+  uint32_t op_ = 0;
+  int64_t size_ = 0;
+  c10::ScalarType dtype_ = c10::ScalarType::Byte;
+  int root_ = 0;
+  std::string what_;  // "allreduce of 4096 float elements", for errors
+  std::chrono::steady_clock::time_point deadline_;
+  std::string broken_;  // the first failure; every later collective reports it
+};
+
+}  // namespace shm
+}  // namespace ddpkit

@@ -1,0 +1,244 @@
+// Shared-memory collectives (issue 15): every collective through shared memory against the same
+// collective over Gloo (a second group with shared_memory(false), same ranks), at world 1-4 and
+// sizes that do not divide evenly, with integer-valued data so every sum is exact and results
+// must be equal bit for bit. Ranks are threads here; tests/process_test.cpp kills real processes.
+#include "harness.h"
+
+#include <dirent.h>
+
+#include <future>
+
+namespace ddpkit {
+namespace {
+
+using testing::spawn_groups;
+
+ProcessGroupOptions shm_options(bool on, int64_t slot_bytes = 4096) {
+  return ProcessGroupOptions().gloo_hostname("127.0.0.1").shared_memory(on).shm_slot_bytes(slot_bytes)
+      .timeout(std::chrono::seconds(60));
+}
+
+// fn(rank, shm group, gloo group) on `world` rank threads.
+void with_both(int world, const std::function<void(int, ProcessGroup&, ProcessGroup&)>& fn, int64_t slot_bytes = 4096) {
+  spawn_groups(
+      world,
+      [&](const c10::intrusive_ptr<c10d::Store>& store, int r) {
+        set_compute_threads(1);
+        return std::make_shared<ProcessGroup>(store, r, world, shm_options(true, slot_bytes).group_name("shm"));
+      },
+      [&](int rank, std::shared_ptr<ProcessGroup> shm) {
+        auto gloo = std::make_shared<ProcessGroup>(shm->store(), rank, world, shm_options(false).group_name("gloo"));
+        EXPECT_EQ(shm->uses_shared_memory(), world > 1);
+        EXPECT_FALSE(gloo->uses_shared_memory());
+        fn(rank, *shm, *gloo);
+      });
+}
+
+at::Tensor integers(int64_t n, int rank, at::ScalarType dt, int salt = 0) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(1000 * rank + salt);
+  return at::randint(-50, 50, {n}, gen).to(dt);
+}
+
+bool same_bits(const at::Tensor& a, const at::Tensor& b) {
+  return a.sizes() == b.sizes() && a.scalar_type() == b.scalar_type() &&
+         at::equal(a.contiguous().view(at::kByte), b.contiguous().view(at::kByte));
+}
+
+std::vector<int64_t> sizes() { return {0, 1, 7, 1000, 4099, 100003}; }  // 4 KiB slots: many steps
+
+TEST(SharedMemory, AllreduceEqualsGloo) {
+  for (int world : {1, 2, 3, 4}) {
+    with_both(world, [&](int rank, ProcessGroup& shm, ProcessGroup& gloo) {
+      for (int64_t n : sizes())
+        for (auto dt : {at::kFloat, at::kDouble, at::kHalf, at::kBFloat16}) {
+          at::Tensor a = integers(n, rank, dt), b = a.clone();
+          ProcessGroup::wait(shm.allreduce(a));
+          ProcessGroup::wait(gloo.allreduce(b));
+          EXPECT_TRUE(same_bits(a, b)) << "world " << world << " n " << n << " " << dt;
+        }
+      // AVG (Gloo has none: ddpkit divides a SUM there).
+      at::Tensor a = integers(999, rank, at::kFloat) * world, b = a.clone();
+      ProcessGroup::wait(shm.allreduce(a, c10d::ReduceOp::AVG));
+      ProcessGroup::wait(gloo.allreduce(b, c10d::ReduceOp::AVG));
+      EXPECT_TRUE(at::allclose(a, b)) << "AVG, world " << world;
+      // In place on a strided view.
+      at::Tensor m = integers(60, rank, at::kFloat).view({6, 10}), v = m.t();
+      at::Tensor want = m.clone();
+      ProcessGroup::wait(gloo.allreduce(want));
+      ProcessGroup::wait(shm.allreduce(v));
+      EXPECT_TRUE(same_bits(m, want)) << "strided, world " << world;
+    });
+  }
+}
+
+// 2048 + 1 + 1 in float16: summed pairwise in float16 it stays 2048 (the spacing there is 2);
+// accumulated in fp32 and rounded once it is 2050.
+TEST(SharedMemory, HalfSumsAccumulateInFloat32) {
+  with_both(3, [&](int rank, ProcessGroup& shm, ProcessGroup&) {
+    for (auto dt : {at::kHalf, at::kBFloat16}) {
+      const float big = dt == at::kHalf ? 2048.f : 256.f, want = big + 2;
+      at::Tensor t = at::full({5000}, rank == 0 ? big : 1.f).to(dt);
+      ProcessGroup::wait(shm.allreduce(t));
+      EXPECT_TRUE(at::equal(t.to(at::kFloat), at::full({5000}, want))) << dt;
+    }
+  });
+}
+
+TEST(SharedMemory, BroadcastAllgatherAlltoallReduceScatterEqualGloo) {
+  for (int world : {1, 2, 3, 4}) {
+    with_both(world, [&](int rank, ProcessGroup& shm, ProcessGroup& gloo) {
+      for (int64_t n : sizes()) {
+        for (int root = 0; root < world; ++root) {
+          at::Tensor a = integers(n, rank, at::kFloat, root), b = a.clone();
+          ProcessGroup::wait(shm.broadcast(a, root));
+          ProcessGroup::wait(gloo.broadcast(b, root));
+          EXPECT_TRUE(same_bits(a, b)) << "broadcast from " << root << " world " << world << " n " << n;
+        }
+        for (auto dt : {at::kFloat, at::kBFloat16}) {
+          at::Tensor in = integers(n, rank, dt);
+          std::vector<at::Tensor> x, y;
+          for (int r = 0; r < world; ++r) x.push_back(at::empty({n}, dt)), y.push_back(at::empty({n}, dt));
+          ProcessGroup::wait(shm.allgather(x, in));
+          ProcessGroup::wait(gloo.allgather(y, in));
+          for (int r = 0; r < world; ++r) EXPECT_TRUE(same_bits(x[r], y[r])) << "allgather world " << world << " n " << n;
+
+          at::Tensor all = integers(n * world, rank, dt, 7), o1 = at::empty({n * world}, dt), o2 = o1.clone();
+          ProcessGroup::wait(shm.alltoall(o1, all));
+          ProcessGroup::wait(gloo.alltoall(o2, all));
+          EXPECT_TRUE(same_bits(o1, o2)) << "alltoall world " << world << " n " << n << " " << dt;
+
+          at::Tensor s1 = at::empty({n}, dt), s2 = at::empty({n}, dt);
+          ProcessGroup::wait(shm.reduce_scatter(s1, all));
+          ProcessGroup::wait(gloo.reduce_scatter(s2, all));
+          EXPECT_TRUE(same_bits(s1, s2)) << "reduce_scatter world " << world << " n " << n << " " << dt;
+        }
+      }
+      ProcessGroup::wait(shm.barrier());
+    });
+  }
+}
+
+TEST(SharedMemory, BytesAreCountedApartFromTheNetwork) {
+  with_both(2, [&](int rank, ProcessGroup& shm, ProcessGroup& gloo) {
+    at::Tensor t = at::ones({1000});
+    ProcessGroup::wait(shm.allreduce(t));
+    ProcessGroup::wait(gloo.allreduce(t));
+    EXPECT_EQ(shm.stats().bytes_sent, 0u);
+    EXPECT_EQ(shm.stats().shm_bytes_sent, 4000u);  // 2(n-1)/n of 4000 bytes
+    EXPECT_EQ(gloo.stats().bytes_sent, 4000u);
+    EXPECT_EQ(gloo.stats().shm_bytes_sent, 0u);
+  });
+}
+
+// The int8 hook's two-phase job runs through shared memory too, with the same result as Gloo.
+TEST(SharedMemory, TwoPhaseJobsEqualGloo) {
+  with_both(3, [&](int rank, ProcessGroup& shm, ProcessGroup& gloo) {
+    at::Tensor grad = testing::seeded_randn({5000}, rank);
+    std::vector<at::Tensor> got;
+    for (ProcessGroup* pg : {&shm, &gloo}) {
+      auto hook = hooks::int8_allreduce_hook(std::shared_ptr<ProcessGroup>(pg, [](ProcessGroup*) {}));
+      at::Tensor buffer = grad.clone();
+      GradBucket bucket(0, 1, buffer, {0}, {{5000}}, {}, false);
+      got.push_back(ProcessGroup::wait(hook(bucket)));
+    }
+    EXPECT_TRUE(same_bits(got[0], got[1]));
+  });
+}
+
+// A rank that calls another collective is named, not fed the wrong bytes.
+TEST(SharedMemory, MismatchedCollectivesAreNamed) {
+  std::vector<std::string> errors(2);
+  spawn_groups(
+      2,
+      [](const c10::intrusive_ptr<c10d::Store>& store, int r) {
+        return std::make_shared<ProcessGroup>(store, r, 2, shm_options(true).timeout(std::chrono::seconds(5)));
+      },
+      [&](int rank, std::shared_ptr<ProcessGroup> pg) {
+        at::Tensor t = at::ones({rank == 0 ? 100 : 200});
+        errors[rank] = testing::error_of([&] { ProcessGroup::wait(pg->allreduce(t)); });
+        // Broken for good: the steps are out of step.
+        EXPECT_THAT(testing::error_of([&] { ProcessGroup::wait(pg->barrier()); }),
+                    ::testing::HasSubstr("unusable after an earlier failure"));
+      });
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_THAT(errors[r], ::testing::HasSubstr("allreduce"));
+    EXPECT_THAT(errors[r], ::testing::ContainsRegex("rank [01] \\(on this host\\) called allreduce of (100|200) "
+                                                    "Float elements where this rank called allreduce of (100|200)"));
+  }
+}
+
+// A rank that never comes gives its peers an error within the group's timeout. (A rank whose
+// group is gone counts as dead at once: tests/process_test.cpp.)
+TEST(SharedMemory, AMissingPeerTimesOut) {
+  std::promise<void> rank0_done;
+  spawn_groups(
+      2,
+      [](const c10::intrusive_ptr<c10d::Store>& store, int r) {
+        return std::make_shared<ProcessGroup>(store, r, 2, shm_options(true).timeout(std::chrono::milliseconds(500)));
+      },
+      [&](int rank, std::shared_ptr<ProcessGroup> pg) {
+        if (rank == 1) return rank0_done.get_future().wait();  // alive (its group too), but not calling
+        const auto t0 = std::chrono::steady_clock::now();
+        EXPECT_THAT(testing::error_of([&] { ProcessGroup::wait(pg->allreduce(at::ones({10}))); }),
+                    ::testing::ContainsRegex("allreduce .* in shared memory failed on rank 0 of 2: rank 1 \\(on this "
+                                             "host\\) did not take its part in shared-memory allreduce of 10 Float "
+                                             "elements within 500 ms"));
+        EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(10));
+        rank0_done.set_value();
+      });
+}
+
+std::vector<std::string> ddpkit_segments() {
+  std::vector<std::string> names;
+  if (DIR* d = opendir("/dev/shm")) {
+    while (dirent* e = readdir(d))
+      if (std::string(e->d_name).rfind("ddpkit-", 0) == 0) names.push_back(e->d_name);
+    closedir(d);
+  }
+  return names;
+}
+
+// Two groups over the same ranks have their own segments, and neither leaves a name behind.
+TEST(SharedMemory, GroupsHaveTheirOwnSegmentsAndUnlinkThem) {
+  const auto before = ddpkit_segments();
+  spawn_groups(
+      3,
+      [](const c10::intrusive_ptr<c10d::Store>& store, int r) {
+        return std::make_shared<ProcessGroup>(store, r, 3, shm_options(true).group_name("one"));
+      },
+      [&](int rank, std::shared_ptr<ProcessGroup> one) {
+        auto two = std::make_shared<ProcessGroup>(one->store(), rank, 3, shm_options(true).group_name("two"));
+        EXPECT_EQ(ddpkit_segments(), before) << "unlinked once every rank mapped it";
+        at::Tensor a = at::full({3000}, 1.f), b = at::full({3000}, 10.f);
+        auto fa = one->allreduce(a);
+        auto fb = two->allreduce(b);
+        ProcessGroup::wait(fa);
+        ProcessGroup::wait(fb);
+        EXPECT_TRUE(at::equal(a, at::full({3000}, 3.f)));
+        EXPECT_TRUE(at::equal(b, at::full({3000}, 30.f)));
+      });
+}
+
+TEST(SharedMemory, OptionAndEnvironmentTurnItOff) {
+  spawn_groups(
+      2,
+      [](const c10::intrusive_ptr<c10d::Store>& store, int r) {
+        // Rank 1 does not want it: the group does without.
+        return std::make_shared<ProcessGroup>(store, r, 2, shm_options(r == 0));
+      },
+      [&](int, std::shared_ptr<ProcessGroup> pg) {
+        EXPECT_FALSE(pg->uses_shared_memory());
+        at::Tensor t = at::ones({10});
+        ProcessGroup::wait(pg->allreduce(t));
+        EXPECT_TRUE(at::equal(t, at::full({10}, 2.f)));
+        EXPECT_GT(pg->stats().bytes_sent, 0u);
+      });
+  setenv("DDPKIT_SHM", "0", 1);
+  spawn_groups(
+      2, [](const c10::intrusive_ptr<c10d::Store>& store, int r) { return std::make_shared<ProcessGroup>(store, r, 2, shm_options(true)); },
+      [&](int, std::shared_ptr<ProcessGroup> pg) { EXPECT_FALSE(pg->uses_shared_memory()); });
+  unsetenv("DDPKIT_SHM");
+}
+
+}  // namespace
+}  // namespace ddpkit
