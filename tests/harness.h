@@ -14,6 +14,8 @@
 #include <torch/nn/modules/container/sequential.h>
 #include <torch/nn/modules/linear.h>
 
+#include <dirent.h>
+
 #include <atomic>
 #include <exception>
 #include <functional>
@@ -75,6 +77,19 @@ inline void spawn_ranks_with(int world, ProcessGroupOptions options, const RankF
         return std::make_shared<ProcessGroup>(store, r, world, ProcessGroupOptions(options).gloo_hostname("127.0.0.1"));
       },
       fn);
+}
+
+// The shared-memory segments process `pid` created that are still in /dev/shm (tests check none
+// is left behind; segments are named ddpkit-<creator pid>-<random>, and other tests run at once).
+inline std::vector<std::string> shm_segments(int pid) {
+  std::vector<std::string> names;
+  const std::string prefix = "ddpkit-" + std::to_string(pid) + "-";
+  if (DIR* d = opendir("/dev/shm")) {
+    while (dirent* e = readdir(d))
+      if (std::string(e->d_name).rfind(prefix, 0) == 0) names.push_back(e->d_name);
+    closedir(d);
+  }
+  return names;
 }
 
 // Gathers a tensor from every rank (for comparing ranks inside a rank's thread).

@@ -5,7 +5,6 @@
 #include <torch/nn/modules/linear.h>
 
 #include <arpa/inet.h>
-#include <dirent.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
 #include <csignal>
@@ -94,22 +93,11 @@ TEST(Processes, KilledPeerGivesSurvivorsAnErrorWithinTheTimeout) {
   for (int r = 0; r < 3; ++r) std::remove((out + std::to_string(r)).c_str());
 }
 
-std::vector<std::string> ddpkit_segments() {
-  std::vector<std::string> names;
-  if (DIR* d = opendir("/dev/shm")) {
-    while (dirent* e = readdir(d))
-      if (std::string(e->d_name).rfind("ddpkit-", 0) == 0) names.push_back(e->d_name);
-    closedir(d);
-  }
-  return names;
-}
-
 // Issue 15: ranks on one host talk through shared memory. A peer SIGKILLed or SIGSTOPped in the
 // middle of training gives every survivor a CommError within the timeout (death is noticed at
 // once through the peer's lock; a stop by the deadline), and nothing is left in /dev/shm.
 void expect_survivors_fail(const std::string& role, int signal, const std::string& cause) {
   const std::string out = "/tmp/ddpkit_pt_" + role + "_" + std::to_string(getpid()) + "_";
-  const auto before = ddpkit_segments();
   const auto t0 = std::chrono::steady_clock::now();
   auto pids = start_workers(role, 3, 3, free_port(), out);
   for (int r = 0; r < 2; ++r) {
@@ -123,7 +111,7 @@ void expect_survivors_fail(const std::string& role, int signal, const std::strin
   EXPECT_LT(seconds, kKilledPeerTimeoutS + 20);
   if (signal == SIGSTOP) kill(pids[2], SIGKILL);  // still stopped: the test ends it
   EXPECT_EQ(wait_exit(pids[2]), 128 + SIGKILL);
-  EXPECT_EQ(ddpkit_segments(), before) << "a segment was left in /dev/shm";
+  for (pid_t p : pids) EXPECT_TRUE(testing::shm_segments(p).empty()) << "a segment was left in /dev/shm";
   for (int r = 0; r < 3; ++r) std::remove((out + std::to_string(r)).c_str());
 }
 

@@ -4,7 +4,6 @@
 // must be equal bit for bit. Ranks are threads here; tests/process_test.cpp kills real processes.
 #include "harness.h"
 
-#include <dirent.h>
 
 #include <future>
 
@@ -188,19 +187,8 @@ TEST(SharedMemory, AMissingPeerTimesOut) {
       });
 }
 
-std::vector<std::string> ddpkit_segments() {
-  std::vector<std::string> names;
-  if (DIR* d = opendir("/dev/shm")) {
-    while (dirent* e = readdir(d))
-      if (std::string(e->d_name).rfind("ddpkit-", 0) == 0) names.push_back(e->d_name);
-    closedir(d);
-  }
-  return names;
-}
-
 // Two groups over the same ranks have their own segments, and neither leaves a name behind.
 TEST(SharedMemory, GroupsHaveTheirOwnSegmentsAndUnlinkThem) {
-  const auto before = ddpkit_segments();
   spawn_groups(
       3,
       [](const c10::intrusive_ptr<c10d::Store>& store, int r) {
@@ -208,7 +196,8 @@ TEST(SharedMemory, GroupsHaveTheirOwnSegmentsAndUnlinkThem) {
       },
       [&](int rank, std::shared_ptr<ProcessGroup> one) {
         auto two = std::make_shared<ProcessGroup>(one->store(), rank, 3, shm_options(true).group_name("two"));
-        EXPECT_EQ(ddpkit_segments(), before) << "unlinked once every rank mapped it";
+        ProcessGroup::wait(two->barrier());  // every rank's group is made: local rank 0 has unlinked
+        EXPECT_TRUE(testing::shm_segments(getpid()).empty()) << "unlinked once every rank mapped it";
         at::Tensor a = at::full({3000}, 1.f), b = at::full({3000}, 10.f);
         auto fa = one->allreduce(a);
         auto fb = two->allreduce(b);
