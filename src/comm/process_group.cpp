@@ -1,6 +1,7 @@
 #include <ddpkit/codecs/cast.h>
 #include <ddpkit/comm/process_group.h>
 
+#include "job_thread.h"
 #include "shm_domain.h"
 
 #include <torch/csrc/distributed/c10d/FileStore.hpp>
@@ -65,6 +66,15 @@ uint64_t bytes_of(const at::Tensor& t) {
   return static_cast<uint64_t>(t.numel()) * static_cast<uint64_t>(t.element_size());
 }
 
+// Piece p of a two-phase buffer, and what one rank sends of it (counted like alltoall).
+at::Tensor two_phase_block(const at::Tensor& t, int64_t pieces, int64_t p) {
+  const int64_t len = t.numel() / pieces;
+  return t.view({-1}).narrow(0, p * len, len);
+}
+uint64_t two_phase_bytes(const at::Tensor& t, int64_t pieces, int64_t n) {
+  return bytes_of(t) / pieces * (n - 1) / n;
+}
+
 // Runs fn on `t` if contiguous, else on a contiguous copy that is copied back (in-place collectives).
 void on_contiguous(const at::Tensor& t, const std::function<void(const at::Tensor&)>& fn) {
   if (t.is_contiguous()) return fn(t);
@@ -99,42 +109,7 @@ std::shared_ptr<::gloo::transport::Device> make_gloo_device(const ProcessGroupOp
 struct ProcessGroup::Shm {
   std::unique_ptr<shm::Domain> domain;
   std::shared_ptr<ProcessGroup> across;  // null on one host
-  std::mutex mutex;
-  std::condition_variable cv;
-  std::deque<std::function<void()>> jobs;
-  bool stopping = false;
-  std::thread thread;
-
-  void start() {
-    thread = std::thread([this] {
-      for (;;) {
-        std::function<void()> job;
-        {
-          std::unique_lock<std::mutex> lock(mutex);
-          cv.wait(lock, [&] { return stopping || !jobs.empty(); });
-          if (jobs.empty()) return;  // stopping and drained
-          job = std::move(jobs.front());
-          jobs.pop_front();
-        }
-        job();  // jobs put their own errors into their futures
-      }
-    });
-  }
-  void post(std::function<void()> job) {
-    {
-      std::lock_guard<std::mutex> lock(mutex);
-      jobs.push_back(std::move(job));
-    }
-    cv.notify_one();
-  }
-  ~Shm() {
-    {
-      std::lock_guard<std::mutex> lock(mutex);
-      stopping = true;
-    }
-    cv.notify_all();
-    if (thread.joinable()) thread.join();
-  }
+  JobThread thread;                      // last: stopped (drained) first
 };
 
 ProcessGroup::ProcessGroup(c10::intrusive_ptr<c10d::Store> store, int rank, int world_size,
@@ -175,17 +150,12 @@ ProcessGroup::ProcessGroup(c10::intrusive_ptr<c10d::Store> store, int rank, int 
   // Which ranks share a host: per group, from what each rank publishes (docs/design.md).
   topology_ = discover_host_topology(*prefixed, "ddpkit/topology", rank_, world_size_, options_.timeout());
   setup_shared_memory(*prefixed);
-  sequencer_ = std::thread([this] { sequencer_loop(); });
+  sequencer_ = std::make_unique<JobThread>();
 }
 
 ProcessGroup::~ProcessGroup() {
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    stopping_ = true;
-  }
-  cv_.notify_all();
-  if (sequencer_.joinable()) sequencer_.join();
-  shm_.reset();  // after the sequencer: it may still hand jobs over while draining
+  sequencer_.reset();  // drains: its jobs may still hand work to the shm thread
+  shm_.reset();
 }
 
 // Every rank publishes whether it wants shared memory and all read all: the choice is the
@@ -231,7 +201,6 @@ void ProcessGroup::setup_shared_memory(c10d::Store& store) {
     engine->across = std::make_shared<ProcessGroup>(store_, topology_.host_of_rank[rank_],
                                                     static_cast<int>(hosts.size()), across);
   }
-  engine->start();
   shm_ = std::move(engine);
 }
 
@@ -244,11 +213,20 @@ bool ProcessGroup::shm_takes(const at::Tensor& t) const {
 
 FuturePtr ProcessGroup::shm_issue(const std::string& what, uint64_t bus_bytes, const at::Tensor& value,
                                   std::function<void()> op) {
+  return shm_issue(what, value, [this, bus_bytes] { count(bus_bytes, bus_bytes, /*shared_memory=*/true); }, std::move(op));
+}
+
+FuturePtr ProcessGroup::shm_issue(const std::string& what, const at::Tensor& value, std::function<void()> account,
+                                  std::function<void()> op) {
   auto result = make_tensor_future(value.device());
-  post([this, what, bus_bytes, value, result, op = std::move(op)] {
-    count(bus_bytes, bus_bytes, /*shared_memory=*/true);
+  post([this, what, value, result, account = std::move(account), op = std::move(op)] {
     const int rank = rank_, world = world_size_;
-    shm_->post([what, value, result, op, rank, world] {
+    try {
+      account();
+    } catch (...) {
+      return fail(result, what, rank, world, std::current_exception());
+    }
+    shm_->thread.post([what, value, result, op, rank, world] {
       try {
         op();
       } catch (...) {
@@ -261,20 +239,6 @@ FuturePtr ProcessGroup::shm_issue(const std::string& what, uint64_t bus_bytes, c
   return result;
 }
 
-void ProcessGroup::sequencer_loop() {
-  for (;;) {
-    Job job;
-    {
-      std::unique_lock<std::mutex> lock(mutex_);
-      cv_.wait(lock, [&] { return stopping_ || !jobs_.empty(); });
-      if (jobs_.empty()) return;  // stopping and drained
-      job = std::move(jobs_.front());
-      jobs_.pop_front();
-    }
-    job();  // jobs catch their own errors and put them into their futures
-  }
-}
-
 namespace {
 thread_local int64_t t_traffic_key = -1;
 }
@@ -284,20 +248,15 @@ TrafficScope::~TrafficScope() { t_traffic_key = previous_; }
 int64_t TrafficScope::current() { return t_traffic_key; }
 
 void ProcessGroup::post(Job job) {
-  if (on_sequencer()) {  // inside run_ordered: issue inline, in program order
+  if (sequencer_->is_current()) {  // inside run_ordered: issue inline, in program order
     job();
     return;
   }
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    DDPKIT_CHECK(!stopping_, "process group is shutting down");
-    // The job's collectives count towards the key of the thread that handed it over.
-    jobs_.push_back([key = TrafficScope::current(), job = std::move(job)] {
-      TrafficScope scope(key);
-      job();
-    });
-  }
-  cv_.notify_one();
+  // The job's collectives count towards the key of the thread that handed it over.
+  sequencer_->post([key = TrafficScope::current(), job = std::move(job)] {
+    TrafficScope scope(key);
+    job();
+  });
 }
 
 void ProcessGroup::count(uint64_t bytes_sent, uint64_t bytes_received, bool shared_memory) {
@@ -402,23 +361,16 @@ FuturePtr ProcessGroup::allreduce(const at::Tensor& tensor, c10d::ReduceOp op) {
     // Hierarchical: the network carries each host's sum once, split over its ranks.
     const uint64_t hosts = static_cast<uint64_t>(topology_.hosts()), local = static_cast<uint64_t>(topology_.local_size());
     const uint64_t net = 2 * (hosts - 1) * bytes_of(tensor) / hosts / local;
-    auto result = make_tensor_future(tensor.device());
-    post([this, tensor, scale, net, local, what, result] {
-      count(net, net);
-      count(2 * (local - 1) * bytes_of(tensor) / local, 2 * (local - 1) * bytes_of(tensor) / local, true);
-      const int rank = rank_, world = world_size_;
-      shm_->post([this, tensor, scale, what, result, rank, world] {
-        try {
+    const uint64_t within = 2 * (local - 1) * bytes_of(tensor) / local;
+    return shm_issue(
+        what + " (hierarchical: shared memory within hosts, gloo across)", tensor,
+        [this, net, within] {
+          count(net, net);
+          count(within, within, /*shared_memory=*/true);
+        },
+        [this, tensor, scale] {
           on_contiguous(tensor, [&](const at::Tensor& c) { hierarchical_allreduce(c, scale); });
-        } catch (...) {
-          fail(result, what + " (hierarchical: shared memory within hosts, gloo across)", rank, world,
-               std::current_exception());
-          return;
-        }
-        result->markCompleted(c10::IValue(tensor));
-      });
-    });
-    return result;
+        });
   }
   if (avg) {
     // Gloo has no AVG: a SUM, divided when it lands.
@@ -605,40 +557,31 @@ int64_t ProcessGroup::pieces_for(uint64_t bytes_per_rank) const {
 FuturePtr ProcessGroup::two_phase(std::shared_ptr<TwoPhaseJob> job, const at::Tensor& value, const std::string& what) {
   DDPKIT_CHECK(job && job->pieces >= 1, what, ": two_phase needs a job with at least one piece");
   DDPKIT_CHECK(job->reduce, what, ": two_phase needs a reduce step");
-  auto result = make_tensor_future(value.device());
   if (shm_takes(job->send1)) {
     // In shared memory, piece by piece: each exchange runs at memory speed, nothing to overlap.
-    post([this, job, value, what, result] {
-      const int rank = rank_, world = world_size_;
-      try {
-        check_two_phase(*job, what);
-        for (int64_t p = 0; p < job->pieces; ++p)
-          for (const at::Tensor* t : {&job->send1, &job->send2})
-            count(bytes_of(*t) / job->pieces * (world - 1) / world, bytes_of(*t) / job->pieces * (world - 1) / world, true);
-      } catch (...) {
-        return fail(result, what, rank, world, std::current_exception());
-      }
-      shm_->post([this, job, value, what, result, rank, world] {
-        try {
-          auto block = [&](const at::Tensor& t, int64_t p) {
-            const int64_t len = t.numel() / job->pieces;
-            return static_cast<uint8_t*>(t.data_ptr()) + p * len * t.element_size();
+    return shm_issue(
+        what, value,
+        [this, job, what] {
+          check_two_phase(*job, what);
+          for (int64_t p = 0; p < job->pieces; ++p)
+            for (const at::Tensor* t : {&job->send1, &job->send2})
+              count(two_phase_bytes(*t, job->pieces, world_size_), two_phase_bytes(*t, job->pieces, world_size_), true);
+        },
+        [this, job] {
+          auto exchange = [&](const at::Tensor& send, const at::Tensor& recv, int64_t p) {
+            const at::Tensor s = two_phase_block(send, job->pieces, p);
+            shm_->domain->alltoall(s.data_ptr(), two_phase_block(recv, job->pieces, p).data_ptr(), bytes_of(s) / world_size_);
           };
           for (int64_t p = 0; p < job->pieces; ++p) {
             if (job->encode) job->encode(p);
-            shm_->domain->alltoall(block(job->send1, p), block(job->recv1, p), bytes_of(job->send1) / job->pieces / world);
+            exchange(job->send1, job->recv1, p);
             job->reduce(p);
-            shm_->domain->alltoall(block(job->send2, p), block(job->recv2, p), bytes_of(job->send2) / job->pieces / world);
+            exchange(job->send2, job->recv2, p);
             if (job->decode) job->decode(p);
           }
-        } catch (...) {
-          return fail(result, what + " in shared memory", rank, world, std::current_exception());
-        }
-        result->markCompleted(c10::IValue(value));
-      });
-    });
-    return result;
+        });
   }
+  auto result = make_tensor_future(value.device());
   post([this, job = std::move(job), value, what, result] { run_two_phase(job, value, what, result); });
   return result;
 }
@@ -668,14 +611,11 @@ void ProcessGroup::run_two_phase(const std::shared_ptr<TwoPhaseJob>& job, const 
   };
   try {
     check_two_phase(*job, what);
-    auto block = [pieces](const at::Tensor& t, int64_t p) {
-      const int64_t len = t.numel() / pieces;
-      return t.view({-1}).narrow(0, p * len, len);
-    };
+    auto block = [pieces](const at::Tensor& t, int64_t p) { return two_phase_block(t, pieces, p); };
     std::vector<int64_t> equal;
     c10d::AllToAllOptions ao;
     ao.timeout = options_.timeout();
-    auto phase_bytes = [&](const at::Tensor& t) { return bytes_of(t) / pieces * (n - 1) / n; };
+    auto phase_bytes = [&](const at::Tensor& t) { return two_phase_bytes(t, pieces, n); };
     std::vector<c10::intrusive_ptr<c10d::Work>> first(pieces);
     auto send_first = [&](int64_t p) {
       if (job->encode) job->encode(p);

@@ -28,6 +28,7 @@ namespace shm {
 namespace {
 
 constexpr uint64_t kMagic = 0x64647073686d3031ull;  // "ddpshm01"
+constexpr int kMaxLocalRanks = 64;                   // codecs::sum_raw's bound on inputs
 enum Counter { kArrived = 0, kReduced = 1, kDone = 2 };
 enum Op : uint32_t { kAllreduce = 1, kReduceScatter, kAllgather, kBroadcast, kAlltoall, kBarrier };
 
@@ -43,19 +44,20 @@ const char* op_name(uint32_t op) {
   return "?";
 }
 
+// "allreduce of 4096 Float elements": only ever formatted for an error.
+std::string describe(const Announcement& a) {
+  const bool sums = a.op == kAllreduce || a.op == kReduceScatter;
+  std::ostringstream os;
+  os << op_name(a.op) << " of " << a.size << " " << (sums ? c10::toString(static_cast<c10::ScalarType>(a.dtype)) : "byte")
+     << " elements";
+  if (a.op == kBroadcast) os << " from local rank " << a.root;
+  return os.str();
+}
+
 struct alignas(64) Word {
   std::atomic<uint32_t> value{0};
 };
 static_assert(sizeof(std::atomic<uint32_t>) == 4, "futex words are 32-bit");
-
-// What a rank's collective is, written before its first `arrived` of that collective, so peers
-// that called something else say so instead of exchanging the wrong bytes.
-struct Announcement {
-  uint32_t op = 0;
-  int32_t dtype = 0;
-  int64_t size = 0;
-  int32_t root = 0;
-};
 
 struct RankControl {
   Word counters[3];
@@ -113,8 +115,8 @@ struct Domain::Segment {
 std::unique_ptr<Domain> Domain::create(c10d::Store& store, const std::string& key, DomainOptions o) {
   DDPKIT_CHECK(o.local_size >= 1 && o.local_rank >= 0 && o.local_rank < o.local_size, "shared memory: local rank ",
                o.local_rank, " of ", o.local_size);
-  DDPKIT_CHECK(o.slot_bytes >= 4096 && o.slot_bytes % 64 == 0, "shared memory: slot_bytes must be a multiple of 64 "
-               "and at least 4096, got ", o.slot_bytes);
+  DDPKIT_CHECK(o.local_size <= kMaxLocalRanks, "shared memory supports at most ", kMaxLocalRanks,
+               " ranks per host, got ", o.local_size);
   const bool leader = o.local_rank == 0;
   std::string name, error;
   int fd = -1;
@@ -256,10 +258,10 @@ void Domain::wait_peer(int peer, int counter, uint32_t target) {
     p->sleepers.value.fetch_sub(1, std::memory_order_seq_cst);
     if (reached(word.load(std::memory_order_acquire), target)) return;
     if (round % 16 == 0 && !peer_alive(peer))
-      fail("rank " + std::to_string(group_rank(peer)) + " (on this host) died during shared-memory " + what_);
+      fail("rank " + std::to_string(group_rank(peer)) + " (on this host) died during shared-memory " + describe(call_));
     if (std::chrono::steady_clock::now() > deadline_)
       fail("rank " + std::to_string(group_rank(peer)) + " (on this host) did not take its part in shared-memory " +
-           what_ + " within " + std::to_string(options_.timeout.count()) +
+           describe(call_) + " within " + std::to_string(options_.timeout.count()) +
            " ms (stopped, hung, or not calling the same collective)");
   }
 }
@@ -270,37 +272,41 @@ void Domain::wait_all(int counter, uint32_t target) {
 }
 
 void Domain::begin(uint32_t op, int64_t size, c10::ScalarType dtype, int root) {
-  op_ = op;
-  size_ = size;
-  dtype_ = dtype;
-  root_ = root;
-  std::ostringstream os;
-  os << op_name(op) << " of " << size << " " << (op == kAllreduce || op == kReduceScatter ? c10::toString(dtype) : "byte")
-     << " elements";
-  if (op == kBroadcast) os << " from local rank " << root;
-  what_ = os.str();
+  call_ = Announcement{op, static_cast<int32_t>(dtype), size, root};
   if (!broken_.empty()) throw std::runtime_error("shared memory is unusable after an earlier failure: " + broken_);
   deadline_ = std::chrono::steady_clock::now() + options_.timeout;
 }
 
 void Domain::claim(uint32_t s, bool first) {
   wait_all(kDone, s - 1);
-  if (first)
-    Segment::control(base_, options_.local_rank)->said[s & 1] =
-        Announcement{op_, static_cast<int32_t>(dtype_), size_, root_};
+  if (first) Segment::control(base_, options_.local_rank)->said[s & 1] = call_;
 }
 
 void Domain::check(int peer, uint32_t s) {
   const Announcement a = Segment::control(base_, peer)->said[s & 1];
-  if (a.op == op_ && a.size == size_ && a.root == root_ &&
-      (a.dtype == static_cast<int32_t>(dtype_) || (op_ != kAllreduce && op_ != kReduceScatter)))
-    return;
-  std::ostringstream os;
-  os << "rank " << group_rank(peer) << " (on this host) called " << op_name(a.op) << " of " << a.size
-     << (a.op == kAllreduce || a.op == kReduceScatter ? std::string(" ") + c10::toString(static_cast<c10::ScalarType>(a.dtype)) : " byte")
-     << " elements" << (a.op == kBroadcast ? " from local rank " + std::to_string(a.root) : "") << " where this rank called "
-     << what_ << ": every rank must issue the same collectives in the same order";
-  fail(os.str());
+  // Byte collectives announce dtype Byte on every rank; sums announce theirs.
+  if (a.op == call_.op && a.size == call_.size && a.root == call_.root && a.dtype == call_.dtype) return;
+  fail("rank " + std::to_string(group_rank(peer)) + " (on this host) called " + describe(a) + " where this rank called " +
+       describe(call_) + ": every rank must issue the same collectives in the same order");
+}
+
+void Domain::arrive(uint32_t s, bool first) {
+  publish(kArrived, s + 1);
+  wait_all(kArrived, s + 1);
+  if (first)
+    for (int p = 0; p < options_.local_size; ++p)
+      if (p != options_.local_rank) check(p, s);
+}
+
+void Domain::finish(uint32_t s) {
+  publish(kDone, s + 1);
+  step_ = s + 1;
+}
+
+void Domain::pack(uint32_t s, const uint8_t* src, int64_t src_stride, int64_t part_bytes, int64_t bytes) {
+  uint8_t* mine = slot(options_.local_rank, s);
+  for (int j = 0; j < options_.local_size; ++j)
+    if (j != options_.local_rank && bytes > 0) std::memcpy(mine + j * part_bytes, src + j * src_stride, bytes);
 }
 
 // ---- collectives ---------------------------------------------------------------------------------
@@ -315,8 +321,7 @@ void Domain::allreduce(void* data, int64_t numel, c10::ScalarType dtype, double 
   // Each rank sums one slice of every step's chunk: slices are whole cache lines.
   const int64_t align = std::max<int64_t>(1, 64 / elt);
   const int64_t per_step = std::max<int64_t>(align * L, options_.slot_bytes / elt / (align * L) * (align * L));
-  const void* inputs[64];
-  DDPKIT_CHECK(L <= 64, "shared memory supports at most 64 ranks per host, got ", L);
+  const void* inputs[kMaxLocalRanks];
   for (int64_t off = 0, first = 1; first || off < numel; first = 0) {
     const int64_t c = std::min(per_step, numel - off);
     const int64_t q = ((c + L - 1) / L + align - 1) / align * align;  // slice: c / L, rounded up to `align`
@@ -326,11 +331,7 @@ void Domain::allreduce(void* data, int64_t numel, c10::ScalarType dtype, double 
     uint8_t* mine = slot(me, s);
     for (int j = 0; j < L; ++j)
       if (j != me && len(j) > 0) std::memcpy(mine + j * q * elt, base + (off + j * q) * elt, len(j) * elt);
-    publish(kArrived, s + 1);
-    wait_all(kArrived, s + 1);
-    if (first)
-      for (int p = 0; p < L; ++p)
-        if (p != me) check(p, s);
+    arrive(s, first);
     if (len(me) > 0) {
       int k = 0;
       inputs[k++] = base + (off + me * q) * elt;
@@ -342,8 +343,7 @@ void Domain::allreduce(void* data, int64_t numel, c10::ScalarType dtype, double 
     wait_all(kReduced, s + 1);
     for (int j = 0; j < L; ++j)
       if (len(j) > 0) std::memcpy(base + (off + j * q) * elt, slot(j, s) + j * q * elt, len(j) * elt);
-    publish(kDone, s + 1);
-    step_ = s + 1;
+    finish(s);
     off += c;
   }
 }
@@ -357,20 +357,13 @@ void Domain::reduce_scatter(const void* in, void* out, int64_t numel, c10::Scala
   const auto* src = static_cast<const uint8_t*>(in);
   auto* dst = static_cast<uint8_t*>(out);
   const int64_t per_step = std::max<int64_t>(1, options_.slot_bytes / elt / L);  // one part per rank
-  const void* inputs[64];
-  DDPKIT_CHECK(L <= 64, "shared memory supports at most 64 ranks per host, got ", L);
+  const void* inputs[kMaxLocalRanks];
   for (int64_t off = 0, first = 1; first || off < numel; first = 0) {
     const int64_t c = std::min(per_step, numel - off);
     const uint32_t s = step_;
     claim(s, first);
-    uint8_t* mine = slot(me, s);
-    for (int j = 0; j < L; ++j)
-      if (j != me && c > 0) std::memcpy(mine + j * per_step * elt, src + (j * in_stride + off) * elt, c * elt);
-    publish(kArrived, s + 1);
-    wait_all(kArrived, s + 1);
-    if (first)
-      for (int p = 0; p < L; ++p)
-        if (p != me) check(p, s);
+    pack(s, src + off * elt, in_stride * elt, per_step * elt, c * elt);
+    arrive(s, first);
     if (c > 0) {
       int k = 0;
       inputs[k++] = src + (me * in_stride + off) * elt;
@@ -378,8 +371,7 @@ void Domain::reduce_scatter(const void* in, void* out, int64_t numel, c10::Scala
         if (p != me) inputs[k++] = slot(p, s) + me * per_step * elt;
       codecs::sum_raw(dtype, inputs, k, dst + off * elt, c);
     }
-    publish(kDone, s + 1);
-    step_ = s + 1;
+    finish(s);
     off += c;
   }
 }
@@ -395,14 +387,9 @@ void Domain::allgather(const void* in, void* out, int64_t bytes, int64_t out_str
     const uint32_t s = step_;
     claim(s, first);
     std::memcpy(slot(me, s), src + off, c);
-    publish(kArrived, s + 1);
-    wait_all(kArrived, s + 1);
-    if (first)
-      for (int p = 0; p < L; ++p)
-        if (p != me) check(p, s);
+    arrive(s, first);
     for (int p = 0; p < L; ++p) std::memcpy(dst + p * out_stride + off, p == me ? src + off : slot(p, s), c);
-    publish(kDone, s + 1);
-    step_ = s + 1;
+    finish(s);
     off += c;
   }
 }
@@ -425,8 +412,7 @@ void Domain::broadcast(void* data, int64_t bytes, int root) {
       if (first) check(root, s);
       std::memcpy(base + off, slot(root, s), c);
     }
-    publish(kDone, s + 1);
-    step_ = s + 1;
+    finish(s);
     off += c;
   }
 }
@@ -443,18 +429,11 @@ void Domain::alltoall(const void* in, void* out, int64_t bytes_per_rank) {
     const int64_t c = std::min(per_step, m - off);
     const uint32_t s = step_;
     claim(s, first);
-    uint8_t* mine = slot(me, s);
-    for (int j = 0; j < L; ++j)
-      if (j != me) std::memcpy(mine + j * per_step, src + j * m + off, c);
-    publish(kArrived, s + 1);
-    wait_all(kArrived, s + 1);
-    if (first)
-      for (int p = 0; p < L; ++p)
-        if (p != me) check(p, s);
+    pack(s, src + off, m, per_step, c);
+    arrive(s, first);
     for (int p = 0; p < L; ++p)
       if (p != me) std::memcpy(dst + p * m + off, slot(p, s) + me * per_step, c);
-    publish(kDone, s + 1);
-    step_ = s + 1;
+    finish(s);
     off += c;
   }
 }
@@ -463,12 +442,8 @@ void Domain::barrier() {
   begin(kBarrier, 0, c10::ScalarType::Byte, 0);
   const uint32_t s = step_;
   claim(s, true);
-  publish(kArrived, s + 1);
-  wait_all(kArrived, s + 1);
-  for (int p = 0; p < options_.local_size; ++p)
-    if (p != options_.local_rank) check(p, s);
-  publish(kDone, s + 1);
-  step_ = s + 1;
+  arrive(s, true);
+  finish(s);
 }
 
 }  // namespace shm

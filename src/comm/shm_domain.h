@@ -30,12 +30,24 @@ class Store;
 namespace ddpkit {
 namespace shm {
 
+// What a rank's collective is (op, dtype, size, root): written to its peers before its first
+// `arrived` of that collective, so a peer that called something else says so instead of
+// exchanging the wrong bytes.
+struct Announcement {
+  uint32_t op = 0;
+  int32_t dtype = 0;
+  int64_t size = 0;
+  int32_t root = 0;
+};
+
 struct DomainOptions {
   int local_rank = 0;
   int local_size = 1;
   std::vector<int> group_ranks;  // group rank of each local rank (for error messages)
   std::chrono::milliseconds timeout{300000};
-  int64_t slot_bytes = 1 << 20;  // taken from local rank 0, so every rank cuts steps alike
+  // Taken from local rank 0, so every rank cuts steps alike; ProcessGroup checks it (a multiple of
+  // 64, at least 4096).
+  int64_t slot_bytes = 1 << 20;
 };
 
 class Domain {
@@ -78,6 +90,13 @@ class Domain {
   void claim(uint32_t s, bool first);
   // After `peer` arrived at step s (a collective's first): it must have announced the same call.
   void check(int peer, uint32_t s);
+  // Step s's middle and end: arrive and wait for every peer (checking their call on a first
+  // step); then be done with the peers' slots and move on.
+  void arrive(uint32_t s, bool first);
+  void finish(uint32_t s);
+  // Copies part j (bytes at src + j * src_stride) of every peer j into part j of my slot for step
+  // s (parts part_bytes apart): a reduce-scatter's or an alltoall's fill.
+  void pack(uint32_t s, const uint8_t* src, int64_t src_stride, int64_t part_bytes, int64_t bytes);
   void publish(int counter, uint32_t value);
   void wait_peer(int peer, int counter, uint32_t target);
   void wait_all(int counter, uint32_t target);
@@ -92,11 +111,7 @@ class Domain {
   void* base_ = nullptr;
   size_t bytes_ = 0;
   uint32_t step_ = 0;  // steps taken: the same on every rank between collectives
-  uint32_t op_ = 0;
-  int64_t size_ = 0;
-  c10::ScalarType dtype_ = c10::ScalarType::Byte;
-  int root_ = 0;
-  std::string what_;  // "allreduce of 4096 float elements", for errors
+  Announcement call_;  // the collective under way, as announced to the peers
   std::chrono::steady_clock::time_point deadline_;
   std::string broken_;  // the first failure; every later collective reports it
 };

@@ -33,6 +33,7 @@
 namespace ddpkit {
 
 using FuturePtr = c10::intrusive_ptr<c10::ivalue::Future>;
+class JobThread;  // src/comm/job_thread.h
 
 // A future that will hold one tensor, placed on `device` (CUDA futures must name their device).
 FuturePtr make_tensor_future(c10::Device device = c10::kCPU);
@@ -189,8 +190,6 @@ class ProcessGroup {
  private:
   using Job = std::function<void()>;
   void post(Job job);
-  void sequencer_loop();
-  bool on_sequencer() const { return std::this_thread::get_id() == sequencer_.get_id(); }
   // Issues `op` on the sequencer and completes `result` with `value` when the Work completes.
   FuturePtr issue(const std::string& what, uint64_t bus_bytes, const at::Tensor& value,
                   std::function<c10::intrusive_ptr<c10d::Work>()> op);
@@ -204,7 +203,11 @@ class ProcessGroup {
   struct Shm;
   void setup_shared_memory(c10d::Store& store);
   bool shm_takes(const at::Tensor& t) const;
-  // Runs `op` on the shm thread, in issue order; bus_bytes count as shared-memory bytes.
+  // Runs `op` on the shm thread in issue order, after `account` (counts its bytes; may reject
+  // it by throwing) on the sequencer; the future completes with `value`.
+  FuturePtr shm_issue(const std::string& what, const at::Tensor& value, std::function<void()> account,
+                      std::function<void()> op);
+  // shm_issue for a collective that moves bus_bytes through shared memory.
   FuturePtr shm_issue(const std::string& what, uint64_t bus_bytes, const at::Tensor& value, std::function<void()> op);
   void hierarchical_allreduce(const at::Tensor& data, double scale);
   void link(const c10::intrusive_ptr<c10d::Work>& work, const FuturePtr& result,
@@ -223,11 +226,7 @@ class ProcessGroup {
   HostTopology topology_;
   std::unique_ptr<Shm> shm_;  // null: no shared memory
 
-  std::mutex mutex_;
-  std::condition_variable cv_;
-  std::deque<Job> jobs_;
-  bool stopping_ = false;
-  std::thread sequencer_;
+  std::unique_ptr<JobThread> sequencer_;
 
   std::mutex pool_mutex_;
   std::map<std::pair<int, int64_t>, std::vector<at::Tensor>> pool_;
