@@ -5,7 +5,7 @@
 //   build/ps_server_bench [--trainers 2] [--batches 20] [--sizes 1,4,16,64] [--chunk-kb K] [--window W]
 //       trainers are threads of this process, each with its own client and connection, against
 //       one in-process server;
-//   build/ps_server_bench --connect HOST:PORT --trainer-id T [--batches B] [--sizes ...]
+//   build/ps_server_bench --connect HOST:PORT --trainer-id T [--batches B] [--sizes ...] [--first-batch N]
 //       one trainer against a running `ddpkit ps-server` (trainer 0 prints one JSON line per
 //       size), as bench/ps_vs_pytorch.py --sizes runs it beside PyTorch's RPC server.
 #include <ddpkit/ps/parameter_server.h>
@@ -33,7 +33,8 @@ double p50(std::vector<double> v) {
 int usage() {
   std::fprintf(stderr,
                "usage: ps_server_bench [--trainers N] [--batches B] [--sizes MB,MB,...] [--chunk-kb K] [--window W]\n"
-               "       ps_server_bench --connect HOST:PORT --trainer-id T [--batches B] [--sizes ...] [--chunk-kb K] [--window W]\n");
+               "       ps_server_bench --connect HOST:PORT --trainer-id T [--batches B] [--sizes ...] [--chunk-kb K] [--window W]\n"
+               "                       [--first-batch N]   (batch numbers start at N: later runs against the same server)\n");
   return 2;
 }
 
@@ -42,6 +43,7 @@ int usage() {
 int main(int argc, char** argv) {
   tune_allocator_for_training();  // as the ddpkit CLI does: keep large blocks in the heap for reuse
   int trainers = 2, batches = 20, trainer_id = -1;
+  int64_t first_batch = 0;
   int64_t chunk_bytes = ps::ClientOptions().chunk_bytes();
   int window = ps::ClientOptions().chunks_in_flight();
   std::string connect, sizes = "1,4,16,64";
@@ -54,10 +56,12 @@ int main(int argc, char** argv) {
     else if (flag == "--chunk-kb") chunk_bytes = std::atoll(value.c_str()) * 1024;
     else if (flag == "--window") window = std::atoi(value.c_str());
     else if (flag == "--connect") connect = value;
+    else if (flag == "--first-batch") first_batch = std::atoll(value.c_str());
     else if (flag == "--trainer-id") trainer_id = std::atoi(value.c_str());
     else return usage();
   }
-  if (trainers < 1 || batches < 1 || chunk_bytes < 0 || window < 1 || connect.empty() != (trainer_id < 0)) return usage();
+  if (trainers < 1 || batches < 1 || chunk_bytes < 0 || window < 1 || first_batch < 0 || connect.empty() != (trainer_id < 0))
+    return usage();
   std::vector<double> sizes_mb;
   std::stringstream list(sizes);
   for (std::string item; std::getline(list, item, ',');) sizes_mb.push_back(std::atof(item.c_str()));
@@ -81,7 +85,7 @@ int main(int argc, char** argv) {
                 trainers, batches, static_cast<long long>(chunk_bytes / 1024));
     std::printf("%10s %12s %12s %12s %10s\n", "size_MB", "round_ms_p50", "round_ms_min", "gradients/s", "GB/s");
   }
-  int64_t batch = 0;
+  int64_t batch = first_batch;
   for (double mb : sizes_mb) {
     const int64_t n = static_cast<int64_t>(mb * 1024 * 1024 / 4);
     std::vector<at::Tensor> grads;

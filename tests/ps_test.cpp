@@ -13,6 +13,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
+#include <thread>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -348,6 +349,24 @@ int run_doomed_trainer(const std::string& address) {
   std::fflush(stdout);
   pause();
   return 0;
+}
+
+// A trainer that reconnects (a restarted process, a new client) within the reconnect grace is not
+// taken for dead, even when its peer's next request arrives before its new session opens.
+TEST(ParameterServer, TrainerReconnectingWithinTheGraceIsNotTakenForDead) {
+  auto server = start_server({0, 1});
+  auto a = connect(*server, 0);
+  {
+    auto b = connect(*server, 1);
+    auto fa = a->average(0, 0, at::ones({4}));
+    ProcessGroup::wait(b->average(0, 0, at::ones({4})));
+    ProcessGroup::wait(fa);
+  }  // trainer 1's client, and its session, are gone
+  auto fa = a->average(1, 0, at::full({4}, 3.0));
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  auto b = connect(*server, 1);
+  ProcessGroup::wait(b->average(1, 0, at::ones({4})));
+  EXPECT_TRUE(at::equal(ProcessGroup::wait(fa), at::full({4}, 2.0)));
 }
 
 TEST(ParameterServer, KilledTrainerFailsTheBatchForTheOthers) {

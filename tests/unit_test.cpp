@@ -349,6 +349,8 @@ TEST(DivergenceGuard, ExplosionAndLostProgressAreCaughtAndTrainingIsNot) {
   EXPECT_FALSE(run([](int64_t s) { return 2.3 * std::exp(-0.01 * s) + 0.3 + 0.2 * ((s * 7919) % 13) / 13.0; }));
   // Flat (a model that cannot learn this data): not divergence either.
   EXPECT_FALSE(run([](int64_t s) { return 6.93 + 0.01 * (s % 3); }));
+  // Fitted to near zero, then noise triples it (0.03 -> 0.1): far below where it started, not divergence.
+  EXPECT_FALSE(run([](int64_t s) { return s < 100 ? 2.3 - 0.0227 * s : s < 300 ? 0.03 : 0.1; }));
   // Learns, then blows up: more than 3x the best window.
   auto up = run([](int64_t s) { return s < 200 ? 2.0 - 0.009 * s : 50.0; });
   ASSERT_TRUE(up);

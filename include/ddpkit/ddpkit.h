@@ -4,6 +4,7 @@
 #include <ddpkit/codecs/quantize.h>
 #include <ddpkit/comm/host_topology.h>
 #include <ddpkit/comm/process_group.h>
+#include <ddpkit/runtime/checkpoint.h>
 #include <ddpkit/runtime/runtime.h>
 #include <ddpkit/ddp/distributed_data_parallel.h>
 #include <ddpkit/hooks/default_hooks.h>

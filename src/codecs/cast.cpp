@@ -4,6 +4,7 @@
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
+#include <cpuid.h>
 #include <immintrin.h>
 
 #include <atomic>
@@ -287,15 +288,22 @@ bool is_fast_lowp(at::ScalarType t) { return t == at::kHalf || t == at::kBFloat1
 
 }  // namespace
 
+namespace {
+// CPUID.1:ECX bit 29. (clang 14's __builtin_cpu_supports does not know "f16c"; GCC's does.)
+bool has_f16c() {
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  return __get_cpuid(1, &eax, &ebx, &ecx, &edx) && (ecx & (1u << 29));
+}
+}  // namespace
+
 bool cpu_supports(SimdLevel level) {
   switch (level) {
     case SimdLevel::Scalar: return true;
     case SimdLevel::Avx2:
-      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c") &&
-             __builtin_cpu_supports("fma");
+      return __builtin_cpu_supports("avx2") && has_f16c() && __builtin_cpu_supports("fma");
     case SimdLevel::Avx512:
       return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-             __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("f16c");
+             __builtin_cpu_supports("avx512vl") && has_f16c();
   }
   return false;
 }

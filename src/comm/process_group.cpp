@@ -936,6 +936,12 @@ std::shared_ptr<ProcessGroup> init_process_group(const InitOptions& o) {
         so.waitWorkers = true;
         so.timeout = o.timeout();
         store = c10::make_intrusive<c10d::TCPStore>(host, so);
+        // A restarted set of ranks (torchrun --max-restarts, ddpkit's launcher) meets the same
+        // agent store: as PyTorch does, each attempt gets its own key space, or the new ranks read
+        // the dead set's keys (a shared-memory segment name, Gloo addresses) and fail or hang.
+        const std::string attempt = env_str("TORCHELASTIC_RESTART_COUNT");
+        if (!attempt.empty())
+          store = c10::make_intrusive<c10d::PrefixStore>("/worker/attempt_" + attempt, store);
       }
     } catch (const c10::Error& e) {
       const std::string msg = e.what_without_backtrace();

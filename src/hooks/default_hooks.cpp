@@ -107,22 +107,31 @@ double default_bucket_cap_mb(const std::string& hook) {
   return 25;
 }
 
-CommHook make_hook(const std::string& name, std::shared_ptr<ProcessGroup> pg, const HookOptions& options) {
-  if (name == "allreduce") return allreduce_hook(pg);
-  if (name == "fp16") return fp16_compress_hook(pg);
-  if (name == "bf16") return bf16_compress_hook(pg);
-  if (name == "noop") return noop_hook();
-  if (name == "fp16_wrapper") return fp16_compress_wrapper(allreduce_hook(pg));
-  if (name == "bf16_wrapper") return bf16_compress_wrapper(allreduce_hook(pg));
-  if (name == "int8") return int8_allreduce_hook(pg, options.int8());
-  if (name == "quantize_per_tensor") return quantization_pertensor_hook(pg);
-  if (name == "quantize_per_channel") return quantization_perchannel_hook(pg, options.perchannel_bucket_size());
-  if (name == "powersgd") return powerSGD_hook(std::make_shared<PowerSGDState>(pg, options.powersgd()));
-  if (name == "batched_powersgd") return batched_powerSGD_hook(std::make_shared<PowerSGDState>(pg, options.powersgd()));
+BuiltHook build_hook(const std::string& name, std::shared_ptr<ProcessGroup> pg, const HookOptions& options) {
+  if (name == "allreduce") return {allreduce_hook(pg), nullptr};
+  if (name == "fp16") return {fp16_compress_hook(pg), nullptr};
+  if (name == "bf16") return {bf16_compress_hook(pg), nullptr};
+  if (name == "noop") return {noop_hook(), nullptr};
+  if (name == "fp16_wrapper") return {fp16_compress_wrapper(allreduce_hook(pg)), nullptr};
+  if (name == "bf16_wrapper") return {bf16_compress_wrapper(allreduce_hook(pg)), nullptr};
+  if (name == "int8") {
+    auto state = std::make_shared<Int8State>(pg, options.int8());
+    return {int8_allreduce_hook(state), state};
+  }
+  if (name == "quantize_per_tensor") return {quantization_pertensor_hook(pg), nullptr};
+  if (name == "quantize_per_channel") return {quantization_perchannel_hook(pg, options.perchannel_bucket_size()), nullptr};
+  if (name == "powersgd" || name == "batched_powersgd") {
+    auto state = std::make_shared<PowerSGDState>(pg, options.powersgd());
+    return {name == "powersgd" ? powerSGD_hook(state) : batched_powerSGD_hook(state), state};
+  }
   std::string known;
   for (const auto& n : hook_names()) known += (known.empty() ? "" : ", ") + n;
   DDPKIT_CHECK(false, "unknown comm hook '", name, "' (known: ", known, ")");
   return {};
+}
+
+CommHook make_hook(const std::string& name, std::shared_ptr<ProcessGroup> pg, const HookOptions& options) {
+  return build_hook(name, std::move(pg), options).hook;
 }
 
 }  // namespace hooks

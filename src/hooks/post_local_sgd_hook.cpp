@@ -19,6 +19,18 @@ int64_t PostLocalSGDState::iteration() const {
   return iter_;
 }
 
+TensorDict PostLocalSGDState::state_dict() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return {{"iter", int_entry(iter_)}};
+}
+
+void PostLocalSGDState::load_state_dict(const TensorDict& state) {
+  const int64_t iter = int_of(state, "iter", "PostLocalSGDState::load_state_dict");
+  DDPKIT_CHECK(iter >= 0 && state.size() == 1, "PostLocalSGDState::load_state_dict: expects one non-negative 'iter'");
+  std::lock_guard<std::mutex> lock(mutex_);
+  iter_ = iter;
+}
+
 CommHook post_localSGD_hook(std::shared_ptr<PostLocalSGDState> state) {
   DDPKIT_CHECK(state, "post_localSGD_hook: state is null");
   return [state](GradBucket& bucket) -> FuturePtr {
@@ -67,6 +79,11 @@ PeriodicModelAverager::PeriodicModelAverager(int64_t period, int64_t warmup_step
   DDPKIT_CHECK(period_ >= 1, "PeriodicModelAverager: period must be >= 1, got ", period_);
   DDPKIT_CHECK(warmup_ >= 0, "PeriodicModelAverager: warmup_steps must be >= 0, got ", warmup_);
   DDPKIT_CHECK(pg_, "PeriodicModelAverager: process group is null");
+}
+
+void PeriodicModelAverager::set_step(int64_t step) {
+  DDPKIT_CHECK(step >= 0, "PeriodicModelAverager::set_step: step must be >= 0, got ", step);
+  step_ = step;
 }
 
 bool PeriodicModelAverager::average_parameters(const std::vector<at::Tensor>& params) {

@@ -3,6 +3,7 @@
 #include <ATen/CPUGeneratorImpl.h>
 
 #include <iostream>
+#include <sstream>
 #include <vector>
 
 namespace ddpkit {
@@ -39,6 +40,85 @@ at::Tensor PowerSGDState::error(size_t bucket_index) const {
   std::lock_guard<std::mutex> lock(mutex_);
   auto it = buckets_.find(bucket_index);
   return it == buckets_.end() || !it->second->error.defined() ? at::Tensor() : it->second->error.clone();
+}
+
+TensorDict PowerSGDState::state_dict() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  TensorDict d;
+  d["iter"] = int_entry(iter_);
+  d["seen_bucket"] = int_entry(seen_bucket_);
+  d["pass_counted"] = int_entry(pass_counted_);
+  d["last_index"] = int_entry(last_index_);
+  d["numel_before"] = int_entry(numel_before_);
+  d["numel_after"] = int_entry(numel_after_);
+  d["next_report"] = int_entry(next_report_);
+  std::ostringstream rng;
+  rng << rng_;
+  d["rng"] = bytes_entry(rng.str());
+  for (const auto& kv : buckets_) {
+    const std::string prefix = "bucket." + std::to_string(kv.first) + ".";
+    const Bucket& b = *kv.second;
+    if (b.error.defined()) d[prefix + "error"] = b.error.clone();
+    if (b.p.defined()) d[prefix + "p"] = b.p.clone();
+    if (b.q.defined()) d[prefix + "q"] = b.q.clone();
+    // The batched hook's padded matrix is scratch, but whether it exists decides whether the
+    // error feedback is kept: its size is enough.
+    if (b.padded.defined()) d[prefix + "padded_numel"] = int_entry(b.padded.numel());
+  }
+  return d;
+}
+
+void PowerSGDState::load_state_dict(const TensorDict& state) {
+  const char* what = "PowerSGDState::load_state_dict";
+  std::map<size_t, std::shared_ptr<Bucket>> buckets;
+  for (const auto& kv : state) {
+    if (kv.first.rfind("bucket.", 0) != 0) continue;
+    const size_t dot = kv.first.find('.', 7);
+    DDPKIT_CHECK(dot != std::string::npos, what, ": malformed entry '", kv.first, "'");
+    char* end = nullptr;
+    const unsigned long index = std::strtoul(kv.first.c_str() + 7, &end, 10);
+    DDPKIT_CHECK(end == kv.first.c_str() + dot, what, ": malformed entry '", kv.first, "'");
+    auto& b = buckets[index];
+    if (!b) b = std::make_shared<Bucket>();
+    const std::string field = kv.first.substr(dot + 1);
+    const at::Tensor& t = kv.second;
+    DDPKIT_CHECK(t.defined() && (field == "padded_numel" || t.is_floating_point()), what, ": entry '", kv.first,
+                 "' is not a floating-point tensor");
+    if (field == "error") {
+      b->error = t.clone();
+    } else if (field == "p") {
+      b->p = t.clone();
+    } else if (field == "q") {
+      b->q = t.clone();
+    } else if (field == "padded_numel") {
+      const int64_t n = int_of(state, kv.first, what);
+      DDPKIT_CHECK(n >= 0, what, ": entry '", kv.first, "' is negative");
+      b->padded = at::empty({n}, at::kFloat);
+    } else {
+      DDPKIT_CHECK(false, what, ": unknown entry '", kv.first, "'");
+    }
+  }
+  for (auto& kv : buckets) {
+    // The scratch matrix takes the dtype and device of the memory it pads.
+    Bucket& b = *kv.second;
+    const at::Tensor& like = b.error.defined() ? b.error : b.q;
+    if (b.padded.defined() && like.defined()) b.padded = at::empty({b.padded.numel()}, like.options());
+    DDPKIT_CHECK(b.p.defined() == b.q.defined(), what, ": bucket ", kv.first, " has only one of P and Q");
+  }
+  std::mt19937_64 rng;
+  std::istringstream in(bytes_of(state, "rng", what));
+  in >> rng;
+  DDPKIT_CHECK(!in.fail(), what, ": entry 'rng' is not a random-number-generator state");
+  std::lock_guard<std::mutex> lock(mutex_);
+  iter_ = int_of(state, "iter", what);
+  seen_bucket_ = int_of(state, "seen_bucket", what) != 0;
+  pass_counted_ = int_of(state, "pass_counted", what) != 0;
+  last_index_ = int_of(state, "last_index", what);
+  numel_before_ = int_of(state, "numel_before", what);
+  numel_after_ = int_of(state, "numel_after", what);
+  next_report_ = int_of(state, "next_report", what);
+  rng_ = rng;
+  buckets_ = std::move(buckets);
 }
 
 std::shared_ptr<PowerSGDState::Bucket> PowerSGDState::bucket(size_t index) {

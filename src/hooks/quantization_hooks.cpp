@@ -90,9 +90,11 @@ struct Int8BucketState {
   at::Tensor owner_error;                 // error feedback: requantization error of this rank's chunks
 };
 
-class Int8Allreduce {
+}  // namespace
+
+class Int8State::Impl {
  public:
-  Int8Allreduce(std::shared_ptr<ProcessGroup> pg, Int8Options o) : pg_(std::move(pg)), o_(o) {
+  Impl(std::shared_ptr<ProcessGroup> pg, Int8Options o) : pg_(std::move(pg)), o_(o) {
     DDPKIT_CHECK(pg_, "int8_allreduce_hook: process group is null");
     codecs::int8_encoded_bytes(0, o_.block());  // validates the block size
   }
@@ -154,38 +156,91 @@ class Int8Allreduce {
     return pg_->two_phase(std::move(job), buffer, "int8 allreduce of bucket " + std::to_string(bucket.index()));
   }
 
- private:
   std::shared_ptr<Int8BucketState> state(size_t index, int64_t numel, int64_t n, int64_t pieces, int64_t chunk,
                                          c10::Device device) {
     std::lock_guard<std::mutex> lock(mutex_);
     if (states_.size() <= index) states_.resize(index + 1);
     auto& st = states_[index];
     // First use, or buckets were rebuilt (the error feedback of a changed bucket starts over).
-    if (!st || st->numel != numel || st->pieces != pieces || st->chunk != chunk || st->send1.device() != device) {
-      st = std::make_shared<Int8BucketState>();
-      st->numel = numel;
-      st->pieces = pieces;
-      st->chunk = chunk;
-      st->enc = codecs::int8_encoded_bytes(chunk, o_.block());
-      auto bytes = at::TensorOptions().dtype(at::kByte).device(device);
-      auto floats = at::TensorOptions().dtype(at::kFloat).device(device);
-      for (at::Tensor* t : {&st->send1, &st->recv1, &st->send2, &st->recv2}) *t = at::empty({pieces * n * st->enc}, bytes);
-      st->reduced = at::empty({pieces * chunk}, floats);
-      if (o_.error_feedback()) {
-        st->worker_error = at::zeros({numel}, floats);
-        st->owner_error = at::zeros({pieces * chunk}, floats);
-      }
+    if (!st || st->numel != numel || st->pieces != pieces || st->chunk != chunk || st->send1.device() != device)
+      st = fresh(numel, n, pieces, chunk, device);
+    return st;
+  }
+
+  TensorDict state_dict() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    TensorDict d;
+    for (size_t i = 0; i < states_.size(); ++i) {
+      const auto& st = states_[i];
+      if (!st || !st->worker_error.defined()) continue;
+      const std::string prefix = "bucket." + std::to_string(i) + ".";
+      d[prefix + "layout"] = at::tensor({st->numel, st->pieces, st->chunk}, at::kLong);
+      d[prefix + "worker_error"] = st->worker_error.clone();
+      d[prefix + "owner_error"] = st->owner_error.clone();
+    }
+    return d;
+  }
+
+  void load_state_dict(const TensorDict& state) {
+    const char* what = "Int8State::load_state_dict";
+    const int64_t n = pg_->size();
+    std::vector<std::shared_ptr<Int8BucketState>> states;
+    for (const auto& kv : state) {
+      const size_t dot = kv.first.rfind('.');
+      DDPKIT_CHECK(kv.first.rfind("bucket.", 0) == 0 && dot > 7, what, ": unknown entry '", kv.first, "'");
+      const std::string prefix = kv.first.substr(0, dot + 1);
+      if (kv.first.substr(dot + 1) != "layout") continue;
+      DDPKIT_CHECK(o_.error_feedback(), what, ": the state holds error feedback but the hook runs without it");
+      const size_t index = std::stoul(prefix.substr(7));
+      const at::Tensor layout = entry_of(state, kv.first, what);
+      DDPKIT_CHECK(layout.scalar_type() == at::kLong && layout.numel() == 3, what, ": malformed '", kv.first, "'");
+      const int64_t numel = layout[0].item<int64_t>(), pieces = layout[1].item<int64_t>(), chunk = layout[2].item<int64_t>();
+      DDPKIT_CHECK(numel > 0 && pieces > 0 && chunk > 0 && chunk % o_.block() == 0 && pieces * n * chunk >= numel, what,
+                   ": bucket ", index, "'s layout (", numel, " elements, ", pieces, " pieces of ", chunk,
+                   ") does not fit this hook (world size ", n, ", block ", o_.block(), ")");
+      auto st = fresh(numel, n, pieces, chunk, c10::kCPU);
+      const at::Tensor& worker = entry_of(state, prefix + "worker_error", what);
+      const at::Tensor& owner = entry_of(state, prefix + "owner_error", what);
+      DDPKIT_CHECK(worker.sizes() == st->worker_error.sizes() && owner.sizes() == st->owner_error.sizes(), what,
+                   ": bucket ", index, "'s error feedback has the wrong size");
+      st->worker_error.copy_(worker);
+      st->owner_error.copy_(owner);
+      if (states.size() <= index) states.resize(index + 1);
+      states[index] = std::move(st);
+    }
+    std::lock_guard<std::mutex> lock(mutex_);
+    states_ = std::move(states);
+  }
+
+ private:
+  // The bucket's buffers, and zero error feedback.
+  std::shared_ptr<Int8BucketState> fresh(int64_t numel, int64_t n, int64_t pieces, int64_t chunk, c10::Device device) const {
+    auto st = std::make_shared<Int8BucketState>();
+    st->numel = numel;
+    st->pieces = pieces;
+    st->chunk = chunk;
+    st->enc = codecs::int8_encoded_bytes(chunk, o_.block());
+    auto bytes = at::TensorOptions().dtype(at::kByte).device(device);
+    auto floats = at::TensorOptions().dtype(at::kFloat).device(device);
+    for (at::Tensor* t : {&st->send1, &st->recv1, &st->send2, &st->recv2}) *t = at::empty({pieces * n * st->enc}, bytes);
+    st->reduced = at::empty({pieces * chunk}, floats);
+    if (o_.error_feedback()) {
+      st->worker_error = at::zeros({numel}, floats);
+      st->owner_error = at::zeros({pieces * chunk}, floats);
     }
     return st;
   }
 
   std::shared_ptr<ProcessGroup> pg_;
   Int8Options o_;
-  std::mutex mutex_;
+  mutable std::mutex mutex_;
   std::vector<std::shared_ptr<Int8BucketState>> states_;
 };
 
-}  // namespace
+Int8State::Int8State(std::shared_ptr<ProcessGroup> pg, Int8Options options)
+    : impl_(std::make_shared<Impl>(std::move(pg), options)) {}
+TensorDict Int8State::state_dict() const { return impl_->state_dict(); }
+void Int8State::load_state_dict(const TensorDict& state) { impl_->load_state_dict(state); }
 
 CommHook quantization_pertensor_hook(std::shared_ptr<ProcessGroup> pg) {
   return gathered_uint8_hook(std::move(pg), 0, "quantization_pertensor_hook");
@@ -196,9 +251,13 @@ CommHook quantization_perchannel_hook(std::shared_ptr<ProcessGroup> pg, int64_t 
   return gathered_uint8_hook(std::move(pg), bucket_size, "quantization_perchannel_hook");
 }
 
+CommHook int8_allreduce_hook(std::shared_ptr<Int8State> state) {
+  DDPKIT_CHECK(state, "int8_allreduce_hook: state is null");
+  return [impl = state->impl_](GradBucket& bucket) { return (*impl)(bucket); };
+}
+
 CommHook int8_allreduce_hook(std::shared_ptr<ProcessGroup> pg, Int8Options options) {
-  auto impl = std::make_shared<Int8Allreduce>(std::move(pg), options);
-  return [impl](GradBucket& bucket) { return (*impl)(bucket); };
+  return int8_allreduce_hook(std::make_shared<Int8State>(std::move(pg), options));
 }
 
 }  // namespace hooks

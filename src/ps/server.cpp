@@ -121,7 +121,11 @@ struct ParameterServer::Impl {
   std::map<BucketKey, Bucket> buckets;
   std::map<int64_t, int64_t> chunks_averaged;  // of `batch`, per chunked bucket
   grpc::Status batch_failure = grpc::Status::OK;  // of `batch`
-  std::set<int> disconnected;
+  std::map<int, Clock::time_point> disconnected;  // trainer -> when its last session ended
+  bool gone(int trainer, Clock::time_point now) const {
+    auto it = disconnected.find(trainer);
+    return it != disconnected.end() && now - it->second >= options.reconnect_grace();
+  }
   // Open sessions, finished by shutdown. Recursive: Finish may run OnDone on the calling thread.
   std::recursive_mutex sessions_mu;
   std::set<SessionCall*> sessions;
@@ -372,8 +376,9 @@ grpc::ServerUnaryReactor* ParameterServer::Impl::average_gradient(grpc::Callback
                                                    std::to_string(bucket.bucket_numel)));
       } else {
         std::vector<int> gone;
+        const auto now = Clock::now();
         for (int t : serving)
-          if (!bucket.sent.count(t) && t != trainer && disconnected.count(t)) gone.push_back(t);
+          if (!bucket.sent.count(t) && t != trainer && this->gone(t, now)) gone.push_back(t);
         if (bucket.sent.empty()) {
           bucket.signature = sig;
           bucket.chunk_count = chunk_count;
@@ -511,23 +516,9 @@ void SessionCall::OnDone() {
 }
 
 void ParameterServer::Impl::on_session_lost(int trainer) {
-  std::vector<std::pair<AverageCall*, grpc::Status>> finish;
-  {
-    std::lock_guard<std::mutex> lock(mu);
-    disconnected.insert(trainer);
-    for (auto& [index, bucket] : buckets) {
-      if (bucket.waiting.empty() || bucket.sent.count(trainer)) continue;
-      std::vector<int> waiting;
-      for (auto& [t, c] : bucket.waiting) waiting.push_back(t);
-      fail_batch_locked(grpc::Status(grpc::StatusCode::UNAVAILABLE,
-                                     "trainer " + std::to_string(trainer) + " disconnected before sending " +
-                                         name(index, bucket.chunk_count) + " of batch " + std::to_string(batch) +
-                                         " (trainers " + join_ids(waiting) + " were waiting for it)"),
-                        &finish);
-      break;
-    }
-  }
-  for (auto& [c, s] : finish) c->Finish(s);
+  // Buckets waiting for it fail once the reconnect grace has passed without a new session (reaper).
+  std::lock_guard<std::mutex> lock(mu);
+  disconnected.emplace(trainer, Clock::now());
 }
 
 void ParameterServer::Impl::reaper_loop() {
@@ -541,11 +532,23 @@ void ParameterServer::Impl::reaper_loop() {
       std::lock_guard<std::mutex> lock(mu);
       const auto now = Clock::now();
       for (auto& [index, bucket] : buckets) {
-        if (bucket.waiting.empty() || now - bucket.first < options.bucket_timeout()) continue;
-        std::vector<int> missing, waiting;
+        if (bucket.waiting.empty()) continue;
+        std::vector<int> missing, waiting, lost;
         for (int t : serving)
-          if (!bucket.sent.count(t)) missing.push_back(t);
+          if (!bucket.sent.count(t)) {
+            missing.push_back(t);
+            if (gone(t, now)) lost.push_back(t);
+          }
         for (auto& [t, c] : bucket.waiting) waiting.push_back(t);
+        if (!lost.empty()) {
+          fail_batch_locked(grpc::Status(grpc::StatusCode::UNAVAILABLE,
+                                         "trainer " + join_ids(lost) + " disconnected before sending " +
+                                             name(index, bucket.chunk_count) + " of batch " + std::to_string(batch) +
+                                             " (trainers " + join_ids(waiting) + " were waiting for it)"),
+                            &finish);
+          break;
+        }
+        if (now - bucket.first < options.bucket_timeout()) continue;
         fail_batch_locked(grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED,
                                        name(index, bucket.chunk_count) + " of batch " + std::to_string(batch) +
                                            ": trainer(s) " + join_ids(missing) + " did not send within " +
@@ -589,6 +592,7 @@ ParameterServer::ParameterServer(ServerOptions options) : impl_(std::make_unique
   DDPKIT_CHECK(impl_->options.max_message_bytes() > 0 && impl_->options.max_message_bytes() <= (int64_t(1) << 31) - 1,
                "parameter server: max_message_bytes must be in 1..2^31-1, got ", impl_->options.max_message_bytes());
   DDPKIT_CHECK(impl_->options.bucket_timeout().count() > 0, "parameter server: bucket_timeout must be positive");
+  DDPKIT_CHECK(impl_->options.reconnect_grace().count() >= 0, "parameter server: reconnect_grace must be >= 0");
   const auto& tls = impl_->options.tls();
   DDPKIT_CHECK(tls.certificate().empty() == tls.private_key().empty(),
                "parameter server: TLS needs both a certificate and a private key");

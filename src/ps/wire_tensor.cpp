@@ -223,6 +223,17 @@ std::string describe(const wire::Tensor& t) {
   return os.str();
 }
 
+namespace {
+// Bytes of `count` elements of `elem` bytes over `sizes`, or -1 when the product overflows: the
+// sizes come off the wire, and a product that wraps could match a short message.
+int64_t checked_bytes(const std::vector<int64_t>& sizes, int64_t elem) {
+  int64_t bytes = elem;
+  for (int64_t s : sizes)
+    if (__builtin_mul_overflow(bytes, s, &bytes)) return -1;
+  return bytes;
+}
+}  // namespace
+
 at::Tensor decode_tensor(const wire::Tensor& t, std::string* error, bool borrow_dense) {
   at::ScalarType dtype;
   if (!from_wire(t.dtype(), &dtype)) {
@@ -237,10 +248,10 @@ at::Tensor decode_tensor(const wire::Tensor& t, std::string* error, bool borrow_
     }
   const int64_t elem = static_cast<int64_t>(c10::elementSize(dtype));
   if (!t.sparse()) {
-    const int64_t numel = c10::multiply_integers(shape);
-    if (static_cast<int64_t>(t.data().size()) != numel * elem) {
-      *error = describe(t) + " needs " + std::to_string(numel * elem) + " bytes of data, the message has " +
-               std::to_string(t.data().size());
+    const int64_t bytes = checked_bytes(shape, elem);
+    if (bytes < 0 || static_cast<int64_t>(t.data().size()) != bytes) {
+      *error = describe(t) + " needs " + (bytes < 0 ? std::string("more than 2^63") : std::to_string(bytes)) +
+               " bytes of data, the message has " + std::to_string(t.data().size());
       return {};
     }
     if (borrow_dense)
@@ -256,9 +267,10 @@ at::Tensor decode_tensor(const wire::Tensor& t, std::string* error, bool borrow_
   }
   std::vector<int64_t> value_shape{nnz};
   value_shape.insert(value_shape.end(), shape.begin() + sparse_dim, shape.end());
-  const int64_t index_bytes = sparse_dim * nnz * 8;
-  const int64_t value_bytes = c10::multiply_integers(value_shape) * elem;
-  if (static_cast<int64_t>(t.indices().size()) != index_bytes || static_cast<int64_t>(t.data().size()) != value_bytes) {
+  const int64_t index_bytes = checked_bytes({sparse_dim, nnz}, 8);
+  const int64_t value_bytes = checked_bytes(value_shape, elem);
+  if (index_bytes < 0 || value_bytes < 0 || static_cast<int64_t>(t.indices().size()) != index_bytes ||
+      static_cast<int64_t>(t.data().size()) != value_bytes) {
     *error = describe(t) + " needs " + std::to_string(index_bytes) + " bytes of indices and " +
              std::to_string(value_bytes) + " of values, the message has " + std::to_string(t.indices().size()) +
              " and " + std::to_string(t.data().size());

@@ -253,6 +253,34 @@ void Reducer::freeze_bucket_layout() {
   ready_order_.clear();
 }
 
+void Reducer::restore_bucket_layout(const std::vector<std::vector<size_t>>& buckets) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  DDPKIT_CHECK(!backward_started_, "restore_bucket_layout during a backward pass");
+  std::vector<bool> seen(params_.size(), false);
+  BucketAssignment assignment;
+  for (size_t b = 0; b < buckets.size(); ++b) {
+    DDPKIT_CHECK(!buckets[b].empty(), "restore_bucket_layout: bucket ", b, " is empty");
+    const at::Tensor& first = params_.at(std::min(buckets[b].front(), params_.size() - 1));
+    for (size_t v : buckets[b]) {
+      DDPKIT_CHECK(v < params_.size(), "restore_bucket_layout: bucket ", b, " names parameter ", v, " of ",
+                   params_.size(), " (was the checkpoint taken from another model?)");
+      DDPKIT_CHECK(!seen[v], "restore_bucket_layout: parameter ", names_[v], " is in two buckets");
+      seen[v] = true;
+      DDPKIT_CHECK(params_[v].scalar_type() == first.scalar_type() && params_[v].device() == first.device(),
+                   "restore_bucket_layout: bucket ", b, " mixes dtypes or devices");
+      DDPKIT_CHECK(!expect_sparse_[v] || buckets[b].size() == 1, "restore_bucket_layout: sparse parameter ",
+                   names_[v], " must have a bucket of its own");
+    }
+    assignment.buckets.push_back(buckets[b]);
+  }
+  for (size_t v = 0; v < params_.size(); ++v)
+    DDPKIT_CHECK(seen[v], "restore_bucket_layout: parameter ", names_[v], " is in no bucket");
+  build_buckets(assignment);
+  rebuilt_ = true;
+  rebuild_pending_ = false;
+  ready_order_.clear();
+}
+
 void Reducer::prepare_for_forward(int source_rank) {
   std::unique_lock<std::mutex> lock(mutex_);
   DDPKIT_CHECK(!backward_started_,

@@ -13,6 +13,8 @@ DivergenceGuard::DivergenceGuard(std::shared_ptr<ProcessGroup> pg, DivergenceGua
   DDPKIT_CHECK(options_.window() >= 1, "DivergenceGuard: window must be >= 1, got ", options_.window());
   DDPKIT_CHECK(options_.explode_factor() > 1, "DivergenceGuard: explode_factor must be > 1, got ",
                options_.explode_factor());
+  DDPKIT_CHECK(options_.explode_floor() >= 0, "DivergenceGuard: explode_floor must be >= 0, got ",
+               options_.explode_floor());
   DDPKIT_CHECK(options_.regress_factor() > 1, "DivergenceGuard: regress_factor must be > 1, got ",
                options_.regress_factor());
 }
@@ -42,7 +44,7 @@ std::optional<Divergence> DivergenceGuard::observe(double loss) {
     return Divergence{step, os.str()};
   }
   const double mean = totals[0] / totals[1];
-  if (std::isfinite(best_) && mean > options_.explode_factor() * best_) {
+  if (std::isfinite(best_) && mean > options_.explode_factor() * best_ && mean > options_.explode_floor() * first_) {
     os << "the mean loss over steps " << first << "-" << step << " is " << mean << ", " << std::setprecision(2)
        << mean / best_ << "x the lowest window mean so far (" << std::setprecision(4) << best_ << ", steps "
        << best_end_ + 1 - options_.window() << "-" << best_end_ << ")";

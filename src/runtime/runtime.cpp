@@ -3,7 +3,9 @@
 
 #include <ATen/Parallel.h>
 
+#include <dirent.h>
 #include <dlfcn.h>
+#include <unistd.h>
 
 #include <climits>
 #include <cstdlib>
@@ -37,6 +39,22 @@ bool set_compute_threads(int n) {
   auto openblas = reinterpret_cast<SetThreads>(dlsym(RTLD_DEFAULT, "openblas_set_num_threads"));
   if (openblas) openblas(n);
   return openblas != nullptr;
+}
+
+ProcessResources process_resources() {
+  ProcessResources r;
+  if (FILE* f = std::fopen("/proc/self/statm", "r")) {
+    long long size = 0, resident = 0;
+    if (std::fscanf(f, "%lld %lld", &size, &resident) == 2) r.rss_bytes = resident * sysconf(_SC_PAGESIZE);
+    std::fclose(f);
+  }
+  if (DIR* d = opendir("/proc/self/fd")) {
+    while (dirent* e = readdir(d))
+      if (e->d_name[0] != '.') ++r.open_fds;
+    closedir(d);
+    --r.open_fds;  // the directory stream's own descriptor
+  }
+  return r;
 }
 
 }  // namespace ddpkit

@@ -26,6 +26,8 @@ class Flags {
   double real(const std::string& name) const;
   bool on(const std::string& name) const;
   std::vector<int64_t> int_list(const std::string& name) const;
+  // "name=value" for every flag and switch not in `skip`, sorted: what a run was started with.
+  std::vector<std::string> settings(const std::vector<std::string>& skip) const;
 
  private:
   std::map<std::string, std::string> values_;
@@ -34,9 +36,12 @@ class Flags {
 
 // Runs `nproc` copies of `program` (default: this program) with torchrun-style variables
 // (MASTER_ADDR=127.0.0.1, a free MASTER_PORT, RANK, LOCAL_RANK, WORLD_SIZE) and arguments `argv`
-// (argv[0] included). If one fails, the others are stopped. Returns the exit code to use (0, or
-// the first failure's).
-int launch_local(int nproc, const std::vector<std::string>& argv, const std::string& program = "/proc/self/exe");
+// (argv[0] included). If one fails, the others are stopped. Then, as torchrun's --max-restarts,
+// up to `max_restarts` times a new set is started (with `restart_args` appended to `argv`, and
+// TORCHELASTIC_RESTART_COUNT set). Returns the exit code to use (0, or the last attempt's first
+// failure's).
+int launch_local(int nproc, const std::vector<std::string>& argv, const std::string& program = "/proc/self/exe",
+                 int max_restarts = 0, const std::vector<std::string>& restart_args = {});
 // `ddpkit launch`: launch_local for any program, found on PATH like a shell would.
 extern const char* kLaunchUsage;
 int run_launch(const std::vector<std::string>& args);

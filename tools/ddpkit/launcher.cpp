@@ -16,6 +16,7 @@
 #include <cstring>
 #include <iostream>
 #include <thread>
+#include <tuple>
 
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
@@ -73,6 +74,17 @@ double Flags::real(const std::string& name) const {
 
 bool Flags::on(const std::string& name) const { return switches_.at(name); }
 
+std::vector<std::string> Flags::settings(const std::vector<std::string>& skip) const {
+  std::vector<std::string> out;
+  auto skipped = [&](const std::string& n) { return std::find(skip.begin(), skip.end(), n) != skip.end(); };
+  for (const auto& kv : values_)
+    if (!skipped(kv.first)) out.push_back(kv.first + "=" + kv.second);
+  for (const auto& kv : switches_)
+    if (!skipped(kv.first)) out.push_back(kv.first + "=" + (kv.second ? "on" : "off"));
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
 std::vector<int64_t> Flags::int_list(const std::string& name) const {
   std::vector<int64_t> out;
   const std::string& v = values_.at(name);
@@ -99,10 +111,9 @@ namespace {
 volatile sig_atomic_t g_interrupted = 0;
 void on_signal(int) { g_interrupted = 1; }
 
-}  // namespace
-
-int launch_local(int nproc, const std::vector<std::string>& argv, const std::string& program) {
-  DDPKIT_CHECK(nproc >= 1, "--nproc must be >= 1, got ", nproc);
+// One set of ranks, from start to the last one's exit.
+int run_attempt(int nproc, const std::vector<std::string>& argv, const std::string& program, int restart_count,
+                int max_restarts) {
   // The launcher serves the rendezvous store itself, on a port the kernel picks and that stays
   // bound: choosing a free port and letting rank 0 bind it later raced with every other process
   // binding ephemeral ports meanwhile (Gloo and gRPC listeners of concurrent jobs).
@@ -128,7 +139,8 @@ int launch_local(int nproc, const std::vector<std::string>& argv, const std::str
   std::vector<std::vector<std::string>> envs(nproc);
   std::vector<std::vector<char*>> envps(nproc);
   const std::vector<std::string> ours{"MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE",
-                                      "LOCAL_WORLD_SIZE", "TORCHELASTIC_USE_AGENT_STORE"};
+                                      "LOCAL_WORLD_SIZE", "TORCHELASTIC_USE_AGENT_STORE",
+                                      "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS"};
   for (int r = 0; r < nproc; ++r) {
     for (char** e = environ; *e; ++e) {
       const std::string entry(*e);
@@ -141,6 +153,8 @@ int launch_local(int nproc, const std::vector<std::string>& argv, const std::str
     envs[r].push_back("LOCAL_RANK=" + std::to_string(r));
     envs[r].push_back("WORLD_SIZE=" + std::to_string(nproc));
     envs[r].push_back("LOCAL_WORLD_SIZE=" + std::to_string(nproc));
+    envs[r].push_back("TORCHELASTIC_RESTART_COUNT=" + std::to_string(restart_count));
+    envs[r].push_back("TORCHELASTIC_MAX_RESTARTS=" + std::to_string(max_restarts));
     if (store) envs[r].push_back("TORCHELASTIC_USE_AGENT_STORE=True");
     for (auto& e : envs[r]) envps[r].push_back(e.data());
     envps[r].push_back(nullptr);
@@ -168,9 +182,18 @@ int launch_local(int nproc, const std::vector<std::string>& argv, const std::str
   size_t alive = children.size();
   bool stopping = false;
   auto stop_all = [&](int sig) {
-    for (pid_t g : groups) kill(-g, sig);  // exited ranks' leftovers too; ESRCH when none
+    for (pid_t g : groups) {
+      kill(-g, sig);  // exited ranks' leftovers too; ESRCH when none
+      // A stopped rank (SIGSTOP, a debugger detached badly) holds a SIGTERM until it runs again:
+      // wake it, or the job lingers until the SIGKILL 10 s later.
+      if (sig != SIGKILL) kill(-g, SIGCONT);
+    }
   };
-  auto stop_deadline = std::chrono::steady_clock::time_point::max();
+  using clock = std::chrono::steady_clock;
+  auto stop_deadline = clock::time_point::max();
+  // After a rank fails, the others get a moment to notice on their own (a dead peer is an error
+  // in their collective within milliseconds) and report what they were doing, before SIGTERM.
+  auto term_deadline = clock::time_point::max();
   while (alive > 0) {
     int status = 0;
     const pid_t pid = waitpid(-1, &status, WNOHANG);
@@ -184,8 +207,7 @@ int launch_local(int nproc, const std::vector<std::string>& argv, const std::str
         if (!stopping) {
           std::cerr << "ddpkit: a rank exited with status " << code << "; stopping the others\n";
           stopping = true;
-          stop_all(SIGTERM);
-          stop_deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+          term_deadline = clock::now() + std::chrono::seconds(3);
         }
       }
       continue;
@@ -193,24 +215,52 @@ int launch_local(int nproc, const std::vector<std::string>& argv, const std::str
     if (g_interrupted && !stopping) {
       stopping = true;
       exit_code = 130;
-      stop_all(SIGTERM);
-      stop_deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+      term_deadline = clock::now();
     }
-    if (std::chrono::steady_clock::now() > stop_deadline) {
+    if (clock::now() >= term_deadline) {
+      stop_all(SIGTERM);
+      term_deadline = clock::time_point::max();
+      stop_deadline = clock::now() + std::chrono::seconds(10);
+    }
+    if (clock::now() > stop_deadline) {
       stop_all(SIGKILL);
-      stop_deadline = std::chrono::steady_clock::time_point::max();
+      stop_deadline = clock::time_point::max();
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
   return exit_code;
 }
 
-const char* kLaunchUsage = R"(usage: ddpkit launch [--nproc 2] [--] PROGRAM [ARGS...]
+}  // namespace
+
+int launch_local(int nproc, const std::vector<std::string>& argv, const std::string& program, int max_restarts,
+                 const std::vector<std::string>& restart_args) {
+  DDPKIT_CHECK(nproc >= 1, "--nproc must be >= 1, got ", nproc);
+  DDPKIT_CHECK(max_restarts >= 0, "--max-restarts must be >= 0, got ", max_restarts);
+  std::vector<std::string> args = argv;
+  for (int attempt = 0;; ++attempt) {
+    const int code = run_attempt(nproc, args, program, attempt, max_restarts);
+    if (code == 0 || g_interrupted || attempt >= max_restarts) {
+      if (code != 0 && max_restarts > 0 && !g_interrupted)
+        std::cerr << "ddpkit: the job failed after " << attempt << " restart" << (attempt == 1 ? "" : "s")
+                  << " (--max-restarts " << max_restarts << ")\n";
+      return code;
+    }
+    std::cerr << "ddpkit: restarting every rank (restart " << attempt + 1 << " of " << max_restarts << ")\n";
+    if (attempt == 0)
+      for (const auto& a : restart_args)
+        if (std::find(args.begin(), args.end(), a) == args.end()) args.push_back(a);
+  }
+}
+
+const char* kLaunchUsage = R"(usage: ddpkit launch [--nproc 2] [--max-restarts 0] [--] PROGRAM [ARGS...]
 
 Runs --nproc local copies of PROGRAM with torchrun's variables (MASTER_ADDR, MASTER_PORT, RANK,
 LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE; the rendezvous store is served by the launcher, as
 torchrun's TORCHELASTIC_USE_AGENT_STORE). A program that calls ddpkit::init_process_group() joins
-them. If a rank fails, the others are stopped; the exit status is the first failure's.
+them. If a rank fails, the others are stopped; the exit status is the first failure's. With
+--max-restarts K, a failed set is replaced by a new one up to K times, with
+TORCHELASTIC_RESTART_COUNT counting restarts (torchrun's meaning): the program resumes itself.
 )";
 
 namespace {
@@ -236,7 +286,7 @@ std::string resolve_program(const std::string& name) {
 }  // namespace
 
 int run_launch(const std::vector<std::string>& args) {
-  int nproc = 2;
+  int nproc = 2, max_restarts = 0;
   size_t i = 0;
   for (; i < args.size(); ++i) {
     const std::string& a = args[i];
@@ -244,20 +294,26 @@ int run_launch(const std::vector<std::string>& args) {
       ++i;
       break;
     }
-    if (a == "--nproc" || a.rfind("--nproc=", 0) == 0) {
-      std::string v = a == "--nproc" ? (i + 1 < args.size() ? args[++i] : "") : a.substr(8);
+    bool matched = false;
+    for (auto [flag, target, least] : {std::tuple<const char*, int*, long>{"--nproc", &nproc, 1},
+                                       std::tuple<const char*, int*, long>{"--max-restarts", &max_restarts, 0}}) {
+      const std::string f = flag;
+      if (a != f && a.rfind(f + "=", 0) != 0) continue;
+      std::string v = a == f ? (i + 1 < args.size() ? args[++i] : "") : a.substr(f.size() + 1);
       char* end = nullptr;
       const long n = std::strtol(v.c_str(), &end, 10);
-      if (v.empty() || *end || n < 1) throw UsageError("--nproc expects a positive integer, got '" + v + "'");
-      nproc = static_cast<int>(n);
-      continue;
+      if (v.empty() || *end || n < least)
+        throw UsageError(f + " expects an integer >= " + std::to_string(least) + ", got '" + v + "'");
+      *target = static_cast<int>(n);
+      matched = true;
     }
+    if (matched) continue;
     if (a.rfind("--", 0) == 0) throw UsageError("unknown flag " + a);
     break;  // the program
   }
   if (i >= args.size()) throw UsageError("launch: no program given");
   std::vector<std::string> argv(args.begin() + static_cast<std::ptrdiff_t>(i), args.end());
-  return launch_local(nproc, argv, resolve_program(argv[0]));
+  return launch_local(nproc, argv, resolve_program(argv[0]), max_restarts);
 }
 
 }  // namespace cli

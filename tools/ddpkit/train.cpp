@@ -85,6 +85,17 @@ accuracy, and a last line that is one JSON object.
   --no-divergence-guard   keep training when the loss turns NaN/Inf or explodes (by default
                           the run stops, naming the hook and the setting to change)
   --no-malloc-tuning      keep glibc's default mmap/trim thresholds (ddpkit::tune_allocator_for_training)
+  --report-resources N    every N steps rank 0 prints each rank's resident memory and open file
+                          descriptors (a line "resources {...}" on stderr), for leak hunting
+
+Checkpoints and restarts (docs/fault_tolerance.md):
+  --checkpoint-dir DIR    rank 0 writes DIR/checkpoint-<step>.ddpk atomically: model, optimizer
+                          (ZeRO: consolidated), hook state, DDP buckets, RNG and data position
+  --checkpoint-every N    every N steps, and after the last (default 100)
+  --resume                continue from the newest complete checkpoint in DIR (none: start afresh);
+                          the training flags must match the ones it was written with
+  --max-restarts K        when a rank dies or fails, stop every rank and start a new set that
+                          resumes from the newest checkpoint, up to K times (torchrun's meaning)
 )";
 
 namespace {
@@ -131,10 +142,12 @@ int run_train(const std::vector<std::string>& args, const std::vector<std::strin
            {"powersgd-start-iter", "10"}, {"powersgd-min-compression-rate", "2"}, {"powersgd-epsilon", "0"},
            {"powersgd-seed", "0"}, {"int8-block", "512"}, {"perchannel-bucket-size", "512"},
            {"local-sgd-start-iter", "100"}, {"local-sgd-period", "4"}, {"local-sgd-group-size", "0"},
-           {"optimizer", "sgd"}, {"zero", "off"}, {"zero-overlap", "none"}, {"zero-precision", "fp32"}},
+           {"optimizer", "sgd"}, {"zero", "off"}, {"zero-overlap", "none"}, {"zero-precision", "fp32"},
+           {"checkpoint-dir", ""}, {"checkpoint-every", "100"}, {"max-restarts", "0"},
+           {"report-resources", "0"}},
           {"gradient-as-bucket-view", "find-unused-parameters", "no-ddp", "no-eval", "quiet", "no-malloc-tuning",
            "powersgd-batch-same-shape", "no-error-feedback", "no-warm-start", "int8-error-feedback",
-           "optimizer-in-hook", "zero-shard-buckets", "zero-bucket-view", "no-divergence-guard"});
+           "optimizer-in-hook", "zero-shard-buckets", "zero-bucket-view", "no-divergence-guard", "resume"});
   const std::string model_name = f.str("model"), dataset = f.str("dataset"), hook_name = f.str("hook");
   if (model_name != "mlp" && model_name != "cnn") throw UsageError("--model must be mlp or cnn, got '" + model_name + "'");
   if (dataset != "fashion-mnist" && dataset != "synthetic")
@@ -173,7 +186,25 @@ int run_train(const std::vector<std::string>& args, const std::vector<std::strin
   const bool use_ddp = !f.on("no-ddp");
   if (model_name == "cnn" && !f.str("mlp-dims").empty()) throw UsageError("--mlp-dims applies to --model mlp only");
 
-  if (use_ddp && !in_distributed_env()) return launch_local(nproc, argv);
+  const std::string checkpoint_dir = f.str("checkpoint-dir");
+  const int checkpoint_every = f.integer("checkpoint-every"), max_restarts = f.integer("max-restarts");
+  if (checkpoint_every < 1) throw UsageError("--checkpoint-every must be >= 1");
+  if (max_restarts < 0) throw UsageError("--max-restarts must be >= 0");
+  if (checkpoint_dir.empty() && f.on("resume")) throw UsageError("--resume needs --checkpoint-dir");
+  if (!checkpoint_dir.empty() && f.on("optimizer-in-hook"))
+    throw UsageError("--checkpoint-dir does not save the per-parameter optimizer state of --optimizer-in-hook");
+  if (!checkpoint_dir.empty() && !f.on("resume") && (!in_distributed_env() || std::getenv("RANK") == std::string("0"))) {
+    const auto existing = list_checkpoints(checkpoint_dir);
+    if (!existing.empty())
+      throw UsageError("--checkpoint-dir " + checkpoint_dir + " already holds checkpoints (newest " + existing.front() +
+                       "): add --resume to continue that run, or name another directory");
+  }
+  if (max_restarts > 0 && checkpoint_dir.empty())
+    std::cerr << "ddpkit: --max-restarts without --checkpoint-dir restarts training from step 0\n";
+  // Restarted ranks resume from the newest checkpoint (--resume starts afresh when there is none).
+  if (use_ddp && !in_distributed_env())
+    return launch_local(nproc, argv, "/proc/self/exe", max_restarts,
+                        checkpoint_dir.empty() ? std::vector<std::string>{} : std::vector<std::string>{"--resume"});
 
   set_compute_threads(threads);
   std::shared_ptr<ProcessGroup> pg;
@@ -243,6 +274,7 @@ int run_train(const std::vector<std::string>& args, const std::vector<std::strin
 
   std::unique_ptr<DistributedDataParallelBase> ddp;
   std::unique_ptr<hooks::PeriodicModelAverager> averager;
+  TrainingState training_state;
   const bool optimizer_in_hook = f.on("optimizer-in-hook");
   if (optimizer_in_hook && !use_ddp) throw UsageError("--optimizer-in-hook needs DDP (drop --no-ddp)");
   const std::string zero_level = f.str("zero");
@@ -281,6 +313,7 @@ int run_train(const std::vector<std::string>& args, const std::vector<std::strin
             .find_unused_parameters(f.on("find-unused-parameters")));
     CommHook hook;
     std::string registered = hook_name;
+    std::shared_ptr<hooks::HookState> hook_state;
     if (hook_name == "post_local_sgd") {
       const int group = f.integer("local-sgd-group-size");
       if (group > 0 && world % group != 0)
@@ -288,6 +321,7 @@ int run_train(const std::vector<std::string>& args, const std::vector<std::strin
       auto state = std::make_shared<hooks::PostLocalSGDState>(pg, group > 0 ? new_subgroups(*pg, group) : nullptr,
                                                               f.integer("local-sgd-start-iter"));
       hook = hooks::post_localSGD_hook(state);
+      hook_state = state;
       averager = std::make_unique<hooks::PeriodicModelAverager>(f.integer("local-sgd-period"), f.integer("local-sgd-start-iter"), pg);
     } else if (hook_name != "none") {
       hooks::HookOptions ho;
@@ -302,7 +336,9 @@ int run_train(const std::vector<std::string>& args, const std::vector<std::strin
                       .warm_start(!f.on("no-warm-start")));
       ho.int8(hooks::Int8Options().block(f.integer("int8-block")).error_feedback(f.on("int8-error-feedback")));
       ho.perchannel_bucket_size(f.integer("perchannel-bucket-size"));
-      hook = hooks::make_hook(hook_name, pg, ho);
+      auto built = hooks::build_hook(hook_name, pg, ho);
+      hook = built.hook;
+      hook_state = built.state;
     }
     if (zero && zero_level == "2") {
       hook = zero2_hook(*ddp, zero, fsdp_sharded_reduce(pg, f.str("zero-precision")), zero_overlap);
@@ -325,6 +361,7 @@ int run_train(const std::vector<std::string>& args, const std::vector<std::strin
       registered += "+" + optimizer_name;
     }
     if (hook) ddp->register_comm_hook(hook, registered);
+    training_state.ddp(ddp.get()).hook_state(hook_state).replicas_differ(hook_name == "post_local_sgd");
     train_forward = [d = ddp.get(), fwd = model.forward](const at::Tensor& x) {
       return d->forward_with([&] { return fwd(x); });
     };
@@ -337,23 +374,88 @@ int run_train(const std::vector<std::string>& args, const std::vector<std::strin
   const int64_t total_steps = max_steps > 0 ? std::min<int64_t>(max_steps, steps_per_epoch * epochs) : steps_per_epoch * epochs;
   const int run_epochs = static_cast<int>((total_steps + steps_per_epoch - 1) / steps_per_epoch);
 
+  // The flags that decide the arithmetic: a checkpoint resumes only under the same ones.
+  const auto settings = f.settings({"nproc", "epochs", "steps", "quiet", "no-eval", "timeout-s", "threads",
+                                    "gloo-threads", "gloo-connections", "piece-kb", "data-dir", "no-malloc-tuning",
+                                    "no-divergence-guard", "checkpoint-dir", "checkpoint-every", "resume",
+                                    "max-restarts", "backend", "report-resources"});
+  std::string settings_text;
+  for (const auto& line : settings) settings_text += line + "\n";
+  training_state.module(model.module).optimizer(optimizer.get()).zero(zero);
+  int64_t step = 0, start_epoch = 0, start_in_epoch = -1, resumed_from = -1;
+  if (f.on("resume")) {
+    if (auto ck = training_state.restore(pg.get(), checkpoint_dir)) {
+      const std::string what = "checkpoint " + ck->path;
+      const std::string saved = bytes_of(ck->common, "extra/settings", what);
+      if (saved != settings_text) {
+        std::string diff;
+        std::istringstream a(saved);
+        for (std::string line; std::getline(a, line);)
+          if (std::find(settings.begin(), settings.end(), line) == settings.end()) diff += " --" + line;
+        throw std::runtime_error(what + " was written with different training flags (" + diff.substr(1) +
+                                 "): resume with those, or name another --checkpoint-dir");
+      }
+      if (averager) averager->set_step(int_of(ck->local, "extra/averager_step", what));
+      start_epoch = int_of(ck->common, "extra/epoch", what);
+      const int64_t samples = int_of(ck->common, "extra/samples_in_epoch", what);
+      // Same world size: the same step. Another: the global sample position, rounded down.
+      start_in_epoch = samples / (static_cast<int64_t>(batch) * world);
+      if (start_in_epoch >= steps_per_epoch) {
+        ++start_epoch;
+        start_in_epoch = 0;
+      }
+      step = start_epoch * steps_per_epoch + start_in_epoch;
+      resumed_from = ck->step;
+      if (lead)
+        std::cerr << "resumed from " << ck->path << " (step " << ck->step << " of " << ck->world_size
+                  << " ranks): epoch " << start_epoch + 1 << ", step " << step << "\n";
+    }
+  }
+  const int report_every = f.integer("report-resources");
+  if (report_every < 0) throw UsageError("--report-resources must be >= 0");
+  auto report_resources = [&] {
+    const ProcessResources mine = process_resources();
+    at::Tensor all = at::zeros({world, 2}, at::kDouble);
+    all[rank][0] = static_cast<double>(mine.rss_bytes);
+    all[rank][1] = static_cast<double>(mine.open_fds);
+    if (pg) ProcessGroup::wait(pg->allreduce(all));
+    if (!lead) return;
+    std::ostringstream os;
+    os << "resources {\"step\": " << step << ", \"rss_mb\": [";
+    for (int r = 0; r < world; ++r) os << (r ? ", " : "") << std::fixed << std::setprecision(1) << all[r][0].item<double>() / (1 << 20);
+    os << "], \"open_fds\": [";
+    for (int r = 0; r < world; ++r) os << (r ? ", " : "") << static_cast<int64_t>(all[r][1].item<double>());
+    os << "]}\n";
+    std::cerr << os.str();
+  };
+  int checkpoints_written = 0;
+  auto write_checkpoint = [&](int64_t epoch, int64_t in_epoch) {
+    TensorDict extra{{"settings", bytes_entry(settings_text)},
+                     {"epoch", int_entry(epoch)},
+                     {"samples_in_epoch", int_entry(in_epoch * batch * world)}};
+    TensorDict extra_local;
+    if (averager) extra_local["averager_step"] = int_entry(averager->step());
+    training_state.save(pg.get(), checkpoint_dir, step, extra, extra_local);
+    ++checkpoints_written;
+  };
+
   Progress progress(lead && !f.on("quiet"));
   // Every rank checks the loss every 20 steps, together: a diverged run stops with advice.
   std::unique_ptr<DivergenceGuard> guard;
   if (!f.on("no-divergence-guard")) guard = std::make_unique<DivergenceGuard>(pg);
   std::vector<double> step_ms, forward_ms, backward_ms, optimizer_ms;
   double accuracy = -1, last_loss = 0;
-  int64_t step = 0;
+  const int64_t first_step = step;
   double train_seconds = 0;
   if (ddp) ddp->reducer().reset_traffic();
-  for (int epoch = 0; epoch < run_epochs && step < total_steps; ++epoch) {
+  for (int epoch = static_cast<int>(start_epoch); epoch < run_epochs && step < total_steps; ++epoch) {
     // DistributedSampler: one permutation for all ranks (same seed), rank r takes r, r+W, ...
     auto gen = at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(f.integer("seed")) * 1000 + epoch);
     at::Tensor perm = at::randperm(n_train, gen, at::kLong).slice(0, rank, world * per_rank, world);
     double epoch_loss = 0;
     int64_t epoch_steps = 0;
     const auto epoch_start = std::chrono::steady_clock::now();
-    for (int64_t i = 0; i < steps_per_epoch && step < total_steps; ++i, ++step) {
+    for (int64_t i = epoch == start_epoch && start_in_epoch > 0 ? start_in_epoch : 0; i < steps_per_epoch && step < total_steps;) {
       at::Tensor idx = perm.slice(0, i * batch, (i + 1) * batch);
       at::Tensor x = data.train.inputs.index_select(0, idx), y = data.train.labels.index_select(0, idx);
       using clock = std::chrono::steady_clock;
@@ -386,7 +488,11 @@ int run_train(const std::vector<std::string>& args, const std::vector<std::strin
       }
       epoch_loss += last_loss;
       ++epoch_steps;
-      progress.update("epoch " + std::to_string(epoch + 1) + "/" + std::to_string(run_epochs), i + 1,
+      ++i;
+      ++step;
+      if (!checkpoint_dir.empty() && (step % checkpoint_every == 0 || step == total_steps)) write_checkpoint(epoch, i);
+      if (report_every > 0 && step % report_every == 0) report_resources();
+      progress.update("epoch " + std::to_string(epoch + 1) + "/" + std::to_string(run_epochs), i,
                       std::min<int64_t>(steps_per_epoch, total_steps - (step - i)), last_loss, median(step_ms));
     }
     train_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - epoch_start).count();
@@ -414,6 +520,7 @@ int run_train(const std::vector<std::string>& args, const std::vector<std::strin
       std::cerr << "\n";
     }
   }
+  const int64_t steps_run = step - first_step;
   const CommStats traffic = pg ? pg->stats() : CommStats{};
   // Optimizer state held by each rank (the largest over ranks), in bytes.
   int64_t state_bytes = 0;
@@ -440,8 +547,8 @@ int run_train(const std::vector<std::string>& args, const std::vector<std::strin
       // Over the network or through shared memory (ranks on one host): what the hook moved.
       const uint64_t moved = b.traffic.bytes_sent + b.traffic.shm_bytes_sent;
       sent += moved;
-      table << std::setw(6) << b.index << std::setw(10) << b.numel << std::setw(14) << (step ? moved / step : 0)
-            << std::setw(17) << (step ? (b.traffic.bytes_received + b.traffic.shm_bytes_received) / step : 0)
+      table << std::setw(6) << b.index << std::setw(10) << b.numel << std::setw(14) << (steps_run ? moved / steps_run : 0)
+            << std::setw(17) << (steps_run ? (b.traffic.bytes_received + b.traffic.shm_bytes_received) / steps_run : 0)
             << std::setw(13) << std::fixed
             << std::setprecision(2) << b.compression_ratio() << "x\n";
     }
@@ -456,10 +563,10 @@ int run_train(const std::vector<std::string>& args, const std::vector<std::strin
     js << std::fixed << "{\"hook\": \"" << shown << "\", \"world_size\": " << world
        << ", \"steps\": " << step << ", \"median_step_ms\": " << std::setprecision(3) << median(step_ms)
        << ", \"samples_per_s\": " << std::setprecision(1)
-       << (train_seconds > 0 ? static_cast<double>(step) * batch * world / train_seconds : 0.0)
-       << ", \"bytes_sent_per_step\": " << (step ? traffic.bytes_sent / step : 0)
-       << ", \"bytes_received_per_step\": " << (step ? traffic.bytes_received / step : 0)
-       << ", \"shm_bytes_sent_per_step\": " << (step ? traffic.shm_bytes_sent / step : 0)
+       << (train_seconds > 0 ? static_cast<double>(steps_run) * batch * world / train_seconds : 0.0)
+       << ", \"bytes_sent_per_step\": " << (steps_run ? traffic.bytes_sent / steps_run : 0)
+       << ", \"bytes_received_per_step\": " << (steps_run ? traffic.bytes_received / steps_run : 0)
+       << ", \"shm_bytes_sent_per_step\": " << (steps_run ? traffic.shm_bytes_sent / steps_run : 0)
        << ", \"shared_memory\": " << (pg && pg->uses_shared_memory() ? (pg->hierarchical() ? "\"hierarchical\"" : "\"host\"") : "false")
        << ", \"compression_ratio\": " << std::setprecision(3) << compression_ratio
        << ", \"test_accuracy\": ";
@@ -467,7 +574,10 @@ int run_train(const std::vector<std::string>& args, const std::vector<std::strin
     js << ", \"final_loss\": " << std::setprecision(4) << last_loss << ", \"median_forward_ms\": " << std::setprecision(3)
        << median(forward_ms) << ", \"median_backward_ms\": " << median(backward_ms)
        << ", \"median_optimizer_ms\": " << median(optimizer_ms) << ", \"optimizer\": \"" << optimizer_name
-       << "\", \"zero\": \"" << zero_shown << "\", \"optimizer_state_bytes\": " << state_bytes << "}";
+       << "\", \"zero\": \"" << zero_shown << "\", \"optimizer_state_bytes\": " << state_bytes
+       << ", \"resumed_from_step\": ";
+    if (resumed_from >= 0) js << resumed_from; else js << "null";
+    js << ", \"checkpoints_written\": " << checkpoints_written << "}";
     std::cout << js.str() << std::endl;
   }
   if (pg) ProcessGroup::wait(pg->barrier());

@@ -44,6 +44,13 @@ struct HookOptions {
 // quantize_per_channel, powersgd, batched_powersgd. Unknown names are an error listing the known
 // ones. (post-local SGD and the optimizer-after-hook need more than a name: see their headers.)
 CommHook make_hook(const std::string& name, std::shared_ptr<ProcessGroup> pg, const HookOptions& options = {});
+// The same, with the state the hook keeps between steps, for checkpoints (null for the stateless
+// hooks; int8's holds nothing without error feedback).
+struct BuiltHook {
+  CommHook hook;
+  std::shared_ptr<HookState> state;
+};
+BuiltHook build_hook(const std::string& name, std::shared_ptr<ProcessGroup> pg, const HookOptions& options = {});
 std::vector<std::string> hook_names();
 // The bucket cap (MiB) to use with a hook when the user names none: 6 for hooks that compress
 // each element (fp16/bf16 and their wrappers, int8, quantize_*), 25 (PyTorch's) otherwise. A

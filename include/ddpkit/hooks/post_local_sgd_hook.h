@@ -9,6 +9,7 @@
 #pragma once
 
 #include <ddpkit/comm/process_group.h>
+#include <ddpkit/hooks/hook_state.h>
 #include <ddpkit/reducer/grad_bucket.h>
 
 #include <memory>
@@ -18,13 +19,15 @@
 namespace ddpkit {
 namespace hooks {
 
-class PostLocalSGDState {
+class PostLocalSGDState : public HookState {
  public:
   // subgroup: where gradients are allreduced after start_localSGD_iter (e.g. new_subgroups(*pg,
   // ranks_per_host)); nullptr: no gradient communication then (pure local SGD).
   PostLocalSGDState(std::shared_ptr<ProcessGroup> pg, std::shared_ptr<ProcessGroup> subgroup,
                     int64_t start_localSGD_iter);
   int64_t iteration() const;
+  TensorDict state_dict() const override;  // the iteration counter
+  void load_state_dict(const TensorDict& state) override;
 
  private:
   friend CommHook post_localSGD_hook(std::shared_ptr<PostLocalSGDState> state);
@@ -44,6 +47,8 @@ class PeriodicModelAverager {
   // Returns true if it averaged on this call.
   bool average_parameters(const std::vector<at::Tensor>& params);
   int64_t step() const { return step_; }
+  // For resuming from a checkpoint: the step counter it held then.
+  void set_step(int64_t step);
 
  private:
   int64_t period_, warmup_;

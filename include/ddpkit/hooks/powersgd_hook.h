@@ -11,6 +11,7 @@
 #pragma once
 
 #include <ddpkit/comm/process_group.h>
+#include <ddpkit/hooks/hook_state.h>
 #include <ddpkit/reducer/grad_bucket.h>
 
 #include <torch/arg.h>
@@ -51,7 +52,7 @@ struct PowerSGDOptions {
   TORCH_ARG(std::function<void(double, int64_t, int64_t)>, stats_logger) = nullptr;
 };
 
-class PowerSGDState {
+class PowerSGDState : public HookState {
  public:
   PowerSGDState(std::shared_ptr<ProcessGroup> pg, PowerSGDOptions options = {});
 
@@ -65,6 +66,9 @@ class PowerSGDState {
   // Error-feedback memory of a bucket: what the last compressed step left out (undefined if none);
   // a copy.
   at::Tensor error(size_t bucket_index) const;
+  // Iteration counters, the random-Q sequence and each bucket's error feedback and P/Q memory.
+  TensorDict state_dict() const override;
+  void load_state_dict(const TensorDict& state) override;
 
  private:
   friend class PowerSGDHook;

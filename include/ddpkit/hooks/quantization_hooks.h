@@ -16,6 +16,7 @@
 #pragma once
 
 #include <ddpkit/comm/process_group.h>
+#include <ddpkit/hooks/hook_state.h>
 #include <ddpkit/reducer/grad_bucket.h>
 
 #include <torch/arg.h>
@@ -33,6 +34,20 @@ struct Int8Options {
   TORCH_ARG(int64_t, block) = 512;
   TORCH_ARG(bool, error_feedback) = false;
 };
+// The int8 hook's buffers and, with error_feedback, its per-bucket error memory.
+class Int8State : public HookState {
+ public:
+  Int8State(std::shared_ptr<ProcessGroup> pg, Int8Options options = {});
+  // Each bucket's error feedback (empty without error_feedback).
+  TensorDict state_dict() const override;
+  void load_state_dict(const TensorDict& state) override;
+
+ private:
+  friend CommHook int8_allreduce_hook(std::shared_ptr<Int8State> state);
+  class Impl;
+  std::shared_ptr<Impl> impl_;
+};
+CommHook int8_allreduce_hook(std::shared_ptr<Int8State> state);
 CommHook int8_allreduce_hook(std::shared_ptr<ProcessGroup> pg, Int8Options options = {});
 
 }  // namespace hooks

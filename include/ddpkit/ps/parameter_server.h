@@ -61,6 +61,10 @@ struct ServerOptions {
   TORCH_ARG(int64_t, max_message_bytes) = int64_t(1) << 30;
   // A bucket some trainers sent but others did not within this time fails for the senders.
   TORCH_ARG(std::chrono::milliseconds, bucket_timeout) = std::chrono::seconds(60);
+  // A trainer whose session ended is gone (buckets waiting for it fail at once, naming it) after
+  // this long without a new session: a restarted trainer, or a new client whose session opens a
+  // moment after its peer's first request, is not mistaken for a dead one.
+  TORCH_ARG(std::chrono::milliseconds, reconnect_grace) = std::chrono::seconds(2);
   // Non-empty: every call must carry metadata "authorization: Bearer <token>".
   TORCH_ARG(std::string, token) = "";
   // Certificate and key set: TLS; otherwise plaintext.

@@ -75,6 +75,10 @@ class Reducer {
   void freeze_bucket_layout();
   // Current bucket assignment: parameter indices per bucket, in launch order.
   std::vector<std::vector<size_t>> bucket_indices() const;
+  // Resuming from a checkpoint: takes the assignment bucket_indices() returned then, for good (no
+  // rebuild follows), so bucket-indexed hook state lines up with the same buckets. Between steps
+  // only; every rank must pass the same one.
+  void restore_bucket_layout(const std::vector<std::vector<size_t>>& buckets);
   int64_t iterations() const { return iterations_; }
   bool buckets_rebuilt() const { return rebuilt_; }
   // Parameters found globally unused in the last synchronized iteration (find_unused/static_graph).

@@ -25,6 +25,9 @@ struct DivergenceGuardOptions {
   // Diverged: a window's mean loss (over all ranks) above this multiple of the lowest window mean
   // so far. Windows of thousands of samples do not triple while training works.
   TORCH_ARG(double, explode_factor) = 3.0;
+  // ... and above this fraction of the first window's mean: a loss near zero triples on noise
+  // alone (0.03 to 0.1 on a fitted training set) with nothing wrong.
+  TORCH_ARG(double, explode_floor) = 0.5;
   // Diverged: a later window's mean above this multiple of the first window's, i.e. the run has
   // lost everything it learned (a lossy hook at too low a rank can leave the loss at chance).
   TORCH_ARG(double, regress_factor) = 1.25;

@@ -1,0 +1,516 @@
+#include <ddpkit/runtime/checkpoint.h>
+
+#include <ddpkit/ddp/distributed_data_parallel.h>
+#include <ddpkit/zero/zero_redundancy_optimizer.h>
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <torch/serialize/archive.h>
+
+#include <dirent.h>
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <iostream>
+#include <sstream>
+
+namespace ddpkit {
+
+// ---- bytes ---------------------------------------------------------------------------------------
+namespace {
+
+constexpr char kMagic[8] = {'D', 'D', 'P', 'K', 'T', 'N', 'S', '1'};
+constexpr size_t kMaxDims = 16;
+
+// 64-bit FNV-1a over 8-byte words: catches truncation and torn or flipped bytes.
+uint64_t checksum(const char* data, size_t n) {
+  uint64_t h = 0xcbf29ce484222325ULL ^ n;
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    uint64_t w;
+    std::memcpy(&w, data + i, 8);
+    h = (h ^ w) * 0x100000001b3ULL;
+  }
+  for (; i < n; ++i) h = (h ^ static_cast<unsigned char>(data[i])) * 0x100000001b3ULL;
+  return h;
+}
+
+template <typename T>
+void put(std::string& out, T value) {
+  out.append(reinterpret_cast<const char*>(&value), sizeof(T));
+}
+
+bool storable(at::ScalarType t) {
+  switch (t) {
+    case at::kByte: case at::kChar: case at::kShort: case at::kInt: case at::kLong: case at::kHalf:
+    case at::kFloat: case at::kDouble: case at::kBool: case at::kBFloat16:
+      return true;
+    default:
+      return false;
+  }
+}
+
+// Reads forward through `bytes`, refusing to pass its end.
+class Reader {
+ public:
+  Reader(const std::string& bytes, size_t end, const std::string& what) : bytes_(bytes), end_(end), what_(what) {}
+  template <typename T>
+  T get(const char* field) {
+    T value;
+    std::memcpy(&value, take(sizeof(T), field), sizeof(T));
+    return value;
+  }
+  const char* take(uint64_t n, const char* field) {
+    DDPKIT_CHECK(n <= end_ - pos_, what_, " is truncated or corrupt: ", field, " needs ", n, " bytes at offset ", pos_,
+                 ", ", end_ - pos_, " left");
+    const char* p = bytes_.data() + pos_;
+    pos_ += n;
+    return p;
+  }
+  size_t left() const { return end_ - pos_; }
+
+ private:
+  const std::string& bytes_;
+  size_t end_, pos_ = 0;
+  const std::string& what_;
+};
+
+}  // namespace
+
+std::string encode_tensors(const TensorDict& dict) {
+  std::string out(kMagic, sizeof(kMagic));
+  put<uint64_t>(out, dict.size());
+  for (const auto& kv : dict) {
+    DDPKIT_CHECK(kv.second.defined(), "encode_tensors: entry '", kv.first, "' is an undefined tensor");
+    const at::Tensor t = kv.second.detach().cpu().contiguous();
+    DDPKIT_CHECK(storable(t.scalar_type()), "encode_tensors: entry '", kv.first, "' has dtype ", t.scalar_type(),
+                 ", which checkpoints do not store");
+    DDPKIT_CHECK(static_cast<size_t>(t.dim()) <= kMaxDims, "encode_tensors: entry '", kv.first, "' has ", t.dim(), " dimensions");
+    put<uint32_t>(out, static_cast<uint32_t>(kv.first.size()));
+    out += kv.first;
+    put<int8_t>(out, static_cast<int8_t>(t.scalar_type()));
+    put<uint8_t>(out, static_cast<uint8_t>(t.dim()));
+    for (int64_t s : t.sizes()) put<int64_t>(out, s);
+    const uint64_t nbytes = static_cast<uint64_t>(t.numel()) * t.element_size();
+    put<uint64_t>(out, nbytes);
+    if (nbytes) out.append(static_cast<const char*>(t.data_ptr()), nbytes);
+  }
+  put<uint64_t>(out, checksum(out.data(), out.size()));
+  return out;
+}
+
+TensorDict decode_tensors(const std::string& bytes, const std::string& what) {
+  DDPKIT_CHECK(bytes.size() >= sizeof(kMagic) + 16, what, " is truncated: ", bytes.size(), " bytes");
+  DDPKIT_CHECK(std::memcmp(bytes.data(), kMagic, sizeof(kMagic)) == 0, what, " is not a ddpkit tensor file (bad magic)");
+  const size_t body = bytes.size() - 8;
+  uint64_t stored;
+  std::memcpy(&stored, bytes.data() + body, 8);
+  DDPKIT_CHECK(stored == checksum(bytes.data(), body), what, " is corrupt: checksum mismatch");
+  Reader in(bytes, body, what);
+  in.take(sizeof(kMagic), "the magic");
+  const uint64_t count = in.get<uint64_t>("the entry count");
+  DDPKIT_CHECK(count <= in.left() / 14, what, " claims ", count, " entries, more than its size holds");
+  TensorDict dict;
+  for (uint64_t i = 0; i < count; ++i) {
+    const uint32_t key_len = in.get<uint32_t>("a key length");
+    const char* key_data = in.take(key_len, "a key");
+    std::string key(key_data, key_len);
+    DDPKIT_CHECK(!dict.count(key), what, ": entry '", key, "' appears twice");
+    const int8_t dtype = in.get<int8_t>("a dtype");
+    DDPKIT_CHECK(dtype >= 0 && dtype < static_cast<int8_t>(at::ScalarType::NumOptions) &&
+                     storable(static_cast<at::ScalarType>(dtype)),
+                 what, ": entry '", key, "' has an unknown dtype code ", static_cast<int>(dtype));
+    const at::ScalarType type = static_cast<at::ScalarType>(dtype);
+    const uint8_t ndim = in.get<uint8_t>("a rank");
+    DDPKIT_CHECK(ndim <= kMaxDims, what, ": entry '", key, "' has ", static_cast<int>(ndim), " dimensions");
+    std::vector<int64_t> sizes(ndim);
+    uint64_t numel = 1;
+    for (auto& s : sizes) {
+      s = in.get<int64_t>("a size");
+      DDPKIT_CHECK(s >= 0 && (s == 0 || numel <= (uint64_t{1} << 62) / static_cast<uint64_t>(s)), what, ": entry '", key,
+                   "' has an impossible size ", s);
+      numel *= static_cast<uint64_t>(s);
+    }
+    const uint64_t nbytes = in.get<uint64_t>("a byte count");
+    DDPKIT_CHECK(nbytes == numel * c10::elementSize(type), what, ": entry '", key, "' holds ", nbytes, " bytes for ",
+                 numel, " elements of ", type);
+    const char* data = in.take(nbytes, "tensor data");
+    at::Tensor t = at::empty(sizes, at::TensorOptions().dtype(type));
+    if (nbytes) std::memcpy(t.data_ptr(), data, nbytes);
+    dict.emplace(std::move(key), std::move(t));
+  }
+  DDPKIT_CHECK(in.left() == 0, what, " has ", in.left(), " bytes after its last entry");
+  return dict;
+}
+
+// ---- files ---------------------------------------------------------------------------------------
+namespace {
+
+const char* kPrefix = "checkpoint-";
+const char* kSuffix = ".ddpk";
+
+std::string checkpoint_path(const std::string& dir, int64_t step) {
+  char name[64];
+  std::snprintf(name, sizeof(name), "%s%010lld%s", kPrefix, static_cast<long long>(step), kSuffix);
+  return (std::filesystem::path(dir) / name).string();
+}
+
+// The step a checkpoint file name carries, or -1 for other names.
+int64_t step_of(const std::string& name) {
+  const size_t p = std::strlen(kPrefix), s = std::strlen(kSuffix);
+  if (name.size() <= p + s || name.compare(0, p, kPrefix) != 0 || name.compare(name.size() - s, s, kSuffix) != 0) return -1;
+  const std::string digits = name.substr(p, name.size() - p - s);
+  if (digits.empty() || digits.size() > 18 || !std::all_of(digits.begin(), digits.end(), ::isdigit)) return -1;
+  return std::stoll(digits);
+}
+
+void write_all(int fd, const std::string& bytes, const std::string& path) {
+  size_t done = 0;
+  while (done < bytes.size()) {
+    const ssize_t n = ::write(fd, bytes.data() + done, bytes.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    DDPKIT_CHECK(n > 0, "writing ", path, ": ", std::strerror(errno));
+    done += static_cast<size_t>(n);
+  }
+}
+
+// Temp file in the same directory, fsync, rename over the final name, fsync the directory: the final
+// name only ever names a whole file, even across a crash of the process or the machine.
+void write_atomically(const std::string& dir, const std::string& path, const std::string& bytes) {
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  DDPKIT_CHECK(!ec, "cannot create checkpoint directory ", dir, ": ", ec.message());
+  const std::string tmp = path + ".tmp." + std::to_string(::getpid());
+  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  DDPKIT_CHECK(fd >= 0, "cannot create ", tmp, ": ", std::strerror(errno));
+  try {
+    write_all(fd, bytes, tmp);
+    DDPKIT_CHECK(::fsync(fd) == 0, "fsync ", tmp, ": ", std::strerror(errno));
+  } catch (...) {
+    ::close(fd);
+    ::unlink(tmp.c_str());
+    throw;
+  }
+  ::close(fd);
+  if (::rename(tmp.c_str(), path.c_str()) != 0) {
+    const int e = errno;
+    ::unlink(tmp.c_str());
+    DDPKIT_CHECK(false, "rename ", tmp, " to ", path, ": ", std::strerror(e));
+  }
+  const int dfd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (dfd >= 0) {
+    ::fsync(dfd);
+    ::close(dfd);
+  }
+}
+
+std::string read_file(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  DDPKIT_CHECK(fd >= 0, "cannot open ", path, ": ", std::strerror(errno));
+  std::string out;
+  char buf[1 << 16];
+  for (;;) {
+    const ssize_t n = ::read(fd, buf, sizeof(buf));
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      const int e = errno;
+      ::close(fd);
+      DDPKIT_CHECK(n == 0, "reading ", path, ": ", std::strerror(e));
+      return out;
+    }
+    out.append(buf, static_cast<size_t>(n));
+  }
+}
+
+// Removes all but the newest `keep` checkpoints, and temp files a dead writer left behind.
+void prune(const std::string& dir, int keep) {
+  const auto all = list_checkpoints(dir);
+  for (size_t i = static_cast<size_t>(keep); i < all.size(); ++i) ::unlink(all[i].c_str());
+  std::error_code ec;
+  const std::string mine = ".tmp." + std::to_string(::getpid());
+  for (const auto& e : std::filesystem::directory_iterator(dir, ec)) {
+    const std::string name = e.path().filename().string();
+    if (name.rfind(kPrefix, 0) == 0 && name.find(".tmp.") != std::string::npos &&
+        name.compare(name.size() - std::min(name.size(), mine.size()), mine.size(), mine) != 0)
+      ::unlink(e.path().c_str());
+  }
+}
+
+at::Tensor bytes_tensor(const std::string& s, int64_t size) {
+  at::Tensor t = at::zeros({size}, at::kByte);
+  if (!s.empty()) std::memcpy(t.data_ptr(), s.data(), s.size());
+  return t;
+}
+
+// Every rank's `mine`, on every rank (sizes first, then the padded bytes).
+std::vector<std::string> allgather_bytes(ProcessGroup& pg, const std::string& mine) {
+  const int world = pg.size();
+  std::vector<at::Tensor> sizes(world);
+  for (auto& s : sizes) s = at::empty({1}, at::kLong);
+  ProcessGroup::wait(pg.allgather(sizes, at::tensor({static_cast<int64_t>(mine.size())}, at::kLong)));
+  int64_t longest = 0;
+  for (const auto& s : sizes) longest = std::max(longest, s.item<int64_t>());
+  std::vector<at::Tensor> all(world);
+  for (auto& t : all) t = at::empty({longest}, at::kByte);
+  ProcessGroup::wait(pg.allgather(all, bytes_tensor(mine, longest)));
+  std::vector<std::string> out(world);
+  for (int r = 0; r < world; ++r)
+    out[r].assign(static_cast<const char*>(all[r].data_ptr()), static_cast<size_t>(sizes[r].item<int64_t>()));
+  return out;
+}
+
+}  // namespace
+
+std::vector<std::string> list_checkpoints(const std::string& dir) {
+  std::vector<std::pair<int64_t, std::string>> found;
+  std::error_code ec;
+  for (const auto& e : std::filesystem::directory_iterator(dir, ec)) {
+    const int64_t step = step_of(e.path().filename().string());
+    if (step >= 0) found.emplace_back(step, e.path().string());
+  }
+  std::sort(found.begin(), found.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
+  std::vector<std::string> out;
+  for (auto& f : found) out.push_back(std::move(f.second));
+  return out;
+}
+
+std::string save_checkpoint(ProcessGroup* pg, const std::string& dir, int64_t step, const TensorDict& common,
+                            const TensorDict& local, int keep) {
+  DDPKIT_CHECK(!dir.empty(), "save_checkpoint: the directory is empty");
+  DDPKIT_CHECK(step >= 0, "save_checkpoint: step must be >= 0, got ", step);
+  DDPKIT_CHECK(keep >= 1, "save_checkpoint: keep must be >= 1, got ", keep);
+  const int world = pg ? pg->size() : 1, rank = pg ? pg->rank() : 0;
+  const std::string mine = encode_tensors(local);
+  const std::vector<std::string> locals = world > 1 ? allgather_bytes(*pg, mine) : std::vector<std::string>{mine};
+  const std::string path = checkpoint_path(dir, step);
+  std::string error;
+  if (rank == 0) {
+    try {
+      TensorDict all;
+      all["meta/step"] = int_entry(step);
+      all["meta/world_size"] = int_entry(world);
+      for (const auto& kv : common) all["common/" + kv.first] = kv.second;
+      for (int r = 0; r < world; ++r) all["rank" + std::to_string(r)] = bytes_entry(locals[r]);
+      write_atomically(dir, path, encode_tensors(all));
+      prune(dir, keep);
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+  }
+  if (world > 1) {
+    at::Tensor failed = at::tensor({static_cast<int64_t>(!error.empty())}, at::kLong);
+    ProcessGroup::wait(pg->broadcast(failed, 0));
+    DDPKIT_CHECK(rank == 0 || failed.item<int64_t>() == 0, "checkpoint ", path,
+                 ": rank 0 could not write it (its error says why)");
+  }
+  DDPKIT_CHECK(error.empty(), "checkpoint ", path, ": ", error);
+  return path;
+}
+
+std::optional<Checkpoint> load_latest_checkpoint(ProcessGroup* pg, const std::string& dir) {
+  const int world = pg ? pg->size() : 1, rank = pg ? pg->rank() : 0;
+  std::string bytes, path;
+  if (rank == 0) {
+    for (const auto& p : list_checkpoints(dir)) {
+      try {
+        bytes = read_file(p);
+        decode_tensors(bytes, p);
+        path = p;
+        break;
+      } catch (const std::exception& e) {
+        std::cerr << "ddpkit: skipping checkpoint " << p << ": " << e.what() << "\n";
+        bytes.clear();
+      }
+    }
+  }
+  if (world > 1) {
+    at::Tensor size = at::tensor({static_cast<int64_t>(bytes.size())}, at::kLong);
+    ProcessGroup::wait(pg->broadcast(size, 0));
+    if (size.item<int64_t>() > 0) {
+      at::Tensor t = bytes_tensor(bytes, size.item<int64_t>());
+      ProcessGroup::wait(pg->broadcast(t, 0));
+      bytes.assign(static_cast<const char*>(t.data_ptr()), static_cast<size_t>(t.numel()));
+    }
+  }
+  if (bytes.empty()) return std::nullopt;
+  const TensorDict all = decode_tensors(bytes, path.empty() ? "the checkpoint rank 0 sent" : path);
+  Checkpoint ck;
+  const std::string what = "checkpoint " + path;
+  ck.step = int_of(all, "meta/step", what);
+  ck.world_size = static_cast<int>(int_of(all, "meta/world_size", what));
+  ck.path = checkpoint_path(dir, ck.step);
+  for (const auto& kv : all)
+    if (kv.first.rfind("common/", 0) == 0) ck.common[kv.first.substr(7)] = kv.second;
+  if (ck.world_size == world) ck.local = decode_tensors(bytes_of(all, "rank" + std::to_string(rank), what), what);
+  return ck;
+}
+
+// ---- TrainingState -------------------------------------------------------------------------------
+namespace {
+
+void put_module(TensorDict& d, torch::nn::Module& m) {
+  for (const auto& kv : m.named_parameters(true)) d["model/" + kv.key()] = kv.value().detach().clone();
+  for (const auto& kv : m.named_buffers(true)) d["model/" + kv.key()] = kv.value().detach().clone();
+}
+
+void load_module(const TensorDict& d, torch::nn::Module& m, const std::string& what) {
+  torch::NoGradGuard no_grad;
+  size_t expected = 0;
+  auto load = [&](const std::string& name, at::Tensor& t) {
+    const at::Tensor& saved = entry_of(d, "model/" + name, what);
+    DDPKIT_CHECK(saved.sizes() == t.sizes() && saved.scalar_type() == t.scalar_type(), what, ": ", name, " is ",
+                 saved.scalar_type(), saved.sizes(), " there and ", t.scalar_type(), t.sizes(), " in this model");
+    t.copy_(saved);
+    ++expected;
+  };
+  for (auto& kv : m.named_parameters(true)) load(kv.key(), kv.value());
+  for (auto& kv : m.named_buffers(true)) load(kv.key(), kv.value());
+  for (const auto& kv : d)
+    DDPKIT_CHECK(kv.first.rfind("model/", 0) != 0 || m.named_parameters(true).contains(kv.first.substr(6)) ||
+                     m.named_buffers(true).contains(kv.first.substr(6)),
+                 what, ": it holds ", kv.first.substr(6), ", which this model does not have");
+}
+
+std::string optimizer_bytes(torch::optim::Optimizer& o) {
+  torch::serialize::OutputArchive archive;
+  o.save(archive);
+  std::ostringstream out;
+  archive.save_to(out);
+  return out.str();
+}
+
+void load_optimizer(const std::string& bytes, torch::optim::Optimizer& o) {
+  torch::serialize::InputArchive archive;
+  std::istringstream in(bytes);
+  archive.load_from(in);
+  o.load(archive);
+}
+
+TensorDict with_prefix(const TensorDict& d, const std::string& prefix) {
+  TensorDict out;
+  for (const auto& kv : d) out[prefix + kv.first] = kv.second;
+  return out;
+}
+
+TensorDict under_prefix(const TensorDict& d, const std::string& prefix) {
+  TensorDict out;
+  for (const auto& kv : d)
+    if (kv.first.rfind(prefix, 0) == 0) out[kv.first.substr(prefix.size())] = kv.second;
+  return out;
+}
+
+}  // namespace
+
+TrainingState& TrainingState::module(std::shared_ptr<torch::nn::Module> module) {
+  module_ = std::move(module);
+  return *this;
+}
+TrainingState& TrainingState::optimizer(torch::optim::Optimizer* optimizer) {
+  optimizer_ = optimizer;
+  return *this;
+}
+TrainingState& TrainingState::zero(std::shared_ptr<ZeroRedundancyOptimizer> zero) {
+  zero_ = std::move(zero);
+  return *this;
+}
+TrainingState& TrainingState::ddp(DistributedDataParallelBase* ddp) {
+  ddp_ = ddp;
+  return *this;
+}
+TrainingState& TrainingState::hook_state(std::shared_ptr<hooks::HookState> state) {
+  hook_state_ = std::move(state);
+  return *this;
+}
+TrainingState& TrainingState::replicas_differ(bool differ) {
+  replicas_differ_ = differ;
+  return *this;
+}
+
+std::string TrainingState::save(ProcessGroup* pg, const std::string& dir, int64_t step, const TensorDict& extra,
+                                const TensorDict& extra_local, int keep) {
+  DDPKIT_CHECK(!(optimizer_ && zero_), "TrainingState: give an optimizer or a ZeroRedundancyOptimizer, not both");
+  TensorDict common = with_prefix(extra, "extra/"), local = with_prefix(extra_local, "extra/");
+  TensorDict& replica = replicas_differ_ ? local : common;
+  if (module_) put_module(replica, *module_);
+  if (optimizer_) replica["optimizer"] = bytes_entry(optimizer_bytes(*optimizer_));
+  if (zero_) {
+    zero_->consolidate_state_dict(0);
+    if (!pg || pg->rank() == 0) {
+      std::ostringstream out;
+      zero_->state_dict().save(out);
+      common["zero"] = bytes_entry(out.str());
+    }
+  }
+  if (ddp_) {
+    // A rebuild that is due runs now, so the layout saved is the one the next steps use.
+    ddp_->reducer().prepare_for_forward();
+    std::vector<int64_t> flat, sizes;
+    for (const auto& b : ddp_->reducer().bucket_indices()) {
+      sizes.push_back(static_cast<int64_t>(b.size()));
+      for (size_t v : b) flat.push_back(static_cast<int64_t>(v));
+    }
+    common["ddp/bucket_sizes"] = at::tensor(sizes, at::kLong);
+    common["ddp/buckets"] = at::tensor(flat, at::kLong);
+  }
+  if (hook_state_) {
+    for (auto& kv : hook_state_->state_dict()) local["hook/" + kv.first] = std::move(kv.second);
+  }
+  {
+    auto gen = at::detail::getDefaultCPUGenerator();
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    common["rng/cpu"] = gen.get_state();
+  }
+  return save_checkpoint(pg, dir, step, common, local, keep);
+}
+
+std::optional<Checkpoint> TrainingState::restore(ProcessGroup* pg, const std::string& dir) {
+  auto ck = load_latest_checkpoint(pg, dir);
+  if (!ck) return ck;
+  const std::string what = "checkpoint " + ck->path;
+  const int world = pg ? pg->size() : 1;
+  const bool same_world = ck->world_size == world;
+  DDPKIT_CHECK(!replicas_differ_ || same_world, what, " was written by ", ck->world_size,
+               " ranks whose replicas differ (post-local SGD): resume it with the same number of ranks, not ", world);
+  const TensorDict* replica = replicas_differ_ ? &ck->local : &ck->common;
+  if (module_) load_module(*replica, *module_, what);
+  if (optimizer_) {
+    DDPKIT_CHECK(replica->count("optimizer"), what, " holds no optimizer state (was it written by a ZeRO run?)");
+    load_optimizer(bytes_of(*replica, "optimizer", what), *optimizer_);
+  }
+  if (zero_) {
+    std::istringstream in(bytes_of(ck->common, "zero", what + " (ZeRO state; was it written without --zero?)"));
+    zero_->load_state_dict(ZeroStateDict::load(in, zero_->factory()));
+  }
+  if (ddp_) {
+    const at::Tensor sizes = entry_of(ck->common, "ddp/bucket_sizes", what).contiguous();
+    const at::Tensor flat = entry_of(ck->common, "ddp/buckets", what).contiguous();
+    DDPKIT_CHECK(sizes.scalar_type() == at::kLong && flat.scalar_type() == at::kLong && sizes.dim() == 1 &&
+                     flat.dim() == 1 && sizes.sum().item<int64_t>() == flat.numel() && (sizes.numel() == 0 || sizes.min().item<int64_t>() >= 0),
+                 what, ": malformed DDP bucket layout");
+    std::vector<std::vector<size_t>> buckets;
+    int64_t k = 0;
+    for (int64_t b = 0; b < sizes.numel(); ++b) {
+      std::vector<size_t> vars;
+      for (int64_t i = 0; i < sizes[b].item<int64_t>(); ++i) {
+        const int64_t v = flat[k++].item<int64_t>();
+        DDPKIT_CHECK(v >= 0, what, ": negative parameter index in the bucket layout");
+        vars.push_back(static_cast<size_t>(v));
+      }
+      buckets.push_back(std::move(vars));
+    }
+    ddp_->reducer().restore_bucket_layout(buckets);
+  }
+  if (hook_state_ && same_world) hook_state_->load_state_dict(under_prefix(ck->local, "hook/"));
+  {
+    auto gen = at::detail::getDefaultCPUGenerator();
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    gen.set_state(entry_of(ck->common, "rng/cpu", what));
+  }
+  return ck;
+}
+
+}  // namespace ddpkit
