@@ -27,7 +27,7 @@ import threading
 import time
 
 TRAIN = ["--dataset", "synthetic", "--mlp-dims", "256,1024,1024,10", "--synthetic-size", "8192", "--epochs", "100000",
-         "--quiet", "--no-eval", "--no-divergence-guard"]
+         "--quiet", "--no-eval", "--no-divergence-guard", "--report-resources", "50"]
 WORKLOADS = {
     "allreduce": ["train", "--hook", "none"] + TRAIN,
     "fp16": ["train", "--hook", "fp16"] + TRAIN,
@@ -39,6 +39,16 @@ WORKLOADS = {
 }
 # What a survivor's report looks like: the operation is named before "failed".
 REPORT = re.compile(r"ddpkit: (?:ddpkit ps: )?([A-Za-z_][\w ()./-]*?) .*(failed|did not)")
+
+
+def wait_for_training(job, seconds):
+    """Until rank 0 has reported resources (training runs: --report-resources), at most `seconds`."""
+    deadline = time.time() + seconds
+    while time.time() < deadline and job.proc.poll() is None:
+        if any(l.startswith("resources ") for _, l in job.lines):
+            return True
+        time.sleep(0.05)
+    return False
 
 
 class Job:
@@ -102,13 +112,15 @@ def reports(job, t0, ranks, timeout_s):
     """rank -> seconds from the fault to its first error report naming an operation."""
     seen = {}
     for t, line in job.lines:
-        m = re.search(r"failed on rank (\d+) of", line)
-        if not REPORT.search(line) or not m:
-            continue
-        r = int(next(g for g in m.groups() if g is not None))
-        if r in ranks and r not in seen:
-            op = "AverageGradient" if "AverageGradient" in line else REPORT.search(line).group(1)
-            seen[r] = (t - t0, op)
+        # One report per "ddpkit: " (older builds could interleave two ranks' reports on one line).
+        for part in re.split(r"(?=ddpkit: )", line):
+            m = re.search(r"failed on rank (\d+) of", part)
+            if not REPORT.search(part) or not m:
+                continue
+            r = int(m.group(1))
+            if r in ranks and r not in seen:
+                op = "AverageGradient" if "AverageGradient" in part else REPORT.search(part).group(1)
+                seen[r] = (t - t0, op)
     return seen
 
 
@@ -130,7 +142,11 @@ def trial_local(build, fault, workload, timeout_s, rng):
             break
         time.sleep(0.05)
     # Past start-up (rendezvous, data, the first steps), then a random moment of training.
-    time.sleep((4.0 if workload == "ps" else 2.0) + rng.uniform(0.5, 3.0))
+    if workload == "ps":
+        time.sleep(4.0)
+    elif not wait_for_training(job, 60):
+        return False, f"training did not start within 60 s: {[l for _, l in job.lines[-3:]]}"
+    time.sleep(rng.uniform(0.5, 3.0))
     pids.update(descendants(job.proc.pid))
     if job.proc.poll() is not None or not ranks:
         return False, f"the job ended before the fault ({job.proc.returncode}): {job.lines[-3:]}"
@@ -154,7 +170,7 @@ def trial_local(build, fault, workload, timeout_s, rng):
         problems.append("the launcher exited 0")
     for r in survivors:
         if r not in got:
-            problems.append(f"rank {r} reported no error")
+            problems.append(f"rank {r} reported no error (last lines: {[l for _, l in job.lines[-3:]]})")
         elif got[r][0] > timeout_s + 2:
             problems.append(f"rank {r} reported after {got[r][0]:.1f} s")
     time.sleep(0.2)
@@ -194,7 +210,9 @@ def trial_link(build, workload, timeout_s, rng):
                        MASTER_ADDR=a, MASTER_PORT=str(port), GLOO_SOCKET_IFNAME=ifname)
             cmd = ["ip", "netns", "exec", ns, os.path.join(build, "ddpkit")] + WORKLOADS[workload] + ["--timeout-s", str(timeout_s)]
             jobs.append(Job(cmd, env=env))
-        time.sleep(2.0 + rng.uniform(0.5, 3.0))
+        if not wait_for_training(jobs[0], 60):
+            return False, f"training did not start within 60 s: {[l for _, l in jobs[0].lines[-3:]]}"
+        time.sleep(rng.uniform(0.5, 3.0))
         pids = set()
         for j in jobs:
             pids.add(j.proc.pid)
@@ -211,14 +229,19 @@ def trial_link(build, workload, timeout_s, rng):
                 j.proc.kill()
                 problems.append(f"rank {r} did not exit")
             j.reader.join(timeout=5)
-            rep = reports(j, t0, [r], timeout_s)
-            if r in rep:
-                got[r] = rep[r]
+            # Each rank has its own stream here; its report may name its rank in a subgroup (the
+            # hierarchical allreduce's across-hosts step), so any report in it counts.
+            for t, line in j.lines:
+                m = REPORT.search(line)
+                if m and t >= t0:
+                    got[r] = (t - t0, m.group(1))
+                    break
             if j.proc.returncode == 0:
                 problems.append(f"rank {r} exited 0")
         for r in range(4):
             if r not in got:
-                problems.append(f"rank {r} reported no error")
+                last = jobs[r].lines[-1][1] if jobs[r].lines else "(nothing)"
+                problems.append(f"rank {r} reported no error (exit {jobs[r].proc.returncode}, last line: {last[:300]})")
             elif got[r][0] > timeout_s + 2:
                 problems.append(f"rank {r} reported after {got[r][0]:.1f} s")
         time.sleep(0.2)

@@ -317,7 +317,14 @@ grpc::ServerUnaryReactor* ParameterServer::Impl::average_gradient(grpc::Callback
   if (!grad.defined()) return reject(grpc::StatusCode::INVALID_ARGUMENT, "trainer " + std::to_string(trainer) + ", " + where + ": " + error);
   const int64_t in_bytes = payload_bytes(req->gradient());
   // Sums of low-precision gradients are kept in float32.
-  if (grad.scalar_type() == at::kHalf || grad.scalar_type() == at::kBFloat16) grad = grad.to(at::kFloat);
+  if (grad.scalar_type() == at::kHalf || grad.scalar_type() == at::kBFloat16) {
+    try {
+      grad = grad.to(at::kFloat);
+    } catch (const c10::Error& e) {  // an exception must not escape: gRPC would drop the call unanswered
+      return reject(grpc::StatusCode::INVALID_ARGUMENT, "trainer " + std::to_string(trainer) + ", " + where + ": " +
+                                                            e.what_without_backtrace());
+    }
+  }
 
   std::vector<std::pair<AverageCall*, grpc::Status>> finish;
   std::vector<AverageCall*> answer;

@@ -241,6 +241,12 @@ at::Tensor decode_tensor(const wire::Tensor& t, std::string* error, bool borrow_
     return {};
   }
   std::vector<int64_t> shape(t.shape().begin(), t.shape().end());
+  // libtorch's kernels take at most 25 dimensions (TensorIterator) and throw beyond: a gradient
+  // of more than 16 is refused here, with a message, rather than failing inside the averaging.
+  if (shape.size() > 16) {
+    *error = std::to_string(shape.size()) + " dimensions (at most 16) in " + describe(t);
+    return {};
+  }
   for (int64_t s : shape)
     if (s < 0 || s > (int64_t(1) << 40)) {
       *error = "bad dimension " + std::to_string(s) + " in " + describe(t);
@@ -257,7 +263,7 @@ at::Tensor decode_tensor(const wire::Tensor& t, std::string* error, bool borrow_
     if (borrow_dense)
       return at::from_blob(const_cast<char*>(t.data().data()), shape, at::TensorOptions().dtype(dtype));
     at::Tensor out = at::empty(shape, at::TensorOptions().dtype(dtype));
-    std::memcpy(out.data_ptr(), t.data().data(), t.data().size());
+    if (!t.data().empty()) std::memcpy(out.data_ptr(), t.data().data(), t.data().size());  // empty: data_ptr is null
     return out;
   }
   const int64_t sparse_dim = t.sparse_dim(), nnz = t.nnz();
@@ -278,8 +284,9 @@ at::Tensor decode_tensor(const wire::Tensor& t, std::string* error, bool borrow_
   }
   at::Tensor indices = at::empty({sparse_dim, nnz}, at::TensorOptions().dtype(at::kLong));
   at::Tensor values = at::empty(value_shape, at::TensorOptions().dtype(dtype));
-  std::memcpy(indices.data_ptr(), t.indices().data(), index_bytes);
-  std::memcpy(values.data_ptr(), t.data().data(), value_bytes);
+  // nnz 0 or an empty dense part: no bytes, and a null data_ptr that memcpy must not see.
+  if (index_bytes) std::memcpy(indices.data_ptr(), t.indices().data(), index_bytes);
+  if (value_bytes) std::memcpy(values.data_ptr(), t.data().data(), value_bytes);
   try {
     // Rejects indices outside the shape: they would corrupt the sum.
     at::_validate_sparse_coo_tensor_args(indices, values, shape);

@@ -9,6 +9,9 @@
 #include <cstdlib>
 #include <cstring>
 #include <iostream>
+#include <string>
+
+#include <unistd.h>
 
 namespace ddpkit {
 namespace cli {
@@ -42,6 +45,19 @@ void tune_allocator(int argc, char** argv) {
     if (!std::strcmp(argv[i], "--no-malloc-tuning")) return;
   ddpkit::tune_allocator_for_training();
 }
+
+// One write(2) per message: ranks share the launcher's stderr, and a message sent in pieces
+// interleaves with another rank's mid-line (seen in the fault-injection runs).
+namespace {
+void print_error(const std::string& text) {
+  std::cerr.flush();
+  for (size_t done = 0; done < text.size();) {
+    const ssize_t n = ::write(STDERR_FILENO, text.data() + done, text.size() - done);
+    if (n <= 0) break;
+    done += static_cast<size_t>(n);
+  }
+}
+}  // namespace
 
 int main(int argc, char** argv) {
   using namespace ddpkit::cli;
@@ -90,16 +106,16 @@ int main(int argc, char** argv) {
     }
     throw UsageError("unknown command '" + cmd + "'");
   } catch (const UsageError& e) {
-    std::cerr << "ddpkit: " << e.what() << "\n\n" << usage;
+    print_error("ddpkit: " + std::string(e.what()) + "\n\n" + usage);
     return 2;
   } catch (const ddpkit::CommError& e) {
-    std::cerr << e.what() << "\n";
+    print_error(std::string(e.what()) + "\n");
     return 3;
   } catch (const c10::Error& e) {
-    std::cerr << e.what_without_backtrace() << "\n";
+    print_error(std::string(e.what_without_backtrace()) + "\n");
     return 1;
   } catch (const std::exception& e) {
-    std::cerr << "ddpkit: " << e.what() << "\n";
+    print_error("ddpkit: " + std::string(e.what()) + "\n");
     return 1;
   }
 }
