@@ -124,6 +124,21 @@ def reports(job, t0, ranks, timeout_s):
     return seen
 
 
+def judge(got, expected, timeout_s, pids, context):
+    """What is wrong with a trial: a rank in `expected` that did not report, or late; leftovers."""
+    problems = []
+    for r in expected:
+        if r not in got:
+            problems.append(f"rank {r} reported no error ({context(r)})")
+        elif got[r][0] > timeout_s + 2:
+            problems.append(f"rank {r} reported after {got[r][0]:.1f} s")
+    time.sleep(0.2)
+    left = leftovers(pids)
+    if left:
+        problems.append("left behind: " + ", ".join(left[:5]))
+    return problems
+
+
 def trial_local(build, fault, workload, timeout_s, rng):
     cmd = [os.path.join(build, "ddpkit")] + WORKLOADS[workload] + ["--timeout-s", str(timeout_s)]
     if workload != "ps":
@@ -168,15 +183,8 @@ def trial_local(build, fault, workload, timeout_s, rng):
     problems = []
     if job.proc.returncode == 0:
         problems.append("the launcher exited 0")
-    for r in survivors:
-        if r not in got:
-            problems.append(f"rank {r} reported no error (last lines: {[l for _, l in job.lines[-3:]]})")
-        elif got[r][0] > timeout_s + 2:
-            problems.append(f"rank {r} reported after {got[r][0]:.1f} s")
-    time.sleep(0.2)
-    left = leftovers(pids)
-    if left:
-        problems.append("left behind: " + ", ".join(left[:5]))
+    problems += judge(got, survivors, timeout_s, pids, lambda r: f"last lines: {[l for _, l in job.lines[-3:]]}")
+    if problems and any(p.startswith("left behind") for p in problems):
         for p in pids:
             try:
                 os.kill(p, signal.SIGKILL)
@@ -238,16 +246,9 @@ def trial_link(build, workload, timeout_s, rng):
                     break
             if j.proc.returncode == 0:
                 problems.append(f"rank {r} exited 0")
-        for r in range(4):
-            if r not in got:
-                last = jobs[r].lines[-1][1] if jobs[r].lines else "(nothing)"
-                problems.append(f"rank {r} reported no error (exit {jobs[r].proc.returncode}, last line: {last[:300]})")
-            elif got[r][0] > timeout_s + 2:
-                problems.append(f"rank {r} reported after {got[r][0]:.1f} s")
-        time.sleep(0.2)
-        left = leftovers(pids)
-        if left:
-            problems.append("left behind: " + ", ".join(left[:5]))
+        problems += judge(got, range(4), timeout_s, pids,
+                          lambda r: f"exit {jobs[r].proc.returncode}, last line: "
+                                    f"{jobs[r].lines[-1][1][:300] if jobs[r].lines else '(nothing)'}")
         slowest = max((v[0] for v in got.values()), default=float("nan"))
         ops = sorted({v[1] for v in got.values()})
         text = f"link down between 2 namespaces: {len(got)}/4 ranks reported ({', '.join(ops)}) within {slowest:.2f} s"

@@ -386,9 +386,9 @@ void Domain::allgather(const void* in, void* out, int64_t bytes, int64_t out_str
     const int64_t c = std::min<int64_t>(options_.slot_bytes, bytes - off);
     const uint32_t s = step_;
     claim(s, first);
-    std::memcpy(slot(me, s), src + off, c);
+    if (c > 0) std::memcpy(slot(me, s), src + off, c);  // empty tensors: null pointers
     arrive(s, first);
-    for (int p = 0; p < L; ++p) std::memcpy(dst + p * out_stride + off, p == me ? src + off : slot(p, s), c);
+    for (int p = 0; p < L && c > 0; ++p) std::memcpy(dst + p * out_stride + off, p == me ? src + off : slot(p, s), c);
     finish(s);
     off += c;
   }
@@ -405,12 +405,12 @@ void Domain::broadcast(void* data, int64_t bytes, int root) {
     const uint32_t s = step_;
     if (me == root) {
       claim(s, first);
-      std::memcpy(slot(me, s), base + off, c);
+      if (c > 0) std::memcpy(slot(me, s), base + off, c);  // empty tensors: null pointers
       publish(kArrived, s + 1);
     } else {
       wait_peer(root, kArrived, s + 1);
       if (first) check(root, s);
-      std::memcpy(base + off, slot(root, s), c);
+      if (c > 0) std::memcpy(base + off, slot(root, s), c);
     }
     finish(s);
     off += c;
@@ -424,7 +424,7 @@ void Domain::alltoall(const void* in, void* out, int64_t bytes_per_rank) {
   auto* dst = static_cast<uint8_t*>(out);
   const int64_t m = bytes_per_rank;
   const int64_t per_step = options_.slot_bytes / L / 64 * 64;
-  std::memcpy(dst + me * m, src + me * m, m);
+  if (m > 0) std::memcpy(dst + me * m, src + me * m, m);
   for (int64_t off = 0, first = 1; first || off < m; first = 0) {
     const int64_t c = std::min(per_step, m - off);
     const uint32_t s = step_;
@@ -432,7 +432,7 @@ void Domain::alltoall(const void* in, void* out, int64_t bytes_per_rank) {
     pack(s, src + off, m, per_step, c);
     arrive(s, first);
     for (int p = 0; p < L; ++p)
-      if (p != me) std::memcpy(dst + p * m + off, slot(p, s) + me * per_step, c);
+      if (p != me && c > 0) std::memcpy(dst + p * m + off, slot(p, s) + me * per_step, c);
     finish(s);
     off += c;
   }
