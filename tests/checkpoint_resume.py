@@ -181,7 +181,9 @@ def torchrun(tmp):
     # --redirects/--tee 2: torch 1.13's default of 0 fails under Python 3.11 (Std.from_str("0") is None).
     cmd = ["/usr/bin/python3", "-m", "torch.distributed.run", "--nproc_per_node", "2", "--max_restarts", "2",
            "--redirects", "2", "--tee", "2", "--no_python", BIN, "train"] + BASE + flags + ["--checkpoint-dir", d, "--resume"]
-    job = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    # USE_LIBUV=0: torch 2.x's torchrun asks its TCPStore for libuv, which Debian's build lacks.
+    job = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                           env=dict(os.environ, USE_LIBUV="0"))
     deadline = time.time() + 120
     while time.time() < deadline and job.poll() is None and not (os.path.isdir(d) and os.listdir(d)):
         time.sleep(0.1)
