@@ -174,6 +174,13 @@ def torchrun(tmp):
     if subprocess.run(["/usr/bin/python3", "-c", "import torch.distributed.run"], capture_output=True).returncode != 0:
         print("SKIP: /usr/bin/python3 has no torch.distributed.run (apt install python3-torch)")
         sys.exit(77)
+    # Debian 13's torch 2.6 is built without libuv, yet torchrun's rendezvous creates its TCPStore with
+    # the default use_libuv=True (no environment override on that path): torchrun cannot start there.
+    probe = subprocess.run(["/usr/bin/python3", "-c", "from torch.distributed import TCPStore\n"
+                            "TCPStore('127.0.0.1', 0, 1, True, multi_tenant=True)"], capture_output=True, text=True)
+    if "without libuv" in probe.stderr:
+        print("SKIP: this torch's torchrun cannot create its store (built without libuv, which its TCPStore requests)")
+        sys.exit(77)
     flags = ["--mlp-dims", "64,512,512,10", "--checkpoint-every", "50", "--epochs", "50", "--steps", "1500"]
     ref = os.path.join(tmp, "torchrun-ref")
     train(flags + ["--checkpoint-dir", ref])
@@ -181,9 +188,7 @@ def torchrun(tmp):
     # --redirects/--tee 2: torch 1.13's default of 0 fails under Python 3.11 (Std.from_str("0") is None).
     cmd = ["/usr/bin/python3", "-m", "torch.distributed.run", "--nproc_per_node", "2", "--max_restarts", "2",
            "--redirects", "2", "--tee", "2", "--no_python", BIN, "train"] + BASE + flags + ["--checkpoint-dir", d, "--resume"]
-    # USE_LIBUV=0: torch 2.x's torchrun asks its TCPStore for libuv, which Debian's build lacks.
-    job = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-                           env=dict(os.environ, USE_LIBUV="0"))
+    job = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     deadline = time.time() + 120
     while time.time() < deadline and job.poll() is None and not (os.path.isdir(d) and os.listdir(d)):
         time.sleep(0.1)
