@@ -15,7 +15,8 @@ shift || true
 command -v clang++-14 >/dev/null && ls /usr/lib/llvm-14/lib/clang/*/lib/linux/libclang_rt.fuzzer-x86_64.a >/dev/null 2>&1 ||
   { echo "sanitize.sh: needs clang 14 with libFuzzer (apt install clang-14 libclang-rt-14-dev)" >&2; exit 2; }
 CXX=clang++-14 cmake -G Ninja -B build-asan -DDDPKIT_FUZZ=ON -DDDPKIT_BUILD_PYTHON=OFF >/dev/null
-export ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
+export ASAN_OPTIONS=detect_leaks=1:abort_on_error=1:fast_unwind_on_malloc=0 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
+export LSAN_OPTIONS=suppressions=$(pwd)/tests/lsan.supp
 case "$mode" in
   fuzz)
     seconds=${1:-600}

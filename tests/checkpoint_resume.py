@@ -4,6 +4,7 @@
     tests/checkpoint_resume.py build/ddpkit bit-exact     # stop + resume == never stopped, per config
     tests/checkpoint_resume.py build/ddpkit restart       # ranks SIGKILLed at random moments
     tests/checkpoint_resume.py build/ddpkit torchrun      # under torchrun's elastic agent
+    tests/checkpoint_resume.py build/ddpkit torchrun-hosts   # 2 agents in 2 network namespaces (root)
     tests/checkpoint_resume.py build/ddpkit world-size    # 2 ranks -> 3 ranks
     tests/checkpoint_resume.py build/ddpkit errors        # refusals name what is wrong
 
@@ -17,6 +18,7 @@ import os
 import random
 import shutil
 import signal
+import socket
 import struct
 import subprocess
 import sys
@@ -168,9 +170,7 @@ def restart(tmp, trials=3):
     print(f"{trials} trials: every killed job finished, bit-identical to the undisturbed run")
 
 
-def torchrun(tmp):
-    """ddpkit train under torchrun's own elastic agent (--no-python, Debian's python3-torch): a
-    SIGKILLed rank makes the agent restart the workers, which resume from the newest checkpoint."""
+def skip_without_torchrun():
     if subprocess.run(["/usr/bin/python3", "-c", "import torch.distributed.run"], capture_output=True).returncode != 0:
         print("SKIP: /usr/bin/python3 has no torch.distributed.run (apt install python3-torch)")
         sys.exit(77)
@@ -181,6 +181,12 @@ def torchrun(tmp):
     if "without libuv" in probe.stderr:
         print("SKIP: this torch's torchrun cannot create its store (built without libuv, which its TCPStore requests)")
         sys.exit(77)
+
+
+def torchrun(tmp):
+    """ddpkit train under torchrun's own elastic agent (--no-python, Debian's python3-torch): a
+    SIGKILLed rank makes the agent restart the workers, which resume from the newest checkpoint."""
+    skip_without_torchrun()
     flags = ["--mlp-dims", "64,512,512,10", "--checkpoint-every", "50", "--epochs", "50", "--steps", "1500"]
     ref = os.path.join(tmp, "torchrun-ref")
     train(flags + ["--checkpoint-dir", ref])
@@ -206,6 +212,80 @@ def torchrun(tmp):
           f"{r['resumed_from_step']}: {'bit-identical' if not diffs else 'DIFFERENT ' + ', '.join(diffs[:5])}")
     if diffs or r["resumed_from_step"] is None:
         sys.exit("FAILED: torchrun restart")
+
+
+def torchrun_hosts(tmp):
+    """Two "hosts" (network namespaces joined by a veth pair), one torchrun agent each, c10d
+    rendezvous: a worker SIGKILLed on host b makes both agents restart their workers, which resume
+    from the newest checkpoint. Needs root (exit 77 without)."""
+    if os.geteuid() != 0 or not shutil.which("ip") or subprocess.run(["ip", "netns", "list"], capture_output=True).returncode:
+        print("SKIP: needs root and ip netns")
+        sys.exit(77)
+    skip_without_torchrun()
+    flags = ["--mlp-dims", "64,512,512,10", "--checkpoint-every", "50", "--epochs", "50", "--steps", "1500",
+             "--timeout-s", "20"]
+    ref = os.path.join(tmp, "hosts-ref")
+    train(flags + ["--checkpoint-dir", ref])
+    tag, n = f"ddpkr{os.getpid() % 10000}", os.getpid() % 200
+    a, b, port = f"10.77.{n}.1", f"10.77.{n}.2", 29300 + os.getpid() % 100
+    sh = lambda *c: subprocess.run(list(c), check=True, capture_output=True)
+    d = os.path.join(tmp, "hosts")
+    agents = []
+    try:
+        sh("ip", "netns", "add", tag + "a")
+        sh("ip", "netns", "add", tag + "b")
+        sh("ip", "link", "add", tag + "x", "type", "veth", "peer", "name", tag + "y")
+        sh("ip", "link", "set", tag + "x", "netns", tag + "a")
+        sh("ip", "link", "set", tag + "y", "netns", tag + "b")
+        sh("ip", "-n", tag + "a", "addr", "add", a + "/24", "dev", tag + "x")
+        sh("ip", "-n", tag + "b", "addr", "add", b + "/24", "dev", tag + "y")
+        # torchrun hands workers its rank-0 agent's hostname as MASTER_ADDR; both "hosts" share
+        # this machine's name, so `ip netns exec` gets an /etc/hosts that sends it to host a.
+        for ns, ifname in ((tag + "a", tag + "x"), (tag + "b", tag + "y")):
+            sh("ip", "-n", ns, "link", "set", "lo", "up")
+            sh("ip", "-n", ns, "link", "set", ifname, "up")
+            os.makedirs(f"/etc/netns/{ns}", exist_ok=True)
+            with open(f"/etc/netns/{ns}/hosts", "w") as f:
+                f.write(f"127.0.0.1 localhost\n{a} {socket.gethostname()} {socket.getfqdn()}\n")
+        # is_host: in a namespace torchrun cannot tell from the hostname which agent serves the store.
+        for ns, ifname, host in ((tag + "a", tag + "x", "true"), (tag + "b", tag + "y", "false")):
+            cmd = ["ip", "netns", "exec", ns, "/usr/bin/python3", "-m", "torch.distributed.run", "--nnodes", "2",
+                   "--nproc_per_node", "1", "--rdzv_backend", "c10d", "--rdzv_endpoint", f"{a}:{port}",
+                   "--rdzv_conf", f"is_host={host}", "--rdzv_id", tag, "--max_restarts", "2", "--redirects", "2",
+                   "--tee", "2", "--no_python", BIN, "train"] + BASE + flags + ["--checkpoint-dir", d, "--resume"]
+            agents.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                           env=dict(os.environ, GLOO_SOCKET_IFNAME=ifname)))
+        deadline = time.time() + 90
+        while time.time() < deadline and not (os.path.isdir(d) and os.listdir(d)):
+            time.sleep(0.1)
+        workers = [c for c in children_of(agents[1].pid) if "ddpkit" in open(f"/proc/{c}/cmdline").read()]
+        if not workers:
+            sys.exit("FAILED: no worker running on host b after 90 s")
+        os.kill(workers[0], signal.SIGKILL)
+        outs = [ag.communicate(timeout=180) for ag in agents]
+        codes = [ag.returncode for ag in agents]
+        if any(codes):
+            sys.exit(f"FAILED: agents exited {codes}:\n{outs[0][1][-2000:]}\n{outs[1][1][-2000:]}")
+        out = outs[0][0] if outs[0][0].strip() else outs[1][0]
+        r = json.loads(out.strip().splitlines()[-1])
+        diffs = differences(ckpt(ref, 1500), ckpt(d, 1500))
+        print(f"torchrun on 2 hosts (namespaces), c10d rendezvous: a worker SIGKILLed on host b, both agents "
+              f"restarted, resumed from step {r['resumed_from_step']}: "
+              f"{'bit-identical' if not diffs else 'DIFFERENT ' + ', '.join(diffs[:5])}")
+        if diffs or r["resumed_from_step"] is None:
+            sys.exit("FAILED: torchrun restart across hosts")
+    finally:
+        for ag in agents:
+            if ag.poll() is None:
+                ag.kill()
+        for ns in (tag + "a", tag + "b"):
+            subprocess.run(f"ip netns pids {ns} 2>/dev/null | xargs -r kill -9", shell=True)
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+            shutil.rmtree(f"/etc/netns/{ns}", ignore_errors=True)
+        try:
+            os.rmdir("/etc/netns")  # only if this test made it and nothing else is there
+        except OSError:
+            pass
 
 
 def world_size(tmp):
@@ -252,7 +332,8 @@ def errors(tmp):
 
 def main():
     global BIN
-    modes = {"bit-exact": bit_exact, "restart": restart, "torchrun": torchrun, "world-size": world_size, "errors": errors}
+    modes = {"bit-exact": bit_exact, "restart": restart, "torchrun": torchrun, "torchrun-hosts": torchrun_hosts,
+             "world-size": world_size, "errors": errors}
     if len(sys.argv) != 3 or sys.argv[2] not in modes:
         sys.exit(__doc__)
     BIN = os.path.abspath(sys.argv[1])

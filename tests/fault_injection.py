@@ -20,6 +20,7 @@ import argparse
 import os
 import random
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -272,7 +273,7 @@ def main():
     a = ap.parse_args()
     rng = random.Random(a.seed)
     faults = a.faults.split(",")
-    if "link" in faults and (os.geteuid() != 0 or subprocess.run(["ip", "netns", "list"], capture_output=True).returncode):
+    if "link" in faults and (os.geteuid() != 0 or not shutil.which("ip") or subprocess.run(["ip", "netns", "list"], capture_output=True).returncode):
         print("link faults need root and ip netns: left out")
         faults.remove("link")
     counts = {}
