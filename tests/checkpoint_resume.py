@@ -26,6 +26,8 @@ import tempfile
 import time
 import zipfile
 
+import two_hosts  # tests/two_hosts.py
+
 BIN = None
 # Small and quick, several buckets (so bucket layouts and per-bucket hook state matter).
 BASE = ["--dataset", "synthetic", "--mlp-dims", "64,128,128,10", "--synthetic-size", "4096", "--batch-size", "32",
@@ -228,25 +230,12 @@ def torchrun_hosts(tmp):
     train(flags + ["--checkpoint-dir", ref])
     tag, n = f"ddpkr{os.getpid() % 10000}", os.getpid() % 200
     a, b, port = f"10.77.{n}.1", f"10.77.{n}.2", 29300 + os.getpid() % 100
-    sh = lambda *c: subprocess.run(list(c), check=True, capture_output=True)
     d = os.path.join(tmp, "hosts")
     agents = []
     try:
-        sh("ip", "netns", "add", tag + "a")
-        sh("ip", "netns", "add", tag + "b")
-        sh("ip", "link", "add", tag + "x", "type", "veth", "peer", "name", tag + "y")
-        sh("ip", "link", "set", tag + "x", "netns", tag + "a")
-        sh("ip", "link", "set", tag + "y", "netns", tag + "b")
-        sh("ip", "-n", tag + "a", "addr", "add", a + "/24", "dev", tag + "x")
-        sh("ip", "-n", tag + "b", "addr", "add", b + "/24", "dev", tag + "y")
         # torchrun hands workers its rank-0 agent's hostname as MASTER_ADDR; both "hosts" share
-        # this machine's name, so `ip netns exec` gets an /etc/hosts that sends it to host a.
-        for ns, ifname in ((tag + "a", tag + "x"), (tag + "b", tag + "y")):
-            sh("ip", "-n", ns, "link", "set", "lo", "up")
-            sh("ip", "-n", ns, "link", "set", ifname, "up")
-            os.makedirs(f"/etc/netns/{ns}", exist_ok=True)
-            with open(f"/etc/netns/{ns}/hosts", "w") as f:
-                f.write(f"127.0.0.1 localhost\n{a} {socket.gethostname()} {socket.getfqdn()}\n")
+        # this machine's name, so each namespace gets an /etc/hosts that sends it to host a.
+        two_hosts.create(tag, a, b, f"{a} {socket.gethostname()} {socket.getfqdn()}")
         # is_host: in a namespace torchrun cannot tell from the hostname which agent serves the store.
         for ns, ifname, host in ((tag + "a", tag + "x", "true"), (tag + "b", tag + "y", "false")):
             cmd = ["ip", "netns", "exec", ns, "/usr/bin/python3", "-m", "torch.distributed.run", "--nnodes", "2",
@@ -278,14 +267,7 @@ def torchrun_hosts(tmp):
         for ag in agents:
             if ag.poll() is None:
                 ag.kill()
-        for ns in (tag + "a", tag + "b"):
-            subprocess.run(f"ip netns pids {ns} 2>/dev/null | xargs -r kill -9", shell=True)
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
-            shutil.rmtree(f"/etc/netns/{ns}", ignore_errors=True)
-        try:
-            os.rmdir("/etc/netns")  # only if this test made it and nothing else is there
-        except OSError:
-            pass
+        two_hosts.remove(tag)
 
 
 def world_size(tmp):

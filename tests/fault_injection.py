@@ -27,6 +27,8 @@ import sys
 import threading
 import time
 
+import two_hosts  # tests/two_hosts.py
+
 TRAIN = ["--dataset", "synthetic", "--mlp-dims", "256,1024,1024,10", "--synthetic-size", "8192", "--epochs", "100000",
          "--quiet", "--no-eval", "--no-divergence-guard", "--report-resources", "50"]
 WORKLOADS = {
@@ -200,18 +202,8 @@ def trial_local(build, fault, workload, timeout_s, rng):
 def trial_link(build, workload, timeout_s, rng):
     tag = f"ddpkf{os.getpid() % 10000}"
     a, b = f"10.78.{os.getpid() % 200}.1", f"10.78.{os.getpid() % 200}.2"
-    sh = lambda *c: subprocess.run(list(c), check=True, capture_output=True)
     try:
-        sh("ip", "netns", "add", tag + "a")
-        sh("ip", "netns", "add", tag + "b")
-        sh("ip", "link", "add", tag + "x", "type", "veth", "peer", "name", tag + "y")
-        sh("ip", "link", "set", tag + "x", "netns", tag + "a")
-        sh("ip", "link", "set", tag + "y", "netns", tag + "b")
-        sh("ip", "-n", tag + "a", "addr", "add", a + "/24", "dev", tag + "x")
-        sh("ip", "-n", tag + "b", "addr", "add", b + "/24", "dev", tag + "y")
-        for n, i in ((tag + "a", tag + "x"), (tag + "b", tag + "y")):
-            sh("ip", "-n", n, "link", "set", "lo", "up")
-            sh("ip", "-n", n, "link", "set", i, "up")
+        two_hosts.create(tag, a, b)
         jobs, port = [], 29700 + os.getpid() % 100
         for r in range(4):
             ns, ifname = (tag + "a", tag + "x") if r < 2 else (tag + "b", tag + "y")
@@ -229,7 +221,7 @@ def trial_link(build, workload, timeout_s, rng):
         if any(j.proc.poll() is not None for j in jobs):
             return False, "a rank ended before the fault: " + str([j.lines[-2:] for j in jobs])
         t0 = time.time()
-        sh("ip", "-n", tag + "a", "link", "set", tag + "x", "down")
+        subprocess.run(["ip", "-n", tag + "a", "link", "set", tag + "x", "down"], check=True)
         problems, got = [], {}
         for r, j in enumerate(jobs):
             try:
@@ -255,11 +247,7 @@ def trial_link(build, workload, timeout_s, rng):
         text = f"link down between 2 namespaces: {len(got)}/4 ranks reported ({', '.join(ops)}) within {slowest:.2f} s"
         return not problems, text + ("" if not problems else " -- " + "; ".join(problems))
     finally:
-        for n in (tag + "a", tag + "b"):
-            subprocess.run(f"ip netns pids {n} 2>/dev/null | xargs -r kill -9", shell=True)
-            subprocess.run(["ip", "netns", "del", n], capture_output=True)
-        names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-        if tag in names:
+        if not two_hosts.remove(tag):
             print(f"LEFT BEHIND: namespace {tag}", flush=True)
 
 

@@ -1,0 +1,41 @@
+"""Two "hosts" on one machine for tests: network namespaces TAGa and TAGb joined by a veth pair
+(TAGx in a, TAGy in b) with addresses A and B; removed, with whatever runs in them, by remove()."""
+import os
+import shutil
+import subprocess
+
+
+def _ip(*args):
+    subprocess.run(["ip", *args], check=True, capture_output=True)
+
+
+def create(tag, a, b, hosts_entry=None):
+    """Returns ((namespace, interface) of host a, (namespace, interface) of host b). hosts_entry:
+    an /etc/hosts line both namespaces see (through `ip netns exec`'s /etc/netns/NAME/hosts)."""
+    _ip("netns", "add", tag + "a")
+    _ip("netns", "add", tag + "b")
+    _ip("link", "add", tag + "x", "type", "veth", "peer", "name", tag + "y")
+    hosts = ((tag + "a", tag + "x", a), (tag + "b", tag + "y", b))
+    for ns, ifname, addr in hosts:
+        _ip("link", "set", ifname, "netns", ns)
+        _ip("-n", ns, "addr", "add", addr + "/24", "dev", ifname)
+        _ip("-n", ns, "link", "set", "lo", "up")
+        _ip("-n", ns, "link", "set", ifname, "up")
+        if hosts_entry:
+            os.makedirs(f"/etc/netns/{ns}", exist_ok=True)
+            with open(f"/etc/netns/{ns}/hosts", "w") as f:
+                f.write("127.0.0.1 localhost\n" + hosts_entry + "\n")
+    return (hosts[0][0], hosts[0][1]), (hosts[1][0], hosts[1][1])
+
+
+def remove(tag):
+    """Kills what runs in the namespaces and deletes them; True when none is left."""
+    for ns in (tag + "a", tag + "b"):
+        subprocess.run(f"ip netns pids {ns} 2>/dev/null | xargs -r kill -9", shell=True)
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        shutil.rmtree(f"/etc/netns/{ns}", ignore_errors=True)
+    try:
+        os.rmdir("/etc/netns")  # only when empty: this test made it
+    except OSError:
+        pass
+    return tag not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
