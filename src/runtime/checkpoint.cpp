@@ -16,6 +16,7 @@
 #include <cstring>
 #include <filesystem>
 #include <iostream>
+#include <set>
 #include <sstream>
 
 namespace ddpkit {
@@ -149,6 +150,19 @@ TensorDict decode_tensors(const std::string& bytes, const std::string& what) {
 
 // ---- files ---------------------------------------------------------------------------------------
 namespace {
+
+TensorDict with_prefix(const TensorDict& d, const std::string& prefix) {
+  TensorDict out;
+  for (const auto& kv : d) out[prefix + kv.first] = kv.second;
+  return out;
+}
+
+TensorDict under_prefix(const TensorDict& d, const std::string& prefix) {
+  TensorDict out;
+  for (const auto& kv : d)
+    if (kv.first.rfind(prefix, 0) == 0) out[kv.first.substr(prefix.size())] = kv.second;
+  return out;
+}
 
 const char* kPrefix = "checkpoint-";
 const char* kSuffix = ".ddpk";
@@ -314,11 +328,12 @@ std::string save_checkpoint(ProcessGroup* pg, const std::string& dir, int64_t st
 std::optional<Checkpoint> load_latest_checkpoint(ProcessGroup* pg, const std::string& dir) {
   const int world = pg ? pg->size() : 1, rank = pg ? pg->rank() : 0;
   std::string bytes, path;
+  TensorDict all;  // rank 0 decodes while choosing; the others after the broadcast
   if (rank == 0) {
     for (const auto& p : list_checkpoints(dir)) {
       try {
         bytes = read_file(p);
-        decode_tensors(bytes, p);
+        all = decode_tensors(bytes, p);
         path = p;
         break;
       } catch (const std::exception& e) {
@@ -337,14 +352,13 @@ std::optional<Checkpoint> load_latest_checkpoint(ProcessGroup* pg, const std::st
     }
   }
   if (bytes.empty()) return std::nullopt;
-  const TensorDict all = decode_tensors(bytes, path.empty() ? "the checkpoint rank 0 sent" : path);
+  if (rank != 0) all = decode_tensors(bytes, "the checkpoint rank 0 sent");
   Checkpoint ck;
   const std::string what = "checkpoint " + path;
   ck.step = int_of(all, "meta/step", what);
   ck.world_size = static_cast<int>(int_of(all, "meta/world_size", what));
   ck.path = checkpoint_path(dir, ck.step);
-  for (const auto& kv : all)
-    if (kv.first.rfind("common/", 0) == 0) ck.common[kv.first.substr(7)] = kv.second;
+  ck.common = under_prefix(all, "common/");
   if (ck.world_size == world) ck.local = decode_tensors(bytes_of(all, "rank" + std::to_string(rank), what), what);
   return ck;
 }
@@ -359,20 +373,18 @@ void put_module(TensorDict& d, torch::nn::Module& m) {
 
 void load_module(const TensorDict& d, torch::nn::Module& m, const std::string& what) {
   torch::NoGradGuard no_grad;
-  size_t expected = 0;
+  std::set<std::string> names;
   auto load = [&](const std::string& name, at::Tensor& t) {
     const at::Tensor& saved = entry_of(d, "model/" + name, what);
     DDPKIT_CHECK(saved.sizes() == t.sizes() && saved.scalar_type() == t.scalar_type(), what, ": ", name, " is ",
                  saved.scalar_type(), saved.sizes(), " there and ", t.scalar_type(), t.sizes(), " in this model");
     t.copy_(saved);
-    ++expected;
+    names.insert(name);
   };
   for (auto& kv : m.named_parameters(true)) load(kv.key(), kv.value());
   for (auto& kv : m.named_buffers(true)) load(kv.key(), kv.value());
-  for (const auto& kv : d)
-    DDPKIT_CHECK(kv.first.rfind("model/", 0) != 0 || m.named_parameters(true).contains(kv.first.substr(6)) ||
-                     m.named_buffers(true).contains(kv.first.substr(6)),
-                 what, ": it holds ", kv.first.substr(6), ", which this model does not have");
+  for (const auto& kv : under_prefix(d, "model/"))
+    DDPKIT_CHECK(names.count(kv.first), what, ": it holds ", kv.first, ", which this model does not have");
 }
 
 std::string optimizer_bytes(torch::optim::Optimizer& o) {
@@ -388,19 +400,6 @@ void load_optimizer(const std::string& bytes, torch::optim::Optimizer& o) {
   std::istringstream in(bytes);
   archive.load_from(in);
   o.load(archive);
-}
-
-TensorDict with_prefix(const TensorDict& d, const std::string& prefix) {
-  TensorDict out;
-  for (const auto& kv : d) out[prefix + kv.first] = kv.second;
-  return out;
-}
-
-TensorDict under_prefix(const TensorDict& d, const std::string& prefix) {
-  TensorDict out;
-  for (const auto& kv : d)
-    if (kv.first.rfind(prefix, 0) == 0) out[kv.first.substr(prefix.size())] = kv.second;
-  return out;
 }
 
 }  // namespace

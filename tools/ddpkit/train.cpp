@@ -382,7 +382,7 @@ int run_train(const std::vector<std::string>& args, const std::vector<std::strin
   std::string settings_text;
   for (const auto& line : settings) settings_text += line + "\n";
   training_state.module(model.module).optimizer(optimizer.get()).zero(zero);
-  int64_t step = 0, start_epoch = 0, start_in_epoch = -1, resumed_from = -1;
+  int64_t step = 0, start_epoch = 0, start_in_epoch = 0, resumed_from = -1;
   if (f.on("resume")) {
     if (auto ck = training_state.restore(pg.get(), checkpoint_dir)) {
       const std::string what = "checkpoint " + ck->path;
@@ -455,7 +455,7 @@ int run_train(const std::vector<std::string>& args, const std::vector<std::strin
     double epoch_loss = 0;
     int64_t epoch_steps = 0;
     const auto epoch_start = std::chrono::steady_clock::now();
-    for (int64_t i = epoch == start_epoch && start_in_epoch > 0 ? start_in_epoch : 0; i < steps_per_epoch && step < total_steps;) {
+    for (int64_t i = epoch == start_epoch ? start_in_epoch : 0; i < steps_per_epoch && step < total_steps;) {
       at::Tensor idx = perm.slice(0, i * batch, (i + 1) * batch);
       at::Tensor x = data.train.inputs.index_select(0, idx), y = data.train.labels.index_select(0, idx);
       using clock = std::chrono::steady_clock;
