@@ -2,12 +2,14 @@
 // and waits for the average; prints size, time per round, gradients averaged per second and
 // payload GB/s per direction.
 //
-//   build/ps_server_bench [--trainers 2] [--batches 20] [--sizes 1,4,16,64] [--chunk-kb K] [--window W]
+//   build/ps_server_bench [--trainers 2] [--batches 20] [--warmup 10] [--sizes 1,4,16,64] [--chunk-kb K] [--window W]
 //       trainers are threads of this process, each with its own client and connection, against
 //       one in-process server;
 //   build/ps_server_bench --connect HOST:PORT --trainer-id T [--batches B] [--sizes ...] [--first-batch N]
 //       one trainer against a running `ddpkit ps-server` (trainer 0 prints one JSON line per
 //       size), as bench/ps_vs_pytorch.py --sizes runs it beside PyTorch's RPC server.
+// Each size first runs --warmup rounds that are not measured (connections, allocator, threads).
+// DDPKIT_SHM=0 keeps the data in gRPC messages (no shared-memory region).
 #include <ddpkit/ps/parameter_server.h>
 #include <ddpkit/runtime/runtime.h>
 
@@ -32,7 +34,7 @@ double p50(std::vector<double> v) {
 
 int usage() {
   std::fprintf(stderr,
-               "usage: ps_server_bench [--trainers N] [--batches B] [--sizes MB,MB,...] [--chunk-kb K] [--window W]\n"
+               "usage: ps_server_bench [--trainers N] [--batches B] [--warmup W] [--sizes MB,MB,...] [--chunk-kb K] [--window W]\n"
                "       ps_server_bench --connect HOST:PORT --trainer-id T [--batches B] [--sizes ...] [--chunk-kb K] [--window W]\n"
                "                       [--first-batch N]   (batch numbers start at N: later runs against the same server)\n");
   return 2;
@@ -42,7 +44,7 @@ int usage() {
 
 int main(int argc, char** argv) {
   tune_allocator_for_training();  // as the ddpkit CLI does: keep large blocks in the heap for reuse
-  int trainers = 2, batches = 20, trainer_id = -1;
+  int trainers = 2, batches = 20, warmup = 10, trainer_id = -1;
   int64_t first_batch = 0;
   int64_t chunk_bytes = ps::ClientOptions().chunk_bytes();
   int window = ps::ClientOptions().chunks_in_flight();
@@ -52,6 +54,7 @@ int main(int argc, char** argv) {
     const std::string flag = argv[i], value = argv[i + 1];
     if (flag == "--trainers") trainers = std::atoi(value.c_str());
     else if (flag == "--batches") batches = std::atoi(value.c_str());
+    else if (flag == "--warmup") warmup = std::atoi(value.c_str());
     else if (flag == "--sizes") sizes = value;
     else if (flag == "--chunk-kb") chunk_bytes = std::atoll(value.c_str()) * 1024;
     else if (flag == "--window") window = std::atoi(value.c_str());
@@ -60,7 +63,7 @@ int main(int argc, char** argv) {
     else if (flag == "--trainer-id") trainer_id = std::atoi(value.c_str());
     else return usage();
   }
-  if (trainers < 1 || batches < 1 || chunk_bytes < 0 || window < 1 || first_batch < 0 || connect.empty() != (trainer_id < 0))
+  if (trainers < 1 || batches < 1 || warmup < 0 || chunk_bytes < 0 || window < 1 || first_batch < 0 || connect.empty() != (trainer_id < 0))
     return usage();
   std::vector<double> sizes_mb;
   std::stringstream list(sizes);
@@ -91,14 +94,14 @@ int main(int argc, char** argv) {
     std::vector<at::Tensor> grads;
     for (int t : ids) grads.push_back(at::full({n}, static_cast<float>(t)));
     std::vector<double> rounds;
-    for (int b = 0; b < batches + 2; ++b, ++batch) {
+    for (int b = 0; b < warmup + batches; ++b, ++batch) {
       const auto start = std::chrono::steady_clock::now();
       std::vector<std::thread> threads;
       for (size_t t = 0; t < clients.size(); ++t)
         threads.emplace_back([&, t] { ProcessGroup::wait(clients[t]->average(batch, 0, grads[t], grads[t])); });
       for (auto& th : threads) th.join();
       const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
-      if (b >= 2) rounds.push_back(ms);  // the first two warm the connections and allocator
+      if (b >= warmup) rounds.push_back(ms);
     }
     const double mid = p50(rounds), best = *std::min_element(rounds.begin(), rounds.end());
     if (server) {

@@ -50,7 +50,7 @@ def free_port():
         return sock.getsockname()[1]
 
 
-def ddpkit_sizes(ddpkit, sizes, rounds, trainers):
+def ddpkit_sizes(ddpkit, sizes, rounds, trainers, warmup):
     """One run of `ddpkit ps-server` + `ps_server_bench --connect` trainers; {size_mb: round_ms_p50}."""
     bench = os.path.join(os.path.dirname(os.path.abspath(ddpkit)), "ps_server_bench")
     env = dict(PEER_ENV, GLOG_minloglevel="2")
@@ -59,7 +59,7 @@ def ddpkit_sizes(ddpkit, sizes, rounds, trainers):
                               env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         procs = [subprocess.Popen([bench, "--connect", address, "--trainer-id", str(t), "--sizes", sizes,
-                                   "--batches", str(rounds)], env=env, stdout=subprocess.PIPE,
+                                   "--batches", str(rounds), "--warmup", str(warmup)], env=env, stdout=subprocess.PIPE,
                                   stderr=subprocess.PIPE, text=True) for t in range(trainers)]
         outs = [p.communicate(timeout=900) for p in procs]
         for p, (out, err) in zip(procs, outs):
@@ -72,10 +72,10 @@ def ddpkit_sizes(ddpkit, sizes, rounds, trainers):
     return {r["size_mb"]: r["round_ms_p50"] for r in rows}
 
 
-def pytorch_sizes(sizes, rounds, trainers):
+def pytorch_sizes(sizes, rounds, trainers, warmup):
     env = dict(PEER_ENV, GLOG_minloglevel="2")
     p = subprocess.run([sys.executable, os.path.join(HERE, "pytorch_ps.py"), "--sizes", sizes, "--iterations",
-                        str(rounds), "--trainers", str(trainers)], capture_output=True, text=True, env=env, timeout=900)
+                        str(rounds), "--trainers", str(trainers), "--warmup-rounds", str(warmup)], capture_output=True, text=True, env=env, timeout=900)
     if p.returncode != 0:
         raise RuntimeError(f"pytorch_ps.py --sizes failed ({p.returncode}):\n{p.stdout[-2000:]}\n{p.stderr[-2000:]}")
     rows = [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
@@ -84,13 +84,15 @@ def pytorch_sizes(sizes, rounds, trainers):
 
 def compare_sizes(a, torch_version):
     print(f"# engines only: {a.trainers} trainers + 1 server, separate processes, loopback; one bucket per round; "
-          f"median over {a.repeats} interleaved runs of each run's median of {a.iterations} rounds")
-    print(f"# PyTorch {torch_version} RPC (TensorPipe) vs ddpkit ps (gRPC, chunked buckets)")
+          f"median over {a.repeats} interleaved runs of each run's median of {a.iterations} rounds, "
+          f"after {a.warmup_rounds} unmeasured rounds per size")
+    print(f"# PyTorch {torch_version} RPC (TensorPipe, its default transports and channels) vs ddpkit ps "
+          f"(gRPC with chunks; data through shared memory on one host{', off: DDPKIT_SHM=0' if os.environ.get('DDPKIT_SHM') == '0' else ''})")
     print(f"{'size_MB':>8} {'ddpkit ms':>10} {'torch ms':>10} {'ratio':>6} {'ddpkit GB/s':>12} {'torch GB/s':>11}")
     ours, theirs = [], []
     for _ in range(a.repeats):
-        ours.append(ddpkit_sizes(a.ddpkit, a.sizes, a.iterations, a.trainers))
-        theirs.append(pytorch_sizes(a.sizes, a.iterations, a.trainers))
+        ours.append(ddpkit_sizes(a.ddpkit, a.sizes, a.iterations, a.trainers, a.warmup_rounds))
+        theirs.append(pytorch_sizes(a.sizes, a.iterations, a.trainers, a.warmup_rounds))
     for mb in [float(x) for x in a.sizes.split(",")]:
         o = statistics.median(r[mb] for r in ours)
         t = statistics.median(r[mb] for r in theirs)
@@ -110,6 +112,7 @@ def main():
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--sizes", default="", help="engines only: bucket sizes in MB (see above)")
+    ap.add_argument("--warmup-rounds", type=int, default=10, help="--sizes: unmeasured rounds before each size, both sides")
     a = ap.parse_args()
     torch_version = torch_version_or_exit()
     if a.sizes:

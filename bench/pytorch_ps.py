@@ -234,11 +234,11 @@ def engine_sweep(rank, a):
     for mb in [float(x) for x in a.sizes.split(",")]:
         grad = torch.full((int(mb * 1024 * 1024 / 4),), float(rank))
         rounds = []
-        for it in range(a.iterations + 2):
+        for it in range(a.warmup_rounds + a.iterations):
             t0 = time.perf_counter()
             avg = rpc.rpc_sync(server, average_gradient, args=(batch, 0, grad))
             batch += 1
-            if it >= 2:  # the first two warm the connections and allocator
+            if it >= a.warmup_rounds:  # connections, allocator, threads
                 rounds.append((time.perf_counter() - t0) * 1000)
         assert avg.numel() == grad.numel()
         if rank == 0:  # a round ends for every trainer when the server answers the last one
@@ -262,6 +262,7 @@ def main():
     p.add_argument("--model", default="dummy_sparse", choices=["dummy", "dummy_sparse"])
     p.add_argument("--iterations", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--warmup-rounds", type=int, default=10, help="--sizes: unmeasured rounds before each size")
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--dim", type=int, default=1024)
     p.add_argument("--layers", type=int, default=8)

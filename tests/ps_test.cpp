@@ -43,15 +43,17 @@ std::shared_ptr<ParameterServerClient> connect(const ParameterServer& server, in
 
 // Calls from one client may be served in any order: tests whose point is an order wait for the
 // server to have taken the earlier ones.
-// A chunked gradient counts as received at its first chunk: `bytes` waits for the rest too.
+// A chunked gradient counts as received at its first chunk: `bytes` (in messages or shared
+// memory) waits for the rest too.
 void wait_received(const ParameterServer& server, int64_t count, int64_t bytes = 0) {
-  auto done = [&] {
+  auto received = [&] {
     const auto c = server.counters();
-    return c.gradients_received >= count && c.bytes_received >= bytes;
+    return c.bytes_received + c.shm_bytes_received;
   };
+  auto done = [&] { return server.counters().gradients_received >= count && received() >= bytes; };
   for (int i = 0; i < 5000 && !done(); ++i) std::this_thread::sleep_for(1ms);
   ASSERT_TRUE(done()) << "the server took " << server.counters().gradients_received << " gradient(s), "
-                      << server.counters().bytes_received << " bytes; expected " << count << ", " << bytes;
+                      << received() << " bytes; expected " << count << ", " << bytes;
 }
 
 at::Tensor sparse_gradient(int64_t rows, int64_t cols, uint64_t seed) {
@@ -243,12 +245,16 @@ TEST(ParameterServerRejects, StaleBatchAndSupersededWaiters) {
   EXPECT_TRUE(at::equal(ProcessGroup::wait(newer), at::full({4}, 2.0f)));
 }
 
+// The limit bounds a chunk's data whichever way it travels (in the message or shared memory).
 TEST(ParameterServerRejects, OversizedMessage) {
-  auto server = start_server({0}, ServerKind::kAverage, ServerOptions().max_message_bytes(1 << 20));
-  auto a = connect(*server, 0, ClientOptions().max_message_bytes(64 << 20));
-  EXPECT_THAT(failure(a->average(0, 0, at::ones({1 << 19}))), ::testing::HasSubstr("RESOURCE_EXHAUSTED"));
-  // The server is still serving; a message under the limit works.
-  EXPECT_TRUE(at::equal(ProcessGroup::wait(a->average(0, 0, at::ones({1000}))), at::ones({1000})));
+  for (bool shared : {true, false}) {
+    auto server = start_server({0}, ServerKind::kAverage, ServerOptions().max_message_bytes(1 << 19));
+    auto a = connect(*server, 0, ClientOptions().max_message_bytes(64 << 20).shared_memory(shared));
+    ASSERT_EQ(a->uses_shared_memory(), shared);
+    EXPECT_THAT(failure(a->average(0, 0, at::ones({1 << 19}))), ::testing::HasSubstr("RESOURCE_EXHAUSTED"));
+    // The server is still serving; a message under the limit works.
+    EXPECT_TRUE(at::equal(ProcessGroup::wait(a->average(0, 0, at::ones({1000}))), at::ones({1000})));
+  }
 }
 
 TEST(ParameterServerRejects, SparseIndicesOutsideTheShape) {
@@ -312,8 +318,10 @@ TEST(ParameterServer, ResetStateAndMetrics) {
   auto m = a->get_metrics();
   EXPECT_EQ(m.counters.buckets_averaged, 2);
   EXPECT_EQ(m.counters.gradients_received, 4);
-  EXPECT_EQ(m.counters.bytes_received, 4 * 16 * 4);
-  EXPECT_EQ(m.counters.bytes_sent, 4 * 16 * 4);
+  // Trainers on the server's host: the data goes through shared memory, not in the messages.
+  EXPECT_EQ(m.counters.shm_bytes_received, 4 * 16 * 4);
+  EXPECT_EQ(m.counters.shm_bytes_sent, 4 * 16 * 4);
+  EXPECT_EQ(m.counters.bytes_received + m.counters.bytes_sent, 0);
   for (const char* name : {"param_index_straggler", "param_index_batch", "average computation"})
     EXPECT_EQ(m.series[name].size(), 2u) << name;
   a->reset_state();
@@ -342,10 +350,11 @@ TEST(ParameterServer, BadOptionsAreNamed) {
 // ---- a trainer that dies -----------------------------------------------------------------------
 
 int run_doomed_trainer(const std::string& address) {
-  // Sends bucket 0 of batch 0 with the test's trainer 0, says so, then waits to be killed.
+  // Sends bucket 0 of batch 0 with the test's trainer 0, says so (and whether the server mapped
+  // this process's shared-memory region), then waits to be killed.
   ParameterServerClient client(ClientOptions().address(address).trainer_id(1));
   ProcessGroup::wait(client.average(0, 0, at::ones({4})));
-  std::printf("ready\n");
+  std::printf("ready%s\n", client.uses_shared_memory() ? " shm" : "");
   std::fflush(stdout);
   pause();
   return 0;
@@ -385,7 +394,7 @@ TEST(ParameterServer, KilledTrainerFailsTheBatchForTheOthers) {
   ProcessGroup::wait(a->average(0, 0, at::ones({4})));
   char buf[16] = {};
   ASSERT_GT(read(out[0], buf, sizeof(buf) - 1), 0);
-  ASSERT_STREQ(buf, "ready\n");
+  ASSERT_STREQ(buf, "ready shm\n") << "a trainer process on the server's host passes data through shared memory";
   auto waiting = a->average(0, 1, at::ones({4}));  // trainer 1 will never send bucket 1
   wait_received(*server, 3);
   kill(pid, SIGKILL);

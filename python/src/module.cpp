@@ -378,10 +378,14 @@ PYBIND11_MODULE(_C, m) {
              py::dict d;
              d["bytes_sent"] = t.bytes_sent;
              d["bytes_received"] = t.bytes_received;
+             d["shm_bytes_sent"] = t.shm_bytes_sent;
+             d["shm_bytes_received"] = t.shm_bytes_received;
              d["calls"] = t.calls;
+             d["shared_memory"] = s.client->uses_shared_memory();
              return d;
            },
-           "rpc/sparse_rpc: what this trainer sent to and received from its parameter server")
+           "rpc/sparse_rpc: what this trainer sent to and received from its parameter server: bytes in "
+           "messages, bytes through shared memory (a server on this host), calls")
 #endif
       .def("__repr__", [](const HookState& s) {
         return "<ddpkit.HookState '" + s.name + "' on a group of " + std::to_string(s.group->size()) + ">";

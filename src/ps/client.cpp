@@ -4,13 +4,18 @@
 
 #include "grpc_common.h"
 #include "parameter_server.grpc.pb.h"
+#include "shared_region.h"
 #include "wire_tensor.h"
 
 #include <grpcpp/generic/generic_stub.h>
 #include <grpcpp/grpcpp.h>
 
+#include <unistd.h>
+
 #include <atomic>
 #include <condition_variable>
+#include <cstdlib>
+#include <iostream>
 #include <set>
 #include <sstream>
 
@@ -45,6 +50,32 @@ std::string failure_message(const std::string& address, const std::string& what,
   return "ddpkit ps: " + what + " on " + address + " failed: " + code_name(s.error_code()) + ": " + s.error_message();
 }
 
+// Writes a dense reply's average into `into`: from the message, or from `shared` (the request's
+// shared-memory place) when the server put it there. False with *error when it does not fit.
+bool read_dense_reply(grpc::ByteBuffer& raw, at::Tensor& into, uint8_t* shared, std::string* error) {
+  if (!shared) return parse_dense_reply_into(raw, into, error);
+  wire::GradientReply reply;  // small: its data, if any, is one chunk
+  if (!grpc::SerializationTraits<wire::GradientReply>::Deserialize(&raw, &reply).ok()) {
+    *error = "unparsable GradientReply";
+    return false;
+  }
+  const at::Tensor avg = reply.in_shared_memory()
+                             ? view_dense(reply.average(), shared, into.numel() * static_cast<int64_t>(into.element_size()), error)
+                             : decode_tensor(reply.average(), error, /*borrow_dense=*/true);
+  if (!avg.defined()) return false;
+  if (avg.is_sparse() || avg.scalar_type() != into.scalar_type() || avg.numel() != into.numel()) {
+    *error = "reply " + describe(reply.average()) + " does not fit the gradient";
+    return false;
+  }
+  into.copy_(avg.view(into.sizes()));
+  return true;
+}
+
+bool loopback(const std::string& address) {
+  const std::string host = address.substr(0, address.rfind(':'));
+  return host == "localhost" || host.rfind("127.", 0) == 0 || host == "[::1]";
+}
+
 }  // namespace
 
 struct ParameterServerClient::Impl {
@@ -71,22 +102,37 @@ struct ParameterServerClient::Impl {
     if (!s.ok()) throw CommError(failure(what, s));
   }
 
-  // The session: a server stream that never carries a message; its end is the signal.
+  // The session: a server stream whose one event answers the shared-memory offer; its end is
+  // the signal that this trainer is gone.
   class Session final : public grpc::ClientReadReactor<wire::SessionEvent> {
    public:
-    void start(wire::ParameterServer::Stub* stub, int trainer) {
-      request.set_trainer_id(trainer);
+    void start(wire::ParameterServer::Stub* stub, wire::SessionRequest r) {
+      request = std::move(r);
       stub->async()->Session(&ctx, &request, this);
       StartRead(&event);
       StartCall();
     }
     void OnReadDone(bool ok) override {
-      if (ok) StartRead(&event);
+      if (!ok) return;
+      {
+        std::lock_guard<std::mutex> lock(mu);
+        if (!answered) first = event;
+        answered = true;
+        cv.notify_all();
+      }
+      StartRead(&event);
     }
     void OnDone(const grpc::Status&) override {
       std::lock_guard<std::mutex> lock(mu);
       done = true;
       cv.notify_all();
+    }
+    // The server's first event, or false when the session ended or `timeout` passed first.
+    bool answer(std::chrono::milliseconds timeout, wire::SessionEvent* out) {
+      std::unique_lock<std::mutex> lock(mu);
+      cv.wait_for(lock, timeout, [&] { return answered || done; });
+      if (answered) *out = first;
+      return answered;
     }
     void stop() {
       ctx.TryCancel();
@@ -97,12 +143,15 @@ struct ParameterServerClient::Impl {
 
    private:
     wire::SessionRequest request;
-    wire::SessionEvent event;
+    wire::SessionEvent event, first;
     std::mutex mu;
     std::condition_variable cv;
-    bool done = false;
+    bool answered = false, done = false;
   };
   std::unique_ptr<Session> session;
+  // Set while the server has mapped it (ClientOptions::shared_memory).
+  std::unique_ptr<SharedRegion> region;
+  std::string shared_memory_refused;
 
   struct Call {
     grpc::ClientContext ctx;
@@ -142,7 +191,7 @@ struct ParameterServerClient::Impl {
   };
   std::shared_ptr<InFlight> flight = std::make_shared<InFlight>();
   struct Counters {
-    std::atomic<int64_t> sent{0}, received{0}, calls{0};
+    std::atomic<int64_t> sent{0}, received{0}, shm_sent{0}, shm_received{0}, calls{0};
   };
   std::shared_ptr<Counters> counters = std::make_shared<Counters>();
 
@@ -150,7 +199,48 @@ struct ParameterServerClient::Impl {
   // CANCELLED, when the client is closing), after the call is released.
   void send(grpc::ByteBuffer request,
             std::function<void(const grpc::Status&, grpc::ByteBuffer&)> done);
+  // Sends `part` (dense) of a gradient and writes its average into `out` (same numel and dtype):
+  // through a shared-memory slot when one is free and big enough, else in the messages. `done`
+  // runs once, with "" or the error.
+  void average_dense(int64_t batch, int64_t bucket, const at::Tensor& part, at::Tensor out, ChunkOf chunk,
+                     const std::string& what, std::function<void(const std::string&)> done);
+  // Offers a shared-memory region when the session opens; keeps it if the server maps it.
+  void offer_shared_memory(wire::SessionRequest* request);
+  void settle_shared_memory();
 };
+
+void ParameterServerClient::Impl::offer_shared_memory(wire::SessionRequest* request) {
+  const char* env = std::getenv("DDPKIT_SHM");
+  if (!options.shared_memory() || options.chunk_bytes() <= 0 || (env && std::string(env) == "0")) return;
+  try {
+    region = std::make_unique<SharedRegion>((options.chunk_bytes() + 63) / 64 * 64, options.shared_memory_slots());
+  } catch (const CommError& e) {
+    shared_memory_refused = e.what();
+    return;
+  }
+  auto* offer = request->mutable_shared_memory();
+  offer->set_pid(::getpid());
+  offer->set_fd(region->fd());
+  offer->set_bytes(region->bytes());
+  offer->set_region(region->id());
+  offer->set_cookie(region->cookie());
+}
+
+void ParameterServerClient::Impl::settle_shared_memory() {
+  if (!region) return;
+  wire::SessionEvent event;
+  if (!session->answer(options.connect_timeout(), &event))
+    shared_memory_refused = "the session did not answer the offer";
+  else if (!event.shared_memory())
+    shared_memory_refused = event.shared_memory_refused();
+  else
+    return;
+  region.reset();
+  // On one host the offer should be taken: say why not, once, rather than run slower unnoticed.
+  if (loopback(options.address()))
+    std::cerr << "ddpkit ps: trainer " << options.trainer_id() << ": the server at " << options.address()
+              << " did not take shared memory (" << shared_memory_refused << "); gradients go in gRPC messages\n";
+}
 
 ParameterServerClient::ParameterServerClient(ClientOptions options) : impl_(std::make_unique<Impl>()) {
   hold_grpc_runtime();
@@ -163,6 +253,8 @@ ParameterServerClient::ParameterServerClient(ClientOptions options) : impl_(std:
   DDPKIT_CHECK(o.chunk_bytes() >= 0, "parameter server client: chunk_bytes must be >= 0, got ", o.chunk_bytes());
   DDPKIT_CHECK(o.chunks_in_flight() >= 1, "parameter server client: chunks_in_flight must be >= 1, got ",
                o.chunks_in_flight());
+  DDPKIT_CHECK(o.shared_memory_slots() >= 1, "parameter server client: shared_memory_slots must be >= 1, got ",
+               o.shared_memory_slots());
   std::shared_ptr<grpc::ChannelCredentials> creds;
   if (!o.tls().root_certificate().empty()) {
     grpc::SslCredentialsOptions ssl;
@@ -186,7 +278,11 @@ ParameterServerClient::ParameterServerClient(ClientOptions options) : impl_(std:
   if (o.open_session()) {
     impl_->session = std::make_unique<Impl::Session>();
     if (!o.token().empty()) impl_->session->ctx.AddMetadata("authorization", "Bearer " + o.token());
-    impl_->session->start(impl_->stub.get(), o.trainer_id());
+    wire::SessionRequest request;
+    request.set_trainer_id(o.trainer_id());
+    impl_->offer_shared_memory(&request);
+    impl_->session->start(impl_->stub.get(), std::move(request));
+    impl_->settle_shared_memory();
   }
 }
 
@@ -199,11 +295,15 @@ ParameterServerClient::Traffic ParameterServerClient::traffic() const {
   Traffic t;
   t.bytes_sent = impl_->counters->sent;
   t.bytes_received = impl_->counters->received;
+  t.shm_bytes_sent = impl_->counters->shm_sent;
+  t.shm_bytes_received = impl_->counters->shm_received;
   t.calls = impl_->counters->calls;
   return t;
 }
 
 int ParameterServerClient::trainer_id() const { return impl_->options.trainer_id(); }
+bool ParameterServerClient::uses_shared_memory() const { return impl_->region != nullptr; }
+const std::string& ParameterServerClient::shared_memory_refused() const { return impl_->shared_memory_refused; }
 const std::string& ParameterServerClient::address() const { return impl_->options.address(); }
 
 namespace {
@@ -212,12 +312,11 @@ namespace {
 // flat gradient, its average lands in the same elements of `out`. Up to `window` calls in flight;
 // each completion starts the next chunk. The first failure fails the whole and starts no more.
 struct ChunkedAverage {
-  at::Tensor flat, out, value;
+  at::Tensor flat, out;
   int64_t per = 0, count = 0;
   std::mutex mu;
   int64_t next = 0, remaining = 0;
   bool failed = false;
-  FuturePtr result;
 };
 
 }  // namespace
@@ -252,6 +351,39 @@ void ParameterServerClient::Impl::send(grpc::ByteBuffer request,
                      });
 }
 
+void ParameterServerClient::Impl::average_dense(int64_t batch, int64_t bucket, const at::Tensor& part, at::Tensor out,
+                                                ChunkOf chunk, const std::string& what,
+                                                std::function<void(const std::string&)> done) {
+  const int64_t bytes = part.numel() * static_cast<int64_t>(part.element_size());
+  SharedRegion* shared = region.get();
+  const int64_t slot = shared && bytes <= shared->slot_bytes() ? shared->acquire() : -1;
+  grpc::ByteBuffer request;
+  if (slot >= 0) {
+    at::from_blob(shared->at(slot), part.sizes(), at::TensorOptions().dtype(part.scalar_type())).copy_(part);
+    wire::SharedMemoryRef ref;
+    ref.set_region(shared->id());
+    ref.set_offset(slot);
+    ref.set_bytes(bytes);
+    request = serialize_gradient_request(options.trainer_id(), batch, bucket, part, chunk, &ref);
+    counters->shm_sent += bytes;
+  } else {
+    request = serialize_gradient_request(options.trainer_id(), batch, bucket, part, chunk);
+  }
+  send(std::move(request), [shared, slot, bytes, out, what, address = options.address(), counters = counters,
+                            done = std::move(done)](const grpc::Status& status, grpc::ByteBuffer& reply) mutable {
+    std::string error = status.ok() ? "" : failure_message(address, what, status);
+    if (status.ok() && !read_dense_reply(reply, out, slot >= 0 ? shared->at(slot) : nullptr, &error))
+      error = "ddpkit ps: " + what + " on " + address + ": malformed reply: " + error;
+    // A slot is reused only after a complete answer: after a failure (a deadline, say) the
+    // server may still write into it, so it stays out of use.
+    if (slot >= 0 && error.empty()) {
+      counters->shm_received += bytes;
+      shared->release(slot);
+    }
+    done(error);
+  });
+}
+
 FuturePtr ParameterServerClient::average(int64_t batch_number, int64_t bucket_index, const at::Tensor& gradient,
                                          at::Tensor into) {
   DDPKIT_CHECK(gradient.defined(), "parameter server client: gradient is undefined");
@@ -263,102 +395,18 @@ FuturePtr ParameterServerClient::average(int64_t batch_number, int64_t bucket_in
   const std::string what = "AverageGradient(batch " + std::to_string(batch_number) + ", bucket " +
                            std::to_string(bucket_index) + ")";
   const std::string address = impl_->options.address();
-  const int trainer = impl_->options.trainer_id();
   const int64_t bytes = gradient.is_sparse() ? 0 : gradient.numel() * static_cast<int64_t>(gradient.element_size());
   const int64_t chunk_bytes = impl_->options.chunk_bytes();
 
-  if (chunk_bytes > 0 && bytes > chunk_bytes) {
-    auto st = std::make_shared<ChunkedAverage>();
-    st->flat = gradient.contiguous().view({-1});
-    if (into.defined() && into.is_contiguous() && into.device().is_cpu()) {
-      st->out = into.view({-1});
-      st->value = into;
-    } else {
-      st->out = at::empty({gradient.numel()}, gradient.options().device(c10::kCPU));
-      st->value = into.defined() ? into : gradient;  // replaced below by a copy of out
-    }
-    st->per = std::max<int64_t>(1, chunk_bytes / static_cast<int64_t>(gradient.element_size()));
-    st->count = (gradient.numel() + st->per - 1) / st->per;
-    st->remaining = st->count;
-    st->result = result;
-    const bool copy_out = st->out.data_ptr() != (into.defined() ? into.data_ptr() : nullptr);
+  if (gradient.is_sparse()) {
     const std::vector<int64_t> shape = gradient.sizes().vec();
-    Impl* impl = impl_.get();
-    // Starts chunks while fewer than the window are in flight. Called with st->mu not held.
-    auto pump = std::make_shared<std::function<void()>>();
-    *pump = [st, impl, trainer, batch_number, bucket_index, what, address, copy_out, into, shape, device,
-             weak = std::weak_ptr<std::function<void()>>(pump)]() {
-      for (;;) {
-        int64_t i;
-        {
-          std::lock_guard<std::mutex> lock(st->mu);
-          if (st->failed || st->next >= st->count) return;
-          i = st->next++;
-        }
-        const int64_t off = i * st->per, len = std::min(st->per, st->flat.numel() - off);
-        const std::string chunk_what = what + " chunk " + std::to_string(i) + " of " + std::to_string(st->count);
-        auto self = weak.lock();
-        impl->send(serialize_gradient_request(trainer, batch_number, bucket_index, st->flat.narrow(0, off, len),
-                                              ChunkOf{i, st->count, st->flat.numel()}),
-                   [st, off, len, chunk_what, address, copy_out, into, shape, device, self](const grpc::Status& status,
-                                                                                           grpc::ByteBuffer& reply) {
-                     std::string error = status.ok() ? "" : failure_message(address, chunk_what, status);
-                     at::Tensor part = st->out.narrow(0, off, len);
-                     if (status.ok() && !parse_dense_reply_into(reply, part, &error))
-                       error = "ddpkit ps: " + chunk_what + " on " + address + ": malformed reply: " + error;
-                     bool last = false;
-                     {
-                       std::lock_guard<std::mutex> lock(st->mu);
-                       if (st->failed) return;
-                       if (!error.empty()) {
-                         st->failed = true;
-                       } else {
-                         last = --st->remaining == 0;
-                       }
-                     }
-                     if (!error.empty()) {
-                       st->result->setError(std::make_exception_ptr(CommError(error)));
-                       return;
-                     }
-                     if (last) {
-                       at::Tensor value = st->value;
-                       if (copy_out) {
-                         at::Tensor avg = st->out.view(shape);
-                         if (into.defined()) {
-                           into.copy_(avg);
-                         } else {
-                           value = device.is_cpu() ? avg : avg.to(device);
-                         }
-                       }
-                       st->result->markCompleted(c10::IValue(value));
-                       return;
-                     }
-                     (*self)();
-                   });
-        {
-          std::lock_guard<std::mutex> lock(st->mu);
-          if (st->next - (st->count - st->remaining) >= impl->options.chunks_in_flight()) return;
-        }
-      }
-    };
-    // The pump lives while a chunk is pending: each chunk's callback holds it (and it holds
-    // only a weak reference to itself, so nothing cycles).
-    (*pump)();
-    return result;
-  }
-
-  const bool sparse = gradient.is_sparse();
-  const std::vector<int64_t> shape = gradient.sizes().vec();
-  impl_->send(serialize_gradient_request(trainer, batch_number, bucket_index, gradient),
-              [result, into, device, what, sparse, shape, address](const grpc::Status& status, grpc::ByteBuffer& raw) {
-                std::string error = status.ok() ? "" : failure_message(address, what, status);
-                at::Tensor out;
-                if (status.ok() && !sparse && into.defined()) {
-                  at::Tensor target = into;
-                  if (parse_dense_reply_into(raw, target, &error)) out = into;
-                } else if (status.ok()) {
+    impl_->send(serialize_gradient_request(impl_->options.trainer_id(), batch_number, bucket_index, gradient),
+                [result, device, what, shape, address](const grpc::Status& status, grpc::ByteBuffer& raw) {
+                  std::string error = status.ok() ? "" : failure_message(address, what, status);
+                  at::Tensor out;
                   wire::GradientReply reply;
-                  if (!grpc::SerializationTraits<wire::GradientReply>::Deserialize(&raw, &reply).ok()) {
+                  if (!status.ok()) {
+                  } else if (!grpc::SerializationTraits<wire::GradientReply>::Deserialize(&raw, &reply).ok()) {
                     error = "unparsable GradientReply";
                   } else {
                     out = decode_tensor(reply.average(), &error);
@@ -367,15 +415,87 @@ FuturePtr ParameterServerClient::average(int64_t batch_number, int64_t bucket_in
                       out = at::Tensor();
                     }
                   }
-                  if (out.defined() && out.device() != device) out = out.to(device);
-                }
-                if (status.ok() && !out.defined())
-                  error = "ddpkit ps: " + what + " on " + address + ": malformed reply: " + error;
-                if (out.defined())
-                  result->markCompleted(c10::IValue(out));
-                else
-                  result->setError(std::make_exception_ptr(CommError(error)));
-              });
+                  if (status.ok() && !out.defined())
+                    error = "ddpkit ps: " + what + " on " + address + ": malformed reply: " + error;
+                  if (out.defined())
+                    result->markCompleted(c10::IValue(out.device() == device ? out : out.to(device)));
+                  else
+                    result->setError(std::make_exception_ptr(CommError(error)));
+                });
+    return result;
+  }
+
+  // Dense: the average lands in `out` (`into` itself where it can), then in the future's value.
+  const bool direct = into.defined() && into.is_contiguous() && into.device().is_cpu();
+  const at::Tensor out = direct ? into : at::empty(gradient.sizes(), gradient.options().device(c10::kCPU));
+  auto complete = [result, out, into, device, direct]() {
+    at::Tensor value = out;
+    if (!direct && into.defined()) {
+      into.copy_(out);
+      value = into;
+    } else if (!direct && !device.is_cpu()) {
+      value = out.to(device);
+    }
+    result->markCompleted(c10::IValue(value));
+  };
+
+  if (chunk_bytes <= 0 || bytes <= chunk_bytes) {
+    impl_->average_dense(batch_number, bucket_index, gradient, out, {}, what, [result, complete](const std::string& error) {
+      if (error.empty())
+        complete();
+      else
+        result->setError(std::make_exception_ptr(CommError(error)));
+    });
+    return result;
+  }
+
+  auto st = std::make_shared<ChunkedAverage>();
+  st->flat = gradient.contiguous().view({-1});
+  st->out = out.view({-1});
+  st->per = std::max<int64_t>(1, chunk_bytes / static_cast<int64_t>(gradient.element_size()));
+  st->count = (gradient.numel() + st->per - 1) / st->per;
+  st->remaining = st->count;
+  Impl* impl = impl_.get();
+  // Starts chunks while fewer than the window are in flight. Called with st->mu not held.
+  auto pump = std::make_shared<std::function<void()>>();
+  *pump = [st, impl, batch_number, bucket_index, what, result, complete,
+           weak = std::weak_ptr<std::function<void()>>(pump)]() {
+    for (;;) {
+      int64_t i;
+      {
+        std::lock_guard<std::mutex> lock(st->mu);
+        if (st->failed || st->next >= st->count) return;
+        i = st->next++;
+      }
+      const int64_t off = i * st->per, len = std::min(st->per, st->flat.numel() - off);
+      const std::string chunk_what = what + " chunk " + std::to_string(i) + " of " + std::to_string(st->count);
+      auto self = weak.lock();
+      impl->average_dense(batch_number, bucket_index, st->flat.narrow(0, off, len), st->out.narrow(0, off, len),
+                          ChunkOf{i, st->count, st->flat.numel()}, chunk_what,
+                          [st, result, complete, self](const std::string& error) {
+                            bool last = false;
+                            {
+                              std::lock_guard<std::mutex> lock(st->mu);
+                              if (st->failed) return;
+                              st->failed = !error.empty();
+                              last = !st->failed && --st->remaining == 0;
+                            }
+                            if (!error.empty())
+                              result->setError(std::make_exception_ptr(CommError(error)));
+                            else if (last)
+                              complete();
+                            else
+                              (*self)();
+                          });
+      {
+        std::lock_guard<std::mutex> lock(st->mu);
+        if (st->next - (st->count - st->remaining) >= impl->options.chunks_in_flight()) return;
+      }
+    }
+  };
+  // The pump lives while a chunk is pending: each chunk's callback holds it (and it holds only a
+  // weak reference to itself, so nothing cycles).
+  (*pump)();
   return result;
 }
 
@@ -397,6 +517,8 @@ ParameterServerClient::ServerMetrics ParameterServerClient::get_metrics() {
   out.counters.bytes_sent = reply.bytes_sent();
   out.counters.seconds_since_reset = reply.seconds_since_reset();
   out.counters.peak_bytes_held = reply.peak_bytes_held();
+  out.counters.shm_bytes_received = reply.shm_bytes_received();
+  out.counters.shm_bytes_sent = reply.shm_bytes_sent();
   return out;
 }
 

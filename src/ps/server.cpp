@@ -4,6 +4,7 @@
 
 #include "grpc_common.h"
 #include "parameter_server.grpc.pb.h"
+#include "shared_region.h"
 #include "wire_tensor.h"
 
 #include <grpcpp/grpcpp.h>
@@ -94,7 +95,10 @@ struct ParameterServer::Impl {
                                              grpc::ByteBuffer* response);
   void on_cancel(AverageCall* call);
   void on_session_lost(int trainer);
-  void on_session_opened(int trainer, SessionCall* call);
+  // Maps the session's shared-memory offer (if any) and registers the session; returns the event
+  // that tells the trainer whether its offer was taken.
+  wire::SessionEvent on_session_opened(const wire::SessionRequest& request, SessionCall* call);
+  void on_session_done(SessionCall* call, uint64_t region);
   // Fails every waiting call of the current batch; later gradients of this batch get the same
   // status. Caller holds mu; the calls to finish are appended to *finish.
   void fail_batch_locked(const grpc::Status& status, std::vector<std::pair<AverageCall*, grpc::Status>>* finish);
@@ -129,6 +133,14 @@ struct ParameterServer::Impl {
   // Open sessions, finished by shutdown. Recursive: Finish may run OnDone on the calling thread.
   std::recursive_mutex sessions_mu;
   std::set<SessionCall*> sessions;
+  // Trainers' shared-memory regions by id, each mapped while its session is open (a call in
+  // flight holds its own reference).
+  struct Region {
+    int trainer;
+    std::shared_ptr<SharedRegion> memory;
+  };
+  std::mutex regions_mu;
+  std::map<uint64_t, Region> regions;
   metrics::MetricsLogger log;
   Counters counters;
   int64_t held_bytes = 0;  // over all buckets; counters.peak_bytes_held is its maximum
@@ -161,12 +173,18 @@ class AverageCall final : public grpc::ServerUnaryReactor {
   ParameterServer::Impl* impl_;
   grpc::ByteBuffer* response;
   wire::GradientRequest request;  // the gradient's bytes stay here until the call is finished
+  // The request's shared-memory place: the gradient is read from it and the average written to it.
+  std::shared_ptr<SharedRegion> region;
+  uint8_t* shared_data = nullptr;
+  int64_t shared_bytes = 0;
   int trainer = -1;
   int64_t batch = 0, bucket = 0, chunk = 0, chunk_count = 0;
   bool waiting = true;  // guarded by impl_->mu
 };
 
 // The session: never writes; ends when the trainer goes away or the server stops.
+// The session: writes one event (the shared-memory answer), then nothing; ends when the trainer
+// goes away or the server stops.
 class SessionCall final : public grpc::ServerWriteReactor<wire::SessionEvent> {
  public:
   SessionCall(ParameterServer::Impl* impl, int trainer) : impl_(impl), trainer_(trainer) {}
@@ -175,11 +193,18 @@ class SessionCall final : public grpc::ServerWriteReactor<wire::SessionEvent> {
   void finish_once(const grpc::Status& status) {
     if (!finished_.exchange(true)) Finish(status);
   }
+  void announce(wire::SessionEvent event, uint64_t region) {
+    event_ = std::move(event);
+    region_ = region;
+    StartWrite(&event_);
+  }
 
  private:
   ParameterServer::Impl* impl_;
   int trainer_;
   std::atomic<bool> finished_{false};
+  wire::SessionEvent event_;
+  uint64_t region_ = 0;  // registered in impl_->regions while this session lives; 0: none
 };
 
 namespace {
@@ -228,6 +253,8 @@ class Service final
       reply->set_bytes_sent(c.bytes_sent);
       reply->set_seconds_since_reset(c.seconds_since_reset);
       reply->set_peak_bytes_held(c.peak_bytes_held);
+      reply->set_shm_bytes_received(c.shm_bytes_received);
+      reply->set_shm_bytes_sent(c.shm_bytes_sent);
     }
     reactor->Finish(s);
     return reactor;
@@ -244,7 +271,9 @@ class Service final
     if (!s.ok()) {
       call->finish_once(s);
     } else {
-      impl_->on_session_opened(req->trainer_id(), call);
+      wire::SessionEvent event = impl_->on_session_opened(*req, call);
+      const uint64_t region = event.shared_memory() ? req->shared_memory().region() : 0;
+      call->announce(std::move(event), region);
     }
     return call;
   }
@@ -311,9 +340,34 @@ grpc::ServerUnaryReactor* ParameterServer::Impl::average_gradient(grpc::Callback
 
   // Decode outside the lock: it is the expensive part.
   std::string error;
-  // Dense: a view of the request's bytes, alive until this call is finished, which is after the
-  // sum has read it (the first gradient of a bucket and average_batch parts are copied below).
-  at::Tensor grad = decode_tensor(req->gradient(), &error, /*borrow_dense=*/true);
+  at::Tensor grad;
+  if (req->has_shared_memory()) {
+    const wire::SharedMemoryRef& ref = req->shared_memory();
+    {
+      std::lock_guard<std::mutex> lock(regions_mu);
+      auto it = regions.find(ref.region());
+      if (it != regions.end() && it->second.trainer == trainer) call->region = it->second.memory;
+    }
+    if (!call->region)
+      return reject(grpc::StatusCode::FAILED_PRECONDITION, "trainer " + std::to_string(trainer) + ", " + where +
+                                                               ": its shared-memory region is not attached (no open session offered it)");
+    if (!call->region->holds(ref.offset(), ref.bytes()))
+      return reject(grpc::StatusCode::INVALID_ARGUMENT, "trainer " + std::to_string(trainer) + ", " + where + ": bytes [" +
+                                                            std::to_string(ref.offset()) + ", +" + std::to_string(ref.bytes()) +
+                                                            ") lie outside its " + std::to_string(call->region->bytes()) +
+                                                            "-byte shared-memory region");
+    if (ref.bytes() > options.max_message_bytes())  // the limit a message of these bytes would hit
+      return reject(grpc::StatusCode::RESOURCE_EXHAUSTED, "trainer " + std::to_string(trainer) + ", " + where + ": " +
+                                                              std::to_string(ref.bytes()) + " bytes in shared memory, more than max_message_bytes " +
+                                                              std::to_string(options.max_message_bytes()));
+    call->shared_data = call->region->at(ref.offset());
+    call->shared_bytes = ref.bytes();
+    grad = view_dense(req->gradient(), call->shared_data, call->shared_bytes, &error);
+  } else {
+    // Dense: a view of the request's bytes, alive until this call is finished, which is after the
+    // sum has read it (the first gradient of a bucket and average_batch parts are copied below).
+    grad = decode_tensor(req->gradient(), &error, /*borrow_dense=*/true);
+  }
   if (!grad.defined()) return reject(grpc::StatusCode::INVALID_ARGUMENT, "trainer " + std::to_string(trainer) + ", " + where + ": " + error);
   const int64_t in_bytes = payload_bytes(req->gradient());
   // Sums of low-precision gradients are kept in float32.
@@ -334,6 +388,7 @@ grpc::ServerUnaryReactor* ParameterServer::Impl::average_gradient(grpc::Callback
     std::lock_guard<std::mutex> lock(mu);
     if (chunk == 0) counters.gradients_received++;  // a gradient is a whole bucket from one trainer
     counters.bytes_received += in_bytes;
+    counters.shm_bytes_received += call->shared_bytes;
     if (b < batch) {
       call->waiting = false;
       finish.emplace_back(call, grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
@@ -396,9 +451,10 @@ grpc::ServerUnaryReactor* ParameterServer::Impl::average_gradient(grpc::Callback
         }
         bucket.sent.insert(trainer);
         bucket.waiting[trainer] = call;
-        const bool borrowed = !grad.is_sparse() && grad.data_ptr() == req->gradient().data().data();
+        const bool borrowed = !grad.is_sparse() && (grad.data_ptr() == req->gradient().data().data() ||
+                                                    grad.data_ptr() == call->shared_data);
         const int64_t grad_bytes = grad.is_sparse() ? in_bytes : grad.numel() * static_cast<int64_t>(grad.element_size());
-        hold(bucket, in_bytes);  // the request stays until answered
+        hold(bucket, in_bytes + call->shared_bytes);  // the request stays until answered
         if (options.kind() == ServerKind::kAverage) {
           // The first gradient is kept as it came (a view of its request, which waits too); the
           // second makes the sum, in one pass, and later ones add into it.
@@ -455,16 +511,33 @@ grpc::ServerUnaryReactor* ParameterServer::Impl::average_gradient(grpc::Callback
     const at::ScalarType wire_type = scalar_type_of(signature);
     if (average.scalar_type() != wire_type) average = average.to(wire_type);
     // Serialized once; every waiting trainer's response shares its slices (the data slice is the
-    // average's own memory).
-    const grpc::ByteBuffer reply = serialize_reply(average);
+    // average's own memory). A trainer that sent through shared memory gets the average there.
     const int64_t out_bytes = static_cast<int64_t>(
         average.is_sparse() ? average._values().nbytes() + average._indices().nbytes() : average.nbytes());
+    grpc::ByteBuffer reply, shared_reply;
+    bool have_reply = false, have_shared_reply = false;
+    int64_t sent = 0, shm_sent = 0;
     for (AverageCall* c : answer) {
-      *c->response = reply;
+      if (c->shared_data && !average.is_sparse() && c->shared_bytes == out_bytes) {
+        if (!have_shared_reply) {
+          average = average.contiguous();
+          shared_reply = serialize_shared_memory_reply(average);
+          have_shared_reply = true;
+        }
+        if (out_bytes) std::memcpy(c->shared_data, average.data_ptr(), out_bytes);
+        *c->response = shared_reply;
+        shm_sent += out_bytes;
+      } else {
+        if (!have_reply) reply = serialize_reply(average);
+        have_reply = true;
+        *c->response = reply;
+        sent += out_bytes;
+      }
       c->Finish(grpc::Status::OK);
     }
     std::lock_guard<std::mutex> lock(mu);
-    counters.bytes_sent += out_bytes * static_cast<int64_t>(answer.size());
+    counters.bytes_sent += sent;
+    counters.shm_bytes_sent += shm_sent;
     log.record_end("parameter_server_batch_metric", key(b, bkey, chunk_count));
   }
   for (auto& [c, s] : finish) c->Finish(s);
@@ -500,13 +573,43 @@ void ParameterServer::Impl::on_cancel(AverageCall* call) {
   for (auto& [c, s] : finish) c->Finish(s);
 }
 
-void ParameterServer::Impl::on_session_opened(int trainer, SessionCall* call) {
+wire::SessionEvent ParameterServer::Impl::on_session_opened(const wire::SessionRequest& request, SessionCall* call) {
+  wire::SessionEvent event;
+  if (request.has_shared_memory()) {
+    const wire::SharedMemoryOffer& offer = request.shared_memory();
+    const char* env = std::getenv("DDPKIT_SHM");
+    std::string why;
+    std::shared_ptr<SharedRegion> memory;
+    if (env && std::string(env) == "0")
+      why = "DDPKIT_SHM=0 on the server";
+    else
+      memory = SharedRegion::attach(offer.pid(), offer.fd(), offer.bytes(), offer.cookie(), &why);
+    if (memory) {
+      std::lock_guard<std::mutex> lock(regions_mu);
+      if (offer.region() == 0 || !regions.emplace(offer.region(), Region{request.trainer_id(), memory}).second) {
+        why = "region id " + std::to_string(offer.region()) + " is taken";
+        memory.reset();
+      }
+    }
+    event.set_shared_memory(memory != nullptr);
+    event.set_shared_memory_refused(why);
+  }
   {
     std::lock_guard<std::mutex> lock(mu);
-    disconnected.erase(trainer);
+    disconnected.erase(request.trainer_id());
   }
   std::lock_guard<std::recursive_mutex> lock(sessions_mu);
   sessions.insert(call);
+  return event;
+}
+
+void ParameterServer::Impl::on_session_done(SessionCall* call, uint64_t region) {
+  if (region != 0) {
+    std::lock_guard<std::mutex> lock(regions_mu);
+    regions.erase(region);
+  }
+  std::lock_guard<std::recursive_mutex> lock(sessions_mu);
+  sessions.erase(call);
 }
 
 void SessionCall::OnCancel() {
@@ -515,10 +618,7 @@ void SessionCall::OnCancel() {
 }
 
 void SessionCall::OnDone() {
-  {
-    std::lock_guard<std::recursive_mutex> lock(impl_->sessions_mu);
-    impl_->sessions.erase(this);
-  }
+  impl_->on_session_done(this, region_);
   delete this;
 }
 

@@ -6,6 +6,7 @@
 #include <google/protobuf/io/coded_stream.h>
 #include <google/protobuf/io/zero_copy_stream_impl_lite.h>
 #include <google/protobuf/wire_format_lite.h>
+#include <grpcpp/impl/codegen/proto_utils.h>
 #include <grpcpp/support/proto_buffer_reader.h>
 
 #include <cstring>
@@ -64,7 +65,7 @@ grpc::Slice tensor_slice(const at::Tensor& contiguous_cpu) {
 std::vector<grpc::Slice> with_data(const std::string& head, const at::Tensor& data, const std::string& tail = "") {
   std::vector<grpc::Slice> out;
   out.emplace_back(head);
-  if (data.nbytes() > 0) out.push_back(tensor_slice(data));
+  if (data.defined() && data.nbytes() > 0) out.push_back(tensor_slice(data));
   if (!tail.empty()) out.emplace_back(tail);
   return out;
 }
@@ -109,9 +110,11 @@ void write_tensor_up_to_data(CodedOutputStream& out, int field, const wire::Tens
 }  // namespace
 
 grpc::ByteBuffer serialize_gradient_request(int trainer, int64_t batch, int64_t bucket, const at::Tensor& gradient,
-                                            ChunkOf chunk) {
+                                            ChunkOf chunk, const wire::SharedMemoryRef* shared) {
   wire::Tensor header;
-  const at::Tensor data = encode_header(gradient, &header);
+  at::Tensor data = encode_header(gradient, &header);
+  if (shared) data = at::Tensor();  // the bytes are in shared memory
+  const size_t data_bytes = data.defined() ? data.nbytes() : 0;
   std::string head, tail;
   {
     google::protobuf::io::StringOutputStream raw(&head);
@@ -119,14 +122,17 @@ grpc::ByteBuffer serialize_gradient_request(int trainer, int64_t batch, int64_t 
     WireFormatLite::WriteInt32(1, trainer, &out);
     WireFormatLite::WriteInt64(2, batch, &out);
     WireFormatLite::WriteInt64(3, bucket, &out);
-    write_tensor_up_to_data(out, 4, header, data.nbytes());
+    write_tensor_up_to_data(out, 4, header, data_bytes);
   }
-  if (chunk.count != 0) {
+  {
     google::protobuf::io::StringOutputStream raw(&tail);
     CodedOutputStream out(&raw);
-    WireFormatLite::WriteInt64(5, chunk.index, &out);
-    WireFormatLite::WriteInt64(6, chunk.count, &out);
-    WireFormatLite::WriteInt64(7, chunk.bucket_numel, &out);
+    if (chunk.count != 0) {
+      WireFormatLite::WriteInt64(5, chunk.index, &out);
+      WireFormatLite::WriteInt64(6, chunk.count, &out);
+      WireFormatLite::WriteInt64(7, chunk.bucket_numel, &out);
+    }
+    if (shared) WireFormatLite::WriteBytes(8, shared->SerializeAsString(), &out);
   }
   auto slices = with_data(head, data, tail);
   return grpc::ByteBuffer(slices.data(), slices.size());
@@ -143,6 +149,17 @@ grpc::ByteBuffer serialize_reply(const at::Tensor& average) {
   }
   auto slices = with_data(head, data);
   return grpc::ByteBuffer(slices.data(), slices.size());
+}
+
+grpc::ByteBuffer serialize_shared_memory_reply(const at::Tensor& average) {
+  wire::GradientReply reply;
+  encode_header(average, reply.mutable_average());
+  reply.set_in_shared_memory(true);
+  grpc::ByteBuffer out;
+  bool own = false;
+  DDPKIT_CHECK(grpc::SerializationTraits<wire::GradientReply>::Serialize(reply, &out, &own).ok(),
+               "cannot serialize a GradientReply");
+  return out;
 }
 
 bool parse_dense_reply_into(grpc::ByteBuffer& reply, at::Tensor& into, std::string* error) {
@@ -234,24 +251,47 @@ int64_t checked_bytes(const std::vector<int64_t>& sizes, int64_t elem) {
 }
 }  // namespace
 
-at::Tensor decode_tensor(const wire::Tensor& t, std::string* error, bool borrow_dense) {
-  at::ScalarType dtype;
-  if (!from_wire(t.dtype(), &dtype)) {
+namespace {
+// The dtype and shape a message names, checked; false with *error otherwise.
+bool read_header(const wire::Tensor& t, at::ScalarType* dtype, std::vector<int64_t>* shape, std::string* error) {
+  if (!from_wire(t.dtype(), dtype)) {
     *error = "unknown dtype code " + std::to_string(t.dtype());
-    return {};
+    return false;
   }
-  std::vector<int64_t> shape(t.shape().begin(), t.shape().end());
+  shape->assign(t.shape().begin(), t.shape().end());
   // libtorch's kernels take at most 25 dimensions (TensorIterator) and throw beyond: a gradient
   // of more than 16 is refused here, with a message, rather than failing inside the averaging.
-  if (shape.size() > 16) {
-    *error = std::to_string(shape.size()) + " dimensions (at most 16) in " + describe(t);
-    return {};
+  if (shape->size() > 16) {
+    *error = std::to_string(shape->size()) + " dimensions (at most 16) in " + describe(t);
+    return false;
   }
-  for (int64_t s : shape)
+  for (int64_t s : *shape)
     if (s < 0 || s > (int64_t(1) << 40)) {
       *error = "bad dimension " + std::to_string(s) + " in " + describe(t);
-      return {};
+      return false;
     }
+  return true;
+}
+}  // namespace
+
+at::Tensor view_dense(const wire::Tensor& t, uint8_t* data, int64_t bytes, std::string* error) {
+  at::ScalarType dtype;
+  std::vector<int64_t> shape;
+  if (!read_header(t, &dtype, &shape, error)) return {};
+  const int64_t want = checked_bytes(shape, static_cast<int64_t>(c10::elementSize(dtype)));
+  if (t.sparse() || !t.data().empty() || want != bytes) {
+    *error = describe(t) + (t.sparse() ? " is sparse" : t.data().empty() ? "" : " carries data") +
+             " in shared memory of " + std::to_string(bytes) + " bytes (" +
+             (want < 0 ? std::string("more than 2^63") : std::to_string(want)) + " needed)";
+    return {};
+  }
+  return at::from_blob(data, shape, at::TensorOptions().dtype(dtype));
+}
+
+at::Tensor decode_tensor(const wire::Tensor& t, std::string* error, bool borrow_dense) {
+  at::ScalarType dtype;
+  std::vector<int64_t> shape;
+  if (!read_header(t, &dtype, &shape, error)) return {};
   const int64_t elem = static_cast<int64_t>(c10::elementSize(dtype));
   if (!t.sparse()) {
     const int64_t bytes = checked_bytes(shape, elem);

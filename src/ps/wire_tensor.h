@@ -23,11 +23,17 @@ struct ChunkOf {
   int64_t index = 0, count = 0, bucket_numel = 0;
 };
 // A serialized GradientRequest whose tensor bytes are not copied: the data slice refers to the
-// (contiguous CPU) tensor's memory until gRPC has sent it.
+// (contiguous CPU) tensor's memory until gRPC has sent it. With `shared`, the bytes are there
+// (the caller put them) and the message carries only the gradient's dtype and shape.
 grpc::ByteBuffer serialize_gradient_request(int trainer, int64_t batch, int64_t bucket, const at::Tensor& gradient,
-                                            ChunkOf chunk = {});
+                                            ChunkOf chunk = {}, const wire::SharedMemoryRef* shared = nullptr);
+// A dense tensor over `bytes` bytes at `data` (shared memory), shaped as `t` says; undefined with
+// *error when `t` is sparse, carries data of its own, or its shape needs another size.
+at::Tensor view_dense(const wire::Tensor& t, uint8_t* data, int64_t bytes, std::string* error);
 // A serialized GradientReply of `average`, its data sent from the tensor's memory, no copy.
 grpc::ByteBuffer serialize_reply(const at::Tensor& average);
+// A serialized GradientReply saying the average (dtype and shape given) is in shared memory.
+grpc::ByteBuffer serialize_shared_memory_reply(const at::Tensor& average);
 // Parses a serialized GradientReply holding a dense tensor, copying its elements straight from
 // the received slices into `into` (same numel and dtype). False with *error otherwise.
 bool parse_dense_reply_into(grpc::ByteBuffer& reply, at::Tensor& into, std::string* error);

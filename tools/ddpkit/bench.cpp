@@ -406,7 +406,9 @@ int run_trainer_rank(const Setup& s, ProcessGroup& world, const std::string& hoo
   progress.finish();
   CommStats comm = pg->stats();
   if (sparse_pg) comm.bytes_sent += sparse_pg->stats().bytes_sent;
-  const int64_t ps_sent = client ? client->traffic().bytes_sent - ps_base.bytes_sent : 0;
+  const int64_t ps_sent = client ? client->traffic().bytes_sent + client->traffic().shm_bytes_sent - ps_base.bytes_sent -
+                                         ps_base.shm_bytes_sent
+                                   : 0;
   // Over the network and through shared memory (trainers on one host share it): what each hook moves.
   const double bytes_per_step = static_cast<double>(comm.bytes_sent - comm_base.bytes_sent + comm.shm_bytes_sent -
                                                     comm_base.shm_bytes_sent + ps_sent) /
@@ -433,7 +435,7 @@ int run_trainer_rank(const Setup& s, ProcessGroup& world, const std::string& hoo
       tables.emplace_back("server" + std::to_string(srv), metrics::summarize(m.series));
       timeline.emplace_back("server " + std::to_string(srv), m.events);
       gradients += m.counters.gradients_received;
-      bytes_in += m.counters.bytes_received;
+      bytes_in += m.counters.bytes_received + m.counters.shm_bytes_received;
       server_seconds = std::max(server_seconds, m.counters.seconds_since_reset);
     }
     if (s.nserver > 0) tables.emplace_back("all_servers", metrics::summarize(metrics::merge(servers)));

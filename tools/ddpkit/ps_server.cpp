@@ -113,8 +113,9 @@ int run_ps_server(const std::vector<std::string>& args) {
   const auto c = server.counters();
   server.shutdown();
   std::cout << "ddpkit ps-server: stopped by signal " << int(sig) << " after averaging " << c.buckets_averaged
-            << " buckets (" << c.gradients_received << " gradients, " << c.bytes_received << " bytes in, "
-            << c.bytes_sent << " bytes out)" << std::endl;
+            << " buckets (" << c.gradients_received << " gradients, " << c.bytes_received << " bytes in and "
+            << c.bytes_sent << " out in messages, " << c.shm_bytes_received << " in and " << c.shm_bytes_sent
+            << " out through shared memory)" << std::endl;
   return 0;
 }
 

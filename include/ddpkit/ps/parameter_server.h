@@ -93,8 +93,11 @@ class ParameterServer {
   struct Counters {
     int64_t buckets_averaged = 0;
     int64_t gradients_received = 0;
-    int64_t bytes_received = 0;
+    int64_t bytes_received = 0;  // in messages
     int64_t bytes_sent = 0;
+    // Through trainers' shared-memory regions (trainers on this host), not in the two above.
+    int64_t shm_bytes_received = 0;
+    int64_t shm_bytes_sent = 0;
     double seconds_since_reset = 0;
     // Most gradient data (waiting requests, sums) held at once: a chunked bucket keeps this to a
     // few chunks per trainer, not the bucket.
@@ -130,6 +133,14 @@ struct ClientOptions {
   // whole buckets. 0: always whole.
   TORCH_ARG(int64_t, chunk_bytes) = 1 << 20;
   TORCH_ARG(int, chunks_in_flight) = 4;
+  // On the server's host, dense chunks (and buckets of up to chunk_bytes) travel through a
+  // shared-memory region of `shared_memory_slots` slots of chunk_bytes that this trainer offers
+  // when its session opens; gRPC then carries only their dtype, shape and place. The server takes
+  // the offer only where it can map the region (same host and PID namespace); otherwise, and
+  // while every slot is busy, data goes in the messages. Needs open_session and chunk_bytes > 0.
+  // DDPKIT_SHM=0 in the trainer's or the server's environment turns it off.
+  TORCH_ARG(bool, shared_memory) = true;
+  TORCH_ARG(int, shared_memory_slots) = 16;
 };
 
 // Errors from the server arrive as CommError, whose what() holds the gRPC status code name and
@@ -157,13 +168,19 @@ class ParameterServerClient {
   ServerMetrics get_metrics();
   int trainer_id() const;
   const std::string& address() const;
-  // AverageGradient traffic of this client: serialized bytes sent and received, calls completed.
+  // AverageGradient traffic of this client: serialized bytes sent and received, gradient bytes
+  // that went through shared memory instead, calls completed.
   struct Traffic {
     int64_t bytes_sent = 0;
     int64_t bytes_received = 0;
+    int64_t shm_bytes_sent = 0;
+    int64_t shm_bytes_received = 0;
     int64_t calls = 0;
   };
   Traffic traffic() const;
+  // Whether the server took this trainer's shared-memory region; if not, why ("" when not offered).
+  bool uses_shared_memory() const;
+  const std::string& shared_memory_refused() const;
 
   struct Impl;
 

@@ -1,0 +1,111 @@
+#include "shared_region.h"
+
+#include <ddpkit/error.h>
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <random>
+
+namespace ddpkit {
+namespace ps {
+namespace {
+
+std::string random_bytes(size_t n) {
+  std::random_device rd;
+  std::string out(n, '\0');
+  for (auto& c : out) c = static_cast<char>(rd());
+  return out;
+}
+
+std::string errno_text() { return std::strerror(errno); }
+
+}  // namespace
+
+SharedRegion::SharedRegion(int64_t slot_bytes, int slots) {
+  DDPKIT_CHECK(slot_bytes > 0 && slot_bytes % 64 == 0 && slots > 0, "shared-memory region: bad slot layout (",
+               slots, " slots of ", slot_bytes, " bytes)");
+  slot_bytes_ = slot_bytes;
+  bytes_ = kHeaderBytes + slot_bytes * slots;
+  fd_ = ::memfd_create("ddpkit-ps", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+  if (fd_ < 0) throw CommError("ddpkit ps: memfd_create failed: " + errno_text());
+  // Reserved now: running out of memory is an error here, not a fault in the middle of a copy.
+  // Sealed: its size can never change, so the server's mapping of it never faults either.
+  int err = ::ftruncate(fd_, bytes_) == 0 ? ::posix_fallocate(fd_, 0, bytes_) : errno;
+  if (err == 0 && ::fcntl(fd_, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0) err = errno;
+  void* p = err == 0 ? ::mmap(nullptr, bytes_, PROT_READ | PROT_WRITE, MAP_SHARED, fd_, 0) : MAP_FAILED;
+  if (err == 0 && p == MAP_FAILED) err = errno;
+  if (err != 0) {
+    ::close(fd_);
+    throw CommError("ddpkit ps: cannot set up a " + std::to_string(bytes_) + "-byte shared-memory region: " +
+                    std::strerror(err));
+  }
+  base_ = static_cast<uint8_t*>(p);
+  cookie_ = random_bytes(kCookieBytes);
+  std::memcpy(base_, cookie_.data(), kCookieBytes);
+  const std::string id = random_bytes(sizeof(id_));
+  std::memcpy(&id_, id.data(), sizeof(id_));
+  for (int s = slots - 1; s >= 0; --s) free_.push_back(kHeaderBytes + s * slot_bytes);
+}
+
+std::shared_ptr<SharedRegion> SharedRegion::attach(int64_t pid, int fd, int64_t bytes, const std::string& cookie,
+                                                   std::string* error) {
+  if (pid <= 0 || fd < 0 || bytes <= kHeaderBytes || bytes > (int64_t(1) << 36) ||
+      cookie.size() != static_cast<size_t>(kCookieBytes)) {
+    *error = "malformed offer (pid " + std::to_string(pid) + ", fd " + std::to_string(fd) + ", " +
+             std::to_string(bytes) + " bytes)";
+    return nullptr;
+  }
+  const std::string path = "/proc/" + std::to_string(pid) + "/fd/" + std::to_string(fd);
+  const int local = ::open(path.c_str(), O_RDWR | O_CLOEXEC);
+  if (local < 0) {
+    *error = "cannot open " + path + ": " + errno_text() + " (another host, PID namespace or user)";
+    return nullptr;
+  }
+  struct stat st {};
+  const int seals = ::fcntl(local, F_GET_SEALS);
+  if (seals < 0 || !(seals & F_SEAL_SHRINK) || ::fstat(local, &st) != 0 || st.st_size != bytes) {
+    ::close(local);
+    *error = path + " is not a sealed " + std::to_string(bytes) + "-byte memfd";
+    return nullptr;
+  }
+  void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, local, 0);
+  ::close(local);  // the mapping keeps the memory
+  if (p == MAP_FAILED) {
+    *error = "cannot map " + path + ": " + errno_text();
+    return nullptr;
+  }
+  std::shared_ptr<SharedRegion> region(new SharedRegion());
+  region->base_ = static_cast<uint8_t*>(p);
+  region->bytes_ = bytes;
+  if (std::memcmp(region->base_, cookie.data(), kCookieBytes) != 0) {
+    *error = path + " is not the trainer's region (cookie differs: another host or PID namespace)";
+    return nullptr;
+  }
+  return region;
+}
+
+SharedRegion::~SharedRegion() {
+  if (base_) ::munmap(base_, bytes_);
+  if (fd_ >= 0) ::close(fd_);
+}
+
+int64_t SharedRegion::acquire() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (free_.empty()) return -1;
+  const int64_t offset = free_.back();
+  free_.pop_back();
+  return offset;
+}
+
+void SharedRegion::release(int64_t offset) {
+  std::lock_guard<std::mutex> lock(mu_);
+  free_.push_back(offset);
+}
+
+}  // namespace ps
+}  // namespace ddpkit
