@@ -6,12 +6,18 @@
 // so the fuzzer reaches gRPC's deserialization, the token check, the chunk and shape checks, wire
 // tensor decoding (dense and sparse, every dtype and size field) and the averaging itself. When the
 // bytes parse as a GradientRequest, the same request is also sent as the other trainer, so a valid
-// one completes its batch and both answers come back instead of waiting for a peer.
+// one completes its batch and both answers come back instead of waiting for a peer. Trainers 0 and 1
+// have shared-memory regions attached (as a client on this host has): a request that names a
+// shared-memory place is pointed at its trainer's region, so the fuzzer reaches the place and size
+// checks and the reads and writes of the region too.
 //
 //   scripts/sanitize.sh fuzz 600        (builds build-asan/ with clang 14, ASan + UBSan)
 #include <ddpkit/ps/parameter_server.h>
 
-#include "parameter_server.pb.h"
+#include "parameter_server.grpc.pb.h"
+#include "shared_region.h"
+
+#include <unistd.h>
 
 #include <grpcpp/create_channel.h>
 #include <grpcpp/generic/generic_stub.h>
@@ -28,10 +34,19 @@ namespace {
 const char* kToken = "fuzz-secret";
 const char* kMethod = "/ddpkit.ps.wire.ParameterServer/AverageGradient";
 
+// A trainer's session, holding its region attached for the whole run.
+struct Attached {
+  ddpkit::ps::SharedRegion region{4096, 4};
+  grpc::ClientContext ctx;
+  std::unique_ptr<grpc::ClientReader<ddpkit::ps::wire::SessionEvent>> session;
+};
+
 struct Fixture {
   std::unique_ptr<ddpkit::ps::ParameterServer> server;
   std::shared_ptr<grpc::Channel> channel;
   std::unique_ptr<grpc::GenericStub> stub;
+  std::unique_ptr<ddpkit::ps::wire::ParameterServer::Stub> typed;
+  Attached trainers[2];
 };
 
 Fixture& fixture() {
@@ -46,6 +61,22 @@ Fixture& fixture() {
     fx->server->start();
     fx->channel = grpc::CreateChannel(fx->server->address(), grpc::InsecureChannelCredentials());
     fx->stub = std::make_unique<grpc::GenericStub>(fx->channel);
+    fx->typed = ddpkit::ps::wire::ParameterServer::NewStub(fx->channel);
+    for (int t = 0; t < 2; ++t) {
+      Attached& a = fx->trainers[t];
+      ddpkit::ps::wire::SessionRequest request;
+      request.set_trainer_id(t);
+      auto* offer = request.mutable_shared_memory();
+      offer->set_pid(::getpid());
+      offer->set_fd(a.region.fd());
+      offer->set_bytes(a.region.bytes());
+      offer->set_region(a.region.id());
+      offer->set_cookie(a.region.cookie());
+      a.ctx.AddMetadata("authorization", std::string("Bearer ") + kToken);
+      a.session = fx->typed->Session(&a.ctx, request);
+      ddpkit::ps::wire::SessionEvent event;
+      if (!a.session->Read(&event) || !event.shared_memory()) std::abort();  // the fixture itself is broken
+    }
     return fx;
   }();
   return *f;
@@ -72,10 +103,24 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (size < 1) return 0;
   const uint8_t auth = data[0] % 3;
   const std::string bytes(reinterpret_cast<const char*>(data + 1), size - 1);
-  auto first = call(bytes, auth);
   ddpkit::ps::wire::GradientRequest request;
-  if (request.ParseFromString(bytes)) {
+  const bool parsed = request.ParseFromString(bytes);
+  // A shared-memory place names its trainer's attached region (ids are random: a fuzzer would
+  // never guess one).
+  auto point = [&] {
+    const int t = request.trainer_id();
+    if (request.has_shared_memory() && (t == 0 || t == 1))
+      request.mutable_shared_memory()->set_region(fixture().trainers[t].region.id());
+  };
+  std::string first_bytes = bytes;
+  if (parsed && request.has_shared_memory()) {
+    point();
+    request.SerializeToString(&first_bytes);
+  }
+  auto first = call(first_bytes, auth);
+  if (parsed) {
     request.set_trainer_id(request.trainer_id() == 0 ? 1 : 0);
+    point();
     std::string twin;
     request.SerializeToString(&twin);
     call(twin, auth).wait();
