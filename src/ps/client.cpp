@@ -15,6 +15,7 @@
 #include <atomic>
 #include <condition_variable>
 #include <cstdlib>
+#include <cstring>
 #include <iostream>
 #include <set>
 #include <sstream>
@@ -50,6 +51,17 @@ std::string failure_message(const std::string& address, const std::string& what,
   return "ddpkit ps: " + what + " on " + address + " failed: " + code_name(s.error_code()) + ": " + s.error_message();
 }
 
+// dst <- src, same numel and dtype. A plain memcpy where both are contiguous CPU memory: these
+// copies are most of a trainer's work on the shared-memory path, and ATen's copy kernel is
+// slower than libc's for them (perf: 11% vs 5% of a 25 MB round).
+void copy_elements(const at::Tensor& dst, const at::Tensor& src) {
+  if (dst.is_contiguous() && src.is_contiguous() && dst.device().is_cpu() && src.device().is_cpu()) {
+    if (dst.numel()) std::memcpy(dst.data_ptr(), src.data_ptr(), dst.nbytes());
+  } else {
+    dst.copy_(src.view(dst.sizes()));
+  }
+}
+
 // Writes a dense reply's average into `into`: from the message, or from `shared` (the request's
 // shared-memory place) when the server put it there. False with *error when it does not fit.
 bool read_dense_reply(grpc::ByteBuffer& raw, at::Tensor& into, uint8_t* shared, std::string* error) {
@@ -67,7 +79,7 @@ bool read_dense_reply(grpc::ByteBuffer& raw, at::Tensor& into, uint8_t* shared, 
     *error = "reply " + describe(reply.average()) + " does not fit the gradient";
     return false;
   }
-  into.copy_(avg.view(into.sizes()));
+  copy_elements(into, avg);
   return true;
 }
 
@@ -359,7 +371,7 @@ void ParameterServerClient::Impl::average_dense(int64_t batch, int64_t bucket, c
   const int64_t slot = shared && bytes <= shared->slot_bytes() ? shared->acquire() : -1;
   grpc::ByteBuffer request;
   if (slot >= 0) {
-    at::from_blob(shared->at(slot), part.sizes(), at::TensorOptions().dtype(part.scalar_type())).copy_(part);
+    copy_elements(at::from_blob(shared->at(slot), part.sizes(), at::TensorOptions().dtype(part.scalar_type())), part);
     wire::SharedMemoryRef ref;
     ref.set_region(shared->id());
     ref.set_offset(slot);
