@@ -93,6 +93,9 @@ struct ParameterServer::Impl {
   grpc::Status check_token(grpc::CallbackServerContext* ctx) const;
   grpc::ServerUnaryReactor* average_gradient(grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* raw,
                                              grpc::ByteBuffer* response);
+  // Points the call at the shared-memory place its request names, after checking it lies in
+  // that trainer's attached region and within max_message_bytes; `who` starts the messages.
+  grpc::Status borrow_shared_memory(AverageCall* call, const std::string& who);
   void on_cancel(AverageCall* call);
   void on_session_lost(int trainer);
   // Maps the session's shared-memory offer (if any) and registers the session; returns the event
@@ -182,7 +185,6 @@ class AverageCall final : public grpc::ServerUnaryReactor {
   bool waiting = true;  // guarded by impl_->mu
 };
 
-// The session: never writes; ends when the trainer goes away or the server stops.
 // The session: writes one event (the shared-memory answer), then nothing; ends when the trainer
 // goes away or the server stops.
 class SessionCall final : public grpc::ServerWriteReactor<wire::SessionEvent> {
@@ -342,26 +344,8 @@ grpc::ServerUnaryReactor* ParameterServer::Impl::average_gradient(grpc::Callback
   std::string error;
   at::Tensor grad;
   if (req->has_shared_memory()) {
-    const wire::SharedMemoryRef& ref = req->shared_memory();
-    {
-      std::lock_guard<std::mutex> lock(regions_mu);
-      auto it = regions.find(ref.region());
-      if (it != regions.end() && it->second.trainer == trainer) call->region = it->second.memory;
-    }
-    if (!call->region)
-      return reject(grpc::StatusCode::FAILED_PRECONDITION, "trainer " + std::to_string(trainer) + ", " + where +
-                                                               ": its shared-memory region is not attached (no open session offered it)");
-    if (!call->region->holds(ref.offset(), ref.bytes()))
-      return reject(grpc::StatusCode::INVALID_ARGUMENT, "trainer " + std::to_string(trainer) + ", " + where + ": bytes [" +
-                                                            std::to_string(ref.offset()) + ", +" + std::to_string(ref.bytes()) +
-                                                            ") lie outside its " + std::to_string(call->region->bytes()) +
-                                                            "-byte shared-memory region");
-    if (ref.bytes() > options.max_message_bytes())  // the limit a message of these bytes would hit
-      return reject(grpc::StatusCode::RESOURCE_EXHAUSTED, "trainer " + std::to_string(trainer) + ", " + where + ": " +
-                                                              std::to_string(ref.bytes()) + " bytes in shared memory, more than max_message_bytes " +
-                                                              std::to_string(options.max_message_bytes()));
-    call->shared_data = call->region->at(ref.offset());
-    call->shared_bytes = ref.bytes();
+    grpc::Status place = borrow_shared_memory(call, "trainer " + std::to_string(trainer) + ", " + where);
+    if (!place.ok()) return reject(place.error_code(), place.error_message());
     grad = view_dense(req->gradient(), call->shared_data, call->shared_bytes, &error);
   } else {
     // Dense: a view of the request's bytes, alive until this call is finished, which is after the
@@ -542,6 +526,29 @@ grpc::ServerUnaryReactor* ParameterServer::Impl::average_gradient(grpc::Callback
   }
   for (auto& [c, s] : finish) c->Finish(s);
   return call;
+}
+
+grpc::Status ParameterServer::Impl::borrow_shared_memory(AverageCall* call, const std::string& who) {
+  const wire::SharedMemoryRef& ref = call->request.shared_memory();
+  {
+    std::lock_guard<std::mutex> lock(regions_mu);
+    auto it = regions.find(ref.region());
+    if (it != regions.end() && it->second.trainer == call->request.trainer_id()) call->region = it->second.memory;
+  }
+  if (!call->region)
+    return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
+                        who + ": its shared-memory region is not attached (no open session offered it)");
+  if (!call->region->holds(ref.offset(), ref.bytes()))
+    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                        who + ": bytes [" + std::to_string(ref.offset()) + ", +" + std::to_string(ref.bytes()) +
+                            ") lie outside its " + std::to_string(call->region->bytes()) + "-byte shared-memory region");
+  if (ref.bytes() > options.max_message_bytes())  // the limit a message of these bytes would hit
+    return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                        who + ": " + std::to_string(ref.bytes()) + " bytes in shared memory, more than max_message_bytes " +
+                            std::to_string(options.max_message_bytes()));
+  call->shared_data = call->region->at(ref.offset());
+  call->shared_bytes = ref.bytes();
+  return grpc::Status::OK;
 }
 
 void ParameterServer::Impl::fail_batch_locked(const grpc::Status& status,
