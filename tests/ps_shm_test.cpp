@@ -2,6 +2,7 @@
 // in messages, the fallback when slots are busy or the path is off, the server's checks on every
 // place a request names, and what the server refuses to map.
 #include "harness.h"
+#include "ps_harness.h"
 
 #include <ddpkit/ps/parameter_server.h>
 
@@ -25,16 +26,8 @@ using ps::ParameterServer;
 using ps::ParameterServerClient;
 using ps::ServerOptions;
 using ps::SharedRegion;
-
-std::unique_ptr<ParameterServer> start_server(std::vector<int> trainers, ServerOptions options = {}) {
-  auto server = std::make_unique<ParameterServer>(options.trainer_ids(std::move(trainers)));
-  server->start();
-  return server;
-}
-
-std::unique_ptr<ParameterServerClient> connect(const ParameterServer& server, int trainer, ClientOptions options = {}) {
-  return std::make_unique<ParameterServerClient>(options.address(server.address()).trainer_id(trainer));
-}
+using testing::connect;
+using testing::start_server;
 
 // Sends every gradient pair through two clients of one server; returns trainer 0's averages.
 std::vector<at::Tensor> averages(const std::vector<at::Tensor>& grads0, const std::vector<at::Tensor>& grads1,
@@ -186,7 +179,7 @@ struct RawTrainer {
 };
 
 TEST(PsSharedMemory, EveryPlaceARequestNamesIsChecked) {
-  auto server = start_server({0, 1}, ServerOptions().max_message_bytes(2048));
+  auto server = start_server({0, 1}, ps::ServerKind::kAverage, ServerOptions().max_message_bytes(2048));
   RawTrainer raw(*server, 0);
   ASSERT_TRUE(raw.attached);
   const int64_t slot = SharedRegion::kHeaderBytes;

@@ -3,6 +3,7 @@
 // A killed trainer needs a real process: the binary re-executes itself with
 // DDPKIT_PS_TEST_TRAINER=<address> as that trainer.
 #include "harness.h"
+#include "ps_harness.h"
 
 #include <ddpkit/ps/parameter_server.h>
 #include <ddpkit/ps/trainer_hooks.h>
@@ -26,20 +27,10 @@ using ps::ParameterServer;
 using ps::ParameterServerClient;
 using ps::ServerKind;
 using ps::ServerOptions;
+using testing::connect;
 using testing::error_of;
 using testing::seeded_randn;
-
-std::unique_ptr<ParameterServer> start_server(std::vector<int> trainers, ServerKind kind = ServerKind::kAverage,
-                                              ServerOptions options = {}) {
-  auto server = std::make_unique<ParameterServer>(options.trainer_ids(std::move(trainers)).kind(kind));
-  server->start();
-  return server;
-}
-
-std::shared_ptr<ParameterServerClient> connect(const ParameterServer& server, int trainer,
-                                               ClientOptions options = {}) {
-  return std::make_shared<ParameterServerClient>(options.address(server.address()).trainer_id(trainer));
-}
+using testing::start_server;
 
 // Calls from one client may be served in any order: tests whose point is an order wait for the
 // server to have taken the earlier ones.
