@@ -12,7 +12,9 @@ ddpkit / PyTorch (lower is better).
 --sizes measures the engines alone, all in separate processes on loopback: 2 trainers send one
 bucket of each size per round to one server and wait for the average (`ddpkit ps-server` with
 `ps_server_bench --connect`, against pytorch_ps.py --sizes on TensorPipe). Ratio: PyTorch's
-round time / ddpkit's (throughput, higher is better for ddpkit).
+round time / ddpkit's (throughput, higher is better for ddpkit). Both sides run --warmup-rounds
+(10) unmeasured rounds before each size. On one host ddpkit's trainers pass their data through
+shared memory (docs/parameter_server.md); DDPKIT_SHM=0 keeps it in gRPC messages.
 """
 import argparse
 import json
