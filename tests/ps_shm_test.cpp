@@ -135,12 +135,7 @@ struct RawTrainer {
     stub = ps::wire::ParameterServer::NewStub(channel);
     ps::wire::SessionRequest request;
     request.set_trainer_id(trainer);
-    auto* offer = request.mutable_shared_memory();
-    offer->set_pid(::getpid());
-    offer->set_fd(region.fd());
-    offer->set_bytes(region.bytes());
-    offer->set_region(region.id());
-    offer->set_cookie(region.cookie());
+    region.offer(request.mutable_shared_memory());
     session = stub->Session(&session_ctx, request);
     ps::wire::SessionEvent event;
     attached = session->Read(&event) && event.shared_memory();

@@ -3,6 +3,7 @@
 
 #include "job_thread.h"
 #include "shm_domain.h"
+#include "shm_switch.h"
 
 #include <torch/csrc/distributed/c10d/FileStore.hpp>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
@@ -163,8 +164,7 @@ ProcessGroup::~ProcessGroup() {
 // Used when every rank wants it, a host has two or more ranks, and (several hosts) every host
 // has the same number, which hierarchical allreduce needs.
 void ProcessGroup::setup_shared_memory(c10d::Store& store) {
-  const char* env = std::getenv("DDPKIT_SHM");
-  const bool want = options_.shared_memory() && options_.backend() == "gloo" && !(env && std::string(env) == "0");
+  const bool want = options_.shared_memory() && options_.backend() == "gloo" && shared_memory_allowed_by_environment();
   if (world_size_ == 1) return;
   DDPKIT_CHECK(options_.shm_slot_bytes() >= 4096 && options_.shm_slot_bytes() % 64 == 0,
                "shm_slot_bytes must be a multiple of 64 and at least 4096, got ", options_.shm_slot_bytes());

@@ -6,15 +6,13 @@
 #include "parameter_server.grpc.pb.h"
 #include "shared_region.h"
 #include "wire_tensor.h"
+#include "../comm/shm_switch.h"
 
 #include <grpcpp/generic/generic_stub.h>
 #include <grpcpp/grpcpp.h>
 
-#include <unistd.h>
-
 #include <atomic>
 #include <condition_variable>
-#include <cstdlib>
 #include <cstring>
 #include <iostream>
 #include <set>
@@ -222,20 +220,14 @@ struct ParameterServerClient::Impl {
 };
 
 void ParameterServerClient::Impl::offer_shared_memory(wire::SessionRequest* request) {
-  const char* env = std::getenv("DDPKIT_SHM");
-  if (!options.shared_memory() || options.chunk_bytes() <= 0 || (env && std::string(env) == "0")) return;
+  if (!options.shared_memory() || options.chunk_bytes() <= 0 || !shared_memory_allowed_by_environment()) return;
   try {
     region = std::make_unique<SharedRegion>((options.chunk_bytes() + 63) / 64 * 64, options.shared_memory_slots());
   } catch (const CommError& e) {
     shared_memory_refused = e.what();
     return;
   }
-  auto* offer = request->mutable_shared_memory();
-  offer->set_pid(::getpid());
-  offer->set_fd(region->fd());
-  offer->set_bytes(region->bytes());
-  offer->set_region(region->id());
-  offer->set_cookie(region->cookie());
+  region->offer(request->mutable_shared_memory());
 }
 
 void ParameterServerClient::Impl::settle_shared_memory() {

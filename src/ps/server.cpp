@@ -6,6 +6,7 @@
 #include "parameter_server.grpc.pb.h"
 #include "shared_region.h"
 #include "wire_tensor.h"
+#include "../comm/shm_switch.h"
 
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/security/server_credentials.h>
@@ -584,10 +585,9 @@ wire::SessionEvent ParameterServer::Impl::on_session_opened(const wire::SessionR
   wire::SessionEvent event;
   if (request.has_shared_memory()) {
     const wire::SharedMemoryOffer& offer = request.shared_memory();
-    const char* env = std::getenv("DDPKIT_SHM");
     std::string why;
     std::shared_ptr<SharedRegion> memory;
-    if (env && std::string(env) == "0")
+    if (!shared_memory_allowed_by_environment())
       why = "DDPKIT_SHM=0 on the server";
     else
       memory = SharedRegion::attach(offer.pid(), offer.fd(), offer.bytes(), offer.cookie(), &why);

@@ -2,6 +2,8 @@
 
 #include <ddpkit/error.h>
 
+#include "parameter_server.pb.h"
+
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -92,6 +94,14 @@ std::shared_ptr<SharedRegion> SharedRegion::attach(int64_t pid, int fd, int64_t 
 SharedRegion::~SharedRegion() {
   if (base_) ::munmap(base_, bytes_);
   if (fd_ >= 0) ::close(fd_);
+}
+
+void SharedRegion::offer(wire::SharedMemoryOffer* out) const {
+  out->set_pid(::getpid());
+  out->set_fd(fd_);
+  out->set_bytes(bytes_);
+  out->set_region(id_);
+  out->set_cookie(cookie_);
 }
 
 int64_t SharedRegion::acquire() {

@@ -15,6 +15,9 @@
 
 namespace ddpkit {
 namespace ps {
+namespace wire {
+class SharedMemoryOffer;
+}
 
 class SharedRegion {
  public:
@@ -38,6 +41,8 @@ class SharedRegion {
   }
 
   // Trainer side.
+  // What the session offers the server: this process's pid, the fd, the size, the id, the cookie.
+  void offer(wire::SharedMemoryOffer* out) const;
   int fd() const { return fd_; }
   const std::string& cookie() const { return cookie_; }
   uint64_t id() const { return id_; }

@@ -72,12 +72,20 @@ std::vector<grpc::Slice> with_data(const std::string& head, const at::Tensor& da
 
 }  // namespace
 
-// Everything but `data`; returns the contiguous CPU tensor whose bytes belong in `data`.
-at::Tensor encode_header(const at::Tensor& tensor, wire::Tensor* out) {
-  at::Tensor t = tensor.device().is_cpu() ? tensor : tensor.cpu();
+namespace {
+// A dense tensor's dtype and shape: all a message needs when its bytes are in shared memory.
+void dense_header(const at::Tensor& t, wire::Tensor* out) {
   out->set_dtype(to_wire(t.scalar_type()));
   out->clear_shape();
   for (int64_t s : t.sizes()) out->add_shape(s);
+  out->set_sparse(false);
+}
+}  // namespace
+
+// Everything but `data`; returns the contiguous CPU tensor whose bytes belong in `data`.
+at::Tensor encode_header(const at::Tensor& tensor, wire::Tensor* out) {
+  at::Tensor t = tensor.device().is_cpu() ? tensor : tensor.cpu();
+  dense_header(t, out);
   if (t.is_sparse()) {
     at::Tensor c = t.coalesce();
     out->set_sparse(true);
@@ -86,7 +94,6 @@ at::Tensor encode_header(const at::Tensor& tensor, wire::Tensor* out) {
     put_bytes(c._indices(), out->mutable_indices());
     return c._values().contiguous();
   }
-  out->set_sparse(false);
   return t.contiguous();
 }
 
@@ -112,8 +119,11 @@ void write_tensor_up_to_data(CodedOutputStream& out, int field, const wire::Tens
 grpc::ByteBuffer serialize_gradient_request(int trainer, int64_t batch, int64_t bucket, const at::Tensor& gradient,
                                             ChunkOf chunk, const wire::SharedMemoryRef* shared) {
   wire::Tensor header;
-  at::Tensor data = encode_header(gradient, &header);
-  if (shared) data = at::Tensor();  // the bytes are in shared memory
+  at::Tensor data;  // undefined: the bytes are in shared memory, no copy to make contiguous or CPU
+  if (shared)
+    dense_header(gradient, &header);
+  else
+    data = encode_header(gradient, &header);
   const size_t data_bytes = data.defined() ? data.nbytes() : 0;
   std::string head, tail;
   {
@@ -153,7 +163,7 @@ grpc::ByteBuffer serialize_reply(const at::Tensor& average) {
 
 grpc::ByteBuffer serialize_shared_memory_reply(const at::Tensor& average) {
   wire::GradientReply reply;
-  encode_header(average, reply.mutable_average());
+  dense_header(average, reply.mutable_average());
   reply.set_in_shared_memory(true);
   grpc::ByteBuffer out;
   bool own = false;

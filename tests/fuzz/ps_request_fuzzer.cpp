@@ -17,8 +17,6 @@
 #include "parameter_server.grpc.pb.h"
 #include "shared_region.h"
 
-#include <unistd.h>
-
 #include <grpcpp/create_channel.h>
 #include <grpcpp/generic/generic_stub.h>
 #include <grpcpp/support/byte_buffer.h>
@@ -66,12 +64,7 @@ Fixture& fixture() {
       Attached& a = fx->trainers[t];
       ddpkit::ps::wire::SessionRequest request;
       request.set_trainer_id(t);
-      auto* offer = request.mutable_shared_memory();
-      offer->set_pid(::getpid());
-      offer->set_fd(a.region.fd());
-      offer->set_bytes(a.region.bytes());
-      offer->set_region(a.region.id());
-      offer->set_cookie(a.region.cookie());
+      a.region.offer(request.mutable_shared_memory());
       a.ctx.AddMetadata("authorization", std::string("Bearer ") + kToken);
       a.session = fx->typed->Session(&a.ctx, request);
       ddpkit::ps::wire::SessionEvent event;

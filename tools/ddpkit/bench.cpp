@@ -406,9 +406,8 @@ int run_trainer_rank(const Setup& s, ProcessGroup& world, const std::string& hoo
   progress.finish();
   CommStats comm = pg->stats();
   if (sparse_pg) comm.bytes_sent += sparse_pg->stats().bytes_sent;
-  const int64_t ps_sent = client ? client->traffic().bytes_sent + client->traffic().shm_bytes_sent - ps_base.bytes_sent -
-                                         ps_base.shm_bytes_sent
-                                   : 0;
+  auto ps_moved = [](const ps::ParameterServerClient::Traffic& t) { return t.bytes_sent + t.shm_bytes_sent; };
+  const int64_t ps_sent = client ? ps_moved(client->traffic()) - ps_moved(ps_base) : 0;
   // Over the network and through shared memory (trainers on one host share it): what each hook moves.
   const double bytes_per_step = static_cast<double>(comm.bytes_sent - comm_base.bytes_sent + comm.shm_bytes_sent -
                                                     comm_base.shm_bytes_sent + ps_sent) /
