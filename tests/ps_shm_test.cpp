@@ -16,6 +16,7 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <thread>
 
 namespace ddpkit {
 namespace {
@@ -40,7 +41,9 @@ std::vector<at::Tensor> averages(const std::vector<at::Tensor>& grads0, const st
     auto fa = a->average(0, static_cast<int64_t>(i), grads0[i]);
     auto fb = b->average(0, static_cast<int64_t>(i), grads1[i]);
     out.push_back(ProcessGroup::wait(fa));
-    EXPECT_TRUE(at::equal(ProcessGroup::wait(fb), out.back())) << "bucket " << i;
+    const at::Tensor other = ProcessGroup::wait(fb);
+    EXPECT_TRUE(out.back().is_sparse() ? at::equal(other.to_dense(), out.back().to_dense()) : at::equal(other, out.back()))
+        << "bucket " << i;
   }
   *traffic = a->traffic();
   return out;
@@ -91,6 +94,81 @@ TEST(PsSharedMemory, ChunksWithoutAFreeSlotGoInTheirMessages) {
   const int64_t in_messages = 400000 - traffic.shm_bytes_sent;
   EXPECT_GE(traffic.bytes_sent, in_messages);
   EXPECT_LT(traffic.bytes_sent, in_messages + traffic.calls * 100);
+}
+
+// `nnz` distinct random rows of a rows x cols sparse gradient, coalesced.
+at::Tensor sparse_rows(int64_t rows, int64_t cols, int64_t nnz, uint64_t seed, at::ScalarType dtype) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+  const at::Tensor picked = at::randperm(rows, gen, at::kLong).narrow(0, 0, nnz);
+  return at::sparse_coo_tensor(picked.view({1, nnz}), at::randn({nnz, cols}, gen).to(dtype), {rows, cols}).coalesce();
+}
+
+TEST(PsSharedMemory, SparseGradientsGoByRowRangesThroughSlots) {
+  // 1000 rows of 64 floats (256 bytes) with 16 KiB chunks: 16 ranges of 63 rows, each one piece.
+  // The trainers' rows differ, so every average is a union; a range of rows 500..699 is empty on
+  // both, another gradient has no entries at all, and one small enough goes whole.
+  std::vector<at::Tensor> g0, g1;
+  int64_t values_bytes = 0, index_bytes = 0;
+  for (auto dtype : {at::kFloat, at::kDouble, at::kHalf, at::kBFloat16}) {
+    at::Tensor a = sparse_rows(1000, 64, 300, 1, dtype), b = sparse_rows(1000, 64, 450, 2, dtype);
+    auto without_rows_500_to_699 = [](const at::Tensor& t) {
+      const at::Tensor keep = (t._indices()[0] < 500).logical_or(t._indices()[0] >= 700).nonzero().view({-1});
+      return at::sparse_coo_tensor(t._indices().index_select(1, keep), t._values().index_select(0, keep), t.sizes())
+          .coalesce();
+    };
+    g0.push_back(without_rows_500_to_699(a));
+    g1.push_back(without_rows_500_to_699(b));
+  }
+  g0.push_back(at::sparse_coo_tensor(at::empty({1, 0}, at::kLong), at::empty({0, 64}), {1000, 64}).coalesce());
+  g1.push_back(sparse_rows(1000, 64, 10, 3, at::kFloat));
+  g0.push_back(sparse_rows(10, 4, 3, 4, at::kFloat));  // 160 bytes dense: sent whole
+  g1.push_back(sparse_rows(10, 4, 5, 5, at::kFloat));
+  for (const at::Tensor& g : g0) {
+    values_bytes += g._values().nbytes();
+    index_bytes += g._indices().nbytes();
+  }
+  const auto options = ClientOptions().chunk_bytes(16384);
+  ps::ParameterServerClient::Traffic shared, messages;
+  const auto via_shm = averages(g0, g1, options, true, &shared);
+  const auto via_messages = averages(g0, g1, ClientOptions(options).shared_memory(false), false, &messages);
+  int64_t average_values_bytes = 0;
+  for (size_t i = 0; i < g0.size(); ++i) {
+    ASSERT_TRUE(via_shm[i].is_sparse());
+    EXPECT_TRUE(via_shm[i].is_coalesced()) << "bucket " << i;
+    EXPECT_EQ(via_shm[i].sizes(), g0[i].sizes());
+    EXPECT_EQ(via_shm[i].scalar_type(), g0[i].scalar_type());
+    const auto sum_type = g0[i].scalar_type() == at::kDouble ? at::kDouble : at::kFloat;  // fp16/bf16 sum in fp32
+    const at::Tensor mean = ((g0[i].to(sum_type) + g1[i].to(sum_type)).coalesce() / 2).to(g0[i].scalar_type());
+    EXPECT_TRUE(at::equal(via_shm[i]._indices(), mean._indices())) << "bucket " << i << ": the union of rows";
+    EXPECT_TRUE(at::equal(via_shm[i]._values(), mean._values())) << "bucket " << i;
+    EXPECT_TRUE(at::equal(via_shm[i].to_dense(), via_messages[i].to_dense())) << "bucket " << i;
+    average_values_bytes += via_shm[i]._values().nbytes();
+  }
+  // Values through shared memory both ways; the messages carry the indices and the headers.
+  EXPECT_EQ(shared.shm_bytes_sent, values_bytes);
+  EXPECT_EQ(shared.shm_bytes_received, average_values_bytes);
+  EXPECT_EQ(shared.calls, 5 * 16 + 1);  // five gradients of 16 ranges, one whole
+  EXPECT_LT(shared.bytes_sent, index_bytes + shared.calls * 100);
+  EXPECT_EQ(messages.shm_bytes_sent + messages.shm_bytes_received, 0);
+  EXPECT_GE(messages.bytes_sent, values_bytes + index_bytes);
+}
+
+// Trainers that cut a sparse gradient differently are told so, by name.
+TEST(PsSharedMemory, SparseChunksMustBeCutAlike) {
+  auto server = start_server({0, 1});
+  auto a = connect(*server, 0, ClientOptions().chunk_bytes(16384)), b = connect(*server, 1, ClientOptions().chunk_bytes(8192));
+  const at::Tensor g = sparse_rows(1000, 64, 100, 1, at::kFloat);
+  auto fa = a->average(0, 0, g), fb = b->average(0, 0, g);
+  // Whichever cut reached a place second is rejected there; a trainer whose pieces were all first
+  // waits until the server moves on.
+  for (int i = 0; i < 5000 && !fa->completed() && !fb->completed(); ++i) std::this_thread::sleep_for(1ms);
+  auto next = b->average(1, 0, at::ones({4}));
+  std::string errors;
+  for (auto f : {fa, fb}) {
+    f->wait();
+    if (f->hasError()) errors += f->tryRetrieveErrorMessage();
+  }
+  EXPECT_THAT(errors, ::testing::HasSubstr("chunks of a 1000-element bucket, the other trainers into"));
 }
 
 TEST(PsSharedMemory, OptionAndEnvironmentTurnItOff) {
@@ -192,7 +270,34 @@ TEST(PsSharedMemory, EveryPlaceARequestNamesIsChecked) {
   EXPECT_THAT(status(raw.send(slot, 16, [](auto& r) { r.mutable_gradient()->set_data("0123456789abcdef"); })),
               HasSubstr("carries data"));
   EXPECT_THAT(status(raw.send(slot, 16, [](auto& r) { r.mutable_gradient()->set_sparse(true); })),
-              HasSubstr("is sparse"));
+              HasSubstr("bad sparse layout"));
+  EXPECT_THAT(status(raw.send(slot, 16, [](auto& r) { r.mutable_shared_memory()->set_capacity(8); })),
+              HasSubstr("of room 8) lie outside its"));
+  EXPECT_THAT(status(raw.send(slot, 16, [&](auto& r) { r.mutable_shared_memory()->set_capacity(raw.region.bytes()); })),
+              HasSubstr("lie outside its"));
+  // Sparse: rows 2 and 3 of a 4 x 1 gradient cut into 2 ranges of 2 rows, its values in the slot.
+  auto sparse = [](int64_t chunk, std::vector<int64_t> rows, int64_t bytes) {
+    return [=](ps::wire::GradientRequest& r) {
+      r.mutable_gradient()->add_shape(1);
+      r.mutable_gradient()->set_sparse(true);
+      r.mutable_gradient()->set_sparse_dim(1);
+      r.mutable_gradient()->set_nnz(static_cast<int64_t>(rows.size()));
+      r.mutable_gradient()->set_indices(std::string(reinterpret_cast<const char*>(rows.data()), rows.size() * 8));
+      r.set_chunk_index(chunk);
+      r.set_chunk_count(2);
+      r.set_bucket_numel(4);
+      r.mutable_shared_memory()->set_bytes(bytes);
+    };
+  };
+  EXPECT_THAT(status(raw.send(slot, 8, sparse(0, {2, 3}, 8))),
+              HasSubstr("rows 2..3 lie outside the chunk's rows 0..1"));
+  EXPECT_THAT(status(raw.send(slot, 8, sparse(1, {2, 3}, 4))), HasSubstr("needs 16 bytes of indices and 8 of values"));
+  EXPECT_THAT(status(raw.send(slot, 8, sparse(1, {2, 3}, 12))), HasSubstr("has 8 bytes of values, its place 12"));
+  EXPECT_THAT(status(raw.send(slot, 8, [&](auto& r) {
+                sparse(1, {2, 3}, 8)(r);
+                r.mutable_gradient()->set_sparse_dim(2);
+              })),
+              HasSubstr("a sparse chunk must have sparse_dim 1"));
   EXPECT_THAT(status(raw.send(slot, 4096, [](auto& r) { r.mutable_gradient()->set_shape(0, 1024); })),
               HasSubstr("4096 bytes in shared memory, more than max_message_bytes 2048"));
   EXPECT_EQ(server->counters().gradients_received, 0) << "rejected before they touch any sum";

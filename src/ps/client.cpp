@@ -11,6 +11,7 @@
 #include <grpcpp/generic/generic_stub.h>
 #include <grpcpp/grpcpp.h>
 
+#include <algorithm>
 #include <atomic>
 #include <condition_variable>
 #include <cstring>
@@ -214,6 +215,12 @@ struct ParameterServerClient::Impl {
   // runs once, with "" or the error.
   void average_dense(int64_t batch, int64_t bucket, const at::Tensor& part, at::Tensor out, ChunkOf chunk,
                      const std::string& what, std::function<void(const std::string&)> done);
+  // Sends `piece` (sparse, coalesced, CPU) of a gradient: its values through a shared-memory slot
+  // when one is free and big enough, its indices (and otherwise the values) in the message.
+  // `done` runs once, with the average or the error.
+  // `dense_bytes`: the piece's size were it dense, which bounds the average's values.
+  void average_sparse(int64_t batch, int64_t bucket, const at::Tensor& piece, ChunkOf chunk, int64_t dense_bytes,
+                      const std::string& what, std::function<void(const std::string&, at::Tensor)> done);
   // Offers a shared-memory region when the session opens; keeps it if the server maps it.
   void offer_shared_memory(wire::SessionRequest* request);
   void settle_shared_memory();
@@ -312,16 +319,79 @@ const std::string& ParameterServerClient::address() const { return impl_->option
 
 namespace {
 
-// One AverageGradient of a dense bucket cut into chunks: chunk i is elements [i*per, ...) of the
-// flat gradient, its average lands in the same elements of `out`. Up to `window` calls in flight;
-// each completion starts the next chunk. The first failure fails the whole and starts no more.
-struct ChunkedAverage {
-  at::Tensor flat, out;
-  int64_t per = 0, count = 0;
-  std::mutex mu;
-  int64_t next = 0, remaining = 0;
-  bool failed = false;
-};
+using PieceDone = std::function<void(const std::string&)>;
+
+// Runs pieces 0..count-1 of one gradient, at most `window` at once: start(i, done) sends piece i
+// and calls done("" or the error) once; each completion starts the next piece. When all are done,
+// finish(""); at the first failure, finish(error) and no more pieces start.
+void run_pieces(int64_t count, int window, std::function<void(int64_t, PieceDone)> start, PieceDone finish) {
+  struct State {
+    std::mutex mu;
+    int64_t next = 0, remaining = 0;
+    bool failed = false;
+  };
+  auto st = std::make_shared<State>();
+  st->remaining = count;
+  // The pump lives while a piece is pending: each piece's callback holds it (and it holds only a
+  // weak reference to itself, so nothing cycles).
+  auto pump = std::make_shared<std::function<void()>>();
+  *pump = [st, count, window, start = std::move(start), finish = std::move(finish),
+           weak = std::weak_ptr<std::function<void()>>(pump)]() {
+    for (;;) {
+      int64_t i;
+      {
+        std::lock_guard<std::mutex> lock(st->mu);
+        if (st->failed || st->next >= count) return;
+        i = st->next++;
+      }
+      start(i, [st, finish, self = weak.lock()](const std::string& error) {
+        bool last = false;
+        {
+          std::lock_guard<std::mutex> lock(st->mu);
+          if (st->failed) return;
+          st->failed = !error.empty();
+          last = !st->failed && --st->remaining == 0;
+        }
+        if (!error.empty() || last)
+          finish(error);
+        else
+          (*self)();
+      });
+      std::lock_guard<std::mutex> lock(st->mu);
+      if (st->next - (count - st->remaining) >= window) return;
+    }
+  };
+  (*pump)();
+}
+
+// A sparse reply's average, its values from `shared` (at most `room` bytes) when the server put
+// them there; checked to have the gradient's shape and dtype. Undefined with *error otherwise.
+at::Tensor read_sparse_reply(grpc::ByteBuffer& raw, const at::Tensor& gradient, const uint8_t* shared, int64_t room,
+                             std::string* error) {
+  wire::GradientReply reply;
+  if (!grpc::SerializationTraits<wire::GradientReply>::Deserialize(&raw, &reply).ok()) {
+    *error = "unparsable GradientReply";
+    return {};
+  }
+  at::Tensor out = shared && reply.in_shared_memory() ? decode_sparse_at(reply.average(), shared, room, error)
+                                                      : decode_tensor(reply.average(), error);
+  if (out.defined() && (!out.is_sparse() || out.sizes() != gradient.sizes() ||
+                        out.scalar_type() != gradient.scalar_type())) {
+    *error = "reply " + describe(reply.average()) + " does not fit the gradient";
+    return {};
+  }
+  return out;
+}
+
+// Entries of `sparse` (coalesced, sparse_dim 1) whose row lies in [lo, hi): a coalesced view.
+at::Tensor rows_between(const at::Tensor& sparse, int64_t lo, int64_t hi) {
+  const at::Tensor rows = sparse._indices()[0];
+  const int64_t* r = rows.data_ptr<int64_t>();
+  const int64_t a = std::lower_bound(r, r + rows.numel(), lo) - r, b = std::lower_bound(r, r + rows.numel(), hi) - r;
+  return at::_sparse_coo_tensor_unsafe(sparse._indices().narrow(1, a, b - a), sparse._values().narrow(0, a, b - a),
+                                       sparse.sizes())
+      ._coalesced_(true);
+}
 
 }  // namespace
 
@@ -388,6 +458,46 @@ void ParameterServerClient::Impl::average_dense(int64_t batch, int64_t bucket, c
   });
 }
 
+void ParameterServerClient::Impl::average_sparse(int64_t batch, int64_t bucket, const at::Tensor& piece, ChunkOf chunk,
+                                                 int64_t dense_bytes, const std::string& what,
+                                                 std::function<void(const std::string&, at::Tensor)> done) {
+  const at::Tensor values = piece._values().contiguous();
+  const int64_t bytes = static_cast<int64_t>(values.nbytes());
+  SharedRegion* shared = region.get();
+  // The average's values (every trainer's entries, summed) are never more than the piece dense:
+  // when that fits a slot, the slot is the room for them.
+  const int64_t slot = shared && dense_bytes <= shared->slot_bytes() ? shared->acquire() : -1;
+  grpc::ByteBuffer request;
+  if (slot >= 0) {
+    if (bytes) std::memcpy(shared->at(slot), values.data_ptr(), bytes);
+    wire::SharedMemoryRef ref;
+    ref.set_region(shared->id());
+    ref.set_offset(slot);
+    ref.set_bytes(bytes);
+    ref.set_capacity(shared->slot_bytes());
+    request = serialize_gradient_request(options.trainer_id(), batch, bucket, piece, chunk, &ref);
+    counters->shm_sent += bytes;
+  } else {
+    request = serialize_gradient_request(options.trainer_id(), batch, bucket, piece, chunk);
+  }
+  send(std::move(request), [shared, slot, piece, what, address = options.address(), counters = counters,
+                            done = std::move(done)](const grpc::Status& status, grpc::ByteBuffer& reply) {
+    std::string error = status.ok() ? "" : failure_message(address, what, status);
+    at::Tensor out;
+    if (status.ok()) {
+      out = read_sparse_reply(reply, piece, slot >= 0 ? shared->at(slot) : nullptr,
+                              slot >= 0 ? shared->slot_bytes() : 0, &error);
+      if (!out.defined()) error = "ddpkit ps: " + what + " on " + address + ": malformed reply: " + error;
+    }
+    // As for dense pieces: a slot is reused only after a complete answer.
+    if (slot >= 0 && error.empty()) {
+      counters->shm_received += static_cast<int64_t>(out._values().nbytes());
+      shared->release(slot);
+    }
+    done(error, out);
+  });
+}
+
 FuturePtr ParameterServerClient::average(int64_t batch_number, int64_t bucket_index, const at::Tensor& gradient,
                                          at::Tensor into) {
   DDPKIT_CHECK(gradient.defined(), "parameter server client: gradient is undefined");
@@ -403,29 +513,57 @@ FuturePtr ParameterServerClient::average(int64_t batch_number, int64_t bucket_in
   const int64_t chunk_bytes = impl_->options.chunk_bytes();
 
   if (gradient.is_sparse()) {
-    const std::vector<int64_t> shape = gradient.sizes().vec();
-    impl_->send(serialize_gradient_request(impl_->options.trainer_id(), batch_number, bucket_index, gradient),
-                [result, device, what, shape, address](const grpc::Status& status, grpc::ByteBuffer& raw) {
-                  std::string error = status.ok() ? "" : failure_message(address, what, status);
-                  at::Tensor out;
-                  wire::GradientReply reply;
-                  if (!status.ok()) {
-                  } else if (!grpc::SerializationTraits<wire::GradientReply>::Deserialize(&raw, &reply).ok()) {
-                    error = "unparsable GradientReply";
-                  } else {
-                    out = decode_tensor(reply.average(), &error);
-                    if (out.defined() && out.sizes().vec() != shape) {
-                      error = "reply " + describe(reply.average()) + " has another shape than the gradient";
-                      out = at::Tensor();
-                    }
-                  }
-                  if (status.ok() && !out.defined())
-                    error = "ddpkit ps: " + what + " on " + address + ": malformed reply: " + error;
-                  if (out.defined())
-                    result->markCompleted(c10::IValue(out.device() == device ? out : out.to(device)));
-                  else
-                    result->setError(std::make_exception_ptr(CommError(error)));
-                });
+    const at::Tensor sparse = gradient.cpu().coalesce();
+    // A sparse_dim-1 gradient (an embedding's) larger than chunk_bytes when dense is cut by rows
+    // into ranges whose values fit chunk_bytes; every trainer cuts the same shape alike, whatever
+    // rows it has. Each range goes as a piece like a dense chunk, through a slot where one is free.
+    const int64_t elem = static_cast<int64_t>(sparse.element_size());
+    const int64_t rows = sparse.dim() >= 1 ? sparse.size(0) : 0;
+    const int64_t row_bytes = rows > 0 ? sparse.numel() / rows * elem : 0;
+    int64_t count = 1;
+    if (chunk_bytes > 0 && sparse.sparse_dim() == 1 && row_bytes > 0 && row_bytes <= chunk_bytes &&
+        rows * row_bytes > chunk_bytes) {
+      const int64_t rows_per_chunk = chunk_bytes / row_bytes;
+      count = (rows + rows_per_chunk - 1) / rows_per_chunk;
+    }
+    auto complete = [result, device](at::Tensor out) {
+      result->markCompleted(c10::IValue(out.device() == device ? out : out.to(device)));
+    };
+    auto fail = [result](const std::string& error) { result->setError(std::make_exception_ptr(CommError(error))); };
+    if (count <= 1) {
+      impl_->average_sparse(batch_number, bucket_index, sparse, {}, sparse.numel() * elem, what,
+                            [complete, fail](const std::string& error, at::Tensor out) {
+                              if (error.empty())
+                                complete(out);
+                              else
+                                fail(error);
+                            });
+      return result;
+    }
+    const int64_t per = (rows + count - 1) / count;  // <= rows_per_chunk: the server cuts alike
+    auto pieces = std::make_shared<std::vector<at::Tensor>>(count);
+    Impl* impl = impl_.get();
+    run_pieces(
+        count, impl_->options.chunks_in_flight(),
+        [impl, sparse, pieces, batch_number, bucket_index, what, rows, row_bytes, per, count](int64_t i, PieceDone done) {
+          const int64_t lo = i * per, hi = std::min(rows, lo + per);
+          impl->average_sparse(batch_number, bucket_index, rows_between(sparse, lo, hi), ChunkOf{i, count, rows},
+                               (hi - lo) * row_bytes, what + " chunk " + std::to_string(i) + " of " + std::to_string(count),
+                               [pieces, i, done](const std::string& error, at::Tensor out) {
+                                 if (error.empty()) (*pieces)[i] = out;
+                                 done(error);
+                               });
+        },
+        [pieces, sparse, complete, fail](const std::string& error) {
+          if (!error.empty()) return fail(error);
+          // Ranges in order: the concatenation is coalesced.
+          std::vector<at::Tensor> indices, values;
+          for (const at::Tensor& p : *pieces) {
+            indices.push_back(p._indices());
+            values.push_back(p._values());
+          }
+          complete(at::_sparse_coo_tensor_unsafe(at::cat(indices, 1), at::cat(values, 0), sparse.sizes())._coalesced_(true));
+        });
     return result;
   }
 
@@ -453,53 +591,25 @@ FuturePtr ParameterServerClient::average(int64_t batch_number, int64_t bucket_in
     return result;
   }
 
-  auto st = std::make_shared<ChunkedAverage>();
-  st->flat = gradient.contiguous().view({-1});
-  st->out = out.view({-1});
-  st->per = std::max<int64_t>(1, chunk_bytes / static_cast<int64_t>(gradient.element_size()));
-  st->count = (gradient.numel() + st->per - 1) / st->per;
-  st->remaining = st->count;
+  const at::Tensor flat = gradient.contiguous().view({-1}), flat_out = out.view({-1});
+  const int64_t per = std::max<int64_t>(1, chunk_bytes / static_cast<int64_t>(gradient.element_size()));
+  const int64_t count = (gradient.numel() + per - 1) / per;
   Impl* impl = impl_.get();
-  // Starts chunks while fewer than the window are in flight. Called with st->mu not held.
-  auto pump = std::make_shared<std::function<void()>>();
-  *pump = [st, impl, batch_number, bucket_index, what, result, complete,
-           weak = std::weak_ptr<std::function<void()>>(pump)]() {
-    for (;;) {
-      int64_t i;
-      {
-        std::lock_guard<std::mutex> lock(st->mu);
-        if (st->failed || st->next >= st->count) return;
-        i = st->next++;
-      }
-      const int64_t off = i * st->per, len = std::min(st->per, st->flat.numel() - off);
-      const std::string chunk_what = what + " chunk " + std::to_string(i) + " of " + std::to_string(st->count);
-      auto self = weak.lock();
-      impl->average_dense(batch_number, bucket_index, st->flat.narrow(0, off, len), st->out.narrow(0, off, len),
-                          ChunkOf{i, st->count, st->flat.numel()}, chunk_what,
-                          [st, result, complete, self](const std::string& error) {
-                            bool last = false;
-                            {
-                              std::lock_guard<std::mutex> lock(st->mu);
-                              if (st->failed) return;
-                              st->failed = !error.empty();
-                              last = !st->failed && --st->remaining == 0;
-                            }
-                            if (!error.empty())
-                              result->setError(std::make_exception_ptr(CommError(error)));
-                            else if (last)
-                              complete();
-                            else
-                              (*self)();
-                          });
-      {
-        std::lock_guard<std::mutex> lock(st->mu);
-        if (st->next - (st->count - st->remaining) >= impl->options.chunks_in_flight()) return;
-      }
-    }
-  };
-  // The pump lives while a chunk is pending: each chunk's callback holds it (and it holds only a
-  // weak reference to itself, so nothing cycles).
-  (*pump)();
+  // Chunk i is elements [i*per, ...) of the flat gradient; its average lands in the same elements.
+  run_pieces(
+      count, impl_->options.chunks_in_flight(),
+      [impl, flat, flat_out, per, count, batch_number, bucket_index, what](int64_t i, PieceDone done) {
+        const int64_t off = i * per, len = std::min(per, flat.numel() - off);
+        impl->average_dense(batch_number, bucket_index, flat.narrow(0, off, len), flat_out.narrow(0, off, len),
+                            ChunkOf{i, count, flat.numel()},
+                            what + " chunk " + std::to_string(i) + " of " + std::to_string(count), std::move(done));
+      },
+      [result, complete](const std::string& error) {
+        if (error.empty())
+          complete();
+        else
+          result->setError(std::make_exception_ptr(CommError(error)));
+      });
   return result;
 }
 

@@ -180,7 +180,8 @@ class AverageCall final : public grpc::ServerUnaryReactor {
   // The request's shared-memory place: the gradient is read from it and the average written to it.
   std::shared_ptr<SharedRegion> region;
   uint8_t* shared_data = nullptr;
-  int64_t shared_bytes = 0;
+  int64_t shared_bytes = 0;     // the gradient's data there
+  int64_t shared_capacity = 0;  // room there for the average's data (>= shared_bytes)
   int trainer = -1;
   int64_t batch = 0, bucket = 0, chunk = 0, chunk_count = 0;
   bool waiting = true;  // guarded by impl_->mu
@@ -333,13 +334,18 @@ grpc::ServerUnaryReactor* ParameterServer::Impl::average_gradient(grpc::Callback
   if (chunk_count < 0 || chunk < 0 || (chunk_count <= 1 && chunk != 0) || (chunk_count > 1 && chunk >= chunk_count))
     return reject(grpc::StatusCode::INVALID_ARGUMENT, "chunk index " + std::to_string(chunk) + " is outside a bucket of " +
                                                           std::to_string(chunk_count) + " chunks (" + where + ")");
-  if (chunk_count > 1) {
-    const wire::Tensor& g = req->gradient();
-    if (g.sparse() || g.shape_size() != 1 || req->bucket_numel() < chunk_count || g.shape(0) > req->bucket_numel())
-      return reject(grpc::StatusCode::INVALID_ARGUMENT,
-                    "a chunk must be a 1-D dense part of a bucket of at least as many elements as chunks (" + where +
-                        ": " + describe(g) + ", bucket of " + std::to_string(req->bucket_numel()) + " elements)");
-  }
+  const wire::Tensor& g = req->gradient();
+  if (chunk_count > 1 && !g.sparse() &&
+      (g.shape_size() != 1 || req->bucket_numel() < chunk_count || g.shape(0) > req->bucket_numel()))
+    return reject(grpc::StatusCode::INVALID_ARGUMENT,
+                  "a dense chunk must be a 1-D part of a bucket of at least as many elements as chunks (" + where +
+                      ": " + describe(g) + ", bucket of " + std::to_string(req->bucket_numel()) + " elements)");
+  if (chunk_count > 1 && g.sparse() &&
+      (g.sparse_dim() != 1 || g.shape_size() < 1 || req->bucket_numel() != g.shape(0) || g.shape(0) < chunk_count))
+    return reject(grpc::StatusCode::INVALID_ARGUMENT,
+                  "a sparse chunk must have sparse_dim 1 and cut its " + std::to_string(req->bucket_numel()) +
+                      " rows (bucket_numel, dimension 0 of its shape) into at most as many chunks (" + where + ": " +
+                      describe(g) + ")");
 
   // Decode outside the lock: it is the expensive part.
   std::string error;
@@ -347,13 +353,33 @@ grpc::ServerUnaryReactor* ParameterServer::Impl::average_gradient(grpc::Callback
   if (req->has_shared_memory()) {
     grpc::Status place = borrow_shared_memory(call, "trainer " + std::to_string(trainer) + ", " + where);
     if (!place.ok()) return reject(place.error_code(), place.error_message());
-    grad = view_dense(req->gradient(), call->shared_data, call->shared_bytes, &error);
+    if (!g.sparse()) {
+      grad = view_dense(g, call->shared_data, call->shared_bytes, &error);
+    } else {
+      grad = decode_sparse_at(g, call->shared_data, call->shared_bytes, &error);
+      if (grad.defined() && grad._values().nbytes() != static_cast<size_t>(call->shared_bytes)) {
+        error = describe(g) + " has " + std::to_string(grad._values().nbytes()) + " bytes of values, its place " +
+                std::to_string(call->shared_bytes);
+        grad = at::Tensor();
+      }
+    }
   } else {
     // Dense: a view of the request's bytes, alive until this call is finished, which is after the
     // sum has read it (the first gradient of a bucket and average_batch parts are copied below).
     grad = decode_tensor(req->gradient(), &error, /*borrow_dense=*/true);
   }
   if (!grad.defined()) return reject(grpc::StatusCode::INVALID_ARGUMENT, "trainer " + std::to_string(trainer) + ", " + where + ": " + error);
+  if (chunk_count > 1 && grad.is_sparse() && grad._nnz() > 0) {
+    // Its rows must lie in its range: the average then fits the room every trainer's range has.
+    const int64_t per = (req->bucket_numel() + chunk_count - 1) / chunk_count;
+    const int64_t lo = chunk * per, hi = std::min(req->bucket_numel(), lo + per);
+    const int64_t* rows = grad._indices().data_ptr<int64_t>();  // coalesced: sorted
+    if (rows[0] < lo || rows[grad._nnz() - 1] >= hi)
+      return reject(grpc::StatusCode::INVALID_ARGUMENT,
+                    "trainer " + std::to_string(trainer) + ", " + where + ": rows " + std::to_string(rows[0]) + ".." +
+                        std::to_string(rows[grad._nnz() - 1]) + " lie outside the chunk's rows " + std::to_string(lo) +
+                        ".." + std::to_string(hi - 1));
+  }
   const int64_t in_bytes = payload_bytes(req->gradient());
   // Sums of low-precision gradients are kept in float32.
   if (grad.scalar_type() == at::kHalf || grad.scalar_type() == at::kBFloat16) {
@@ -497,21 +523,26 @@ grpc::ServerUnaryReactor* ParameterServer::Impl::average_gradient(grpc::Callback
     if (average.scalar_type() != wire_type) average = average.to(wire_type);
     // Serialized once; every waiting trainer's response shares its slices (the data slice is the
     // average's own memory). A trainer that sent through shared memory gets the average there.
-    const int64_t out_bytes = static_cast<int64_t>(
-        average.is_sparse() ? average._values().nbytes() + average._indices().nbytes() : average.nbytes());
+    if (!average.is_sparse()) average = average.contiguous();
+    const at::Tensor data = average.is_sparse() ? average._values().contiguous() : average;
+    const int64_t data_bytes = static_cast<int64_t>(data.nbytes());
+    const int64_t out_bytes = data_bytes + (average.is_sparse() ? static_cast<int64_t>(average._indices().nbytes()) : 0);
     grpc::ByteBuffer reply, shared_reply;
     bool have_reply = false, have_shared_reply = false;
     int64_t sent = 0, shm_sent = 0;
     for (AverageCall* c : answer) {
-      if (c->shared_data && !average.is_sparse() && c->shared_bytes == out_bytes) {
+      // Dense: the place is the gradient's, so the average fits it exactly. Sparse: its values
+      // go there when the room the trainer gave holds them (their union may not), else in the message.
+      const bool fits = average.is_sparse() ? data_bytes <= c->shared_capacity : c->shared_bytes == data_bytes;
+      if (c->shared_data && fits) {
         if (!have_shared_reply) {
-          average = average.contiguous();
           shared_reply = serialize_shared_memory_reply(average);
           have_shared_reply = true;
         }
-        if (out_bytes) std::memcpy(c->shared_data, average.data_ptr(), out_bytes);
+        if (data_bytes) std::memcpy(c->shared_data, data.data_ptr(), data_bytes);
         *c->response = shared_reply;
-        shm_sent += out_bytes;
+        sent += out_bytes - data_bytes;
+        shm_sent += data_bytes;
       } else {
         if (!have_reply) reply = serialize_reply(average);
         have_reply = true;
@@ -539,9 +570,11 @@ grpc::Status ParameterServer::Impl::borrow_shared_memory(AverageCall* call, cons
   if (!call->region)
     return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
                         who + ": its shared-memory region is not attached (no open session offered it)");
-  if (!call->region->holds(ref.offset(), ref.bytes()))
+  const int64_t capacity = ref.capacity() == 0 ? ref.bytes() : ref.capacity();
+  if (ref.bytes() < 0 || capacity < ref.bytes() || !call->region->holds(ref.offset(), capacity))
     return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
                         who + ": bytes [" + std::to_string(ref.offset()) + ", +" + std::to_string(ref.bytes()) +
+                            (capacity != ref.bytes() ? " of room " + std::to_string(capacity) : std::string()) +
                             ") lie outside its " + std::to_string(call->region->bytes()) + "-byte shared-memory region");
   if (ref.bytes() > options.max_message_bytes())  // the limit a message of these bytes would hit
     return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
@@ -549,6 +582,7 @@ grpc::Status ParameterServer::Impl::borrow_shared_memory(AverageCall* call, cons
                             std::to_string(options.max_message_bytes()));
   call->shared_data = call->region->at(ref.offset());
   call->shared_bytes = ref.bytes();
+  call->shared_capacity = capacity;
   return grpc::Status::OK;
 }
 

@@ -73,28 +73,27 @@ std::vector<grpc::Slice> with_data(const std::string& head, const at::Tensor& da
 }  // namespace
 
 namespace {
-// A dense tensor's dtype and shape: all a message needs when its bytes are in shared memory.
-void dense_header(const at::Tensor& t, wire::Tensor* out) {
+// Everything but `data`: the dtype and shape, and a sparse tensor's layout and indices (it must be
+// coalesced). All a message needs when the data bytes are in shared memory.
+void header_without_data(const at::Tensor& t, wire::Tensor* out) {
   out->set_dtype(to_wire(t.scalar_type()));
   out->clear_shape();
   for (int64_t s : t.sizes()) out->add_shape(s);
-  out->set_sparse(false);
+  out->set_sparse(t.is_sparse());
+  if (t.is_sparse()) {
+    out->set_sparse_dim(static_cast<int32_t>(t.sparse_dim()));
+    out->set_nnz(t._nnz());
+    put_bytes(t._indices(), out->mutable_indices());
+  }
 }
 }  // namespace
 
 // Everything but `data`; returns the contiguous CPU tensor whose bytes belong in `data`.
 at::Tensor encode_header(const at::Tensor& tensor, wire::Tensor* out) {
   at::Tensor t = tensor.device().is_cpu() ? tensor : tensor.cpu();
-  dense_header(t, out);
-  if (t.is_sparse()) {
-    at::Tensor c = t.coalesce();
-    out->set_sparse(true);
-    out->set_sparse_dim(static_cast<int32_t>(c.sparse_dim()));
-    out->set_nnz(c._nnz());
-    put_bytes(c._indices(), out->mutable_indices());
-    return c._values().contiguous();
-  }
-  return t.contiguous();
+  if (t.is_sparse()) t = t.coalesce();
+  header_without_data(t, out);
+  return t.is_sparse() ? t._values().contiguous() : t.contiguous();
 }
 
 namespace {
@@ -121,7 +120,7 @@ grpc::ByteBuffer serialize_gradient_request(int trainer, int64_t batch, int64_t 
   wire::Tensor header;
   at::Tensor data;  // undefined: the bytes are in shared memory, no copy to make contiguous or CPU
   if (shared)
-    dense_header(gradient, &header);
+    header_without_data(gradient, &header);
   else
     data = encode_header(gradient, &header);
   const size_t data_bytes = data.defined() ? data.nbytes() : 0;
@@ -163,7 +162,7 @@ grpc::ByteBuffer serialize_reply(const at::Tensor& average) {
 
 grpc::ByteBuffer serialize_shared_memory_reply(const at::Tensor& average) {
   wire::GradientReply reply;
-  dense_header(average, reply.mutable_average());
+  header_without_data(average, reply.mutable_average());
   reply.set_in_shared_memory(true);
   grpc::ByteBuffer out;
   bool own = false;
@@ -284,6 +283,44 @@ bool read_header(const wire::Tensor& t, at::ScalarType* dtype, std::vector<int64
 }
 }  // namespace
 
+namespace {
+// A coalesced sparse tensor from `t`'s layout and indices and the values at `values`: exactly
+// `bytes` of them, or (room) at most `bytes`. Indices are checked against the shape.
+at::Tensor sparse_from(const wire::Tensor& t, at::ScalarType dtype, const std::vector<int64_t>& shape, const char* values,
+                       int64_t bytes, bool room, std::string* error) {
+  const int64_t elem = static_cast<int64_t>(c10::elementSize(dtype));
+  const int64_t sparse_dim = t.sparse_dim(), nnz = t.nnz();
+  if (sparse_dim < 1 || sparse_dim > static_cast<int64_t>(shape.size()) || nnz < 0) {
+    *error = "bad sparse layout " + describe(t);
+    return {};
+  }
+  std::vector<int64_t> value_shape{nnz};
+  value_shape.insert(value_shape.end(), shape.begin() + sparse_dim, shape.end());
+  const int64_t index_bytes = checked_bytes({sparse_dim, nnz}, 8);
+  const int64_t value_bytes = checked_bytes(value_shape, elem);
+  if (index_bytes < 0 || value_bytes < 0 || static_cast<int64_t>(t.indices().size()) != index_bytes ||
+      (room ? value_bytes > bytes : value_bytes != bytes)) {
+    *error = describe(t) + " needs " + std::to_string(index_bytes) + " bytes of indices and " +
+             std::to_string(value_bytes) + " of values, the message has " + std::to_string(t.indices().size()) +
+             " and " + (room ? "its shared-memory place " : "") + std::to_string(bytes);
+    return {};
+  }
+  at::Tensor indices = at::empty({sparse_dim, nnz}, at::TensorOptions().dtype(at::kLong));
+  at::Tensor out_values = at::empty(value_shape, at::TensorOptions().dtype(dtype));
+  // nnz 0 or an empty dense part: no bytes, and a null data_ptr that memcpy must not see.
+  if (index_bytes) std::memcpy(indices.data_ptr(), t.indices().data(), index_bytes);
+  if (value_bytes) std::memcpy(out_values.data_ptr(), values, value_bytes);
+  try {
+    // Rejects indices outside the shape: they would corrupt the sum.
+    at::_validate_sparse_coo_tensor_args(indices, out_values, shape);
+  } catch (const c10::Error& e) {
+    *error = describe(t) + ": " + e.what_without_backtrace();
+    return {};
+  }
+  return at::_sparse_coo_tensor_unsafe(indices, out_values, shape).coalesce();
+}
+}  // namespace
+
 at::Tensor view_dense(const wire::Tensor& t, uint8_t* data, int64_t bytes, std::string* error) {
   at::ScalarType dtype;
   std::vector<int64_t> shape;
@@ -316,35 +353,18 @@ at::Tensor decode_tensor(const wire::Tensor& t, std::string* error, bool borrow_
     if (!t.data().empty()) std::memcpy(out.data_ptr(), t.data().data(), t.data().size());  // empty: data_ptr is null
     return out;
   }
-  const int64_t sparse_dim = t.sparse_dim(), nnz = t.nnz();
-  if (sparse_dim < 1 || sparse_dim > static_cast<int64_t>(shape.size()) || nnz < 0) {
-    *error = "bad sparse layout " + describe(t);
+  return sparse_from(t, dtype, shape, t.data().data(), static_cast<int64_t>(t.data().size()), /*room=*/false, error);
+}
+
+at::Tensor decode_sparse_at(const wire::Tensor& t, const uint8_t* values, int64_t room, std::string* error) {
+  at::ScalarType dtype;
+  std::vector<int64_t> shape;
+  if (!read_header(t, &dtype, &shape, error)) return {};
+  if (!t.sparse() || !t.data().empty()) {
+    *error = describe(t) + (t.sparse() ? " carries data" : " is dense") + " where its values are in shared memory";
     return {};
   }
-  std::vector<int64_t> value_shape{nnz};
-  value_shape.insert(value_shape.end(), shape.begin() + sparse_dim, shape.end());
-  const int64_t index_bytes = checked_bytes({sparse_dim, nnz}, 8);
-  const int64_t value_bytes = checked_bytes(value_shape, elem);
-  if (index_bytes < 0 || value_bytes < 0 || static_cast<int64_t>(t.indices().size()) != index_bytes ||
-      static_cast<int64_t>(t.data().size()) != value_bytes) {
-    *error = describe(t) + " needs " + std::to_string(index_bytes) + " bytes of indices and " +
-             std::to_string(value_bytes) + " of values, the message has " + std::to_string(t.indices().size()) +
-             " and " + std::to_string(t.data().size());
-    return {};
-  }
-  at::Tensor indices = at::empty({sparse_dim, nnz}, at::TensorOptions().dtype(at::kLong));
-  at::Tensor values = at::empty(value_shape, at::TensorOptions().dtype(dtype));
-  // nnz 0 or an empty dense part: no bytes, and a null data_ptr that memcpy must not see.
-  if (index_bytes) std::memcpy(indices.data_ptr(), t.indices().data(), index_bytes);
-  if (value_bytes) std::memcpy(values.data_ptr(), t.data().data(), value_bytes);
-  try {
-    // Rejects indices outside the shape: they would corrupt the sum.
-    at::_validate_sparse_coo_tensor_args(indices, values, shape);
-  } catch (const c10::Error& e) {
-    *error = describe(t) + ": " + e.what_without_backtrace();
-    return {};
-  }
-  return at::_sparse_coo_tensor_unsafe(indices, values, shape).coalesce();
+  return sparse_from(t, dtype, shape, reinterpret_cast<const char*>(values), room, /*room=*/true, error);
 }
 
 }  // namespace ps

@@ -23,16 +23,21 @@ struct ChunkOf {
   int64_t index = 0, count = 0, bucket_numel = 0;
 };
 // A serialized GradientRequest whose tensor bytes are not copied: the data slice refers to the
-// (contiguous CPU) tensor's memory until gRPC has sent it. With `shared`, the bytes are there
-// (the caller put them) and the message carries only the gradient's dtype and shape.
+// (contiguous CPU) tensor's memory until gRPC has sent it. With `shared`, the data bytes are there
+// (the caller put them) and the message carries only the gradient's dtype and shape, and a
+// sparse gradient's (coalesced, CPU) indices.
 grpc::ByteBuffer serialize_gradient_request(int trainer, int64_t batch, int64_t bucket, const at::Tensor& gradient,
                                             ChunkOf chunk = {}, const wire::SharedMemoryRef* shared = nullptr);
 // A dense tensor over `bytes` bytes at `data` (shared memory), shaped as `t` says; undefined with
 // *error when `t` is sparse, carries data of its own, or its shape needs another size.
 at::Tensor view_dense(const wire::Tensor& t, uint8_t* data, int64_t bytes, std::string* error);
+// A sparse tensor whose indices are in `t` and whose values (at most `room` bytes) are at `values`
+// (shared memory); undefined with *error when `t` is dense, carries data, or needs more room.
+at::Tensor decode_sparse_at(const wire::Tensor& t, const uint8_t* values, int64_t room, std::string* error);
 // A serialized GradientReply of `average`, its data sent from the tensor's memory, no copy.
 grpc::ByteBuffer serialize_reply(const at::Tensor& average);
-// A serialized GradientReply saying the average (dtype and shape given) is in shared memory.
+// A serialized GradientReply saying the average's data is in shared memory (its dtype, shape and,
+// sparse, coalesced indices given).
 grpc::ByteBuffer serialize_shared_memory_reply(const at::Tensor& average);
 // Parses a serialized GradientReply holding a dense tensor, copying its elements straight from
 // the received slices into `into` (same numel and dtype). False with *error otherwise.

@@ -56,6 +56,10 @@ def main():
         "dense_bf16": request(0, 3, 2, tensor(4, [2], b"\x80\x3f\x00\x40")),
         "sparse_f32": request(0, 4, 0, tensor(1, [8, 2], struct.pack("<2f", 1, 2), True, 1, 1, struct.pack("<q", 3))),
         "chunk_1_of_2": request(1, 5, 0, tensor(1, [2], struct.pack("<2f", 1, 2)), (1, 2, 4)),
+        # Rows 4 and 6 of an 8 x 2 sparse gradient cut into 2 ranges; its values in the trainer's
+        # region (the fuzzer points the region id at the attached one), room for 4 rows.
+        "sparse_chunk_shm": request(0, 6, 0, tensor(1, [8, 2], b"", True, 1, 2, struct.pack("<2q", 4, 6)), (1, 2, 8))
+        + field(8, 2, varint(1 << 3 | 1) + struct.pack("<Q", 1) + field(2, 0, 4096) + field(3, 0, 16) + field(4, 0, 32)),
     }
     for name, body in seeds.items():
         for auth, tag in ((0, ""), (1, "_wrong_token")):
