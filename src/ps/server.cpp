@@ -432,13 +432,10 @@ grpc::ServerUnaryReactor* ParameterServer::Impl::average_gradient(grpc::Callback
         call->waiting = false;
         finish.emplace_back(call, grpc::Status(grpc::StatusCode::ALREADY_EXISTS,
                                                "trainer " + std::to_string(trainer) + " already sent " + where));
-      } else if (!bucket.sent.empty() && sig.SerializeAsString() != bucket.signature.SerializeAsString()) {
-        call->waiting = false;
-        finish.emplace_back(call, grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                                               "trainer " + std::to_string(trainer) + " sent " + describe(sig) + " for " +
-                                                   where + ", but the other trainers sent " + describe(bucket.signature)));
       } else if (!bucket.sent.empty() &&
                  (chunk_count != bucket.chunk_count || req->bucket_numel() != bucket.bucket_numel)) {
+        // Before the shape check: a chunk of a bucket cut otherwise has another shape too, and
+        // the cut is the cause to name.
         call->waiting = false;
         finish.emplace_back(call, grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
                                                "trainer " + std::to_string(trainer) + " cut bucket " + std::to_string(index) +
@@ -447,6 +444,11 @@ grpc::ServerUnaryReactor* ParameterServer::Impl::average_gradient(grpc::Callback
                                                    "-element bucket, the other trainers into " +
                                                    std::to_string(bucket.chunk_count) + " of " +
                                                    std::to_string(bucket.bucket_numel)));
+      } else if (!bucket.sent.empty() && sig.SerializeAsString() != bucket.signature.SerializeAsString()) {
+        call->waiting = false;
+        finish.emplace_back(call, grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                                               "trainer " + std::to_string(trainer) + " sent " + describe(sig) + " for " +
+                                                   where + ", but the other trainers sent " + describe(bucket.signature)));
       } else {
         std::vector<int> gone;
         const auto now = Clock::now();

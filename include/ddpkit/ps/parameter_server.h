@@ -9,8 +9,8 @@
 //   at::Tensor avg = ParameterServer::wait(client.average(batch, bucket, gradient));
 //
 // Per (batch number, bucket index) the server collects one gradient from each of its trainers
-// and answers every one of them with the average when the last arrives; a large dense bucket
-// goes as chunks on parallel calls (ClientOptions::chunk_bytes), each chunk averaged the same way. Requests are served by
+// and answers every one of them with the average when the last arrives; a large bucket goes as
+// chunks on parallel calls (ClientOptions::chunk_bytes), each chunk averaged the same way. Requests are served by
 // gRPC's callback API: a waiting trainer costs a pending reply, not a thread. A newer batch
 // number drops older state (and fails whoever still waits on it). Rejected, with a status that
 // names the problem and without touching the sum: an unknown trainer id, a second gradient from
@@ -130,12 +130,13 @@ struct ClientOptions {
   // A dense gradient of more than chunk_bytes travels as chunks of that size, each its own call
   // (with its own deadline), at most chunks_in_flight at once: the server sums and answers each
   // chunk as it lands, so transfer, sum and reply overlap and the server holds chunks, not
-  // whole buckets. 0: always whole.
+  // whole buckets. A sparse one (sparse_dim 1) of more than chunk_bytes when dense goes as row
+  // ranges that fit chunk_bytes dense. 0: always whole.
   TORCH_ARG(int64_t, chunk_bytes) = 1 << 20;
   TORCH_ARG(int, chunks_in_flight) = 4;
-  // On the server's host, dense chunks (and buckets of up to chunk_bytes) travel through a
+  // On the server's host, chunks (and buckets of up to chunk_bytes) travel through a
   // shared-memory region of `shared_memory_slots` slots of chunk_bytes that this trainer offers
-  // when its session opens; gRPC then carries only their dtype, shape and place. The server takes
+  // when its session opens; gRPC then carries only their dtype, shape, place and, sparse, indices. The server takes
   // the offer only where it can map the region (same host and PID namespace); otherwise, and
   // while every slot is busy, data goes in the messages. Needs open_session and chunk_bytes > 0.
   // DDPKIT_SHM=0 in the trainer's or the server's environment turns it off.
