@@ -62,24 +62,25 @@ void copy_elements(const at::Tensor& dst, const at::Tensor& src) {
 }
 
 // Writes a dense reply's average into `into`: from the message, or from `shared` (the request's
-// shared-memory place) when the server put it there. False with *error when it does not fit.
-bool read_dense_reply(grpc::ByteBuffer& raw, at::Tensor& into, uint8_t* shared, std::string* error) {
-  if (!shared) return parse_dense_reply_into(raw, into, error);
+// shared-memory place) when the server put it there. Returns the bytes read from `shared`, or -1
+// with *error when the reply does not fit.
+int64_t read_dense_reply(grpc::ByteBuffer& raw, at::Tensor into, uint8_t* shared, std::string* error) {
+  if (!shared) return parse_dense_reply_into(raw, into, error) ? 0 : -1;
   wire::GradientReply reply;  // small: its data, if any, is one chunk
   if (!grpc::SerializationTraits<wire::GradientReply>::Deserialize(&raw, &reply).ok()) {
     *error = "unparsable GradientReply";
-    return false;
+    return -1;
   }
-  const at::Tensor avg = reply.in_shared_memory()
-                             ? view_dense(reply.average(), shared, into.numel() * static_cast<int64_t>(into.element_size()), error)
-                             : decode_tensor(reply.average(), error, /*borrow_dense=*/true);
-  if (!avg.defined()) return false;
+  const int64_t bytes = into.numel() * static_cast<int64_t>(into.element_size());
+  const at::Tensor avg = reply.in_shared_memory() ? view_dense(reply.average(), shared, bytes, error)
+                                                  : decode_tensor(reply.average(), error, /*borrow_dense=*/true);
+  if (!avg.defined()) return -1;
   if (avg.is_sparse() || avg.scalar_type() != into.scalar_type() || avg.numel() != into.numel()) {
     *error = "reply " + describe(reply.average()) + " does not fit the gradient";
-    return false;
+    return -1;
   }
   copy_elements(into, avg);
-  return true;
+  return reply.in_shared_memory() ? bytes : 0;
 }
 
 bool loopback(const std::string& address) {
@@ -210,15 +211,20 @@ struct ParameterServerClient::Impl {
   // CANCELLED, when the client is closing), after the call is released.
   void send(grpc::ByteBuffer request,
             std::function<void(const grpc::Status&, grpc::ByteBuffer&)> done);
-  // Sends `part` (dense) of a gradient and writes its average into `out` (same numel and dtype):
-  // through a shared-memory slot when one is free and big enough, else in the messages. `done`
-  // runs once, with "" or the error.
+  // One call for one piece of a gradient (dense, or sparse coalesced CPU). Its data (`data`: the
+  // dense piece or the sparse values) goes through a free shared-memory slot when the reply's
+  // data can need at most `room` bytes and a slot holds that; otherwise in the message, with a
+  // sparse piece's indices. `read(reply, slot or nullptr, room, &error)` takes the answer and
+  // returns the bytes it read from the slot, or -1 with *error. `done` runs once, with "" or the
+  // error.
+  using ReadReply = std::function<int64_t(grpc::ByteBuffer&, uint8_t*, int64_t, std::string*)>;
+  void send_piece(int64_t batch, int64_t bucket, const at::Tensor& piece, const at::Tensor& data, int64_t room,
+                  ChunkOf chunk, const std::string& what, ReadReply read, std::function<void(const std::string&)> done);
+  // A dense piece, its average written into `out` (same numel and dtype).
   void average_dense(int64_t batch, int64_t bucket, const at::Tensor& part, at::Tensor out, ChunkOf chunk,
                      const std::string& what, std::function<void(const std::string&)> done);
-  // Sends `piece` (sparse, coalesced, CPU) of a gradient: its values through a shared-memory slot
-  // when one is free and big enough, its indices (and otherwise the values) in the message.
-  // `done` runs once, with the average or the error.
-  // `dense_bytes`: the piece's size were it dense, which bounds the average's values.
+  // A sparse piece (coalesced, CPU); `dense_bytes`, its size were it dense, bounds the average's
+  // values. `done` runs once, with "" and the average, or the error.
   void average_sparse(int64_t batch, int64_t bucket, const at::Tensor& piece, ChunkOf chunk, int64_t dense_bytes,
                       const std::string& what, std::function<void(const std::string&, at::Tensor)> done);
   // Offers a shared-memory region when the session opens; keeps it if the server maps it.
@@ -364,23 +370,24 @@ void run_pieces(int64_t count, int window, std::function<void(int64_t, PieceDone
   (*pump)();
 }
 
-// A sparse reply's average, its values from `shared` (at most `room` bytes) when the server put
-// them there; checked to have the gradient's shape and dtype. Undefined with *error otherwise.
-at::Tensor read_sparse_reply(grpc::ByteBuffer& raw, const at::Tensor& gradient, const uint8_t* shared, int64_t room,
-                             std::string* error) {
+// A sparse reply's average into *out, its values from `shared` (at most `room` bytes) when the
+// server put them there; checked to have the gradient's shape and dtype. Returns the bytes read
+// from `shared`, or -1 with *error.
+int64_t read_sparse_reply(grpc::ByteBuffer& raw, const at::Tensor& gradient, const uint8_t* shared, int64_t room,
+                          at::Tensor* out, std::string* error) {
   wire::GradientReply reply;
   if (!grpc::SerializationTraits<wire::GradientReply>::Deserialize(&raw, &reply).ok()) {
     *error = "unparsable GradientReply";
-    return {};
+    return -1;
   }
-  at::Tensor out = shared && reply.in_shared_memory() ? decode_sparse_at(reply.average(), shared, room, error)
-                                                      : decode_tensor(reply.average(), error);
-  if (out.defined() && (!out.is_sparse() || out.sizes() != gradient.sizes() ||
-                        out.scalar_type() != gradient.scalar_type())) {
+  const bool in_shared = shared && reply.in_shared_memory();
+  *out = in_shared ? decode_sparse_at(reply.average(), shared, room, error) : decode_tensor(reply.average(), error);
+  if (!out->defined()) return -1;
+  if (!out->is_sparse() || out->sizes() != gradient.sizes() || out->scalar_type() != gradient.scalar_type()) {
     *error = "reply " + describe(reply.average()) + " does not fit the gradient";
-    return {};
+    return -1;
   }
-  return out;
+  return in_shared ? static_cast<int64_t>((*out)._values().nbytes()) : 0;
 }
 
 // Entries of `sparse` (coalesced, sparse_dim 1) whose row lies in [lo, hi): a coalesced view.
@@ -425,77 +432,64 @@ void ParameterServerClient::Impl::send(grpc::ByteBuffer request,
                      });
 }
 
-void ParameterServerClient::Impl::average_dense(int64_t batch, int64_t bucket, const at::Tensor& part, at::Tensor out,
-                                                ChunkOf chunk, const std::string& what,
-                                                std::function<void(const std::string&)> done) {
-  const int64_t bytes = part.numel() * static_cast<int64_t>(part.element_size());
+void ParameterServerClient::Impl::send_piece(int64_t batch, int64_t bucket, const at::Tensor& piece,
+                                             const at::Tensor& data, int64_t room, ChunkOf chunk, const std::string& what,
+                                             ReadReply read, std::function<void(const std::string&)> done) {
+  const int64_t bytes = data.numel() * static_cast<int64_t>(data.element_size());
   SharedRegion* shared = region.get();
-  const int64_t slot = shared && bytes <= shared->slot_bytes() ? shared->acquire() : -1;
+  const int64_t slot = shared && room <= shared->slot_bytes() ? shared->acquire() : -1;
   grpc::ByteBuffer request;
   if (slot >= 0) {
-    copy_elements(at::from_blob(shared->at(slot), part.sizes(), at::TensorOptions().dtype(part.scalar_type())), part);
+    copy_elements(at::from_blob(shared->at(slot), data.sizes(), at::TensorOptions().dtype(data.scalar_type())), data);
     wire::SharedMemoryRef ref;
     ref.set_region(shared->id());
     ref.set_offset(slot);
     ref.set_bytes(bytes);
-    request = serialize_gradient_request(options.trainer_id(), batch, bucket, part, chunk, &ref);
-    counters->shm_sent += bytes;
-  } else {
-    request = serialize_gradient_request(options.trainer_id(), batch, bucket, part, chunk);
-  }
-  send(std::move(request), [shared, slot, bytes, out, what, address = options.address(), counters = counters,
-                            done = std::move(done)](const grpc::Status& status, grpc::ByteBuffer& reply) mutable {
-    std::string error = status.ok() ? "" : failure_message(address, what, status);
-    if (status.ok() && !read_dense_reply(reply, out, slot >= 0 ? shared->at(slot) : nullptr, &error))
-      error = "ddpkit ps: " + what + " on " + address + ": malformed reply: " + error;
-    // A slot is reused only after a complete answer: after a failure (a deadline, say) the
-    // server may still write into it, so it stays out of use.
-    if (slot >= 0 && error.empty()) {
-      counters->shm_received += bytes;
-      shared->release(slot);
-    }
-    done(error);
-  });
-}
-
-void ParameterServerClient::Impl::average_sparse(int64_t batch, int64_t bucket, const at::Tensor& piece, ChunkOf chunk,
-                                                 int64_t dense_bytes, const std::string& what,
-                                                 std::function<void(const std::string&, at::Tensor)> done) {
-  const at::Tensor values = piece._values().contiguous();
-  const int64_t bytes = static_cast<int64_t>(values.nbytes());
-  SharedRegion* shared = region.get();
-  // The average's values (every trainer's entries, summed) are never more than the piece dense:
-  // when that fits a slot, the slot is the room for them.
-  const int64_t slot = shared && dense_bytes <= shared->slot_bytes() ? shared->acquire() : -1;
-  grpc::ByteBuffer request;
-  if (slot >= 0) {
-    if (bytes) std::memcpy(shared->at(slot), values.data_ptr(), bytes);
-    wire::SharedMemoryRef ref;
-    ref.set_region(shared->id());
-    ref.set_offset(slot);
-    ref.set_bytes(bytes);
-    ref.set_capacity(shared->slot_bytes());
+    if (room > bytes) ref.set_capacity(room);
     request = serialize_gradient_request(options.trainer_id(), batch, bucket, piece, chunk, &ref);
     counters->shm_sent += bytes;
   } else {
     request = serialize_gradient_request(options.trainer_id(), batch, bucket, piece, chunk);
   }
-  send(std::move(request), [shared, slot, piece, what, address = options.address(), counters = counters,
-                            done = std::move(done)](const grpc::Status& status, grpc::ByteBuffer& reply) {
+  send(std::move(request), [shared, slot, room, what, address = options.address(), counters = counters,
+                            read = std::move(read), done = std::move(done)](const grpc::Status& status,
+                                                                            grpc::ByteBuffer& reply) {
     std::string error = status.ok() ? "" : failure_message(address, what, status);
-    at::Tensor out;
     if (status.ok()) {
-      out = read_sparse_reply(reply, piece, slot >= 0 ? shared->at(slot) : nullptr,
-                              slot >= 0 ? shared->slot_bytes() : 0, &error);
-      if (!out.defined()) error = "ddpkit ps: " + what + " on " + address + ": malformed reply: " + error;
+      const int64_t from_slot = read(reply, slot >= 0 ? shared->at(slot) : nullptr, room, &error);
+      if (from_slot < 0)
+        error = "ddpkit ps: " + what + " on " + address + ": malformed reply: " + error;
+      else
+        counters->shm_received += from_slot;
     }
-    // As for dense pieces: a slot is reused only after a complete answer.
-    if (slot >= 0 && error.empty()) {
-      counters->shm_received += static_cast<int64_t>(out._values().nbytes());
-      shared->release(slot);
-    }
-    done(error, out);
+    // A slot is reused only after a complete answer: after a failure (a deadline, say) the
+    // server may still write into it, so it stays out of use.
+    if (slot >= 0 && error.empty()) shared->release(slot);
+    done(error);
   });
+}
+
+void ParameterServerClient::Impl::average_dense(int64_t batch, int64_t bucket, const at::Tensor& part, at::Tensor out,
+                                                ChunkOf chunk, const std::string& what,
+                                                std::function<void(const std::string&)> done) {
+  const int64_t bytes = part.numel() * static_cast<int64_t>(part.element_size());
+  send_piece(batch, bucket, part, part, bytes, chunk, what,
+             [out](grpc::ByteBuffer& reply, uint8_t* slot, int64_t, std::string* error) {
+               return read_dense_reply(reply, out, slot, error);
+             },
+             std::move(done));
+}
+
+void ParameterServerClient::Impl::average_sparse(int64_t batch, int64_t bucket, const at::Tensor& piece, ChunkOf chunk,
+                                                 int64_t dense_bytes, const std::string& what,
+                                                 std::function<void(const std::string&, at::Tensor)> done) {
+  // The average's values (every trainer's entries, summed) are never more than the piece dense.
+  auto average = std::make_shared<at::Tensor>();
+  send_piece(batch, bucket, piece, piece._values().contiguous(), dense_bytes, chunk, what,
+             [piece, average](grpc::ByteBuffer& reply, uint8_t* slot, int64_t room, std::string* error) {
+               return read_sparse_reply(reply, piece, slot, room, average.get(), error);
+             },
+             [average, done = std::move(done)](const std::string& error) { done(error, *average); });
 }
 
 FuturePtr ParameterServerClient::average(int64_t batch_number, int64_t bucket_index, const at::Tensor& gradient,
@@ -509,7 +503,6 @@ FuturePtr ParameterServerClient::average(int64_t batch_number, int64_t bucket_in
   const std::string what = "AverageGradient(batch " + std::to_string(batch_number) + ", bucket " +
                            std::to_string(bucket_index) + ")";
   const std::string address = impl_->options.address();
-  const int64_t bytes = gradient.is_sparse() ? 0 : gradient.numel() * static_cast<int64_t>(gradient.element_size());
   const int64_t chunk_bytes = impl_->options.chunk_bytes();
 
   if (gradient.is_sparse()) {
@@ -581,6 +574,7 @@ FuturePtr ParameterServerClient::average(int64_t batch_number, int64_t bucket_in
     result->markCompleted(c10::IValue(value));
   };
 
+  const int64_t bytes = gradient.numel() * static_cast<int64_t>(gradient.element_size());
   if (chunk_bytes <= 0 || bytes <= chunk_bytes) {
     impl_->average_dense(batch_number, bucket_index, gradient, out, {}, what, [result, complete](const std::string& error) {
       if (error.empty())

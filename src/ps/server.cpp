@@ -533,10 +533,10 @@ grpc::ServerUnaryReactor* ParameterServer::Impl::average_gradient(grpc::Callback
     bool have_reply = false, have_shared_reply = false;
     int64_t sent = 0, shm_sent = 0;
     for (AverageCall* c : answer) {
-      // Dense: the place is the gradient's, so the average fits it exactly. Sparse: its values
-      // go there when the room the trainer gave holds them (their union may not), else in the message.
-      const bool fits = average.is_sparse() ? data_bytes <= c->shared_capacity : c->shared_bytes == data_bytes;
-      if (c->shared_data && fits) {
+      // The average's data goes into the place when the room the trainer gave holds it: always
+      // for dense (the same bytes as its gradient's); sparse values, the union of every
+      // trainer's rows, may not fit, and then go in the message.
+      if (c->shared_data && data_bytes <= c->shared_capacity) {
         if (!have_shared_reply) {
           shared_reply = serialize_shared_memory_reply(average);
           have_shared_reply = true;
