@@ -94,6 +94,7 @@ ddpkit_run fp16 --hook fp16
 ddpkit_run bf16 --hook bf16
 ddpkit_run int8 --hook int8
 ddpkit_run int8+ef --hook int8 --int8-error-feedback
+ddpkit_run quantize_per_tensor --hook quantize_per_tensor
 ddpkit_run quantize_per_channel --hook quantize_per_channel
 ddpkit_run powersgd-r4 --hook powersgd --powersgd-rank 4
 ddpkit_run powersgd-r1 --hook powersgd --powersgd-rank 1

@@ -131,6 +131,55 @@ TEST(QuantizationHooks, OddSizedBucketsWithinOneQuantizationStep) {
   });
 }
 
+// PyTorch's arithmetic, whole bucket at once (quantization_hooks.py): parameters from the bucket
+// (zero-padded to whole channels), every rank's part dequantized and summed in rank order, / world.
+at::Tensor pytorch_quantized_average(const std::vector<at::Tensor>& grads, int64_t cols) {
+  const int64_t numel = grads[0].numel();
+  const int64_t c = cols > 0 ? cols : std::max<int64_t>(numel, 1);
+  const int64_t rows = std::max<int64_t>((numel + c - 1) / c, 1);
+  at::Tensor acc = at::zeros({rows, c});
+  for (const auto& g : grads) {
+    at::Tensor x = at::zeros({rows * c});
+    x.narrow(0, 0, numel).copy_(g);
+    x = x.view({rows, c});
+    at::Tensor min_neg = at::clamp_max(std::get<0>(x.min(1)), 0.0), max_pos = at::clamp_min(std::get<0>(x.max(1)), 0.0);
+    at::Tensor scale = at::clamp_min((max_pos - min_neg) / 255.0, std::numeric_limits<float>::epsilon());
+    at::Tensor zp = at::clamp(0 - at::round(min_neg / scale).to(at::kInt), 0, 255).to(at::kFloat);
+    at::Tensor codes = at::clamp(at::round(x / scale.unsqueeze(1)) + zp.unsqueeze(1), 0, 255).to(at::kByte);
+    acc.add_((codes.to(at::kFloat) - zp.unsqueeze(1)) * scale.unsqueeze(1));
+  }
+  return acc.div_(static_cast<double>(grads.size())).view({-1}).narrow(0, 0, numel);
+}
+
+// The quantization hooks move their codes in blocks of about piece_bytes (one allgather each), and
+// still give PyTorch's whole-bucket result bit for bit: per tensor (one row cut by columns), per
+// channel (whole rows per block, a padded last channel), on shared memory and on Gloo.
+TEST(QuantizationHooks, BlocksKeepPyTorchsWholeBucketArithmetic) {
+  for (bool shm : {true, false}) {
+    spawn_ranks_with(3, ProcessGroupOptions().piece_bytes(4096).shared_memory(shm), [shm](int rank, std::shared_ptr<ProcessGroup> pg) {
+      for (int64_t numel : {1, 1001, 100003}) {
+        at::Tensor g = randn({numel}, 70 + rank) * (1 + rank);
+        const auto grads = testing::allgather(*pg, g);
+        for (int64_t cols : {int64_t{0}, int64_t{512}}) {
+          auto hook = cols == 0 ? hooks::quantization_pertensor_hook(pg) : hooks::quantization_perchannel_hook(pg, cols);
+          at::Tensor buffer = g.clone();
+          GradBucket bucket(0, 1, buffer, {0}, {{numel}}, {at::zeros({numel})}, false);
+          const uint64_t before = pg->stats().collectives;
+          at::Tensor got = ProcessGroup::wait(hook(bucket));
+          const uint64_t gathers = pg->stats().collectives - before;
+          at::Tensor want = pytorch_quantized_average(grads, cols);
+          EXPECT_TRUE(at::equal(got, want)) << "cols " << cols << " numel " << numel << " shm " << shm
+                                            << " max difference " << (got - want).abs().max().item<float>();
+          EXPECT_TRUE(at::equal(buffer, got)) << "the result is the bucket";
+          // A payload of about numel bytes goes in blocks of at most ~4 KiB.
+          EXPECT_GE(gathers, static_cast<uint64_t>(numel / 4096)) << "cols " << cols << " numel " << numel;
+          if (numel > 8192) EXPECT_GT(gathers, 1u);
+        }
+      }
+    });
+  }
+}
+
 // The documented bound of int8_allreduce_hook: sum_r max_block|g_r| / (254 n) + max_block|avg| / 254.
 TEST(QuantizationHooks, Int8AllreduceWithinDocumentedBound) {
   for (int world : {1, 2, 3}) {

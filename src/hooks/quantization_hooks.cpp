@@ -1,7 +1,10 @@
 #include <ddpkit/codecs/quantize.h>
 #include <ddpkit/hooks/quantization_hooks.h>
 
+#include <algorithm>
+#include <exception>
 #include <limits>
+#include <memory>
 #include <mutex>
 #include <vector>
 
@@ -22,31 +25,49 @@ std::pair<at::Tensor, at::Tensor> qparams(const at::Tensor& x2d) {
   return {scale, zero_point.to(at::kFloat)};
 }
 
-// The uint8 payload one rank contributes: [rows scales][rows zero points] (float32, first so they
-// stay aligned) then [rows * cols codes].
-// One allgather moves it (PyTorch issues two, the second from inside a callback).
-at::Tensor quantize_rows(const at::Tensor& x2d) {
-  const int64_t rows = x2d.size(0), cols = x2d.size(1);
-  auto qp = qparams(x2d);
-  const at::Tensor& scale = qp.first;
-  const at::Tensor& zp = qp.second;
-  at::Tensor packed = at::empty({rows * cols + 2 * rows * 4}, x2d.options().dtype(at::kByte));
+// The uint8 payload of one block (rows x cols of the bucket) under the bucket's quantization
+// parameters `scale`/`zero_point` (one per row of the block): [rows scales][rows zero points]
+// (float32, first so they stay aligned) then [rows * cols codes].
+at::Tensor quantize_block(const at::Tensor& block, const at::Tensor& scale, const at::Tensor& zp) {
+  const int64_t rows = block.size(0), cols = block.size(1);
+  at::Tensor packed = at::empty({rows * cols + 2 * rows * 4}, block.options().dtype(at::kByte));
   packed.narrow(0, 0, rows * 4).view(at::kFloat).copy_(scale);
   packed.narrow(0, rows * 4, rows * 4).view(at::kFloat).copy_(zp);
   at::Tensor codes = packed.narrow(0, 8 * rows, rows * cols).view({rows, cols});
-  codes.copy_(at::clamp(at::round(x2d / scale.unsqueeze(1)) + zp.unsqueeze(1), 0, 255));
+  codes.copy_(at::clamp(at::round(block / scale.unsqueeze(1)) + zp.unsqueeze(1), 0, 255));
   return packed;
 }
 
-void dequantize_rows_into(const at::Tensor& packed, int64_t rows, int64_t cols, at::Tensor& acc) {
+void dequantize_block_into(const at::Tensor& packed, int64_t rows, int64_t cols, at::Tensor& acc) {
   at::Tensor scale = packed.narrow(0, 0, rows * 4).view(at::kFloat).unsqueeze(1);
   at::Tensor zp = packed.narrow(0, rows * 4, rows * 4).view(at::kFloat).unsqueeze(1);
   at::Tensor codes = packed.narrow(0, 8 * rows, rows * cols).view({rows, cols});
   acc.add_((codes.to(at::kFloat) - zp) * scale);
 }
 
+// A block of the bucket's rows x cols matrix that travels in one allgather: whole rows when there
+// are several (each row keeps its own parameters), else a column range of the one row.
+struct Block {
+  int64_t row = 0, rows = 0, col = 0, cols = 0;
+};
+
+std::vector<Block> cut_blocks(int64_t rows, int64_t cols, int64_t pieces) {
+  std::vector<Block> blocks;
+  if (rows > 1) {
+    const int64_t per = (rows + pieces - 1) / pieces;
+    for (int64_t r = 0; r < rows; r += per) blocks.push_back({r, std::min(per, rows - r), 0, cols});
+  } else {
+    const int64_t per = (cols + pieces - 1) / pieces;
+    for (int64_t c = 0; c < cols; c += per) blocks.push_back({0, 1, c, std::min(per, cols - c)});
+  }
+  return blocks;
+}
+
 // Quantize `rows` x `cols` (the bucket, zero-padded), allgather, dequantize every rank's part,
-// sum, divide by the world size: PyTorch's quantization hooks.
+// sum, divide by the world size: PyTorch's quantization hooks, with the same parameters (from the
+// whole bucket) and the same float32 operations per element. The codes travel in blocks of about
+// the group's piece_bytes, one allgather each, so block k+1 is quantized while block k travels and
+// block k is decoded as it lands (PyTorch gathers the whole bucket, twice).
 CommHook gathered_uint8_hook(std::shared_ptr<ProcessGroup> pg, int64_t cols, const char* name) {
   DDPKIT_CHECK(pg, name, ": process group is null");
   DDPKIT_CHECK(cols >= 0, name, ": bucket_size must be >= 1, got ", cols);  // 0: one row (per tensor)
@@ -58,23 +79,69 @@ CommHook gathered_uint8_hook(std::shared_ptr<ProcessGroup> pg, int64_t cols, con
     const int64_t numel = buffer.numel();
     const int64_t c = cols > 0 ? cols : std::max<int64_t>(numel, 1);
     const int64_t rows = std::max<int64_t>((numel + c - 1) / c, 1);
-    at::Tensor x2d = at::zeros({rows * c}, buffer.options());
-    x2d.narrow(0, 0, numel).copy_(buffer.reshape({-1}));
-    x2d = x2d.view({rows, c});
-    at::Tensor mine = quantize_rows(x2d);
-    std::vector<at::Tensor> parts;
-    for (int r = 0; r < pg->size(); ++r) parts.push_back(at::empty_like(mine));
+    DDPKIT_CHECK(buffer.is_contiguous(), name, ": bucket ", bucket.index(), "'s buffer is not contiguous");
+    at::Tensor flat = buffer.view({-1});
+    at::Tensor x2d;
+    if (rows * c == numel) {
+      x2d = flat.view({rows, c});
+    } else {
+      x2d = at::zeros({rows * c}, buffer.options());
+      x2d.narrow(0, 0, numel).copy_(flat);
+      x2d = x2d.view({rows, c});
+    }
+    const auto params = qparams(x2d);
     const int world = pg->size();
-    return pg->allgather(parts, mine)->then(
-        [parts, rows, c, numel, world, buffer](c10::ivalue::Future& f) -> c10::IValue {
-          f.value();  // rethrows a failed allgather
-          at::Tensor acc = at::zeros({rows, c}, buffer.options());
-          for (const auto& p : parts) dequantize_rows_into(p, rows, c, acc);
+    // An allgather sends this rank's payload to each of the world - 1 peers.
+    const auto blocks = cut_blocks(rows, c, pg->pieces_for(static_cast<uint64_t>(rows * c) * (world - 1)));
+
+    // Every block's allgather completes (or fails) before the result does, so no decode writes
+    // into the bucket after the hook's future has completed; the first failure is the result's.
+    struct Progress {
+      std::mutex mutex;
+      size_t remaining = 0;
+      std::exception_ptr error;
+    };
+    auto progress = std::make_shared<Progress>();
+    progress->remaining = blocks.size();
+    FuturePtr result = c10::make_intrusive<c10::ivalue::Future>(c10::TensorType::get());
+    auto finish_one = [progress, result, buffer](std::exception_ptr error) {
+      std::unique_lock<std::mutex> lock(progress->mutex);
+      if (error && !progress->error) progress->error = error;
+      if (--progress->remaining > 0) return;
+      std::exception_ptr first = progress->error;
+      lock.unlock();
+      if (first) result->setError(first);
+      else result->markCompleted(c10::IValue(buffer));
+    };
+    for (const Block& b : blocks) {
+      at::Tensor mine;
+      try {
+        mine = quantize_block(x2d.narrow(0, b.row, b.rows).narrow(1, b.col, b.cols),
+                              params.first.narrow(0, b.row, b.rows), params.second.narrow(0, b.row, b.rows));
+      } catch (...) {
+        finish_one(std::current_exception());
+        continue;
+      }
+      std::vector<at::Tensor> parts;
+      for (int r = 0; r < world; ++r) parts.push_back(at::empty_like(mine));
+      pg->allgather(parts, mine)->addCallback([parts, b, c, numel, world, flat, finish_one](c10::ivalue::Future& f) {
+        if (f.hasError()) return finish_one(f.exception_ptr());
+        try {
+          at::Tensor acc = at::zeros({b.rows, b.cols}, flat.options());
+          for (const auto& p : parts) dequantize_block_into(p, b.rows, b.cols, acc);
           acc.div_(world);
-          buffer.copy_(acc.view({-1}).narrow(0, 0, numel).view(buffer.sizes()));
-          return c10::IValue(buffer);
-        },
-        c10::TensorType::get());
+          // The block's elements in the bucket: its rows' span, or its columns of the one row,
+          // less the zero padding past the bucket's end.
+          const int64_t first = b.row * c + b.col;
+          const int64_t count = std::min(first + b.rows * b.cols, numel) - first;
+          if (count > 0) flat.narrow(0, first, count).copy_(acc.view({-1}).narrow(0, 0, count));
+          finish_one(nullptr);
+        } catch (...) {
+          finish_one(std::current_exception());
+        }
+      });
+    }
+    return result;
   };
 }
 

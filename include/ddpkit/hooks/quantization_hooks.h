@@ -3,7 +3,11 @@
 // quantization_pertensor_hook / quantization_perchannel_hook reproduce PyTorch's
 // ddp_comm_hooks.quantization_hooks (uint8, MinMaxObserver scale and zero point, channels of
 // `bucket_size` elements) on any device; PyTorch's run only on CUDA. Like PyTorch's they gather
-// every rank's quantized bucket, so each rank receives (n-1) buckets: use them for parity.
+// every rank's quantized bucket, so each rank receives (n-1) buckets: use them for parity. The
+// parameters come from the whole bucket, as PyTorch's, but the codes travel in blocks of about
+// ProcessGroupOptions::piece_bytes (whole channels, or a column range of the one per-tensor row),
+// one allgather each: block k+1 is quantized while block k travels and k is decoded as it lands.
+// The result is PyTorch's whole-bucket arithmetic bit for bit.
 //
 // int8_allreduce_hook scales: it reduce-scatters quantized chunks with an alltoall (each rank
 // dequantizes, sums and requantizes its chunk), then all-gathers the quantized results, so each
