@@ -266,8 +266,8 @@ class Int8State::Impl {
                    ": bucket ", index, "'s layout (", numel, " elements, ", pieces, " pieces of ", chunk,
                    ") does not fit this hook (world size ", n, ", block ", o_.block(), ")");
       auto st = fresh(numel, n, pieces, chunk, c10::kCPU);
-      const at::Tensor& worker = entry_of(state, prefix + "worker_error", what);
-      const at::Tensor& owner = entry_of(state, prefix + "owner_error", what);
+      const at::Tensor worker = entry_of(state, prefix + "worker_error", what);
+      const at::Tensor owner = entry_of(state, prefix + "owner_error", what);
       DDPKIT_CHECK(worker.sizes() == st->worker_error.sizes() && owner.sizes() == st->owner_error.sizes(), what,
                    ": bucket ", index, "'s error feedback has the wrong size");
       st->worker_error.copy_(worker);

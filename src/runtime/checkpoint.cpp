@@ -375,7 +375,7 @@ void load_module(const TensorDict& d, torch::nn::Module& m, const std::string& w
   torch::NoGradGuard no_grad;
   std::set<std::string> names;
   auto load = [&](const std::string& name, at::Tensor& t) {
-    const at::Tensor& saved = entry_of(d, "model/" + name, what);
+    const at::Tensor saved = entry_of(d, "model/" + name, what);
     DDPKIT_CHECK(saved.sizes() == t.sizes() && saved.scalar_type() == t.scalar_type(), what, ": ", name, " is ",
                  saved.scalar_type(), saved.sizes(), " there and ", t.scalar_type(), t.sizes(), " in this model");
     t.copy_(saved);
