@@ -103,7 +103,7 @@ CommHook gathered_uint8_hook(std::shared_ptr<ProcessGroup> pg, int64_t cols, con
     };
     auto progress = std::make_shared<Progress>();
     progress->remaining = blocks.size();
-    FuturePtr result = c10::make_intrusive<c10::ivalue::Future>(c10::TensorType::get());
+    FuturePtr result = make_tensor_future(buffer.device());  // a CUDA result needs its device named
     auto finish_one = [progress, result, buffer](std::exception_ptr error) {
       std::unique_lock<std::mutex> lock(progress->mutex);
       if (error && !progress->error) progress->error = error;
