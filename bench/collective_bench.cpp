@@ -67,6 +67,8 @@ void shm_vs_gloo(int world, int reps, int gloo_threads, int64_t max_bytes) {
         const int64_t elems = bytes / 4 / world * world;
         at::Tensor f = at::ones({elems}), out = at::empty({elems}), shard = at::empty({elems / world});
         at::Tensor h = at::ones({elems}, at::kHalf);
+        // A DDP bucket: on the shm side in memory every local rank maps, so it sums in place.
+        at::Tensor bucket = shm->allreduce_buffer(elems, at::kFloat).fill_(1);
         std::vector<at::Tensor> gathered;
         for (int k = 0; k < world; ++k) gathered.push_back(at::empty({elems / world}));
         struct Row {
@@ -77,6 +79,8 @@ void shm_vs_gloo(int world, int reps, int gloo_threads, int64_t max_bytes) {
         };
         const std::vector<Row> rows = {
             {"allreduce fp32", elems * 4, 2 * (n - 1) / n, [&](ProcessGroup& pg) { ProcessGroup::wait(pg.allreduce(f)); }},
+            {"allreduce bucket", elems * 4, 2 * (n - 1) / n,
+             [&](ProcessGroup& pg) { ProcessGroup::wait(pg.allreduce(&pg == shm.get() ? bucket : f)); }},
             {"allreduce fp16", elems * 2, 2 * (n - 1) / n, [&](ProcessGroup& pg) { ProcessGroup::wait(pg.allreduce(h)); }},
             {"broadcast", elems * 4, (n - 1) / n, [&](ProcessGroup& pg) { ProcessGroup::wait(pg.broadcast(f, 0)); }},
             {"allgather", elems * 4, (n - 1) / n,

@@ -78,10 +78,15 @@ def main():
     ap.add_argument("--hooks", default=",".join(HOOKS))
     ap.add_argument("--ddpkit-args", default="", help="extra flags for ddpkit train")
     ap.add_argument("--pytorch-args", default="", help="extra flags for bench/pytorch_ddp.py")
+    ap.add_argument("--gradient-as-bucket-view", action="store_true",
+                    help="both sides: gradients are views into DDP's buckets (no copy back into .grad)")
     args = ap.parse_args()
     peer_torch = torch_version_or_exit()
     args.ddpkit_args = args.ddpkit_args.split()
     args.pytorch_args = args.pytorch_args.split()
+    if args.gradient_as_bucket_view:
+        args.ddpkit_args.append("--gradient-as-bucket-view")
+        args.pytorch_args.append("--gradient-as-bucket-view")
     hooks = args.hooks.split(",")
     ours = {h: [] for h in hooks}
     theirs = {h: [] for h in hooks}
@@ -110,7 +115,8 @@ def main():
     fmt = lambda x: "%9.1f" % x if x is not None else "%9s" % "-"
     print("\nMLP 1024-4096-4096-1024, batch 32/rank, 2 ranks x 1 thread, gloo; median step ms over %d reps x %d steps"
           % (args.reps, args.steps))
-    print("PyTorch %s (%s), ddpkit on libtorch %s" % (peer_torch, sys.executable, ddpkit_torch(args.ddpkit)))
+    print("PyTorch %s (%s), ddpkit on libtorch %s%s" % (peer_torch, sys.executable, ddpkit_torch(args.ddpkit),
+                                                        "; gradient_as_bucket_view on both sides" if args.gradient_as_bucket_view else ""))
     print("%-10s %9s %9s %8s %9s %8s %9s %8s" % ("hook", "ddpkit", "pytorch", "ratio", "pt-zero", "ratio",
                                                  "pt-malloc", "ratio"))
     results = {}
@@ -136,7 +142,7 @@ def main():
     show("ddpkit allreduce hook / PyTorch allreduce hook", a_ar, p_ar, 0.8)
     show("ddpkit built-in / PyTorch built-in (zeroing loop)", a_none, z_none, 0.8)
     show("ddpkit allreduce hook / PyTorch hook (zeroing loop)", a_ar, z_ar, 0.8)
-    show("ddpkit built-in / PyTorch built-in (ddpkit's malloc env)", a_none, m_none)
+    show("ddpkit built-in / PyTorch built-in (ddpkit's malloc env)", a_none, m_none, 0.6)
     show("ddpkit allreduce hook / PyTorch hook (ddpkit's malloc env)", a_ar, m_ar)
     show("ddpkit fp16 hook / ddpkit built-in allreduce", a_fp16, a_none, 1.0)
     show("ddpkit fp16 hook / ddpkit allreduce hook", a_fp16, a_ar, 1.0)

@@ -48,7 +48,8 @@ def train(rank, world, args, port, queue, master_addr="127.0.0.1"):
         os.environ["MASTER_ADDR"] = master_addr
         os.environ["MASTER_PORT"] = str(port)
         dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
-        model = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=args.bucket_cap_mb)
+        model = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=args.bucket_cap_mb,
+                                                          gradient_as_bucket_view=args.gradient_as_bucket_view)
         hooks = {
             "allreduce": default_hooks.allreduce_hook,
             "fp16": default_hooks.fp16_compress_hook,
@@ -154,6 +155,7 @@ def main():
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--bucket-cap-mb", type=float, default=25)
+    p.add_argument("--gradient-as-bucket-view", action="store_true", help="DDP's option of that name")
     p.add_argument("--mlp-dims", default="1024,4096,4096,1024")
     p.add_argument("--zero-grad", default="none", choices=["none", "zero"],
                    help="none: set grads to None (as ddpkit train; PyTorch 2.x default); zero: zero in place (1.13 default)")

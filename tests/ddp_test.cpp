@@ -18,6 +18,7 @@ using testing::seed_grads;
 using testing::SeedTask;
 using testing::error_of;
 using testing::spawn_ranks;
+using testing::spawn_ranks_with;
 using ::testing::HasSubstr;
 
 // Tiny caps: many buckets, so ordering and rebuilding are exercised.
@@ -173,6 +174,34 @@ TEST(Hooks, IsLastOnlyOnLastBucket) {
     for (size_t i = 0; i + 1 < flags.size(); ++i) EXPECT_FALSE(flags[i]);
     for (size_t i = 0; i < indices.size(); ++i) EXPECT_EQ(indices[i], i);  // launched in index order
   });
+}
+
+// On one host a CPU bucket lives in memory every local rank maps (ProcessGroup::allreduce_buffer),
+// so its allreduce sums in place; with shared memory off it is plain memory. Same gradients.
+TEST(DDP, BucketsLiveInSharedMemoryOnOneHost) {
+  for (bool shm : {true, false}) {
+    spawn_ranks_with(
+        2, ProcessGroupOptions().shared_memory(shm),
+        [&](int rank, std::shared_ptr<ProcessGroup> pg) {
+          EXPECT_EQ(pg->uses_shared_memory(), shm);
+          auto model = make_mlp(1, {2, 400, 400});
+          DistributedDataParallel<torch::nn::Sequential> ddp(model, pg, tiny_buckets());
+          int buckets = 0;
+          ddp.register_comm_hook(
+              [&](GradBucket& b) {
+                EXPECT_EQ(testing::in_shared_memory(b.buffer()), shm) << "bucket " << b.index();
+                ++buckets;
+                return pg->allreduce(b.buffer(), c10d::ReduceOp::AVG);
+              },
+              "where");
+          ddp.forward(at::randn({10, 2}) * (rank + 1)).pow(2).mean().backward();
+          EXPECT_GT(buckets, 1);
+          for (const auto& p : model->parameters()) {
+            const auto all = allgather(*pg, p.grad());
+            EXPECT_TRUE(at::equal(all[0], all[1]));
+          }
+        });
+  }
 }
 
 TEST(Hooks, SecondRegistrationIsAnError) {

@@ -17,6 +17,8 @@
 #include <dirent.h>
 
 #include <atomic>
+#include <cstdio>
+#include <fstream>
 #include <exception>
 #include <functional>
 #include <mutex>
@@ -90,6 +92,20 @@ inline std::vector<std::string> shm_segments(int pid) {
     closedir(d);
   }
   return names;
+}
+
+// Whether t's memory lies in one of this process's mappings of a ddpkit segment in /dev/shm
+// (/proc/self/maps names them "/dev/shm/ddpkit-... (deleted)" once unlinked).
+inline bool in_shared_memory(const at::Tensor& t) {
+  const auto at = reinterpret_cast<uintptr_t>(t.data_ptr());
+  std::ifstream maps("/proc/self/maps");
+  std::string line;
+  while (std::getline(maps, line)) {
+    unsigned long lo = 0, hi = 0;
+    if (std::sscanf(line.c_str(), "%lx-%lx", &lo, &hi) == 2 && at >= lo && at < hi)
+      return line.find("/dev/shm/ddpkit-") != std::string::npos;
+  }
+  return false;
 }
 
 // Gathers a tensor from every rank (for comparing ranks inside a rank's thread).

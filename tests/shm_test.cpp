@@ -70,6 +70,88 @@ TEST(SharedMemory, AllreduceEqualsGloo) {
   }
 }
 
+// DDP's buckets (ProcessGroup::allreduce_buffer): every local rank maps every peer's buffer and
+// sums its slice into all of them. Same bits as Gloo on whole buffers and on the same part of
+// each; ranks that pass different parts, or plain memory, go through the slots, still right.
+TEST(SharedMemory, AllreduceBuffersSumInPlaceAndEqualGloo) {
+  for (int world : {1, 2, 3, 4}) {
+    with_both(world, [&](int rank, ProcessGroup& shm, ProcessGroup& gloo) {
+      for (int64_t n : {1, 7, 1000, 100003})
+        for (auto dt : {at::kFloat, at::kDouble, at::kHalf, at::kBFloat16}) {
+          at::Tensor buffer = shm.allreduce_buffer(n, dt);
+          EXPECT_EQ(buffer.scalar_type(), dt);
+          EXPECT_TRUE(at::equal(buffer, at::zeros({n}, dt))) << "zeroed";
+          EXPECT_EQ(testing::in_shared_memory(buffer), world > 1) << "world " << world;
+          buffer.copy_(integers(n, rank, dt));
+          at::Tensor want = buffer.clone();
+          ProcessGroup::wait(gloo.allreduce(want));
+          ProcessGroup::wait(shm.allreduce(buffer));
+          EXPECT_TRUE(same_bits(buffer, want)) << "world " << world << " n " << n << " " << dt;
+          if (n < 1000) continue;
+          at::Tensor part = buffer.narrow(0, 17, n - 40);  // the same part on every rank
+          part.copy_(integers(n - 40, rank, dt, 1));
+          at::Tensor part_want = part.clone();
+          ProcessGroup::wait(gloo.allreduce(part_want));
+          ProcessGroup::wait(shm.allreduce(part));
+          EXPECT_TRUE(same_bits(part, part_want)) << "part, world " << world << " n " << n << " " << dt;
+        }
+      at::Tensor buffer = shm.allreduce_buffer(5000, at::kFloat);
+      buffer.copy_(integers(5000, rank, at::kFloat, 2) * world);
+      at::Tensor want = buffer.clone();
+      ProcessGroup::wait(gloo.allreduce(want, c10d::ReduceOp::AVG));
+      ProcessGroup::wait(shm.allreduce(buffer, c10d::ReduceOp::AVG));
+      EXPECT_TRUE(at::allclose(buffer, want)) << "AVG, world " << world;
+      // Rank 0 passes plain memory, the others parts at different offsets: the slots.
+      at::Tensor mixed = rank == 0 ? at::empty({4000}) : buffer.narrow(0, 10 * rank, 4000);
+      mixed.copy_(integers(4000, rank, at::kFloat, 3));
+      at::Tensor mixed_want = mixed.clone();
+      ProcessGroup::wait(gloo.allreduce(mixed_want));
+      ProcessGroup::wait(shm.allreduce(mixed));
+      EXPECT_TRUE(same_bits(mixed, mixed_want)) << "mixed, world " << world;
+    });
+  }
+}
+
+// Allocation is collective over the host's ranks: sizes must agree, and a rank that does not
+// take part gives its peers an error within the timeout. Nothing is left in /dev/shm, and a
+// buffer outlives its group.
+TEST(SharedMemory, AllreduceBuffersAreAllocatedTogether) {
+  spawn_groups(
+      3,
+      [](const c10::intrusive_ptr<c10d::Store>& store, int r) {
+        return std::make_shared<ProcessGroup>(store, r, 3, shm_options(true).timeout(std::chrono::seconds(20)));
+      },
+      [&](int rank, std::shared_ptr<ProcessGroup> pg) {
+        EXPECT_THAT(testing::error_of([&] { pg->allreduce_buffer(rank == 0 ? 100 : 200, at::kFloat); }),
+                    ::testing::ContainsRegex("allocated (400|800) bytes as shared buffer #0 where this rank allocated "
+                                             "(400|800): every rank must allocate the same buffers in the same order"));
+        auto group = std::make_shared<ProcessGroup>(pg->store(), rank, 3, shm_options(true).group_name("buffers"));
+        at::Tensor buffer = group->allreduce_buffer(3000, at::kFloat);
+        buffer.fill_(rank + 1);
+        ProcessGroup::wait(group->allreduce(buffer));
+        EXPECT_TRUE(at::equal(buffer, at::full({3000}, 6.f)));
+        EXPECT_TRUE(testing::shm_segments(getpid()).empty()) << "unlinked once every rank mapped them";
+        ProcessGroup::wait(pg->barrier());  // every rank is done with `group`
+        group.reset();
+        buffer.add_(1);  // still mapped
+        EXPECT_TRUE(at::equal(buffer, at::full({3000}, 7.f)));
+      });
+  std::promise<void> rank0_done;
+  spawn_groups(
+      2,
+      [](const c10::intrusive_ptr<c10d::Store>& store, int r) {
+        return std::make_shared<ProcessGroup>(store, r, 2, shm_options(true).timeout(std::chrono::milliseconds(500)));
+      },
+      [&](int rank, std::shared_ptr<ProcessGroup> pg) {
+        if (rank == 1) return rank0_done.get_future().wait();
+        EXPECT_THAT(testing::error_of([&] { pg->allreduce_buffer(10, at::kFloat); }),
+                    ::testing::ContainsRegex("allreduce_buffer of 10 Float elements in shared memory failed on rank 0 "
+                                             "of 2: .*rank 1 \\(on this host\\) did not allocate shared buffer #0"));
+        EXPECT_TRUE(testing::shm_segments(getpid()).empty());
+        rank0_done.set_value();
+      });
+}
+
 // 2048 + 1 + 1 in float16: summed pairwise in float16 it stays 2048 (the spacing there is 2);
 // accumulated in fp32 and rounded once it is 2050.
 TEST(SharedMemory, HalfSumsAccumulateInFloat32) {

@@ -14,6 +14,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <iostream>
 #include <sstream>
 
 namespace ddpkit {
@@ -110,7 +111,12 @@ std::shared_ptr<::gloo::transport::Device> make_gloo_device(const ProcessGroupOp
 struct ProcessGroup::Shm {
   std::unique_ptr<shm::Domain> domain;
   std::shared_ptr<ProcessGroup> across;  // null on one host
-  JobThread thread;                      // last: stopped (drained) first
+  c10::intrusive_ptr<c10d::Store> store;  // the group's: allreduce_buffer's allocations meet there
+  std::string key;                        // this host's prefix in it
+  std::mutex allocate_mutex;
+  int64_t allocations = 0;  // numbers them alike on every local rank
+  bool warned = false;
+  JobThread thread;  // last: stopped (drained) first
 };
 
 ProcessGroup::ProcessGroup(c10::intrusive_ptr<c10d::Store> store, int rank, int world_size,
@@ -150,7 +156,7 @@ ProcessGroup::ProcessGroup(c10::intrusive_ptr<c10d::Store> store, int rank, int 
   }
   // Which ranks share a host: per group, from what each rank publishes (docs/design.md).
   topology_ = discover_host_topology(*prefixed, "ddpkit/topology", rank_, world_size_, options_.timeout());
-  setup_shared_memory(*prefixed);
+  setup_shared_memory(prefixed);
   sequencer_ = std::make_unique<JobThread>();
 }
 
@@ -163,7 +169,8 @@ ProcessGroup::~ProcessGroup() {
 // group's (a host whose ranks disagreed would run other algorithms than its peers and hang).
 // Used when every rank wants it, a host has two or more ranks, and (several hosts) every host
 // has the same number, which hierarchical allreduce needs.
-void ProcessGroup::setup_shared_memory(c10d::Store& store) {
+void ProcessGroup::setup_shared_memory(const c10::intrusive_ptr<c10d::Store>& group_store) {
+  c10d::Store& store = *group_store;
   const bool want = options_.shared_memory() && options_.backend() == "gloo" && shared_memory_allowed_by_environment();
   if (world_size_ == 1) return;
   DDPKIT_CHECK(options_.shm_slot_bytes() >= 4096 && options_.shm_slot_bytes() % 64 == 0,
@@ -188,8 +195,10 @@ void ProcessGroup::setup_shared_memory(c10d::Store& store) {
   o.timeout = options_.timeout();
   o.slot_bytes = options_.shm_slot_bytes();
   auto engine = std::make_unique<Shm>();
+  engine->store = group_store;
+  engine->key = prefix + "host" + std::to_string(topology_.host_of_rank[rank_]);
   try {
-    engine->domain = shm::Domain::create(store, prefix + "host" + std::to_string(topology_.host_of_rank[rank_]), o);
+    engine->domain = shm::Domain::create(store, engine->key, o);
   } catch (const std::exception&) {
     throw CommError(describe_comm_failure("shared-memory setup of process group '" + options_.group_name() + "'",
                                           rank_, world_size_, std::current_exception()));
@@ -206,6 +215,34 @@ void ProcessGroup::setup_shared_memory(c10d::Store& store) {
 
 bool ProcessGroup::uses_shared_memory() const { return shm_ != nullptr; }
 bool ProcessGroup::hierarchical() const { return shm_ && shm_->across; }
+
+at::Tensor ProcessGroup::allreduce_buffer(int64_t numel, at::ScalarType dtype) {
+  DDPKIT_CHECK(numel >= 0, "allreduce_buffer: numel must be >= 0, got ", numel);
+  const auto options = at::TensorOptions().dtype(dtype).device(at::kCPU);
+  // Summing in place needs every rank of the group in one domain (no hierarchical step).
+  if (!shm_ || shm_->across || numel == 0) return at::zeros({numel}, options);
+  std::lock_guard<std::mutex> lock(shm_->allocate_mutex);
+  const int64_t id = shm_->allocations++;
+  std::string why;
+  std::shared_ptr<shm::SharedBuffer> buffer;
+  try {
+    buffer = shm_->domain->allocate(*shm_->store, shm_->key + "/buffer", id,
+                                    static_cast<size_t>(numel) * c10::elementSize(dtype), &why);
+  } catch (const std::exception&) {
+    throw CommError(describe_comm_failure("allreduce_buffer of " + std::to_string(numel) + " " + c10::toString(dtype) +
+                                              " elements in shared memory",
+                                          rank_, world_size_, std::current_exception()));
+  }
+  if (!buffer) {
+    if (!shm_->warned)
+      std::cerr << "ddpkit: rank " << rank_ << ": allreduce buffers stay in private memory (" << why
+                << "); allreduce still goes through shared memory, with one more copy each way\n";
+    shm_->warned = true;
+    return at::zeros({numel}, options);
+  }
+  // The tensor owns the mappings: they outlive the group if the tensor does.
+  return at::from_blob(buffer->base[shm_->domain->local_rank()], {numel}, [buffer](void*) {}, options);
+}
 
 bool ProcessGroup::shm_takes(const at::Tensor& t) const {
   return shm_ && !shm_->across && t.device().is_cpu() && !t.is_sparse();

@@ -27,7 +27,7 @@ namespace ddpkit {
 namespace shm {
 namespace {
 
-constexpr uint64_t kMagic = 0x64647073686d3031ull;  // "ddpshm01"
+constexpr uint64_t kMagic = 0x64647073686d3032ull;  // "ddpshm02"
 constexpr int kMaxLocalRanks = 64;                   // codecs::sum_raw's bound on inputs
 enum Counter { kArrived = 0, kReduced = 1, kDone = 2 };
 enum Op : uint32_t { kAllreduce = 1, kReduceScatter, kAllgather, kBroadcast, kAlltoall, kBarrier };
@@ -318,6 +318,11 @@ void Domain::allreduce(void* data, int64_t numel, c10::ScalarType dtype, double 
   const int L = options_.local_size, me = options_.local_rank;
   const int64_t elt = static_cast<int64_t>(c10::elementSize(dtype));
   auto* base = static_cast<uint8_t*>(data);
+  const std::shared_ptr<SharedBuffer> shared = find_buffer(base, numel * elt);
+  if (shared) {
+    call_.buffer = shared->id;
+    call_.offset = base - shared->base[me];
+  }
   // Each rank sums one slice of every step's chunk: slices are whole cache lines.
   const int64_t align = std::max<int64_t>(1, 64 / elt);
   const int64_t per_step = std::max<int64_t>(align * L, options_.slot_bytes / elt / (align * L) * (align * L));
@@ -332,6 +337,8 @@ void Domain::allreduce(void* data, int64_t numel, c10::ScalarType dtype, double 
     for (int j = 0; j < L; ++j)
       if (j != me && len(j) > 0) std::memcpy(mine + j * q * elt, base + (off + j * q) * elt, len(j) * elt);
     arrive(s, first);
+    // The first step's slot was filled all the same: which path to take is known only now.
+    if (first && in_place_everywhere(s)) return allreduce_in_place(*shared, call_.offset, numel, dtype, scale, s);
     if (len(me) > 0) {
       int k = 0;
       inputs[k++] = base + (off + me * q) * elt;
@@ -346,6 +353,46 @@ void Domain::allreduce(void* data, int64_t numel, c10::ScalarType dtype, double 
     finish(s);
     off += c;
   }
+}
+
+bool Domain::in_place_everywhere(uint32_t s) const {
+  if (call_.buffer < 0) return false;
+  for (int p = 0; p < options_.local_size; ++p) {
+    const Announcement& a = Segment::control(base_, p)->said[s & 1];
+    if (a.buffer != call_.buffer || a.offset != call_.offset) return false;
+  }
+  return true;
+}
+
+// Every rank's data are in place in its own buffer, and every rank maps every peer's: rank j sums
+// slice j of all of them and writes the sum into each. A rank reads and writes only its slice, so
+// no two ranks touch the same bytes; `reduced` says a rank's slice is everywhere. Per element that
+// is L reads and L writes across the host, against the slot path's copy in, sum and copy out.
+void Domain::allreduce_in_place(const SharedBuffer& buffer, int64_t offset, int64_t numel, c10::ScalarType dtype,
+                                double scale, uint32_t s) {
+  const int L = options_.local_size, me = options_.local_rank;
+  const int64_t elt = static_cast<int64_t>(c10::elementSize(dtype));
+  const int64_t align = std::max<int64_t>(1, 64 / elt);
+  const int64_t q = ((numel + L - 1) / L + align - 1) / align * align;
+  const int64_t lo = std::min(numel, me * q), hi = std::min(numel, (me + 1) * q);
+  // Chunks small enough that the copies out read the sum from cache.
+  const int64_t chunk = std::max<int64_t>(align, std::min<int64_t>(options_.slot_bytes, 256 << 10) / elt);
+  const void* inputs[kMaxLocalRanks];
+  for (int64_t i = lo; i < hi; i += chunk) {
+    const int64_t n = std::min(chunk, hi - i);
+    const int64_t at = offset + i * elt;
+    uint8_t* own = buffer.base[me] + at;
+    int k = 0;
+    inputs[k++] = own;  // first: `out` may alias inputs, and the order matches the slot path's
+    for (int p = 0; p < L; ++p)
+      if (p != me) inputs[k++] = buffer.base[p] + at;
+    codecs::sum_raw(dtype, inputs, k, own, n, scale);
+    for (int p = 0; p < L; ++p)
+      if (p != me) std::memcpy(buffer.base[p] + at, own, n * elt);
+  }
+  publish(kReduced, s + 1);
+  wait_all(kReduced, s + 1);
+  finish(s);
 }
 
 void Domain::reduce_scatter(const void* in, void* out, int64_t numel, c10::ScalarType dtype, int64_t in_stride) {
@@ -444,6 +491,107 @@ void Domain::barrier() {
   claim(s, true);
   arrive(s, true);
   finish(s);
+}
+
+// ---- shared buffers ------------------------------------------------------------------------------
+
+SharedBuffer::~SharedBuffer() {
+  for (uint8_t* b : base)
+    if (b) munmap(b, bytes);
+}
+
+std::shared_ptr<SharedBuffer> Domain::allocate(c10d::Store& store, const std::string& key, int64_t id, size_t size,
+                                               std::string* why) {
+  DDPKIT_CHECK(size > 0, "shared buffer of 0 bytes");
+  const int L = options_.local_size, me = options_.local_rank;
+  const std::string what = "shared buffer #" + std::to_string(id) + " (" + std::to_string(size) + " bytes)";
+  auto buffer = std::make_shared<SharedBuffer>();
+  buffer->id = id;
+  buffer->bytes = size;
+  buffer->base.assign(L, nullptr);
+  auto map = [&](const std::string& name, bool create, std::string& error) -> uint8_t* {
+    const int fd = create ? shm_open(name.c_str(), O_RDWR | O_CREAT | O_EXCL, 0600) : shm_open(name.c_str(), O_RDWR, 0);
+    if (fd < 0) {
+      error = "shm_open(" + name + ") failed: " + errno_text(errno);
+      return nullptr;
+    }
+    void* p = MAP_FAILED;
+    if (create) {
+      if (int e = posix_fallocate(fd, 0, static_cast<off_t>(size))) {
+        error = "cannot reserve " + std::to_string((size + (1 << 20) - 1) >> 20) + " MiB in /dev/shm: " + errno_text(e);
+      }
+    }
+    if (error.empty()) {
+      p = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+      if (p == MAP_FAILED) error = "mmap of " + name + " failed: " + errno_text(errno);
+    }
+    close(fd);  // the mapping keeps the memory
+    if (create && !error.empty()) shm_unlink(name.c_str());
+    return p == MAP_FAILED ? nullptr : static_cast<uint8_t*>(p);
+  };
+  std::string mine = random_name(), error;
+  buffer->base[me] = map(mine, /*create=*/true, error);
+  if (!error.empty()) mine = "!" + error;
+  const std::string prefix = key + "/" + std::to_string(id) + "/";
+  store.set(prefix + std::to_string(me), bytes(std::to_string(size) + " " + mine));
+  std::string failure = error.empty() ? "" : "local rank " + std::to_string(me) + ": " + error;
+  for (int p = 0; p < L; ++p) {
+    if (p == me) continue;
+    try {
+      store.wait({prefix + std::to_string(p)}, options_.timeout);
+    } catch (const std::exception& e) {
+      if (error.empty()) shm_unlink(mine.c_str());
+      throw std::runtime_error("shared memory: rank " + std::to_string(group_rank(p)) + " (on this host) did not allocate " +
+                               what + " within " + std::to_string(options_.timeout.count()) + " ms (" + e.what() + ")");
+    }
+    const std::string said = text(store.get(prefix + std::to_string(p)));
+    const size_t space = said.find(' ');
+    if (space == std::string::npos || said.substr(0, space) != std::to_string(size)) {
+      if (error.empty()) shm_unlink(mine.c_str());
+      throw std::runtime_error("shared memory: rank " + std::to_string(group_rank(p)) + " (on this host) allocated " +
+                               said.substr(0, space) + " bytes as shared buffer #" + std::to_string(id) +
+                               " where this rank allocated " + std::to_string(size) +
+                               ": every rank must allocate the same buffers in the same order");
+    }
+    const std::string name = said.substr(space + 1);
+    if (!name.empty() && name[0] == '!') {
+      if (failure.empty()) failure = "rank " + std::to_string(group_rank(p)) + " (on this host): " + name.substr(1);
+    } else if (failure.empty()) {
+      std::string e;
+      buffer->base[p] = map(name, /*create=*/false, e);
+      if (!e.empty()) failure = "local rank " + std::to_string(me) + ": " + e;
+    }
+  }
+  if (!failure.empty()) store.set(prefix + "error", bytes(failure));
+  // Once every rank has mapped every segment (or given up), the names can go.
+  if (store.add(prefix + "mapped", 1) == L) store.set(prefix + "ready", bytes("1"));
+  try {
+    store.wait({prefix + "ready"}, options_.timeout);
+    if (store.check({prefix + "error"})) failure = text(store.get(prefix + "error"));
+  } catch (const std::exception& e) {
+    failure = "not every local rank mapped " + what + " within " + std::to_string(options_.timeout.count()) + " ms (" +
+              e.what() + ")";
+  }
+  if (error.empty()) shm_unlink(mine.c_str());
+  if (!failure.empty()) {
+    if (why) *why = failure;
+    return nullptr;
+  }
+  std::lock_guard<std::mutex> lock(buffers_mutex_);
+  for (auto it = buffers_.begin(); it != buffers_.end();) it = it->second.expired() ? buffers_.erase(it) : std::next(it);
+  buffers_[buffer->base[me]] = buffer;
+  return buffer;
+}
+
+std::shared_ptr<SharedBuffer> Domain::find_buffer(const void* data, int64_t bytes) {
+  const auto* p = static_cast<const uint8_t*>(data);
+  std::lock_guard<std::mutex> lock(buffers_mutex_);
+  auto it = buffers_.upper_bound(p);
+  if (it == buffers_.begin()) return nullptr;
+  std::shared_ptr<SharedBuffer> b = std::prev(it)->second.lock();
+  const uint8_t* own = b ? b->base[options_.local_rank] : nullptr;
+  if (!b || p + bytes > own + b->bytes) return nullptr;
+  return b;
 }
 
 }  // namespace shm

@@ -19,7 +19,9 @@
 
 #include <chrono>
 #include <cstdint>
+#include <map>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -38,6 +40,23 @@ struct Announcement {
   int32_t dtype = 0;
   int64_t size = 0;
   int32_t root = 0;
+  // Allreduce only: where the data live when they are in a SharedBuffer (its id, and the byte
+  // offset in it); -1 otherwise. Not part of the call: ranks that differ here copy as usual.
+  int64_t buffer = -1;
+  int64_t offset = 0;
+};
+
+// Memory that every local rank allocated at once (Domain::allocate) and that each maps from
+// every peer, so an allreduce over it can sum in place instead of copying through the slots.
+// Unmapped when the last tensor over it is gone, which may be after the Domain.
+struct SharedBuffer {
+  int64_t id = -1;  // the allocation's number: the same on every local rank
+  size_t bytes = 0;
+  std::vector<uint8_t*> base;  // by local rank: base[local_rank()] is this rank's own memory
+  SharedBuffer() = default;
+  SharedBuffer(const SharedBuffer&) = delete;
+  SharedBuffer& operator=(const SharedBuffer&) = delete;
+  ~SharedBuffer();
 };
 
 struct DomainOptions {
@@ -80,6 +99,15 @@ class Domain {
   void alltoall(const void* in, void* out, int64_t bytes_per_rank);
   void barrier();
 
+  // Collective over the local ranks, in the same order on each (`id` numbers the allocations):
+  // each creates a zeroed segment of `bytes`, maps every peer's, and unlinks its own once all
+  // have mapped. allreduce() sums in place when every rank passes data at the same offset of the
+  // same buffer (what DDP's buckets do). Returns null with the reason in *why when some rank could
+  // not reserve or map the space, so every rank falls back alike; throws when a peer does not take
+  // part within the timeout.
+  std::shared_ptr<SharedBuffer> allocate(c10d::Store& store, const std::string& key, int64_t id, size_t bytes,
+                                         std::string* why);
+
  private:
   struct Segment;
   Domain(DomainOptions options, std::string name, int fd, void* base, size_t bytes);
@@ -102,6 +130,13 @@ class Domain {
   void wait_all(int counter, uint32_t target);
   bool peer_alive(int peer) const;
   [[noreturn]] void fail(const std::string& message);
+  // The shared buffer holding [data, data + bytes) of this rank, if any.
+  std::shared_ptr<SharedBuffer> find_buffer(const void* data, int64_t bytes);
+  // After the first arrive of an allreduce at step s: did every rank announce the same buffer
+  // and offset? Then each sums its slice in every rank's buffer, and the step ends.
+  bool in_place_everywhere(uint32_t s) const;
+  void allreduce_in_place(const SharedBuffer& buffer, int64_t offset, int64_t numel, c10::ScalarType dtype,
+                          double scale, uint32_t s);
   uint8_t* slot(int rank, uint32_t step) const;
   int group_rank(int local) const;
 
@@ -114,6 +149,8 @@ class Domain {
   Announcement call_;  // the collective under way, as announced to the peers
   std::chrono::steady_clock::time_point deadline_;
   std::string broken_;  // the first failure; every later collective reports it
+  std::mutex buffers_mutex_;  // allocate() runs on the caller's thread, allreduce() on the shm thread
+  std::map<const uint8_t*, std::weak_ptr<SharedBuffer>> buffers_;  // by this rank's base address
 };
 
 }  // namespace shm

@@ -504,6 +504,7 @@ FuturePtr ParameterServerClient::average(int64_t batch_number, int64_t bucket_in
                            std::to_string(bucket_index) + ")";
   const std::string address = impl_->options.address();
   const int64_t chunk_bytes = impl_->options.chunk_bytes();
+  auto fail = [result](const std::string& error) { result->setError(std::make_exception_ptr(CommError(error))); };
 
   if (gradient.is_sparse()) {
     const at::Tensor sparse = gradient.cpu().coalesce();
@@ -522,7 +523,6 @@ FuturePtr ParameterServerClient::average(int64_t batch_number, int64_t bucket_in
     auto complete = [result, device](at::Tensor out) {
       result->markCompleted(c10::IValue(out.device() == device ? out : out.to(device)));
     };
-    auto fail = [result](const std::string& error) { result->setError(std::make_exception_ptr(CommError(error))); };
     if (count <= 1) {
       impl_->average_sparse(batch_number, bucket_index, sparse, {}, sparse.numel() * elem, what,
                             [complete, fail](const std::string& error, at::Tensor out) {
@@ -576,11 +576,11 @@ FuturePtr ParameterServerClient::average(int64_t batch_number, int64_t bucket_in
 
   const int64_t bytes = gradient.numel() * static_cast<int64_t>(gradient.element_size());
   if (chunk_bytes <= 0 || bytes <= chunk_bytes) {
-    impl_->average_dense(batch_number, bucket_index, gradient, out, {}, what, [result, complete](const std::string& error) {
+    impl_->average_dense(batch_number, bucket_index, gradient, out, {}, what, [complete, fail](const std::string& error) {
       if (error.empty())
         complete();
       else
-        result->setError(std::make_exception_ptr(CommError(error)));
+        fail(error);
     });
     return result;
   }
@@ -598,11 +598,11 @@ FuturePtr ParameterServerClient::average(int64_t batch_number, int64_t bucket_in
                             ChunkOf{i, count, flat.numel()},
                             what + " chunk " + std::to_string(i) + " of " + std::to_string(count), std::move(done));
       },
-      [result, complete](const std::string& error) {
+      [complete, fail](const std::string& error) {
         if (error.empty())
           complete();
         else
-          result->setError(std::make_exception_ptr(CommError(error)));
+          fail(error);
       });
   return result;
 }

@@ -211,7 +211,9 @@ void Reducer::build_buckets(const BucketAssignment& assignment) {
       total += p.numel();
     }
     if (!bucket.sparse) {
-      bucket.buffer = at::zeros({total}, first.options().requires_grad(false));
+      // On CPU the group may place it in shared memory, where ranks on one host sum in place.
+      bucket.buffer = first.device().is_cpu() ? pg_->allreduce_buffer(total, first.scalar_type())
+                                              : at::zeros({total}, first.options().requires_grad(false));
       for (size_t slot = 0; slot < bucket.vars.size(); ++slot) {
         at::Tensor view = alias_of(bucket.buffer, bucket.offsets[slot], bucket.shapes[slot]);
         if (options_.gradient_as_bucket_view) {

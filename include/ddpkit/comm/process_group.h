@@ -140,6 +140,13 @@ class ProcessGroup {
   // and whether allreduce across hosts is hierarchical.
   bool uses_shared_memory() const;
   bool hierarchical() const;
+  // A zeroed CPU tensor of `numel` elements for this group's allreduce. Where this host's ranks
+  // share memory (and the group is on one host) it lives in a segment every local rank maps, so
+  // an allreduce that every local rank issues on the same part of its own such tensor (DDP's
+  // buckets) sums in place, without copying through the shared slots. Collective over this
+  // host's ranks: each calls it in the same order with the same size. Plain memory otherwise,
+  // or (with one warning) when /dev/shm has no room.
+  at::Tensor allreduce_buffer(int64_t numel, at::ScalarType dtype);
 
   // Collectives. All are asynchronous and in place where the c10d one is; each returns a future
   // whose value is the result tensor, or whose error is a CommError naming the operation.
@@ -201,7 +208,7 @@ class ProcessGroup {
   void gloo_allgather(const std::vector<at::Tensor>& outputs, const at::Tensor& input, const FuturePtr& result);
   // Shared memory (src/comm/shm_domain.h): set up at construction, run on the group's shm thread.
   struct Shm;
-  void setup_shared_memory(c10d::Store& store);
+  void setup_shared_memory(const c10::intrusive_ptr<c10d::Store>& store);
   bool shm_takes(const at::Tensor& t) const;
   // Runs `op` on the shm thread in issue order, after `account` (counts its bytes; may reject
   // it by throwing) on the sequencer; the future completes with `value`.
