@@ -103,6 +103,46 @@ bool lock_byte(int fd, int index) {
 std::string text(const std::vector<uint8_t>& v) { return std::string(v.begin(), v.end()); }
 std::vector<uint8_t> bytes(const std::string& s) { return std::vector<uint8_t>(s.begin(), s.end()); }
 
+// Creates segment `name` (exclusively), reserves `size` bytes (so a full /dev/shm is an error
+// here, not a SIGBUS in the middle of a step) and maps them at *base. Returns its fd, or -1 with
+// `error` set and nothing left behind.
+int create_segment(const std::string& name, size_t size, void** base, std::string& error) {
+  const int fd = shm_open(name.c_str(), O_RDWR | O_CREAT | O_EXCL, 0600);
+  if (fd < 0) {
+    error = "shm_open(" + name + ") failed: " + errno_text(errno);
+    return -1;
+  }
+  void* p = MAP_FAILED;
+  if (int e = posix_fallocate(fd, 0, static_cast<off_t>(size))) {
+    error = "cannot reserve " + std::to_string(size >> 20) + " MiB in /dev/shm for " + name + ": " + errno_text(e);
+  } else if ((p = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0)) == MAP_FAILED) {
+    error = "mmap of " + name + " failed: " + errno_text(errno);
+  }
+  if (p == MAP_FAILED) {
+    close(fd);
+    shm_unlink(name.c_str());
+    return -1;
+  }
+  *base = p;
+  return fd;
+}
+
+// After each local rank has mapped what its peers created (or failed to, `failure`): the last
+// to say so lets everyone on, and then every name can go. Returns the failure some rank published
+// under `prefix`, or that the ranks did not all get there within `timeout`; empty if none.
+std::string meet_once_mapped(c10d::Store& store, const std::string& prefix, int local_size,
+                             std::chrono::milliseconds timeout, const std::string& failure, const std::string& what) {
+  if (!failure.empty()) store.set(prefix + "error", bytes(failure));
+  if (store.add(prefix + "mapped", 1) == local_size) store.set(prefix + "ready", bytes("1"));
+  try {
+    store.wait({prefix + "ready"}, timeout);
+    return store.check({prefix + "error"}) ? text(store.get(prefix + "error")) : std::string();
+  } catch (const std::exception& e) {
+    return "not every local rank mapped " + what + " within " + std::to_string(timeout.count()) + " ms (" + e.what() +
+           ")";
+  }
+}
+
 }  // namespace
 
 struct Domain::Segment {
@@ -131,21 +171,12 @@ std::unique_ptr<Domain> Domain::create(c10d::Store& store, const std::string& ke
   if (leader) {
     name = random_name();
     size = segment_bytes(o.local_size, o.slot_bytes);
-    fd = shm_open(name.c_str(), O_RDWR | O_CREAT | O_EXCL, 0600);
-    if (fd < 0) {
-      error = "shm_open(" + name + ") failed: " + errno_text(errno);
-    } else if (int e = posix_fallocate(fd, 0, static_cast<off_t>(size))) {
-      // Reserved now: a full /dev/shm is an error here, not a SIGBUS in the middle of a step.
-      error = "cannot reserve " + std::to_string(size >> 20) + " MiB in /dev/shm for " + name + ": " + errno_text(e);
-    } else if ((base = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0)) == MAP_FAILED) {
-      base = nullptr;
-      error = "mmap of " + name + " failed: " + errno_text(errno);
-    } else {
+    fd = create_segment(name, size, &base, error);
+    if (fd >= 0) {
       new (base) Header{kMagic, o.slot_bytes, o.local_size};
       for (int r = 0; r < o.local_size; ++r) new (Segment::control(base, r)) RankControl();
     }
     store.set(key + "/name", bytes(error.empty() ? name : "!" + error));
-    if (!error.empty() && fd >= 0) shm_unlink(name.c_str());
   } else {
     try {
       store.wait({key + "/name"}, o.timeout);
@@ -176,17 +207,9 @@ std::unique_ptr<Domain> Domain::create(c10d::Store& store, const std::string& ke
     }
   }
   if (error.empty() && !lock_byte(fd, o.local_rank)) error = "cannot lock " + name + ": " + errno_text(errno);
-  if (!error.empty()) store.set(key + "/error", bytes("local rank " + std::to_string(o.local_rank) + ": " + error));
-  // The last to map says so; then the name can go.
-  if (store.add(key + "/mapped", 1) == o.local_size) store.set(key + "/ready", bytes("1"));
-  std::string failure;
-  try {
-    store.wait({key + "/ready"}, o.timeout);
-    if (store.check({key + "/error"})) failure = text(store.get(key + "/error"));
-  } catch (const std::exception& e) {
-    failure = "not every local rank mapped the segment within " + std::to_string(o.timeout.count()) + " ms (" +
-              e.what() + ")";
-  }
+  const std::string failure =
+      meet_once_mapped(store, key + "/", o.local_size, o.timeout,
+                       error.empty() ? "" : "local rank " + std::to_string(o.local_rank) + ": " + error, "the segment");
   if (leader && !name.empty() && name[0] != '!') shm_unlink(name.c_str());
   if (!failure.empty()) {
     cleanup();
@@ -509,29 +532,15 @@ std::shared_ptr<SharedBuffer> Domain::allocate(c10d::Store& store, const std::st
   buffer->id = id;
   buffer->bytes = size;
   buffer->base.assign(L, nullptr);
-  auto map = [&](const std::string& name, bool create, std::string& error) -> uint8_t* {
-    const int fd = create ? shm_open(name.c_str(), O_RDWR | O_CREAT | O_EXCL, 0600) : shm_open(name.c_str(), O_RDWR, 0);
-    if (fd < 0) {
-      error = "shm_open(" + name + ") failed: " + errno_text(errno);
-      return nullptr;
-    }
-    void* p = MAP_FAILED;
-    if (create) {
-      if (int e = posix_fallocate(fd, 0, static_cast<off_t>(size))) {
-        error = "cannot reserve " + std::to_string((size + (1 << 20) - 1) >> 20) + " MiB in /dev/shm: " + errno_text(e);
-      }
-    }
-    if (error.empty()) {
-      p = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-      if (p == MAP_FAILED) error = "mmap of " + name + " failed: " + errno_text(errno);
-    }
-    close(fd);  // the mapping keeps the memory
-    if (create && !error.empty()) shm_unlink(name.c_str());
-    return p == MAP_FAILED ? nullptr : static_cast<uint8_t*>(p);
-  };
   std::string mine = random_name(), error;
-  buffer->base[me] = map(mine, /*create=*/true, error);
-  if (!error.empty()) mine = "!" + error;
+  void* own = nullptr;
+  const int fd = create_segment(mine, size, &own, error);
+  if (fd >= 0) {
+    close(fd);  // the mapping keeps the memory
+    buffer->base[me] = static_cast<uint8_t*>(own);
+  } else {
+    mine = "!" + error;
+  }
   const std::string prefix = key + "/" + std::to_string(id) + "/";
   store.set(prefix + std::to_string(me), bytes(std::to_string(size) + " " + mine));
   std::string failure = error.empty() ? "" : "local rank " + std::to_string(me) + ": " + error;
@@ -557,21 +566,16 @@ std::shared_ptr<SharedBuffer> Domain::allocate(c10d::Store& store, const std::st
     if (!name.empty() && name[0] == '!') {
       if (failure.empty()) failure = "rank " + std::to_string(group_rank(p)) + " (on this host): " + name.substr(1);
     } else if (failure.empty()) {
-      std::string e;
-      buffer->base[p] = map(name, /*create=*/false, e);
-      if (!e.empty()) failure = "local rank " + std::to_string(me) + ": " + e;
+      const int peer_fd = shm_open(name.c_str(), O_RDWR, 0);
+      void* mapped = peer_fd < 0 ? MAP_FAILED : mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, peer_fd, 0);
+      if (mapped == MAP_FAILED)
+        failure = "local rank " + std::to_string(me) + ": cannot map " + name + ": " + errno_text(errno);
+      else
+        buffer->base[p] = static_cast<uint8_t*>(mapped);
+      if (peer_fd >= 0) close(peer_fd);
     }
   }
-  if (!failure.empty()) store.set(prefix + "error", bytes(failure));
-  // Once every rank has mapped every segment (or given up), the names can go.
-  if (store.add(prefix + "mapped", 1) == L) store.set(prefix + "ready", bytes("1"));
-  try {
-    store.wait({prefix + "ready"}, options_.timeout);
-    if (store.check({prefix + "error"})) failure = text(store.get(prefix + "error"));
-  } catch (const std::exception& e) {
-    failure = "not every local rank mapped " + what + " within " + std::to_string(options_.timeout.count()) + " ms (" +
-              e.what() + ")";
-  }
+  failure = meet_once_mapped(store, prefix, L, options_.timeout, failure, what);
   if (error.empty()) shm_unlink(mine.c_str());
   if (!failure.empty()) {
     if (why) *why = failure;
