@@ -8,7 +8,10 @@ SGD momentum 0.9, zero_grad(set_to_none) on both sides. A third column runs PyTo
 default loop (zero_grad zeroing in place), the configuration of the issue's reference numbers. A
 fourth runs PyTorch (same loop as ddpkit) under the glibc allocator settings that `ddpkit` applies
 to itself (MALLOC_MMAP_THRESHOLD_/MALLOC_TRIM_THRESHOLD_), to show how much of a difference is the
-allocator rather than DDP. Every configuration runs --reps times,
+allocator rather than DDP. ddpkit's SGD updates each parameter in one pass (ddpkit::optim::SGD);
+PyTorch's one-pass CPU SGD (fused=True) arrived in 2.4, so where this PyTorch has it a fifth
+column (pt-fused) runs it under ddpkit's allocator settings, and the <= 0.6 target is read there;
+with an older PyTorch it is read on pt-malloc. Every configuration runs --reps times,
 interleaved (so drift on a shared machine hits all alike); each run reports the median step time
 of its --steps steps, and the table shows the median over reps. Ratios are computed from these
 medians, all measured in this one invocation.
@@ -20,7 +23,7 @@ import statistics
 import subprocess
 import sys
 
-from pytorch_peer import PEER_ENV, torch_version_or_exit
+from pytorch_peer import PEER_ENV, fused_cpu_sgd_available, torch_version_or_exit
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -92,18 +95,25 @@ def main():
     theirs = {h: [] for h in hooks}
     theirs_default = {h: [] for h in hooks}
     theirs_malloc = {h: [] for h in hooks}
+    theirs_fused = {h: [] for h in hooks}
     default_args = argparse.Namespace(**vars(args))
     default_args.pytorch_args = args.pytorch_args + ["--zero-grad", "zero"]
+    fused = fused_cpu_sgd_available()
+    fused_args = argparse.Namespace(**vars(args))
+    fused_args.pytorch_args = args.pytorch_args + ["--fused-sgd"]
+    configs = [("ddpkit", ours, lambda h: run_ddpkit(args.ddpkit, h, args)),
+               ("pytorch", theirs, lambda h: run_pytorch(h, args)),
+               ("pytorch-zeroing", theirs_default, lambda h: run_pytorch(h, default_args)),
+               ("pytorch-malloc", theirs_malloc, lambda h: run_pytorch(h, args, MALLOC_ENV))]
+    if fused:
+        configs.append(("pytorch-fused", theirs_fused, lambda h: run_pytorch(h, fused_args, MALLOC_ENV)))
     errors = {}
     for rep in range(args.reps):
         for h in hooks:
-            for impl, store, fn in (("ddpkit", ours, lambda: run_ddpkit(args.ddpkit, h, args)),
-                                    ("pytorch", theirs, lambda: run_pytorch(h, args)),
-                                    ("pytorch-zeroing", theirs_default, lambda: run_pytorch(h, default_args)),
-                                    ("pytorch-malloc", theirs_malloc, lambda: run_pytorch(h, args, MALLOC_ENV))):
+            for impl, store, fn in configs:
                 if (impl, h) in errors:
                     continue  # refused once: do not wait for it again
-                ms, err = fn()
+                ms, err = fn(h)
                 print("rep %d %-8s %-9s %s" % (rep + 1, impl, h, "%.1f ms" % ms if ms else "error: " + err),
                       file=sys.stderr, flush=True)
                 if err:
@@ -117,16 +127,23 @@ def main():
           % (args.reps, args.steps))
     print("PyTorch %s (%s), ddpkit on libtorch %s%s" % (peer_torch, sys.executable, ddpkit_torch(args.ddpkit),
                                                         "; gradient_as_bucket_view on both sides" if args.gradient_as_bucket_view else ""))
-    print("%-10s %9s %9s %8s %9s %8s %9s %8s" % ("hook", "ddpkit", "pytorch", "ratio", "pt-zero", "ratio",
-                                                 "pt-malloc", "ratio"))
+    columns = [("pytorch", theirs), ("pt-zero", theirs_default), ("pt-malloc", theirs_malloc)]
+    if fused:
+        columns.append(("pt-fused", theirs_fused))
+    print("%-10s %9s" % ("hook", "ddpkit") + "".join(" %9s %8s" % (name, "ratio") for name, _ in columns))
     results = {}
     for h in hooks:
-        a, b, c, d = med(ours[h]), med(theirs[h]), med(theirs_default[h]), med(theirs_malloc[h])
-        results[h] = (a, b, c, d)
+        a = med(ours[h])
+        row = [med(store[h]) for _, store in columns] + [None] * (4 - len(columns))
+        results[h] = [a] + row
         r = lambda x: "%8.2f" % (a / x) if a and x else "%8s" % "-"
-        print("%-10s %s %s %s %s %s %s %s" % (h, fmt(a), fmt(b), r(b), fmt(c), r(c), fmt(d), r(d)))
+        print("%-10s %s" % (h, fmt(a)) + "".join(" %s %s" % (fmt(x), r(x)) for x in row[:len(columns)]))
     print("ratio = ddpkit / that column. pytorch: same loop as ddpkit (zero_grad set_to_none); pt-zero: PyTorch 1.13's")
     print("default loop (zero_grad zeroes in place); pt-malloc: same loop, glibc settings of the ddpkit program.")
+    if fused:
+        print("pt-fused: as pt-malloc, with SGD(fused=True): one pass per parameter, like ddpkit's SGD.")
+    else:
+        print("PyTorch %s has no one-pass CPU SGD (fused=True arrived in 2.4); ddpkit's SGD is one pass." % peer_torch)
     for (impl, h), err in sorted(errors.items()):
         print("  %s %s: %s" % (impl, h, err))
     print()
@@ -134,19 +151,21 @@ def main():
         if num and den:
             r = num / den
             verdict = "" if target is None else ("  (target <= %.2f: %s)" % (target, "met" if r <= target else "NOT met"))
-            print("%-48s %.2f%s" % (label, r, verdict))
-    a_none, p_none, z_none, m_none = results.get("none", (None,) * 4)
-    a_ar, p_ar, z_ar, m_ar = results.get("allreduce", (None,) * 4)
-    a_fp16 = results.get("fp16", (None,) * 4)[0]
+            print("%-60s %.2f%s" % (label, r, verdict))
+    a_none, p_none, z_none, m_none, f_none = results.get("none", (None,) * 5)
+    a_ar, p_ar, z_ar, m_ar, f_ar = results.get("allreduce", (None,) * 5)
+    a_fp16 = results.get("fp16", (None,) * 5)[0]
     show("ddpkit built-in allreduce / PyTorch built-in", a_none, p_none, 0.8)
     show("ddpkit allreduce hook / PyTorch allreduce hook", a_ar, p_ar, 0.8)
     show("ddpkit built-in / PyTorch built-in (zeroing loop)", a_none, z_none, 0.8)
     show("ddpkit allreduce hook / PyTorch hook (zeroing loop)", a_ar, z_ar, 0.8)
-    show("ddpkit built-in / PyTorch built-in (ddpkit's malloc env)", a_none, m_none, 0.6)
+    show("ddpkit built-in / PyTorch built-in (ddpkit's malloc env)", a_none, m_none, None if fused else 0.6)
     show("ddpkit allreduce hook / PyTorch hook (ddpkit's malloc env)", a_ar, m_ar)
+    show("ddpkit built-in / PyTorch built-in (malloc env, fused SGD)", a_none, f_none, 0.6)
+    show("ddpkit allreduce hook / PyTorch hook (malloc env, fused SGD)", a_ar, f_ar)
     show("ddpkit fp16 hook / ddpkit built-in allreduce", a_fp16, a_none, 1.0)
     show("ddpkit fp16 hook / ddpkit allreduce hook", a_fp16, a_ar, 1.0)
-    show("ddpkit fp16 hook / PyTorch fp16 hook", a_fp16, results.get("fp16", (None,) * 4)[1])
+    show("ddpkit fp16 hook / PyTorch fp16 hook", a_fp16, results.get("fp16", (None,) * 5)[1])
     show("ddpkit noop / ddpkit local", results.get("noop", (None,))[0], results.get("local", (None,))[0])
     return 0
 

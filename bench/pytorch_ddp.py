@@ -29,6 +29,15 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersg
 from torch.distributed.algorithms.ddp_comm_hooks import quantization_hooks
 
 
+def fused_cpu_sgd():
+    """Whether this PyTorch's SGD takes fused=True for CPU parameters."""
+    try:
+        torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1, momentum=0.9, fused=True)
+        return True
+    except (TypeError, RuntimeError, ValueError):
+        return False
+
+
 def build(dims):
     layers = []
     for i in range(len(dims) - 1):
@@ -76,6 +85,8 @@ def train(rank, world, args, port, queue, master_addr="127.0.0.1"):
                                      else powersgd.batched_powerSGD_hook)
     if args.optimizer == "sgd":
         cls, kw = torch.optim.SGD, {"lr": args.lr, "momentum": 0.9}
+        if args.fused_sgd:
+            kw["fused"] = True
     else:
         cls, kw = (torch.optim.Adam if args.optimizer == "adam" else torch.optim.AdamW), {"lr": args.lr}
     if args.zero:  # PyTorch's ZeRO-1 (its DDP overlap refuses Gloo)
@@ -161,8 +172,14 @@ def main():
                    help="none: set grads to None (as ddpkit train; PyTorch 2.x default); zero: zero in place (1.13 default)")
     p.add_argument("--optimizer", default="sgd", choices=["sgd", "adam", "adamw"])
     p.add_argument("--zero", action="store_true", help="wrap the optimizer in ZeroRedundancyOptimizer")
+    p.add_argument("--fused-sgd", action="store_true",
+                   help="SGD(fused=True): one pass per parameter, as ddpkit's SGD (CPU: PyTorch 2.4+)")
     p.add_argument("--timeout", type=int, default=120, help="seconds to wait for a result")
     args = p.parse_args()
+    if args.fused_sgd and not fused_cpu_sgd():
+        sys.exit("--fused-sgd: PyTorch %s has no fused SGD for CPU tensors (it arrived in 2.4)" % torch.__version__)
+    if args.fused_sgd and args.optimizer != "sgd":
+        sys.exit("--fused-sgd applies to --optimizer sgd, not %s" % args.optimizer)
     if "RANK" in os.environ and args.hook != "local":  # one rank of a torchrun-style job
         import queue as q
         out = q.Queue()

@@ -18,3 +18,9 @@ def torch_version_or_exit():
         sys.exit("%s cannot import torch: run this with the Python that has PyTorch (Debian: /usr/bin/python3 "
                  "with python3-torch)" % sys.executable)
     return p.stdout.strip()
+
+
+def fused_cpu_sgd_available():
+    """Whether this Python's PyTorch has a one-pass SGD for CPU parameters (fused=True, 2.4+)."""
+    code = "import torch; torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1, momentum=0.9, fused=True)"
+    return subprocess.run([sys.executable, "-c", code], capture_output=True).returncode == 0

@@ -2,6 +2,9 @@
 #include "harness.h"
 
 #include <ddpkit/comm/host_topology.h>
+#include <ddpkit/optim/sgd.h>
+
+#include <torch/serialize/archive.h>
 #include <ddpkit/runtime/divergence_guard.h>
 
 #include <cmath>
@@ -363,6 +366,65 @@ TEST(DivergenceGuard, ExplosionAndLostProgressAreCaughtAndTrainingIsNot) {
   EXPECT_NE(lost->what.find("above where training started"), std::string::npos) << lost->what;
   EXPECT_NE(testing::error_of([] { DivergenceGuard(nullptr, DivergenceGuardOptions().window(0)); }).find("window must be >= 1"),
             std::string::npos);
+}
+
+// ---- ddpkit::optim::SGD ----------------------------------------------------------------------------
+// One pass per parameter must give torch::optim::SGD's bits: every option, sizes with and without
+// a vector tail, sizes split across threads, and the cases that take libtorch's operations.
+TEST(FusedSGD, MatchesTorchSGDBitForBit) {
+  struct Case {
+    const char* name;
+    torch::optim::SGDOptions options;
+  };
+  const std::vector<Case> cases = {
+      {"plain", torch::optim::SGDOptions(0.1)},
+      {"momentum", torch::optim::SGDOptions(0.05).momentum(0.9)},
+      {"dampening_wd", torch::optim::SGDOptions(0.05).momentum(0.8).dampening(0.3).weight_decay(1e-2)},
+      {"nesterov_wd", torch::optim::SGDOptions(0.01).momentum(0.9).nesterov(true).weight_decay(1e-3)},
+  };
+  const std::vector<std::vector<int64_t>> shapes = {{1}, {2}, {7}, {64, 33}, {3, 100003}};
+  for (const auto& c : cases) {
+    for (int threads : {1, 3}) {
+      at::set_num_threads(threads);
+      std::vector<at::Tensor> ours, theirs;
+      for (size_t i = 0; i < shapes.size(); ++i) {
+        ours.push_back(at::randn(shapes[i]).requires_grad_(true));
+        theirs.push_back(ours.back().detach().clone().requires_grad_(true));
+      }
+      ours.push_back(at::randn({5, 6}, at::kDouble).requires_grad_(true));  // not float: libtorch's ops
+      theirs.push_back(ours.back().detach().clone().requires_grad_(true));
+      optim::SGD fused(ours, c.options);
+      torch::optim::SGD reference(theirs, c.options);
+      for (int step = 0; step < 4; ++step) {
+        for (size_t i = 0; i < ours.size(); ++i) {
+          at::Tensor g = at::randn(ours[i].sizes(), ours[i].options().requires_grad(false));
+          // A transposed (non-contiguous) gradient on the 2-d parameter at step 2: libtorch's ops.
+          if (step == 2 && i == 3) g = at::randn({33, 64}).t();
+          ours[i].mutable_grad() = g.clone();
+          theirs[i].mutable_grad() = g.clone();
+        }
+        ours[1].mutable_grad().reset();  // no gradient: skipped by both
+        theirs[1].mutable_grad().reset();
+        fused.step();
+        reference.step();
+        for (size_t i = 0; i < ours.size(); ++i)
+          ASSERT_TRUE(at::equal(ours[i], theirs[i])) << c.name << ", " << threads << " threads, step " << step
+                                                    << ", parameter " << i << ": max difference "
+                                                    << (ours[i] - theirs[i]).abs().max().item<double>();
+      }
+      // The state is torch::optim::SGD's: it saves from one and loads into the other.
+      std::stringstream saved;
+      torch::serialize::OutputArchive out;
+      fused.save(out);
+      out.save_to(saved);
+      torch::optim::SGD loaded(theirs, c.options);
+      torch::serialize::InputArchive in;
+      in.load_from(saved);
+      loaded.load(in);
+      EXPECT_EQ(loaded.state().size(), c.options.momentum() != 0 ? ours.size() - 1 : 0u) << c.name;
+    }
+  }
+  at::set_num_threads(1);
 }
 
 }  // namespace

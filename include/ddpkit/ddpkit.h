@@ -13,6 +13,7 @@
 #include <ddpkit/hooks/post_local_sgd_hook.h>
 #include <ddpkit/hooks/powersgd_hook.h>
 #include <ddpkit/hooks/quantization_hooks.h>
+#include <ddpkit/optim/sgd.h>
 #include <ddpkit/reducer/reducer.h>
 #include <ddpkit/zero/ddp_zero_hook.h>
 #include <ddpkit/zero/zero_redundancy_optimizer.h>

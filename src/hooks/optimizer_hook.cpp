@@ -1,5 +1,7 @@
 #include <ddpkit/hooks/optimizer_hook.h>
 
+#include <ddpkit/optim/sgd.h>
+
 #include <torch/csrc/autograd/grad_mode.h>
 
 #include <cmath>
@@ -29,7 +31,7 @@ class StateTable {
   std::unordered_map<const c10::TensorImpl*, std::unique_ptr<State>> table_;
 };
 
-// torch::optim::SGD::step, per parameter.
+// ddpkit::optim::SGD (torch::optim::SGD's results), per parameter.
 class FunctionalSGD : public FunctionalOptimizer {
  public:
   explicit FunctionalSGD(torch::optim::SGDOptions o) : o_(std::move(o)) {
@@ -39,21 +41,13 @@ class FunctionalSGD : public FunctionalOptimizer {
   }
   std::string name() const override { return "sgd"; }
   void step_param(const at::Tensor& param, const at::Tensor& grad) override {
-    at::NoGradGuard no_grad;
-    at::Tensor p = param.detach();
-    at::Tensor d_p = grad;
-    if (o_.weight_decay() != 0) d_p = d_p.add(p, o_.weight_decay());
-    if (o_.momentum() != 0) {
-      bool created;
-      at::Tensor& buf = momentum_.get(param, created);
-      if (created) {
-        buf = d_p.clone().detach();
-      } else {
-        buf.mul_(o_.momentum()).add_(d_p, 1 - o_.dampening());
-      }
-      d_p = o_.nesterov() ? d_p.add(buf, o_.momentum()) : buf;
+    if (o_.momentum() == 0) {
+      at::Tensor none;
+      optim::sgd_update(param, grad, none, o_);
+      return;
     }
-    p.add_(d_p, -1 * o_.lr());
+    bool created;
+    optim::sgd_update(param, grad, momentum_.get(param, created), o_);
   }
 
  private:

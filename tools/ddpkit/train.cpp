@@ -259,7 +259,7 @@ int run_train(const std::vector<std::string>& args, const std::vector<std::strin
   const auto params = model.module->parameters();
   if (optimizer_name == "sgd") {
     const auto o = torch::optim::SGDOptions(lr).momentum(0.9);
-    factory = optimizer_factory<torch::optim::SGD>(o);
+    factory = optimizer_factory<optim::SGD>(o);  // torch::optim::SGD's results in one pass
     functional = hooks::functional_sgd(o);
   } else if (optimizer_name == "adam") {
     const auto o = torch::optim::AdamOptions(lr);

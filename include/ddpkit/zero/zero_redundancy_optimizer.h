@@ -15,6 +15,7 @@
 #pragma once
 
 #include <ddpkit/comm/process_group.h>
+#include <ddpkit/optim/sgd.h>
 
 #include <torch/arg.h>
 #include <torch/optim/adagrad.h>
@@ -35,7 +36,7 @@ namespace ddpkit {
 
 // How ZeRO creates the wrapped optimizer and recreates its per-parameter state on another rank
 // (state travels as bytes in consolidate_state_dict). optimizer_factory<O> fills it for torch::optim's
-// SGD, Adam, AdamW, Adagrad and RMSprop; for another optimizer, fill it by hand.
+// SGD (and ddpkit::optim::SGD), Adam, AdamW, Adagrad and RMSprop; for another optimizer, fill it by hand.
 struct OptimizerFactory {
   std::function<std::unique_ptr<torch::optim::Optimizer>(std::vector<torch::optim::OptimizerParamGroup>)> create;
   std::function<std::unique_ptr<torch::optim::OptimizerParamState>()> new_state;
@@ -52,6 +53,8 @@ struct optimizer_types<torch::optim::SGD> {
   using State = torch::optim::SGDParamState;
   static std::vector<at::Tensor> tensors(const State& s) { return {s.momentum_buffer()}; }
 };
+template <>
+struct optimizer_types<optim::SGD> : optimizer_types<torch::optim::SGD> {};  // same options and state
 template <>
 struct optimizer_types<torch::optim::Adam> {
   using Options = torch::optim::AdamOptions;
