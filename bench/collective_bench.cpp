@@ -108,7 +108,7 @@ void shm_vs_gloo(int world, int reps, int gloo_threads, int64_t max_bytes) {
 // each of two network namespaces). Checks that the group's default path (shared memory within a
 // host; hierarchical allreduce across hosts) gives the bits flat Gloo gives, on integer data so
 // every sum is exact, then times fp32 allreduce both ways, interleaved. Returns nonzero on a mismatch.
-int processes(int reps, const std::vector<int64_t>& sizes_mb) {
+int processes(int reps, const std::vector<int64_t>& sizes_bytes) {
   auto pg = init_process_group(InitOptions().timeout(std::chrono::seconds(120)));
   const int rank = pg->rank(), world = pg->size();
   auto flat = std::make_shared<ProcessGroup>(pg->store(), rank, world,
@@ -133,8 +133,8 @@ int processes(int reps, const std::vector<int64_t>& sizes_mb) {
     }
   if (rank == 0) std::printf("# equal to flat Gloo (fp32/fp16/bf16, 0..1M elements): %s\n", mismatches ? "NO" : "yes");
   if (rank == 0) std::printf("%12s %10s %10s %8s\n", "bytes", "flat_ms", "default_ms", "ratio");
-  for (int64_t mb : sizes_mb) {
-    at::Tensor t = at::ones({(mb << 20) / 4});
+  for (int64_t bytes : sizes_bytes) {
+    at::Tensor t = at::ones({bytes / 4});
     std::vector<double> f, d;
     for (int i = 0; i <= reps; ++i) {  // the first round warms up
       const double fm = median_ms(*flat, 1, [&] { ProcessGroup::wait(flat->allreduce(t)); });
@@ -144,7 +144,7 @@ int processes(int reps, const std::vector<int64_t>& sizes_mb) {
     std::sort(f.begin(), f.end());
     std::sort(d.begin(), d.end());
     if (rank == 0)
-      std::printf("%12lld %10.1f %10.1f %7.2fx\n", static_cast<long long>(mb << 20), f[f.size() / 2], d[d.size() / 2],
+      std::printf("%12lld %10.3f %10.3f %7.2fx\n", static_cast<long long>(t.numel() * 4), f[f.size() / 2], d[d.size() / 2],
                   d[d.size() / 2] / f[f.size() / 2]);
   }
   ProcessGroup::wait(pg->barrier());
@@ -157,7 +157,7 @@ int main(int argc, char** argv) {
   int world = 2, reps = 7, gloo_threads = 2;
   int64_t max_mb = 100;
   bool variants = false, from_env = false;
-  std::vector<int64_t> sizes_mb = {1, 25, 100};
+  std::vector<int64_t> sizes_bytes = {1 << 20, 25 << 20, 100 << 20};
   for (int i = 1; i < argc; ++i) {
     const bool has_value = i + 1 < argc;
     if (!std::strcmp(argv[i], "--ranks") && has_value) world = std::atoi(argv[++i]);
@@ -167,26 +167,28 @@ int main(int argc, char** argv) {
     else if (!std::strcmp(argv[i], "--gloo-variants")) variants = true;
     else if (!std::strcmp(argv[i], "--processes")) from_env = true;
     else if (!std::strcmp(argv[i], "--sizes-mb") && has_value) {
-      sizes_mb.clear();
+      sizes_bytes.clear();  // MiB, fractions allowed (0.004 is 4 KiB), at least one fp32 element
       for (char* p = argv[++i]; *p;) {
-        sizes_mb.push_back(std::strtoll(p, &p, 10));
+        const double mb = std::strtod(p, &p);
+        sizes_bytes.push_back(mb * (1 << 20) >= 4 ? static_cast<int64_t>(mb * (1 << 20)) : -1);
         if (*p == ',') ++p;
-        else if (*p) sizes_mb.push_back(-1), p += std::strlen(p);
+        else if (*p) sizes_bytes.push_back(-1), p += std::strlen(p);
       }
     }
     else {
       std::fprintf(stderr, "usage: collective_bench [--ranks N] [--reps R] [--gloo-threads T] [--max-mb M] [--gloo-variants]\n"
-                           "       collective_bench --processes [--reps R] [--sizes-mb A,B,..]   (one process per rank, torchrun env)\n");
+                           "       collective_bench --processes [--reps R] [--sizes-mb A,B,..]  (MiB; 0.004 = 4 KiB)   (one process per rank, torchrun env)\n");
       return 2;
     }
   }
   if (world < 1 || reps < 1 || max_mb < 1 ||
-      std::any_of(sizes_mb.begin(), sizes_mb.end(), [](int64_t mb) { return mb < 1; })) {
-    std::fprintf(stderr, "collective_bench: --ranks, --reps, --max-mb and --sizes-mb must be positive integers\n");
+      std::any_of(sizes_bytes.begin(), sizes_bytes.end(), [](int64_t b) { return b < 4; })) {
+    std::fprintf(stderr, "collective_bench: --ranks, --reps and --max-mb must be positive integers, --sizes-mb "
+                         "positive numbers of MiB (at least 4 bytes each)\n");
     return 2;
   }
   tune_allocator_for_training();  // as ddpkit's programs do
-  if (from_env) return processes(reps, sizes_mb);
+  if (from_env) return processes(reps, sizes_bytes);
   shm_vs_gloo(world, reps, gloo_threads, max_mb << 20);
   if (!variants) return 0;
   auto store = c10::make_intrusive<c10d::HashStore>();

@@ -5,7 +5,8 @@
 # checks the result equals flat Gloo's bit for bit and times both. The namespaces and link are
 # removed on exit, error or Ctrl-C. Needs root (exit 77, "skipped", without it).
 #
-#   sudo bench/netns_hierarchical.sh                      # 1 Gbit/s, 1/25/100 MB, 5 reps
+#   sudo bench/netns_hierarchical.sh                      # 1 Gbit/s, 1/25/100 MiB, 5 reps
+#   sudo bench/netns_hierarchical.sh --sizes-mb 0.004,0.064,1   # latency-bound sizes (4 KiB, 64 KiB)
 #   sudo bench/netns_hierarchical.sh --rate none --sizes-mb 1 --reps 1   # the ctest check
 set -euo pipefail
 cd "$(dirname "$0")/.."

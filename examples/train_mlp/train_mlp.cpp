@@ -45,7 +45,8 @@ int main(int argc, char** argv) {
   if (hook == "fp16") ddp.register_comm_hook(ddpkit::hooks::fp16_compress_hook(pg), "fp16");
   else if (hook != "allreduce") { std::fprintf(stderr, "train_mlp: unknown --hook '%s'\n", hook.c_str()); return 2; }
 
-  torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  // torch::optim::SGD's results, in one pass over each parameter (include/ddpkit/optim/sgd.h).
+  ddpkit::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
   torch::nn::CrossEntropyLoss criterion;
   const int64_t batch = 64;
   double first = 0, last = 0;
