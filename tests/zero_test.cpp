@@ -85,6 +85,7 @@ INSTANTIATE_TEST_SUITE_P(Worlds, FsdpWorld, ::testing::Values(1, 2, 3, 4));
 // ---- ZeroRedundancyOptimizer ---------------------------------------------------------------
 
 OptimizerFactory sgd_momentum() { return optimizer_factory<torch::optim::SGD>(torch::optim::SGDOptions(0.05).momentum(0.9)); }
+OptimizerFactory onepass_sgd_momentum() { return optimizer_factory<optim::SGD>(torch::optim::SGDOptions(0.05).momentum(0.9)); }
 OptimizerFactory adam() { return optimizer_factory<torch::optim::Adam>(torch::optim::AdamOptions(1e-2)); }
 
 TEST(Zero, SortedGreedyPartitionGives24PerRank) {
@@ -145,6 +146,7 @@ struct ParityCase {
   int world;
   bool adam;
   bool bucket_view;
+  bool onepass_sgd = false;  // ZeRO wraps ddpkit::optim::SGD; the reference stays torch::optim::SGD
 };
 
 class ZeroParity : public ::testing::TestWithParam<ParityCase> {};
@@ -154,13 +156,13 @@ TEST_P(ZeroParity, TenStepsMatchThePlainOptimizer) {
   spawn_ranks(c.world, [&](int rank, std::shared_ptr<ProcessGroup> pg) {
     auto model = make_mlp(7, {8, 16, 16, 4});
     auto reference = make_mlp(7, {8, 16, 16, 4});
-    const auto factory = c.adam ? adam() : sgd_momentum();
+    const auto factory = c.adam ? adam() : c.onepass_sgd ? onepass_sgd_momentum() : sgd_momentum();
     // Two groups: the last layer at a tenth of the learning rate (add_param_group).
     auto ps = params_of(model), rs = params_of(reference);
     std::vector<at::Tensor> first(ps.begin(), ps.end() - 2), last(ps.end() - 2, ps.end());
     std::vector<at::Tensor> rfirst(rs.begin(), rs.end() - 2), rlast(rs.end() - 2, rs.end());
     ZeroRedundancyOptimizer zero(first, factory, pg, ZeroOptions().parameters_as_bucket_view(c.bucket_view));
-    auto plain = factory.create({torch::optim::OptimizerParamGroup(rfirst)});
+    auto plain = (c.adam ? adam() : sgd_momentum()).create({torch::optim::OptimizerParamGroup(rfirst)});
     auto slow = factory.new_options();
     slow->set_lr((c.adam ? 1e-2 : 0.05) / 10);
     zero.add_param_group(torch::optim::OptimizerParamGroup(last, slow->clone()));
@@ -181,7 +183,8 @@ TEST_P(ZeroParity, TenStepsMatchThePlainOptimizer) {
 INSTANTIATE_TEST_SUITE_P(Cases, ZeroParity,
                          ::testing::Values(ParityCase{2, false, false}, ParityCase{2, true, false},
                                            ParityCase{3, false, false}, ParityCase{3, true, false},
-                                           ParityCase{2, true, true}, ParityCase{3, false, true}));
+                                           ParityCase{2, true, true}, ParityCase{3, false, true},
+                                           ParityCase{2, false, false, true}, ParityCase{3, false, true, true}));
 
 TEST(Zero, StateDictConsolidatesAndReloadsUnderAnotherWorldSize) {
   // 4 steps at world 2, consolidate on rank 1, save; load at world 3 and take 4 more steps: the
