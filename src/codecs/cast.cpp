@@ -5,6 +5,11 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <cpuid.h>
+#if defined(__GNUC__) && !defined(__clang__) && __GNUC__ < 13
+// GCC 12's AVX-512 intrinsics start from an "undefined" vector and warn about it inside the
+// header (GCC bug 105593, fixed in 13); the warning says nothing about this file.
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
 #include <immintrin.h>
 
 #include <atomic>
