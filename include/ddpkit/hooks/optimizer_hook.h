@@ -7,7 +7,8 @@
 //   ... zero the gradients, forward, loss.backward();   // parameters are updated on return
 //
 // Do not call an optimizer's step() as well. The results match torch::optim::SGD / Adam / AdamW
-// bit for bit: the same tensor operations run per parameter. Updates happen on a communication
+// bit for bit: the same float operations run per parameter (SGD's in one pass, as
+// ddpkit::optim::SGD, include/ddpkit/optim/sgd.h). Updates happen on a communication
 // thread under a no-grad guard, on parameters whose gradients are final: autograd no longer reads
 // them in this backward (a parameter used twice in one forward is updated only after its last use,
 // because DDP marks it ready then).
