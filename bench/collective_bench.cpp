@@ -177,7 +177,8 @@ int main(int argc, char** argv) {
     }
     else {
       std::fprintf(stderr, "usage: collective_bench [--ranks N] [--reps R] [--gloo-threads T] [--max-mb M] [--gloo-variants]\n"
-                           "       collective_bench --processes [--reps R] [--sizes-mb A,B,..]  (MiB; 0.004 = 4 KiB)   (one process per rank, torchrun env)\n");
+                           "       collective_bench --processes [--reps R] [--sizes-mb A,B,..]   (one process per rank, torchrun env;\n"
+                           "                                                              MiB, fractions allowed: 0.004 is ~4 KiB)\n");
       return 2;
     }
   }
