@@ -1,13 +1,10 @@
 #include <ddpkit/codecs/cast.h>
 #include <ddpkit/comm/process_group.h>
 
-#include "job_thread.h"
-#include "shm_domain.h"
+#include "process_group_internal.h"
 #include "shm_switch.h"
 
-#include <torch/csrc/distributed/c10d/FileStore.hpp>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
-#include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #ifdef USE_C10D_NCCL
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 #endif
@@ -18,6 +15,10 @@
 #include <sstream>
 
 namespace ddpkit {
+
+using detail::bytes_of;
+using detail::describe_tensor;
+using detail::fail;
 
 std::string describe_comm_failure(const std::string& op, int rank, int world_size,
                                   std::exception_ptr cause) {
@@ -37,12 +38,17 @@ std::string describe_comm_failure(const std::string& op, int rank, int world_siz
          std::to_string(world_size) + ": " + msg;
 }
 
-namespace {
-// Completes `result` with a CommError describing `cause` (the one way failures enter futures here).
+namespace detail {
 void fail(const FuturePtr& result, const std::string& op, int rank, int world_size, std::exception_ptr cause) {
   result->setError(std::make_exception_ptr(CommError(describe_comm_failure(op, rank, world_size, cause))));
 }
-}  // namespace
+
+std::string describe_tensor(const at::Tensor& t) {
+  std::ostringstream os;
+  os << t.numel() * t.element_size() << " B " << t.scalar_type();
+  return os.str();
+}
+}  // namespace detail
 
 FuturePtr make_tensor_future(c10::Device device) {
   std::vector<c10::Device> devices;
@@ -57,25 +63,6 @@ FuturePtr completed_future(const at::Tensor& value) {
 }
 
 namespace {
-
-std::string describe_tensor(const at::Tensor& t) {
-  std::ostringstream os;
-  os << t.numel() * t.element_size() << " B " << t.scalar_type();
-  return os.str();
-}
-
-uint64_t bytes_of(const at::Tensor& t) {
-  return static_cast<uint64_t>(t.numel()) * static_cast<uint64_t>(t.element_size());
-}
-
-// Piece p of a two-phase buffer, and what one rank sends of it (counted like alltoall).
-at::Tensor two_phase_block(const at::Tensor& t, int64_t pieces, int64_t p) {
-  const int64_t len = t.numel() / pieces;
-  return t.view({-1}).narrow(0, p * len, len);
-}
-uint64_t two_phase_bytes(const at::Tensor& t, int64_t pieces, int64_t n) {
-  return bytes_of(t) / pieces * (n - 1) / n;
-}
 
 // Runs fn on `t` if contiguous, else on a contiguous copy that is copied back (in-place collectives).
 void on_contiguous(const at::Tensor& t, const std::function<void(const at::Tensor&)>& fn) {
@@ -104,20 +91,6 @@ std::shared_ptr<::gloo::transport::Device> make_gloo_device(const ProcessGroupOp
 }
 
 }  // namespace
-
-// The shared-memory engine of a group: its segment, the thread that runs its collectives in the
-// order the sequencer handed them over, and for hierarchical allreduce the group of the ranks
-// with this local rank on every host.
-struct ProcessGroup::Shm {
-  std::unique_ptr<shm::Domain> domain;
-  std::shared_ptr<ProcessGroup> across;  // null on one host
-  c10::intrusive_ptr<c10d::Store> store;  // the group's: allreduce_buffer's allocations meet there
-  std::string key;                        // this host's prefix in it
-  std::mutex allocate_mutex;
-  int64_t allocations = 0;  // numbers them alike on every local rank
-  bool warned = false;
-  JobThread thread;  // last: stopped (drained) first
-};
 
 ProcessGroup::ProcessGroup(c10::intrusive_ptr<c10d::Store> store, int rank, int world_size,
                            ProcessGroupOptions options)
@@ -517,175 +490,6 @@ void ProcessGroup::hierarchical_allreduce(const at::Tensor& data, double scale) 
   }
 }
 
-// Allreduce as two alltoalls (Gloo's alltoall moves ~2.5x the bytes per second of its ring
-// allreduce or list allgather here; bench/collective_bench prints all three):
-//   1. reduce-scatter: alltoall, so rank r holds everyone's chunk r;
-//   2. sum the n copies of chunk r (fp32 accumulation for fp16/bf16: one rounding);
-//   3. allgather: alltoall of the reduced chunk replicated n times, straight into the tensor.
-// Per rank it sends 2(n-1)/n of the tensor, like a ring allreduce. Done in pieces by two_phase.
-void ProcessGroup::two_phase_allreduce(const at::Tensor& tensor, const FuturePtr& result) {
-  const std::string what = "allreduce (" + describe_tensor(tensor) + ", two-phase alltoall path)";
-  try {
-    const int64_t n = world_size_;
-    const int64_t numel = tensor.numel();
-    const int64_t pieces = pieces_for(bytes_of(tensor) * (n - 1) / n);
-    const int64_t chunk = (numel + n * pieces - 1) / (n * pieces);
-    const int64_t total = chunk * n * pieces;
-    const bool padded = total != numel || !tensor.is_contiguous();
-    const at::Tensor flat = tensor.reshape({-1});
-    at::Tensor data = flat;
-    if (padded) {
-      data = take_workspace(tensor.scalar_type(), total);
-      data.narrow(0, 0, numel).copy_(flat);
-      data.narrow(0, numel, total - numel).zero_();
-    }
-    // Gloo refuses bf16 (and has no use for the dtype when only moving bytes): low-precision
-    // tensors travel as float16 bits.
-    const bool lowp = tensor.scalar_type() == at::kHalf || tensor.scalar_type() == at::kBFloat16;
-    auto wire = [lowp](const at::Tensor& t) { return lowp ? t.view(at::kHalf) : t; };
-    at::Tensor scratch = take_workspace(tensor.scalar_type(), total);
-    auto job = std::make_shared<TwoPhaseJob>();
-    job->pieces = pieces;
-    job->send1 = job->recv2 = wire(data);
-    job->recv1 = job->send2 = wire(scratch);
-    const int me = rank_;
-    job->reduce = [scratch, n, chunk, me, lowp](int64_t p) {
-      const at::Tensor parts = scratch.narrow(0, p * n * chunk, n * chunk).view({n, chunk});
-      // Reduce into this rank's own chunk, then replicate it over the others: phase 2's send block.
-      at::Tensor mine = parts[me];
-      if (lowp) {
-        codecs::sum_low_precision_into(parts.unbind(0), mine);
-      } else {
-        for (int64_t k = 0; k < n; ++k)
-          if (k != me) mine.add_(parts[k]);
-      }
-      for (int64_t k = 0; k < n; ++k)
-        if (k != me) parts[k].copy_(mine);
-    };
-    FuturePtr pieces_done = make_tensor_future(tensor.device());
-    run_two_phase(job, data, what, pieces_done);
-    pieces_done->addCallback([this, tensor, data, scratch, numel, padded, result, what](c10::ivalue::Future& f) {
-      give_workspace(scratch);  // phase 2's send buffer had to outlive the transfer
-      if (f.hasError()) {
-        result->setError(f.exception_ptr());  // already names the operation
-        return;
-      }
-      try {
-        if (padded) {
-          tensor.copy_(data.narrow(0, 0, numel).view(tensor.sizes()));  // tensor may be strided
-          give_workspace(data);
-        }
-        result->markCompleted(c10::IValue(tensor));
-      } catch (...) {
-        fail(result, what, rank_, world_size_, std::current_exception());
-      }
-    });
-  } catch (...) {
-    fail(result, what, rank_, world_size_, std::current_exception());
-  }
-}
-
-int64_t ProcessGroup::pieces_for(uint64_t bytes_per_rank) const {
-  const uint64_t per_peer = bytes_per_rank / std::max(1, world_size_ - 1);
-  const uint64_t piece = static_cast<uint64_t>(options_.piece_bytes());  // >= 1: checked at construction
-  return static_cast<int64_t>(std::max<uint64_t>(1, (per_peer + piece - 1) / piece));
-}
-
-FuturePtr ProcessGroup::two_phase(std::shared_ptr<TwoPhaseJob> job, const at::Tensor& value, const std::string& what) {
-  DDPKIT_CHECK(job && job->pieces >= 1, what, ": two_phase needs a job with at least one piece");
-  DDPKIT_CHECK(job->reduce, what, ": two_phase needs a reduce step");
-  if (shm_takes(job->send1)) {
-    // In shared memory, piece by piece: each exchange runs at memory speed, nothing to overlap.
-    return shm_issue(
-        what, value,
-        [this, job, what] {
-          check_two_phase(*job, what);
-          for (int64_t p = 0; p < job->pieces; ++p)
-            for (const at::Tensor* t : {&job->send1, &job->send2})
-              count(two_phase_bytes(*t, job->pieces, world_size_), two_phase_bytes(*t, job->pieces, world_size_), true);
-        },
-        [this, job] {
-          auto exchange = [&](const at::Tensor& send, const at::Tensor& recv, int64_t p) {
-            const at::Tensor s = two_phase_block(send, job->pieces, p);
-            shm_->domain->alltoall(s.data_ptr(), two_phase_block(recv, job->pieces, p).data_ptr(), bytes_of(s) / world_size_);
-          };
-          for (int64_t p = 0; p < job->pieces; ++p) {
-            if (job->encode) job->encode(p);
-            exchange(job->send1, job->recv1, p);
-            job->reduce(p);
-            exchange(job->send2, job->recv2, p);
-            if (job->decode) job->decode(p);
-          }
-        });
-  }
-  auto result = make_tensor_future(value.device());
-  post([this, job = std::move(job), value, what, result] { run_two_phase(job, value, what, result); });
-  return result;
-}
-
-void ProcessGroup::check_two_phase(const TwoPhaseJob& job, const std::string& what) const {
-  for (const at::Tensor* t : {&job.send1, &job.recv1, &job.send2, &job.recv2})
-    DDPKIT_CHECK(t->defined() && t->is_contiguous() && t->numel() % (job.pieces * world_size_) == 0, what,
-                 ": two_phase buffers must be contiguous and split into ", job.pieces, " x ", world_size_,
-                 " equal chunks");
-}
-
-// On the sequencer. Issue order is fixed by the piece count alone (phase 1 of pieces 0 and 1,
-// then per piece p: phase 2 of p, phase 1 of p + 2), so every rank issues the same sequence. With
-// two Gloo threads one transfer runs while the next piece is reduced here.
-void ProcessGroup::run_two_phase(const std::shared_ptr<TwoPhaseJob>& job, const at::Tensor& value,
-                                 const std::string& what, const FuturePtr& result) {
-  struct Progress {
-    std::atomic<int64_t> remaining;
-    std::atomic<bool> failed{false};
-  };
-  const int64_t pieces = job->pieces, n = world_size_;
-  auto progress = std::make_shared<Progress>();
-  progress->remaining = pieces;
-  const int rank = rank_, world = world_size_;
-  auto fail_once = [progress, result, what, rank, world](std::exception_ptr cause) {
-    if (!progress->failed.exchange(true)) fail(result, what, rank, world, cause);
-  };
-  try {
-    check_two_phase(*job, what);
-    auto block = [pieces](const at::Tensor& t, int64_t p) { return two_phase_block(t, pieces, p); };
-    std::vector<int64_t> equal;
-    c10d::AllToAllOptions ao;
-    ao.timeout = options_.timeout();
-    auto phase_bytes = [&](const at::Tensor& t) { return two_phase_bytes(t, pieces, n); };
-    std::vector<c10::intrusive_ptr<c10d::Work>> first(pieces);
-    auto send_first = [&](int64_t p) {
-      if (job->encode) job->encode(p);
-      count(phase_bytes(job->send1), phase_bytes(job->send1));
-      at::Tensor recv = block(job->recv1, p), send = block(job->send1, p);
-      first[p] = backend_->alltoall_base(recv, send, equal, equal, ao);
-    };
-    const int64_t window = 2;
-    for (int64_t p = 0; p < std::min(window, pieces); ++p) send_first(p);
-    for (int64_t p = 0; p < pieces; ++p) {
-      first[p]->wait(options_.timeout());
-      first[p].reset();
-      job->reduce(p);
-      count(phase_bytes(job->send2), phase_bytes(job->send2));
-      at::Tensor recv = block(job->recv2, p), send = block(job->send2, p);
-      auto second = backend_->alltoall_base(recv, send, equal, equal, ao);
-      second->getFuture()->addCallback([job, p, progress, result, value, fail_once](c10::ivalue::Future& f) {
-        if (f.hasError()) return fail_once(f.exception_ptr());
-        if (progress->failed) return;
-        try {
-          if (job->decode) job->decode(p);
-        } catch (...) {
-          return fail_once(std::current_exception());
-        }
-        if (progress->remaining.fetch_sub(1) == 1 && !progress->failed) result->markCompleted(c10::IValue(value));
-      });
-      if (p + window < pieces) send_first(p + window);
-    }
-  } catch (...) {
-    fail_once(std::current_exception());
-  }
-}
-
 FuturePtr ProcessGroup::broadcast(const at::Tensor& tensor, int root) {
   DDPKIT_CHECK(root >= 0 && root < world_size_, "broadcast root must be in [0, ", world_size_, "), got ", root);
   const uint64_t n = static_cast<uint64_t>(world_size_);
@@ -905,131 +709,6 @@ at::Tensor ProcessGroup::wait(const FuturePtr& future) {
     }
   }
   return future->value().toTensor();
-}
-
-// ---- init ----------------------------------------------------------------------------------------
-namespace {
-
-std::mutex g_default_mutex;
-std::shared_ptr<ProcessGroup> g_default;
-
-int env_int(const char* name, int fallback) {
-  const char* v = std::getenv(name);
-  if (!v || !*v) return fallback;
-  char* end = nullptr;
-  const long x = std::strtol(v, &end, 10);
-  DDPKIT_CHECK(end && *end == '\0', "environment variable ", name, "='", v, "' is not an integer");
-  return static_cast<int>(x);
-}
-
-std::string env_str(const char* name) {
-  const char* v = std::getenv(name);
-  return v ? v : "";
-}
-
-}  // namespace
-
-std::shared_ptr<ProcessGroup> init_process_group(const InitOptions& o) {
-  int rank = o.rank() >= 0 ? o.rank() : env_int("RANK", -1);
-  int world = o.world_size() >= 0 ? o.world_size() : env_int("WORLD_SIZE", -1);
-  DDPKIT_CHECK(rank >= 0, "init_process_group: rank unknown: pass InitOptions().rank(r) or set RANK");
-  DDPKIT_CHECK(world >= 1, "init_process_group: world size unknown: pass InitOptions().world_size(n) or set WORLD_SIZE");
-  DDPKIT_CHECK(rank < world, "init_process_group: rank ", rank, " is not below world size ", world);
-
-  c10::intrusive_ptr<c10d::Store> store = o.store();
-  std::string where = "explicit store";
-  if (!store) {
-    const std::string& m = o.init_method();
-    try {
-      if (m.rfind("file://", 0) == 0) {
-        where = m;
-        store = c10::make_intrusive<c10d::FileStore>(m.substr(7), world);
-      } else {
-        std::string host;
-        int port = -1;
-        if (m == "env://") {
-          host = env_str("MASTER_ADDR");
-          port = env_int("MASTER_PORT", -1);
-          DDPKIT_CHECK(!host.empty(), "init_process_group: MASTER_ADDR is not set (init_method env://)");
-          DDPKIT_CHECK(port > 0, "init_process_group: MASTER_PORT is not set (init_method env://)");
-        } else if (m.rfind("tcp://", 0) == 0) {
-          const auto hp = m.substr(6);
-          const auto colon = hp.rfind(':');
-          DDPKIT_CHECK(colon != std::string::npos, "init_method '", m, "' lacks a port (tcp://HOST:PORT)");
-          host = hp.substr(0, colon);
-          port = std::atoi(hp.substr(colon + 1).c_str());
-        } else {
-          DDPKIT_CHECK(false, "unknown init_method '", m, "' (expected env://, tcp://HOST:PORT or file:///PATH)");
-        }
-        DDPKIT_CHECK(port > 0 && port < 65536, "init_process_group: port ", port, " is out of range");
-        where = "TCPStore " + host + ":" + std::to_string(port);
-        c10d::TCPStoreOptions so = compat::tcp_store_options();
-        so.port = static_cast<uint16_t>(port);
-        // torchrun's convention: with TORCHELASTIC_USE_AGENT_STORE=True the launcher already serves
-        // the store at MASTER_PORT (ddpkit's launcher does: no window for another process to take
-        // the port between choosing it and rank 0 binding it), so every rank is a client.
-        so.isServer = rank == 0 && env_str("TORCHELASTIC_USE_AGENT_STORE") != "True";
-        so.numWorkers = static_cast<size_t>(world);
-        so.waitWorkers = true;
-        so.timeout = o.timeout();
-        store = c10::make_intrusive<c10d::TCPStore>(host, so);
-        // A restarted set of ranks (torchrun --max-restarts, ddpkit's launcher) meets the same
-        // agent store: as PyTorch does, each attempt gets its own key space, or the new ranks read
-        // the dead set's keys (a shared-memory segment name, Gloo addresses) and fail or hang.
-        const std::string attempt = env_str("TORCHELASTIC_RESTART_COUNT");
-        if (!attempt.empty())
-          store = c10::make_intrusive<c10d::PrefixStore>("/worker/attempt_" + attempt, store);
-      }
-    } catch (const c10::Error& e) {
-      const std::string msg = e.what_without_backtrace();
-      if (msg.rfind("ddpkit: ", 0) == 0) throw;
-      throw CommError("ddpkit: init_process_group: rendezvous at " + where + " failed on rank " +
-                      std::to_string(rank) + " of " + std::to_string(world) + " (timeout " +
-                      std::to_string(o.timeout().count()) + " ms): " + msg);
-    }
-    store->setTimeout(o.timeout());
-  }
-  auto pg = std::make_shared<ProcessGroup>(store, rank, world,
-                                           ProcessGroupOptions()
-                                               .backend(o.backend())
-                                               .timeout(o.timeout())
-                                               .gloo_threads(o.gloo_threads())
-                                               .gloo_hostname(o.gloo_hostname())
-                                               .two_phase_min_bytes(o.two_phase_min_bytes())
-                                               .gloo_connections(o.gloo_connections())
-                                               .piece_bytes(o.piece_bytes())
-                                               .shared_memory(o.shared_memory()));
-  std::lock_guard<std::mutex> lock(g_default_mutex);
-  if (!g_default) g_default = pg;
-  return pg;
-}
-
-std::shared_ptr<ProcessGroup> default_process_group() {
-  std::lock_guard<std::mutex> lock(g_default_mutex);
-  DDPKIT_CHECK(g_default, "no default process group: call ddpkit::init_process_group() first");
-  return g_default;
-}
-
-void destroy_process_group() {
-  std::lock_guard<std::mutex> lock(g_default_mutex);
-  g_default.reset();
-}
-
-std::shared_ptr<ProcessGroup> new_subgroups(const ProcessGroup& parent, int group_size) {
-  DDPKIT_CHECK(group_size >= 1 && parent.size() % group_size == 0, "new_subgroups: group size ", group_size,
-               " must be positive and divide the world size ", parent.size());
-  const int index = parent.rank() / group_size;
-  ProcessGroupOptions o = parent.options();
-  o.group_name(o.group_name() + "/subgroup" + std::to_string(group_size) + "-" + std::to_string(index));
-  return std::make_shared<ProcessGroup>(parent.store(), parent.rank() % group_size, group_size, o);
-}
-
-std::vector<std::string> available_backends() {
-#ifdef USE_C10D_NCCL
-  return {"gloo", "nccl"};
-#else
-  return {"gloo"};
-#endif
 }
 
 }  // namespace ddpkit
