@@ -535,6 +535,13 @@ std::shared_ptr<SharedBuffer> Domain::allocate(c10d::Store& store, const std::st
   std::string mine = random_name(), error;
   void* own = nullptr;
   const int fd = create_segment(mine, size, &own, error);
+  // This rank's name goes when it returns or throws: by then every peer has mapped it, or failed.
+  struct UnlinkOnExit {
+    std::string name;
+    ~UnlinkOnExit() {
+      if (!name.empty()) shm_unlink(name.c_str());
+    }
+  } unlink_own{fd >= 0 ? mine : std::string()};
   if (fd >= 0) {
     close(fd);  // the mapping keeps the memory
     buffer->base[me] = static_cast<uint8_t*>(own);
@@ -549,14 +556,12 @@ std::shared_ptr<SharedBuffer> Domain::allocate(c10d::Store& store, const std::st
     try {
       store.wait({prefix + std::to_string(p)}, options_.timeout);
     } catch (const std::exception& e) {
-      if (error.empty()) shm_unlink(mine.c_str());
       throw std::runtime_error("shared memory: rank " + std::to_string(group_rank(p)) + " (on this host) did not allocate " +
                                what + " within " + std::to_string(options_.timeout.count()) + " ms (" + e.what() + ")");
     }
     const std::string said = text(store.get(prefix + std::to_string(p)));
     const size_t space = said.find(' ');
     if (space == std::string::npos || said.substr(0, space) != std::to_string(size)) {
-      if (error.empty()) shm_unlink(mine.c_str());
       throw std::runtime_error("shared memory: rank " + std::to_string(group_rank(p)) + " (on this host) allocated " +
                                said.substr(0, space) + " bytes as shared buffer #" + std::to_string(id) +
                                " where this rank allocated " + std::to_string(size) +
@@ -576,7 +581,6 @@ std::shared_ptr<SharedBuffer> Domain::allocate(c10d::Store& store, const std::st
     }
   }
   failure = meet_once_mapped(store, prefix, L, options_.timeout, failure, what);
-  if (error.empty()) shm_unlink(mine.c_str());
   if (!failure.empty()) {
     if (why) *why = failure;
     return nullptr;
