@@ -81,8 +81,9 @@ inline void spawn_ranks_with(int world, ProcessGroupOptions options, const RankF
       fn);
 }
 
-// The shared-memory segments process `pid` created that are still in /dev/shm (tests check none
-// is left behind; segments are named ddpkit-<creator pid>-<random>, and other tests run at once).
+// Entries in /dev/shm that process `pid` left under ddpkit's old naming, ddpkit-<pid>-<random>.
+// ddpkit names nothing there (its shared memory is unnamed memfds, src/comm/peer_memory.h): the
+// tests check that this stays so after a rank is killed. Other tests run at once, hence the pid.
 inline std::vector<std::string> shm_segments(int pid) {
   std::vector<std::string> names;
   const std::string prefix = "ddpkit-" + std::to_string(pid) + "-";
@@ -94,8 +95,8 @@ inline std::vector<std::string> shm_segments(int pid) {
   return names;
 }
 
-// Whether t's memory lies in one of this process's mappings of a ddpkit segment in /dev/shm
-// (/proc/self/maps names them "/dev/shm/ddpkit-... (deleted)" once unlinked).
+// Whether t's memory lies in one of this process's mappings of a shared buffer (a memfd that
+// /proc/self/maps names "/memfd:ddpkit-buffer (deleted)").
 inline bool in_shared_memory(const at::Tensor& t) {
   const auto at = reinterpret_cast<uintptr_t>(t.data_ptr());
   std::ifstream maps("/proc/self/maps");
@@ -103,7 +104,7 @@ inline bool in_shared_memory(const at::Tensor& t) {
   while (std::getline(maps, line)) {
     unsigned long lo = 0, hi = 0;
     if (std::sscanf(line.c_str(), "%lx-%lx", &lo, &hi) == 2 && at >= lo && at < hi)
-      return line.find("/dev/shm/ddpkit-") != std::string::npos;
+      return line.find("/memfd:ddpkit-buffer") != std::string::npos;
   }
   return false;
 }

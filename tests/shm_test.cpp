@@ -4,6 +4,10 @@
 // must be equal bit for bit. Ranks are threads here; tests/process_test.cpp kills real processes.
 #include "harness.h"
 
+#include "../src/comm/peer_memory.h"
+
+#include <sys/mman.h>
+#include <unistd.h>
 
 #include <future>
 
@@ -130,7 +134,7 @@ TEST(SharedMemory, AllreduceBuffersAreAllocatedTogether) {
         buffer.fill_(rank + 1);
         ProcessGroup::wait(group->allreduce(buffer));
         EXPECT_TRUE(at::equal(buffer, at::full({3000}, 6.f)));
-        EXPECT_TRUE(testing::shm_segments(getpid()).empty()) << "unlinked once every rank mapped them";
+        EXPECT_TRUE(testing::shm_segments(getpid()).empty()) << "a buffer was named in /dev/shm";
         ProcessGroup::wait(pg->barrier());  // every rank is done with `group`
         group.reset();
         buffer.add_(1);  // still mapped
@@ -270,7 +274,54 @@ TEST(SharedMemory, AMissingPeerTimesOut) {
 }
 
 // Two groups over the same ranks have their own segments, and neither leaves a name behind.
-TEST(SharedMemory, GroupsHaveTheirOwnSegmentsAndUnlinkThem) {
+// All shared memory is unnamed memfds that peers open through /proc/<pid>/fd: an address names
+// the file, so a stale one (fd closed and reused, or the wrong size) is refused, never mapped.
+TEST(SharedMemory, PeerMemoryOpensOnlyTheFileItsAddressNames) {
+  void* base = nullptr;
+  std::string error;
+  const int fd = detail::create_peer_memory("ddpkit-test", 8192, &base, &error);
+  ASSERT_GE(fd, 0) << error;
+  static_cast<char*>(base)[100] = 42;
+  detail::PeerMemoryAddress a;
+  ASSERT_TRUE(detail::parse_peer_memory_address(detail::peer_memory_address(fd), &a));
+  EXPECT_EQ(a.pid, getpid());
+  EXPECT_EQ(a.bytes, 8192u);
+  const int peer = detail::open_peer_memory(a, &error);
+  ASSERT_GE(peer, 0) << error;
+  void* mapped = mmap(nullptr, 8192, PROT_READ, MAP_SHARED, peer, 0);
+  ASSERT_NE(mapped, MAP_FAILED);
+  EXPECT_EQ(static_cast<char*>(mapped)[100], 42);
+  munmap(mapped, 8192);
+  close(peer);
+  EXPECT_TRUE(testing::shm_segments(getpid()).empty()) << "nothing named in /dev/shm";
+
+  detail::PeerMemoryAddress other = a;
+  other.ino += 1;
+  EXPECT_LT(detail::open_peer_memory(other, &error), 0);
+  EXPECT_THAT(error, ::testing::HasSubstr("is no longer the memory its owner published"));
+  other = a;
+  other.bytes = 4096;
+  EXPECT_LT(detail::open_peer_memory(other, &error), 0);
+  EXPECT_THAT(error, ::testing::HasSubstr("is not a sealed 4096-byte memfd"));
+  EXPECT_FALSE(detail::parse_peer_memory_address("123 4 5", &other));
+  EXPECT_FALSE(detail::parse_peer_memory_address(detail::peer_memory_address(fd) + " x", &other));
+
+  // The owner lets go of its fd and the number is reused by another file.
+  close(fd);
+  munmap(base, 8192);
+  const int unrelated = memfd_create("unrelated", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+  ASSERT_EQ(ftruncate(unrelated, 8192), 0);
+  ASSERT_EQ(fcntl(unrelated, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW), 0);
+  ASSERT_EQ(dup2(unrelated, a.fd), a.fd);
+  if (unrelated != a.fd) close(unrelated);
+  EXPECT_LT(detail::open_peer_memory(a, &error), 0);
+  EXPECT_THAT(error, ::testing::HasSubstr("is no longer the memory its owner published"));
+  close(a.fd);
+  EXPECT_LT(detail::open_peer_memory(a, &error), 0);
+  EXPECT_THAT(error, ::testing::HasSubstr("cannot open /proc/"));
+}
+
+TEST(SharedMemory, GroupsHaveTheirOwnSegmentsAndNameNone) {
   spawn_groups(
       3,
       [](const c10::intrusive_ptr<c10d::Store>& store, int r) {
@@ -278,8 +329,8 @@ TEST(SharedMemory, GroupsHaveTheirOwnSegmentsAndUnlinkThem) {
       },
       [&](int rank, std::shared_ptr<ProcessGroup> one) {
         auto two = std::make_shared<ProcessGroup>(one->store(), rank, 3, shm_options(true).group_name("two"));
-        ProcessGroup::wait(two->barrier());  // every rank's group is made: local rank 0 has unlinked
-        EXPECT_TRUE(testing::shm_segments(getpid()).empty()) << "unlinked once every rank mapped it";
+        ProcessGroup::wait(two->barrier());  // every rank's group is made
+        EXPECT_TRUE(testing::shm_segments(getpid()).empty()) << "a segment was named in /dev/shm";
         at::Tensor a = at::full({3000}, 1.f), b = at::full({3000}, 10.f);
         auto fa = one->allreduce(a);
         auto fb = two->allreduce(b);

@@ -240,7 +240,7 @@ TEST(HostTopology, RanksAsThreadsShareOneHost) {
     EXPECT_EQ(got[r].local_size(), 3);
   }
   const std::string key = this_host_key();
-  EXPECT_EQ(std::count(key.begin(), key.end(), '/'), 2) << key;  // machine / boot / netns
+  EXPECT_EQ(std::count(key.begin(), key.end(), '/'), 3) << key;  // machine / boot / netns / pidns
 }
 
 // Every group knows its topology; a subgroup's is its own (two groups of 2 out of 4 ranks).

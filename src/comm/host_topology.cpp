@@ -32,9 +32,12 @@ std::string this_host_key() {
     gethostname(name, sizeof(name) - 1);
     machine = name;
   }
-  struct stat ns {};
-  const std::string netns = stat("/proc/self/ns/net", &ns) == 0 ? std::to_string(ns.st_ino) : "?";
-  return machine + "/" + first_line("/proc/sys/kernel/random/boot_id") + "/" + netns;
+  auto ns = [](const char* path) {
+    struct stat st {};
+    return stat(path, &st) == 0 ? std::to_string(st.st_ino) : std::string("?");
+  };
+  return machine + "/" + first_line("/proc/sys/kernel/random/boot_id") + "/" + ns("/proc/self/ns/net") + "/" +
+         ns("/proc/self/ns/pid");
 }
 
 HostTopology topology_from_keys(const std::vector<std::string>& keys, int rank) {

@@ -1,5 +1,7 @@
 #include "shm_domain.h"
 
+#include "peer_memory.h"
+
 #include <ddpkit/codecs/cast.h>
 #include <ddpkit/error.h>
 
@@ -10,7 +12,6 @@
 #include <linux/futex.h>
 #include <sched.h>
 #include <sys/mman.h>
-#include <sys/stat.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -19,7 +20,6 @@
 #include <cerrno>
 #include <climits>
 #include <cstring>
-#include <random>
 #include <sstream>
 #include <stdexcept>
 
@@ -82,14 +82,6 @@ bool reached(uint32_t value, uint32_t target) { return static_cast<int32_t>(valu
 
 std::string errno_text(int e) { return std::strerror(e); }
 
-std::string random_name() {
-  std::random_device rd;
-  const uint64_t x = (static_cast<uint64_t>(rd()) << 32) ^ rd();
-  std::ostringstream os;
-  os << "/ddpkit-" << getpid() << "-" << std::hex << x;
-  return os.str();
-}
-
 // Holds each rank's liveness lock: the kernel drops it when the process dies.
 bool lock_byte(int fd, int index) {
   struct flock fl {};
@@ -103,32 +95,8 @@ bool lock_byte(int fd, int index) {
 std::string text(const std::vector<uint8_t>& v) { return std::string(v.begin(), v.end()); }
 std::vector<uint8_t> bytes(const std::string& s) { return std::vector<uint8_t>(s.begin(), s.end()); }
 
-// Creates segment `name` (exclusively), reserves `size` bytes (so a full /dev/shm is an error
-// here, not a SIGBUS in the middle of a step) and maps them at *base. Returns its fd, or -1 with
-// `error` set and nothing left behind.
-int create_segment(const std::string& name, size_t size, void** base, std::string& error) {
-  const int fd = shm_open(name.c_str(), O_RDWR | O_CREAT | O_EXCL, 0600);
-  if (fd < 0) {
-    error = "shm_open(" + name + ") failed: " + errno_text(errno);
-    return -1;
-  }
-  void* p = MAP_FAILED;
-  if (int e = posix_fallocate(fd, 0, static_cast<off_t>(size))) {
-    error = "cannot reserve " + std::to_string(size >> 20) + " MiB in /dev/shm for " + name + ": " + errno_text(e);
-  } else if ((p = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0)) == MAP_FAILED) {
-    error = "mmap of " + name + " failed: " + errno_text(errno);
-  }
-  if (p == MAP_FAILED) {
-    close(fd);
-    shm_unlink(name.c_str());
-    return -1;
-  }
-  *base = p;
-  return fd;
-}
-
 // After each local rank has mapped what its peers created (or failed to, `failure`): the last
-// to say so lets everyone on, and then every name can go. Returns the failure some rank published
+// to say so lets everyone on, and then owners may close the fds peers opened through /proc. Returns the failure some rank published
 // under `prefix`, or that the ranks did not all get there within `timeout`; empty if none.
 std::string meet_once_mapped(c10d::Store& store, const std::string& prefix, int local_size,
                              std::chrono::milliseconds timeout, const std::string& failure, const std::string& what) {
@@ -158,68 +126,59 @@ std::unique_ptr<Domain> Domain::create(c10d::Store& store, const std::string& ke
   DDPKIT_CHECK(o.local_size <= kMaxLocalRanks, "shared memory supports at most ", kMaxLocalRanks,
                " ranks per host, got ", o.local_size);
   const bool leader = o.local_rank == 0;
-  std::string name, error;
+  std::string error;
   int fd = -1;
   void* base = nullptr;
   size_t size = 0;
-  auto cleanup = [&] {
-    if (base) munmap(base, size);
-    if (fd >= 0) close(fd);
-    base = nullptr;
-    fd = -1;
-  };
   if (leader) {
-    name = random_name();
     size = segment_bytes(o.local_size, o.slot_bytes);
-    fd = create_segment(name, size, &base, error);
+    fd = detail::create_peer_memory("ddpkit-shm", size, &base, &error);
     if (fd >= 0) {
       new (base) Header{kMagic, o.slot_bytes, o.local_size};
       for (int r = 0; r < o.local_size; ++r) new (Segment::control(base, r)) RankControl();
     }
-    store.set(key + "/name", bytes(error.empty() ? name : "!" + error));
+    store.set(key + "/address", bytes(error.empty() ? detail::peer_memory_address(fd) : "!" + error));
   } else {
     try {
-      store.wait({key + "/name"}, o.timeout);
+      store.wait({key + "/address"}, o.timeout);
     } catch (const std::exception& e) {
       throw std::runtime_error("shared memory: local rank 0 did not publish the segment within " +
                                std::to_string(o.timeout.count()) + " ms (" + e.what() + ")");
     }
-    name = text(store.get(key + "/name"));
-    if (!name.empty() && name[0] == '!') throw std::runtime_error("shared memory: local rank 0: " + name.substr(1));
-    struct stat st {};
-    fd = shm_open(name.c_str(), O_RDWR, 0);
-    if (fd < 0) {
-      error = "shm_open(" + name + ") failed: " + errno_text(errno);
-    } else if (fstat(fd, &st) != 0 || st.st_size < static_cast<off_t>(sizeof(Header))) {
-      error = name + " is not a ddpkit segment";
-    } else if ((base = mmap(nullptr, st.st_size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0)) == MAP_FAILED) {
+    const std::string said = text(store.get(key + "/address"));
+    if (!said.empty() && said[0] == '!') throw std::runtime_error("shared memory: local rank 0: " + said.substr(1));
+    detail::PeerMemoryAddress address;
+    if (!detail::parse_peer_memory_address(said, &address)) {
+      error = "local rank 0 published no segment address (\"" + said + "\")";
+    } else if (address.bytes < sizeof(Header) || (fd = detail::open_peer_memory(address, &error)) < 0) {
+      if (error.empty()) error = "local rank 0's segment is too small to be one";
+    } else if ((base = mmap(nullptr, address.bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0)) == MAP_FAILED) {
       base = nullptr;
-      error = "mmap of " + name + " failed: " + errno_text(errno);
+      error = "cannot map local rank 0's segment: " + errno_text(errno);
     } else {
-      size = st.st_size;
+      size = address.bytes;
       const Header* h = Segment::header(base);
-      if (h->magic != kMagic || h->local_size != o.local_size ||
-          size < segment_bytes(h->local_size, h->slot_bytes)) {
-        error = name + " does not match this group (" + std::to_string(o.local_size) + " local ranks)";
+      if (h->magic != kMagic || h->local_size != o.local_size || size < segment_bytes(h->local_size, h->slot_bytes)) {
+        error = "local rank 0's segment does not match this group (" + std::to_string(o.local_size) + " local ranks)";
       } else {
         o.slot_bytes = h->slot_bytes;
       }
     }
   }
-  if (error.empty() && !lock_byte(fd, o.local_rank)) error = "cannot lock " + name + ": " + errno_text(errno);
+  if (error.empty() && !lock_byte(fd, o.local_rank)) error = "cannot lock the segment: " + errno_text(errno);
   const std::string failure =
       meet_once_mapped(store, key + "/", o.local_size, o.timeout,
                        error.empty() ? "" : "local rank " + std::to_string(o.local_rank) + ": " + error, "the segment");
-  if (leader && !name.empty() && name[0] != '!') shm_unlink(name.c_str());
   if (!failure.empty()) {
-    cleanup();
+    if (base) munmap(base, size);
+    if (fd >= 0) close(fd);
     throw std::runtime_error("shared memory: " + failure);
   }
-  return std::unique_ptr<Domain>(new Domain(std::move(o), name, fd, base, size));
+  return std::unique_ptr<Domain>(new Domain(std::move(o), fd, base, size));
 }
 
-Domain::Domain(DomainOptions options, std::string name, int fd, void* base, size_t bytes)
-    : options_(std::move(options)), name_(std::move(name)), fd_(fd), base_(base), bytes_(bytes) {}
+Domain::Domain(DomainOptions options, int fd, void* base, size_t bytes)
+    : options_(std::move(options)), fd_(fd), base_(base), bytes_(bytes) {}
 
 Domain::~Domain() {
   if (base_) munmap(base_, bytes_);
@@ -532,24 +491,20 @@ std::shared_ptr<SharedBuffer> Domain::allocate(c10d::Store& store, const std::st
   buffer->id = id;
   buffer->bytes = size;
   buffer->base.assign(L, nullptr);
-  std::string mine = random_name(), error;
+  std::string error;
   void* own = nullptr;
-  const int fd = create_segment(mine, size, &own, error);
-  // This rank's name goes when it returns or throws: by then every peer has mapped it, or failed.
-  struct UnlinkOnExit {
-    std::string name;
-    ~UnlinkOnExit() {
-      if (!name.empty()) shm_unlink(name.c_str());
+  // Held open until every peer has opened it through /proc (or failed to); the mappings then
+  // keep the memory, and it goes with the last of them.
+  struct CloseOnExit {
+    int fd;
+    ~CloseOnExit() {
+      if (fd >= 0) close(fd);
     }
-  } unlink_own{fd >= 0 ? mine : std::string()};
-  if (fd >= 0) {
-    close(fd);  // the mapping keeps the memory
-    buffer->base[me] = static_cast<uint8_t*>(own);
-  } else {
-    mine = "!" + error;
-  }
+  } own_fd{detail::create_peer_memory("ddpkit-buffer", size, &own, &error)};
+  if (own_fd.fd >= 0) buffer->base[me] = static_cast<uint8_t*>(own);
   const std::string prefix = key + "/" + std::to_string(id) + "/";
-  store.set(prefix + std::to_string(me), bytes(std::to_string(size) + " " + mine));
+  store.set(prefix + std::to_string(me),
+            bytes(std::to_string(size) + " " + (error.empty() ? detail::peer_memory_address(own_fd.fd) : "!" + error)));
   std::string failure = error.empty() ? "" : "local rank " + std::to_string(me) + ": " + error;
   for (int p = 0; p < L; ++p) {
     if (p == me) continue;
@@ -567,17 +522,25 @@ std::shared_ptr<SharedBuffer> Domain::allocate(c10d::Store& store, const std::st
                                " where this rank allocated " + std::to_string(size) +
                                ": every rank must allocate the same buffers in the same order");
     }
-    const std::string name = said.substr(space + 1);
-    if (!name.empty() && name[0] == '!') {
-      if (failure.empty()) failure = "rank " + std::to_string(group_rank(p)) + " (on this host): " + name.substr(1);
-    } else if (failure.empty()) {
-      const int peer_fd = shm_open(name.c_str(), O_RDWR, 0);
-      void* mapped = peer_fd < 0 ? MAP_FAILED : mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, peer_fd, 0);
+    const std::string where = said.substr(space + 1);
+    if (!failure.empty()) continue;
+    detail::PeerMemoryAddress address;
+    std::string why_not;
+    if (!where.empty() && where[0] == '!') {
+      failure = "rank " + std::to_string(group_rank(p)) + " (on this host): " + where.substr(1);
+    } else if (!detail::parse_peer_memory_address(where, &address) || address.bytes != size) {
+      failure = "rank " + std::to_string(group_rank(p)) + " (on this host) published no address of " +
+                std::to_string(size) + " bytes (\"" + where + "\")";
+    } else if (const int peer_fd = detail::open_peer_memory(address, &why_not); peer_fd < 0) {
+      failure = "local rank " + std::to_string(me) + ": " + why_not;
+    } else {
+      void* mapped = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, peer_fd, 0);
       if (mapped == MAP_FAILED)
-        failure = "local rank " + std::to_string(me) + ": cannot map " + name + ": " + errno_text(errno);
+        failure = "local rank " + std::to_string(me) + ": cannot map rank " + std::to_string(group_rank(p)) +
+                  "'s buffer: " + errno_text(errno);
       else
         buffer->base[p] = static_cast<uint8_t*>(mapped);
-      if (peer_fd >= 0) close(peer_fd);
+      close(peer_fd);
     }
   }
   failure = meet_once_mapped(store, prefix, L, options_.timeout, failure, what);

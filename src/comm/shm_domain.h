@@ -1,4 +1,4 @@
-// Collectives between the ranks of one host through one POSIX shared-memory segment (internal:
+// Collectives between the ranks of one host through one shared-memory segment (internal:
 // ProcessGroup routes to it; see docs/shared_memory.md).
 //
 // Layout: a header, one control block per local rank (its step counters, each on its own cache
@@ -71,9 +71,9 @@ struct DomainOptions {
 
 class Domain {
  public:
-  // Collective over the local ranks: local rank 0 creates the segment under a random name and
-  // publishes it under `key` in `store`; every rank maps it and locks its byte; once all have,
-  // local rank 0 unlinks the name, so nothing is left in /dev/shm even if ranks are killed later.
+  // Collective over the local ranks: local rank 0 creates the segment (an unnamed memfd) and
+  // publishes its address under `key` in `store`; every rank maps it through /proc and locks its
+  // byte. Nothing is ever named in /dev/shm, so nothing can be left there (peer_memory.h).
   static std::unique_ptr<Domain> create(c10d::Store& store, const std::string& key, DomainOptions options);
   ~Domain();
   Domain(const Domain&) = delete;
@@ -82,7 +82,6 @@ class Domain {
   int local_rank() const { return options_.local_rank; }
   int local_size() const { return options_.local_size; }
   int64_t slot_bytes() const { return options_.slot_bytes; }
-  const std::string& segment_name() const { return name_; }
 
   // All in place or into the caller's buffers; each returns when this rank's part is done, or
   // throws std::runtime_error naming the peer that died or did not arrive in time.
@@ -100,8 +99,8 @@ class Domain {
   void barrier();
 
   // Collective over the local ranks, in the same order on each (`id` numbers the allocations):
-  // each creates a zeroed segment of `bytes`, maps every peer's, and unlinks its own once all
-  // have mapped. allreduce() sums in place when every rank passes data at the same offset of the
+  // each creates zeroed memory of `bytes` (an unnamed memfd), maps every peer's through /proc,
+  // and closes its own fd once all have mapped. allreduce() sums in place when every rank passes data at the same offset of the
   // same buffer (what DDP's buckets do). Returns null with the reason in *why when some rank could
   // not reserve or map the space, so every rank falls back alike; throws when a peer does not take
   // part within the timeout.
@@ -110,7 +109,7 @@ class Domain {
 
  private:
   struct Segment;
-  Domain(DomainOptions options, std::string name, int fd, void* base, size_t bytes);
+  Domain(DomainOptions options, int fd, void* base, size_t bytes);
   // Starts a collective: its deadline, and what this rank announces to its peers.
   void begin(uint32_t op, int64_t size, c10::ScalarType dtype, int root);
   // Waits until every peer is done with step s - 2 (which used the same slot as step s); on a
@@ -141,7 +140,6 @@ class Domain {
   int group_rank(int local) const;
 
   DomainOptions options_;
-  std::string name_;
   int fd_ = -1;
   void* base_ = nullptr;
   size_t bytes_ = 0;

@@ -1,5 +1,7 @@
 #include "shared_region.h"
 
+#include "../comm/peer_memory.h"
+
 #include <ddpkit/error.h>
 
 #include "parameter_server.pb.h"
@@ -33,19 +35,10 @@ SharedRegion::SharedRegion(int64_t slot_bytes, int slots) {
                slots, " slots of ", slot_bytes, " bytes)");
   slot_bytes_ = slot_bytes;
   bytes_ = kHeaderBytes + slot_bytes * slots;
-  fd_ = ::memfd_create("ddpkit-ps", MFD_CLOEXEC | MFD_ALLOW_SEALING);
-  if (fd_ < 0) throw CommError("ddpkit ps: memfd_create failed: " + errno_text());
-  // Reserved now: running out of memory is an error here, not a fault in the middle of a copy.
-  // Sealed: its size can never change, so the server's mapping of it never faults either.
-  int err = ::ftruncate(fd_, bytes_) == 0 ? ::posix_fallocate(fd_, 0, bytes_) : errno;
-  if (err == 0 && ::fcntl(fd_, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0) err = errno;
-  void* p = err == 0 ? ::mmap(nullptr, bytes_, PROT_READ | PROT_WRITE, MAP_SHARED, fd_, 0) : MAP_FAILED;
-  if (err == 0 && p == MAP_FAILED) err = errno;
-  if (err != 0) {
-    ::close(fd_);
-    throw CommError("ddpkit ps: cannot set up a " + std::to_string(bytes_) + "-byte shared-memory region: " +
-                    std::strerror(err));
-  }
+  void* p = nullptr;
+  std::string error;
+  fd_ = detail::create_peer_memory("ddpkit-ps", static_cast<size_t>(bytes_), &p, &error);
+  if (fd_ < 0) throw CommError("ddpkit ps: cannot set up a shared-memory region: " + error);
   base_ = static_cast<uint8_t*>(p);
   cookie_ = random_bytes(kCookieBytes);
   std::memcpy(base_, cookie_.data(), kCookieBytes);
@@ -62,30 +55,25 @@ std::shared_ptr<SharedRegion> SharedRegion::attach(int64_t pid, int fd, int64_t 
              std::to_string(bytes) + " bytes)";
     return nullptr;
   }
-  const std::string path = "/proc/" + std::to_string(pid) + "/fd/" + std::to_string(fd);
-  const int local = ::open(path.c_str(), O_RDWR | O_CLOEXEC);
-  if (local < 0) {
-    *error = "cannot open " + path + ": " + errno_text() + " (another host, PID namespace or user)";
-    return nullptr;
-  }
-  struct stat st {};
-  const int seals = ::fcntl(local, F_GET_SEALS);
-  if (seals < 0 || !(seals & F_SEAL_SHRINK) || ::fstat(local, &st) != 0 || st.st_size != bytes) {
-    ::close(local);
-    *error = path + " is not a sealed " + std::to_string(bytes) + "-byte memfd";
-    return nullptr;
-  }
+  // The offer names no inode: the cookie below tells the trainer's region from anything else.
+  detail::PeerMemoryAddress address;
+  address.pid = static_cast<long>(pid);
+  address.fd = fd;
+  address.bytes = static_cast<unsigned long long>(bytes);
+  const int local = detail::open_peer_memory(address, error);
+  if (local < 0) return nullptr;
   void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, local, 0);
   ::close(local);  // the mapping keeps the memory
   if (p == MAP_FAILED) {
-    *error = "cannot map " + path + ": " + errno_text();
+    *error = "cannot map the trainer's region: " + errno_text();
     return nullptr;
   }
   std::shared_ptr<SharedRegion> region(new SharedRegion());
   region->base_ = static_cast<uint8_t*>(p);
   region->bytes_ = bytes;
   if (std::memcmp(region->base_, cookie.data(), kCookieBytes) != 0) {
-    *error = path + " is not the trainer's region (cookie differs: another host or PID namespace)";
+    *error = "/proc/" + std::to_string(pid) + "/fd/" + std::to_string(fd) +
+             " is not the trainer's region (cookie differs: another host or PID namespace)";
     return nullptr;
   }
   return region;

@@ -1,8 +1,9 @@
 // Which ranks of a group share a host, decided per group from facts every rank publishes in the
 // group's store (not from LOCAL_WORLD_SIZE, which is wrong for subgroups): the machine id, the
-// boot id and the network namespace. Ranks equal in all three can share memory and see one network
-// stack; ranks in different network namespaces count as different hosts (so the multi-host tests,
-// one namespace per "host", see the topology a real cluster has).
+// boot id, the network namespace and the PID namespace. Ranks equal in all four can share memory
+// (they reach each other's memory through /proc/<pid>) and see one network stack; ranks in
+// different network namespaces count as different hosts (so the multi-host tests, one namespace
+// per "host", see the topology a real cluster has), and so do containers with their own PIDs.
 #pragma once
 
 #include <torch/csrc/distributed/c10d/Store.hpp>
@@ -26,8 +27,8 @@ struct HostTopology {
   bool single_host() const { return hosts() == 1; }
 };
 
-// This process's "machine-id/boot-id/netns-inode" (the machine id falls back to the host name
-// where /etc/machine-id is missing).
+// This process's "machine-id/boot-id/netns-inode/pidns-inode" (the machine id falls back to the
+// host name where /etc/machine-id is missing).
 std::string this_host_key();
 
 // The topology of `world` ranks whose host keys are `keys` (keys[r] for rank r).

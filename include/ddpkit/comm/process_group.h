@@ -133,7 +133,7 @@ class ProcessGroup {
   std::chrono::milliseconds timeout() const { return options_.timeout(); }
   const c10::intrusive_ptr<c10d::Store>& store() const { return store_; }
   const ProcessGroupOptions& options() const { return options_; }
-  // Which of this group's ranks share a host (same machine id, boot id and network namespace),
+  // Which of this group's ranks share a host (same machine id, boot id, network and PID namespace),
   // found through the store when the group was made.
   const HostTopology& topology() const { return topology_; }
   // Whether collectives between this host's ranks go through shared memory (see the option),
@@ -145,7 +145,7 @@ class ProcessGroup {
   // an allreduce that every local rank issues on the same part of its own such tensor (DDP's
   // buckets) sums in place, without copying through the shared slots. Collective over this
   // host's ranks: each calls it in the same order with the same size. Plain memory otherwise,
-  // or (with one warning) when /dev/shm has no room.
+  // or (with one warning) when the memory cannot be reserved or shared.
   at::Tensor allreduce_buffer(int64_t numel, at::ScalarType dtype);
 
   // Collectives. All are asynchronous and in place where the c10d one is; each returns a future
