@@ -2,7 +2,6 @@
 #include <ddpkit/comm/process_group.h>
 
 #include "process_group_internal.h"
-#include "shm_switch.h"
 
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #ifdef USE_C10D_NCCL
@@ -11,7 +10,6 @@
 
 #include <algorithm>
 #include <cstdlib>
-#include <iostream>
 #include <sstream>
 
 namespace ddpkit {
@@ -136,117 +134,6 @@ ProcessGroup::ProcessGroup(c10::intrusive_ptr<c10d::Store> store, int rank, int 
 ProcessGroup::~ProcessGroup() {
   sequencer_.reset();  // drains: its jobs may still hand work to the shm thread
   shm_.reset();
-}
-
-// Every rank publishes whether it wants shared memory and all read all: the choice is the
-// group's (a host whose ranks disagreed would run other algorithms than its peers and hang).
-// Used when every rank wants it, a host has two or more ranks, and (several hosts) every host
-// has the same number, which hierarchical allreduce needs.
-void ProcessGroup::setup_shared_memory(const c10::intrusive_ptr<c10d::Store>& group_store) {
-  c10d::Store& store = *group_store;
-  const bool want = options_.shared_memory() && options_.backend() == "gloo" && shared_memory_allowed_by_environment();
-  if (world_size_ == 1) return;
-  DDPKIT_CHECK(options_.shm_slot_bytes() >= 4096 && options_.shm_slot_bytes() % 64 == 0,
-               "shm_slot_bytes must be a multiple of 64 and at least 4096, got ", options_.shm_slot_bytes());
-  const std::string prefix = "ddpkit/shm/";
-  store.set(prefix + "want/" + std::to_string(rank_), std::vector<uint8_t>{static_cast<uint8_t>(want ? '1' : '0')});
-  bool all = true;
-  for (int r = 0; r < world_size_ && all; ++r) {
-    const std::string key = prefix + "want/" + std::to_string(r);
-    store.wait({key}, options_.timeout());
-    all = store.get(key) == std::vector<uint8_t>{'1'};
-  }
-  const auto& hosts = topology_.ranks_of_host;
-  const size_t local = hosts[topology_.host_of_rank[rank_]].size();
-  bool uniform = true;
-  for (const auto& h : hosts) uniform = uniform && h.size() == local;
-  if (!all || local < 2 || !uniform) return;
-  shm::DomainOptions o;
-  o.local_rank = topology_.local_rank();
-  o.local_size = static_cast<int>(local);
-  o.group_ranks = hosts[topology_.host_of_rank[rank_]];
-  o.timeout = options_.timeout();
-  o.slot_bytes = options_.shm_slot_bytes();
-  auto engine = std::make_unique<Shm>();
-  engine->store = group_store;
-  engine->key = prefix + "host" + std::to_string(topology_.host_of_rank[rank_]);
-  try {
-    engine->domain = shm::Domain::create(store, engine->key, o);
-  } catch (const std::exception&) {
-    throw CommError(describe_comm_failure("shared-memory setup of process group '" + options_.group_name() + "'",
-                                          rank_, world_size_, std::current_exception()));
-  }
-  if (hosts.size() > 1) {
-    // Rank h of this group is the rank with this local rank on host h: it allreduces shards.
-    ProcessGroupOptions across = options_;
-    across.shared_memory(false).group_name(options_.group_name() + "/across-hosts-" + std::to_string(o.local_rank));
-    engine->across = std::make_shared<ProcessGroup>(store_, topology_.host_of_rank[rank_],
-                                                    static_cast<int>(hosts.size()), across);
-  }
-  shm_ = std::move(engine);
-}
-
-bool ProcessGroup::uses_shared_memory() const { return shm_ != nullptr; }
-bool ProcessGroup::hierarchical() const { return shm_ && shm_->across; }
-
-at::Tensor ProcessGroup::allreduce_buffer(int64_t numel, at::ScalarType dtype) {
-  DDPKIT_CHECK(numel >= 0, "allreduce_buffer: numel must be >= 0, got ", numel);
-  const auto options = at::TensorOptions().dtype(dtype).device(at::kCPU);
-  // Summing in place needs every rank of the group in one domain (no hierarchical step).
-  if (!shm_ || shm_->across || numel == 0) return at::zeros({numel}, options);
-  std::lock_guard<std::mutex> lock(shm_->allocate_mutex);
-  const int64_t id = shm_->allocations++;
-  std::string why;
-  std::shared_ptr<shm::SharedBuffer> buffer;
-  try {
-    buffer = shm_->domain->allocate(*shm_->store, shm_->key + "/buffer", id,
-                                    static_cast<size_t>(numel) * c10::elementSize(dtype), &why);
-  } catch (const std::exception&) {
-    throw CommError(describe_comm_failure("allreduce_buffer of " + std::to_string(numel) + " " + c10::toString(dtype) +
-                                              " elements in shared memory",
-                                          rank_, world_size_, std::current_exception()));
-  }
-  if (!buffer) {
-    if (!shm_->warned)
-      std::cerr << "ddpkit: rank " << rank_ << ": allreduce buffers stay in private memory (" << why
-                << "); allreduce still goes through shared memory, with one more copy each way\n";
-    shm_->warned = true;
-    return at::zeros({numel}, options);
-  }
-  // The tensor owns the mappings: they outlive the group if the tensor does.
-  return at::from_blob(buffer->base[shm_->domain->local_rank()], {numel}, [buffer](void*) {}, options);
-}
-
-bool ProcessGroup::shm_takes(const at::Tensor& t) const {
-  return shm_ && !shm_->across && t.device().is_cpu() && !t.is_sparse();
-}
-
-FuturePtr ProcessGroup::shm_issue(const std::string& what, uint64_t bus_bytes, const at::Tensor& value,
-                                  std::function<void()> op) {
-  return shm_issue(what, value, [this, bus_bytes] { count(bus_bytes, bus_bytes, /*shared_memory=*/true); }, std::move(op));
-}
-
-FuturePtr ProcessGroup::shm_issue(const std::string& what, const at::Tensor& value, std::function<void()> account,
-                                  std::function<void()> op) {
-  auto result = make_tensor_future(value.device());
-  post([this, what, value, result, account = std::move(account), op = std::move(op)] {
-    const int rank = rank_, world = world_size_;
-    try {
-      account();
-    } catch (...) {
-      return fail(result, what, rank, world, std::current_exception());
-    }
-    shm_->thread.post([what, value, result, op, rank, world] {
-      try {
-        op();
-      } catch (...) {
-        fail(result, what + " in shared memory", rank, world, std::current_exception());
-        return;
-      }
-      result->markCompleted(c10::IValue(value));
-    });
-  });
-  return result;
 }
 
 namespace {
@@ -450,44 +337,6 @@ FuturePtr ProcessGroup::allreduce(const at::Tensor& tensor, c10d::ReduceOp op) {
     o.timeout = options_.timeout();
     return backend_->allreduce(v, o);
   });
-}
-
-// On the shm thread, `data` contiguous. Local rank l owns row l of the tensor viewed as
-// [local_size, m]: shared-memory reduce-scatter gives it its host's sum of row l, the group of the
-// ranks with local rank l on every host allreduces that shard over Gloo, and a shared-memory
-// allgather hands every shard to every local rank. In pieces, so piece k crosses the network
-// while piece k + 1 is reduced here.
-void ProcessGroup::hierarchical_allreduce(const at::Tensor& data, double scale) {
-  shm::Domain& d = *shm_->domain;
-  const int64_t L = d.local_size(), numel = data.numel(), m = (numel + L - 1) / L;
-  const auto dtype = data.scalar_type();
-  const int64_t elt = static_cast<int64_t>(data.element_size());
-  at::Tensor rows = data.view({-1});
-  const bool padded = m * L != numel;
-  if (padded) {
-    rows = take_workspace(dtype, m * L);
-    rows.narrow(0, 0, numel).copy_(data.view({-1}));
-    rows.narrow(0, numel, m * L - numel).zero_();
-  }
-  at::Tensor shard = take_workspace(dtype, std::max<int64_t>(m, 1));
-  const int64_t piece = std::max<int64_t>(1, std::max<int64_t>(options_.piece_bytes(), 1 << 20) / elt);
-  auto* rows_ptr = static_cast<uint8_t*>(rows.data_ptr());
-  std::vector<std::pair<int64_t, FuturePtr>> across;
-  for (int64_t off = 0; off < m; off += piece) {
-    const int64_t c = std::min(piece, m - off);
-    d.reduce_scatter(rows_ptr + off * elt, static_cast<uint8_t*>(shard.data_ptr()) + off * elt, c, dtype, m);
-    across.emplace_back(off, shm_->across->allreduce(shard.narrow(0, off, c)));
-  }
-  for (auto& [off, future] : across) {
-    at::Tensor part = ProcessGroup::wait(future);
-    if (scale != 1.0) part.mul_(scale);
-    d.allgather(part.data_ptr(), rows_ptr + off * elt, part.numel() * elt, m * elt);
-  }
-  give_workspace(shard);
-  if (padded) {
-    data.view({-1}).copy_(rows.narrow(0, 0, numel));
-    give_workspace(rows);
-  }
 }
 
 FuturePtr ProcessGroup::broadcast(const at::Tensor& tensor, int root) {

@@ -1,5 +1,6 @@
-// What the ProcessGroup's translation units share (process_group.cpp, two_phase.cpp): the
-// group's shared-memory engine and the helpers that name tensors and fail futures. Not installed.
+// What the ProcessGroup's translation units share (process_group.cpp, shm_group.cpp,
+// two_phase.cpp): the group's shared-memory engine and the helpers that name tensors and fail
+// futures. Not installed.
 #pragma once
 
 #include <ddpkit/comm/process_group.h>
