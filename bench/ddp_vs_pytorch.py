@@ -14,7 +14,9 @@ column (pt-fused) runs it under ddpkit's allocator settings, and the <= 0.6 targ
 with an older PyTorch it is read on pt-malloc. Every configuration runs --reps times,
 interleaved (so drift on a shared machine hits all alike); each run reports the median step time
 of its --steps steps, and the table shows the median over reps. Ratios are computed from these
-medians, all measured in this one invocation.
+medians, all measured in this one invocation. The local-pair row runs each side's training
+without DDP, two processes side by side as the two ranks run: the floor a DDP step could reach on
+this machine, which splits a ratio into what DDP costs and what the training loop costs.
 """
 import argparse
 import json
@@ -27,7 +29,7 @@ from pytorch_peer import PEER_ENV, fused_cpu_sgd_available, torch_version_or_exi
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-HOOKS = ["local", "none", "allreduce", "fp16", "bf16", "noop"]
+HOOKS = ["local", "local-pair", "none", "allreduce", "fp16", "bf16", "noop"]
 
 
 def last_json(text):
@@ -46,13 +48,19 @@ def ddpkit_torch(binary):
 def run_ddpkit(binary, hook, args):
     cmd = [binary, "train", "--model", "mlp", "--dataset", "synthetic", "--batch-size", "32",
            "--steps", str(args.steps), "--threads", "1", "--no-eval", "--quiet"]
-    cmd += ["--no-ddp"] if hook == "local" else ["--nproc", "2", "--hook", hook]
+    cmd += ["--no-ddp"] if hook in ("local", "local-pair") else ["--nproc", "2", "--hook", hook]
     cmd += args.ddpkit_args
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
-    out = last_json(p.stdout)
-    if p.returncode != 0 or out is None:
-        return None, (p.stderr.strip().splitlines() or ["exit %d" % p.returncode])[-1]
-    return out["median_step_ms"], None
+    # local-pair: two trainings without DDP side by side, as the two ranks run: the step's floor.
+    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(2 if hook == "local-pair" else 1)]
+    medians = []
+    for p in procs:
+        stdout, stderr = p.communicate(timeout=900)
+        out = last_json(stdout)
+        if p.returncode != 0 or out is None:
+            return None, (stderr.strip().splitlines() or ["exit %d" % p.returncode])[-1]
+        medians.append(out["median_step_ms"])
+    return statistics.mean(medians), None
 
 
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(1 << 30), "MALLOC_TRIM_THRESHOLD_": str(1 << 30)}
@@ -113,6 +121,8 @@ def main():
             for impl, store, fn in configs:
                 if (impl, h) in errors:
                     continue  # refused once: do not wait for it again
+                if h == "local-pair" and impl in ("pytorch", "pytorch-zeroing"):
+                    continue  # the floor is read against the malloc-matched columns
                 ms, err = fn(h)
                 print("rep %d %-8s %-9s %s" % (rep + 1, impl, h, "%.1f ms" % ms if ms else "error: " + err),
                       file=sys.stderr, flush=True)
@@ -167,6 +177,17 @@ def main():
     show("ddpkit fp16 hook / ddpkit allreduce hook", a_fp16, a_ar, 1.0)
     show("ddpkit fp16 hook / PyTorch fp16 hook", a_fp16, results.get("fp16", (None,) * 5)[1])
     show("ddpkit noop / ddpkit local", results.get("noop", (None,))[0], results.get("local", (None,))[0])
+    pair = results.get("local-pair", (None,) * 5)
+    if pair[0] and a_none:
+        print()
+        print("The floor: two trainings without DDP side by side (local-pair), each side's own, malloc-matched:")
+        for name, ddp, floor in [("ddpkit", a_none, pair[0]), ("PyTorch (pt-malloc)", m_none, pair[3]),
+                                 ("PyTorch (pt-fused)", f_none, pair[4])]:
+            if ddp and floor:
+                print("  %-20s DDP step %6.1f ms, floor %6.1f ms: DDP adds %5.1f ms (%+.0f%%)"
+                      % (name, ddp, floor, ddp - floor, 100 * (ddp / floor - 1)))
+        show("ddpkit's floor / PyTorch's floor (malloc env)", pair[0], pair[3])
+        show("ddpkit's floor / PyTorch's floor (malloc env, fused SGD)", pair[0], pair[4])
     return 0
 
 

@@ -6,7 +6,9 @@
 
 Prints one JSON line like ddpkit train: hook, world_size, steps, median_step_ms.
 --hook: none (DDP's built-in allreduce), allreduce, fp16, bf16, noop, powersgd, batched_powersgd,
-quantize_per_tensor, quantize_per_channel, int8 (ddpkit only), local (no DDP, one process).
+quantize_per_tensor, quantize_per_channel, int8 (ddpkit only), local (no DDP, one process),
+local-pair (no DDP, --nproc independent processes side by side: the no-communication floor of a
+DDP step on this machine; median_step_ms is the mean of their medians).
 --impl ddpkit registers ddpkit's hook of that name (the Python package) on the same PyTorch DDP
 model instead of PyTorch's, and adds its traffic and per-bucket launch cost to the line.
 With RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT set (torchrun style), runs just that rank in
@@ -47,13 +49,16 @@ def build(dims):
     return torch.nn.Sequential(*layers)
 
 
+NO_DDP = ("local", "local-pair")
+
+
 def train(rank, world, args, port, queue, master_addr="127.0.0.1"):
     torch.set_num_threads(args.threads)
     torch.manual_seed(1)
     dims = [int(d) for d in args.mlp_dims.split(",")]
     model = build(dims)
     ddpkit_state = None
-    if args.hook != "local":
+    if args.hook not in NO_DDP:
         os.environ["MASTER_ADDR"] = master_addr
         os.environ["MASTER_PORT"] = str(port)
         dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
@@ -114,8 +119,8 @@ def train(rank, world, args, port, queue, master_addr="127.0.0.1"):
         error = str(e).splitlines()[0][:200]
     state_bytes = sum(t.numel() * t.element_size() for st in (opt.optim if args.zero else opt).state.values()
                       for t in st.values() if torch.is_tensor(t) and t.dim() > 0)
-    if rank == 0:
-        result = {"hook": args.hook, "impl": args.impl, "world_size": world if args.hook != "local" else 1,
+    if rank == 0 or args.hook == "local-pair":  # a pair: every process reports
+        result = {"hook": args.hook, "impl": args.impl, "world_size": world if args.hook not in NO_DDP else 1,
                   "optimizer": args.optimizer, "zero": "1" if args.zero else "off", "optimizer_state_bytes": state_bytes,
                   "steps": len(times), "median_step_ms": statistics.median(times) if times else None,
                   "error": error}
@@ -130,7 +135,7 @@ def train(rank, world, args, port, queue, master_addr="127.0.0.1"):
                           adapter_us_per_bucket=launch["adapter_us_per_bucket"],
                           launch_us_per_bucket=launch["launch_us_per_bucket"])
         queue.put(result)
-    if args.hook != "local":
+    if args.hook not in NO_DDP:
         dist.destroy_process_group()
 
 
@@ -153,7 +158,8 @@ def signal_alarm(seconds):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--hook", default="none", choices=["none", "allreduce", "fp16", "bf16", "noop", "local", "powersgd",
+    p.add_argument("--hook", default="none", choices=["none", "allreduce", "fp16", "bf16", "noop", "local", "local-pair",
+                                                      "powersgd",
                                                       "batched_powersgd", "quantize_per_tensor", "quantize_per_channel",
                                                       "int8"])
     p.add_argument("--impl", default="pytorch", choices=["pytorch", "ddpkit"],
@@ -180,7 +186,7 @@ def main():
         sys.exit("--fused-sgd: PyTorch %s has no fused SGD for CPU tensors (it arrived in 2.4)" % torch.__version__)
     if args.fused_sgd and args.optimizer != "sgd":
         sys.exit("--fused-sgd applies to --optimizer sgd, not %s" % args.optimizer)
-    if "RANK" in os.environ and args.hook != "local":  # one rank of a torchrun-style job
+    if "RANK" in os.environ and args.hook not in NO_DDP:  # one rank of a torchrun-style job
         import queue as q
         out = q.Queue()
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -200,6 +206,12 @@ def main():
         pr.start()
     try:
         result = queue.get(timeout=args.timeout)
+        if args.hook == "local-pair":
+            results = [result] + [queue.get(timeout=args.timeout) for _ in range(world - 1)]
+            failed = [r for r in results if r.get("median_step_ms") is None]
+            result = failed[0] if failed else dict(
+                result, side_by_side=world, median_step_ms=statistics.mean(r["median_step_ms"] for r in results),
+                each_median_step_ms=[r["median_step_ms"] for r in results])
     except Exception:
         result = {"hook": args.hook, "impl": "pytorch",
                   "error": "no result within %d s (hung; PyTorch's bf16 hook does this on CPU/Gloo)" % args.timeout}
