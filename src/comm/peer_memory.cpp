@@ -59,9 +59,11 @@ int open_peer_memory(const PeerMemoryAddress& a, std::string* error) {
   const std::string path = "/proc/" + std::to_string(a.pid) + "/fd/" + std::to_string(a.fd);
   const int fd = ::open(path.c_str(), O_RDWR | O_CLOEXEC);
   if (fd < 0) {
-    *error = "cannot open " + path + ": " + std::strerror(errno) +
-             (errno == ENOENT ? " (the owner exited, or is in another PID namespace)"
-                              : errno == EACCES || errno == EPERM ? " (another user, or the owner is not dumpable)" : "");
+    const int e = errno;
+    *error = "cannot open " + path + ": " + std::strerror(e) +
+             (e == ENOENT                ? " (the owner exited, or is in another PID namespace)"
+              : e == EACCES || e == EPERM ? " (another user, or the owner is not dumpable)"
+                                          : "");
     return -1;
   }
   struct stat st {};

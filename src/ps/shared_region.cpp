@@ -6,9 +6,7 @@
 
 #include "parameter_server.pb.h"
 
-#include <fcntl.h>
 #include <sys/mman.h>
-#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
