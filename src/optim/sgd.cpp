@@ -19,9 +19,11 @@ namespace optim {
 namespace {
 
 // The constants as ATen's kernels see them: a Scalar applied to a float tensor becomes a float.
+// Whether to decay is decided on the double option, as libtorch does: a weight decay too small
+// for a float still runs its (zero) multiply-add there, which can turn a -0 gradient into +0.
 struct Coefficients {
   float weight_decay, momentum, one_minus_dampening, minus_lr;
-  bool nesterov;
+  bool decay, nesterov;
 };
 
 #if defined(__x86_64__)
@@ -36,7 +38,7 @@ __attribute__((target("avx2,fma"))) void update_avx2(float* p, const float* g, f
   for (; i + 8 <= n; i += 8) {
     const __m256 pv = _mm256_loadu_ps(p + i);
     __m256 d = _mm256_loadu_ps(g + i);
-    if (c.weight_decay != 0.f) d = _mm256_fmadd_ps(pv, wd, d);
+    if (c.decay) d = _mm256_fmadd_ps(pv, wd, d);
     const __m256 b = _mm256_fmadd_ps(d, keep, _mm256_mul_ps(_mm256_loadu_ps(buf + i), m));
     _mm256_storeu_ps(buf + i, b);
     d = c.nesterov ? _mm256_fmadd_ps(b, m, d) : b;
@@ -44,7 +46,7 @@ __attribute__((target("avx2,fma"))) void update_avx2(float* p, const float* g, f
   }
   for (; i < n; ++i) {
     float d = g[i];
-    if (c.weight_decay != 0.f) d = __builtin_fmaf(p[i], c.weight_decay, d);
+    if (c.decay) d = __builtin_fmaf(p[i], c.weight_decay, d);
     const float b = __builtin_fmaf(d, c.one_minus_dampening, buf[i] * c.momentum);
     buf[i] = b;
     d = c.nesterov ? __builtin_fmaf(b, c.momentum, d) : b;
@@ -89,7 +91,8 @@ void sgd_update(const at::Tensor& param, const at::Tensor& grad, at::Tensor& mom
   if (o.momentum() != 0 && one_pass_applies(p, grad, momentum_buffer)) {
 #if defined(__x86_64__)
     const Coefficients c{static_cast<float>(o.weight_decay()), static_cast<float>(o.momentum()),
-                         static_cast<float>(1 - o.dampening()), static_cast<float>(-1 * o.lr()), o.nesterov()};
+                         static_cast<float>(1 - o.dampening()), static_cast<float>(-1 * o.lr()),
+                         o.weight_decay() != 0, o.nesterov()};
     float* pp = p.data_ptr<float>();
     const float* gp = grad.data_ptr<float>();
     float* bp = momentum_buffer.data_ptr<float>();
