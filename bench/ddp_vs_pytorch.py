@@ -53,14 +53,19 @@ def run_ddpkit(binary, hook, args):
     # local-pair: two trainings without DDP side by side, as the two ranks run: the step's floor.
     procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for _ in range(2 if hook == "local-pair" else 1)]
-    medians = []
+    medians, error = [], None
     for p in procs:
+        if error:  # the pair failed: its other half must not run on into the next measurement
+            p.kill()
+            p.communicate()
+            continue
         stdout, stderr = p.communicate(timeout=900)
         out = last_json(stdout)
         if p.returncode != 0 or out is None:
-            return None, (stderr.strip().splitlines() or ["exit %d" % p.returncode])[-1]
-        medians.append(out["median_step_ms"])
-    return statistics.mean(medians), None
+            error = (stderr.strip().splitlines() or ["exit %d" % p.returncode])[-1]
+        else:
+            medians.append(out["median_step_ms"])
+    return (None, error) if error else (statistics.mean(medians), None)
 
 
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(1 << 30), "MALLOC_TRIM_THRESHOLD_": str(1 << 30)}
