@@ -298,6 +298,13 @@ TEST(PsSharedMemory, EveryPlaceARequestNamesIsChecked) {
                 r.mutable_gradient()->set_sparse_dim(2);
               })),
               HasSubstr("a sparse chunk must have sparse_dim 1"));
+  // Rows outside the shape (the client refuses to send them; a raw trainer can).
+  EXPECT_THAT(status(raw.send(slot, 8, [&](auto& r) {
+                sparse(0, {0, 9}, 8)(r);
+                r.set_chunk_count(0);
+                r.set_bucket_numel(0);
+              })),
+              HasSubstr("found index 9"));
   EXPECT_THAT(status(raw.send(slot, 4096, [](auto& r) { r.mutable_gradient()->set_shape(0, 1024); })),
               HasSubstr("4096 bytes in shared memory, more than max_message_bytes 2048"));
   EXPECT_EQ(server->counters().gradients_received, 0) << "rejected before they touch any sum";

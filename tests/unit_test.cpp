@@ -127,6 +127,70 @@ TEST(Codecs, BadArgumentsAreNamed) {
               ::testing::HasSubstr("takes float16 or bfloat16"));
 }
 
+// The coalesced form by definition: for each row in ascending order, its entries summed in their
+// order of appearance, rounding to the dtype after each addition.
+at::Tensor coalesced_values_in_order(const at::Tensor& sparse) {
+  at::Tensor rows = sparse._indices()[0];
+  at::Tensor values = sparse._values();
+  at::Tensor unique = std::get<0>(at::_unique(rows, /*sorted=*/true));
+  std::vector<at::Tensor> out;
+  for (int64_t u = 0; u < unique.numel(); ++u) {
+    at::Tensor acc;
+    for (int64_t i = 0; i < rows.numel(); ++i) {
+      if (rows[i].item<int64_t>() != unique[u].item<int64_t>()) continue;
+      acc = acc.defined() ? (acc.to(at::kDouble) + values[i].to(at::kDouble)).to(values.scalar_type())
+                          : values[i].clone();
+    }
+    out.push_back(acc);
+  }
+  return at::stack(out);
+}
+
+TEST(Codecs, CoalesceSumsDuplicatesInOrderOfAppearance) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(5);
+  for (auto dtype : {at::kFloat, at::kDouble, at::kHalf, at::kBFloat16}) {
+    // An embedding's gradient: many duplicate rows, an odd row width (a vector tail).
+    at::Tensor rows = at::randint(0, 50, {1, 400}, gen, at::kLong);
+    at::Tensor values = at::randn({400, 7}, gen).to(dtype);
+    at::Tensor grad = at::_sparse_coo_tensor_unsafe(rows, values, {60, 7});
+    at::Tensor got = codecs::coalesce(grad);
+    at::Tensor reference = grad.coalesce();
+    ASSERT_TRUE(got.is_coalesced()) << dtype;
+    EXPECT_TRUE(at::equal(got._indices(), reference._indices())) << dtype;
+    EXPECT_TRUE(at::equal(got._values(), coalesced_values_in_order(grad))) << dtype;
+    // ATen sums duplicates in its sort's order: the same up to rounding (bfloat16 keeps 8 bits).
+    const double tolerance = dtype == at::kBFloat16 ? 1e-1 : 1e-2;
+    EXPECT_TRUE(at::allclose(got._values().to(at::kFloat), reference._values().to(at::kFloat), tolerance, tolerance))
+        << dtype;
+  }
+  // Order matters in float: (1e8 + 1) - 1e8 is 0, 1e8 - 1e8 + 1 is 1. A lone -0 stays -0.
+  at::Tensor order = at::_sparse_coo_tensor_unsafe(at::tensor({3, 3, 3, 1}, at::kLong).view({1, 4}),
+                                                   at::tensor({1e8f, 1.f, -1e8f, -0.f}).view({4, 1}), {5, 1});
+  at::Tensor summed = codecs::coalesce(order)._values();
+  EXPECT_EQ(summed[1].item<float>(), 0.f);
+  EXPECT_TRUE(std::signbit(summed[0].item<float>()));
+  // Rows wide enough to be split between threads: the same bits with one thread and with two.
+  at::Tensor wide = at::_sparse_coo_tensor_unsafe(at::randint(0, 300, {1, 1200}, gen, at::kLong),
+                                                  at::randn({1200, 1024}, gen), {300, 1024});
+  const int threads = at::get_num_threads();
+  at::set_num_threads(1);
+  at::Tensor one = codecs::coalesce(wide)._values();
+  at::set_num_threads(2);
+  at::Tensor two = codecs::coalesce(wide)._values();
+  at::set_num_threads(threads);
+  EXPECT_TRUE(at::equal(one, two));
+  EXPECT_TRUE(at::allclose(one, wide.coalesce()._values(), 1e-5, 1e-5));
+  // Coalesced input comes back as is; two sparse dimensions go to at::coalesce.
+  at::Tensor done = wide.coalesce();
+  EXPECT_TRUE(codecs::coalesce(done).is_same(done));
+  at::Tensor matrix = at::_sparse_coo_tensor_unsafe(at::tensor({0, 0, 1, 0, 2, 0}, at::kLong).view({2, 3}),
+                                                    at::tensor({1.f, 2.f, 3.f}), {3, 3});
+  EXPECT_TRUE(at::equal(codecs::coalesce(matrix).to_dense(), matrix.to_dense()));
+  // A row outside the tensor is named, not written out of bounds.
+  at::Tensor bad = at::_sparse_coo_tensor_unsafe(at::tensor({0, 60}, at::kLong).view({1, 2}), at::ones({2, 7}), {60, 7});
+  EXPECT_THAT(error_of([&] { codecs::coalesce(bad); }), HasSubstr("entry 1 has row 60, outside [0, 60)"));
+}
+
 // ---- process group ----------------------------------------------------------------------------
 TEST(ProcessGroup, CollectivesAcrossThreeRanks) {
   spawn_ranks(3, [](int rank, std::shared_ptr<ProcessGroup> pg) {

@@ -1,4 +1,5 @@
 #include <ddpkit/codecs/cast.h>
+#include <ddpkit/codecs/sparse.h>
 #include <ddpkit/hooks/default_hooks.h>
 
 #include <mutex>
@@ -71,7 +72,7 @@ CommHook allreduce_hook(std::shared_ptr<ProcessGroup> pg) {
     at::Tensor buffer = bucket.buffer();
     // Gloo coalesces a sparse tensor before sending it anyway; doing it here first halves the
     // division's work and makes the traffic count what goes on the wire.
-    if (buffer.is_sparse()) buffer = buffer.coalesce();
+    if (buffer.is_sparse()) buffer = codecs::coalesce(buffer);
     buffer.div_(pg->size());
     return pg->allreduce(buffer);
   };

@@ -3,6 +3,8 @@
 // its data through a shared-memory slot where one is free; the future completes on a gRPC thread.
 #include "client_impl.h"
 
+#include <ddpkit/codecs/sparse.h>
+
 #include <algorithm>
 #include <cstring>
 
@@ -226,7 +228,7 @@ FuturePtr ParameterServerClient::average(int64_t batch_number, int64_t bucket_in
   auto fail = [result](const std::string& error) { result->setError(std::make_exception_ptr(CommError(error))); };
 
   if (gradient.is_sparse()) {
-    const at::Tensor sparse = gradient.cpu().coalesce();
+    const at::Tensor sparse = codecs::coalesce(gradient.cpu());
     // A sparse_dim-1 gradient (an embedding's) larger than chunk_bytes when dense is cut by rows
     // into ranges whose values fit chunk_bytes; every trainer cuts the same shape alike, whatever
     // rows it has. Each range goes as a piece like a dense chunk, through a slot where one is free.

@@ -1,5 +1,6 @@
 // The parameter server: gRPC callback service (no thread per waiting call), per-(batch, bucket)
 // state under one mutex, replies finished outside it.
+#include <ddpkit/codecs/sparse.h>
 #include <ddpkit/ps/parameter_server.h>
 
 #include "grpc_common.h"
@@ -352,7 +353,7 @@ grpc::ServerUnaryReactor* ParameterServer::Impl::average_gradient(grpc::Callback
             for (auto it = std::next(bucket.parts.begin()); it != bucket.parts.end(); ++it)
               average = average.is_sparse() ? average + it->second : average.add_(it->second);
           }
-          if (average.is_sparse()) average = average.coalesce();
+          if (average.is_sparse()) average = codecs::coalesce(average);
           average.div_(static_cast<double>(serving.size()));
           log.record_end("method_metric", method_key);
           signature = bucket.signature;

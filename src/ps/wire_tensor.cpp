@@ -1,5 +1,6 @@
 #include "wire_tensor.h"
 
+#include <ddpkit/codecs/sparse.h>
 #include <ddpkit/error.h>
 
 #include <c10/util/accumulate.h>
@@ -91,7 +92,7 @@ void header_without_data(const at::Tensor& t, wire::Tensor* out) {
 // Everything but `data`; returns the contiguous CPU tensor whose bytes belong in `data`.
 at::Tensor encode_header(const at::Tensor& tensor, wire::Tensor* out) {
   at::Tensor t = tensor.device().is_cpu() ? tensor : tensor.cpu();
-  if (t.is_sparse()) t = t.coalesce();
+  if (t.is_sparse()) t = codecs::coalesce(t);
   header_without_data(t, out);
   return t.is_sparse() ? t._values().contiguous() : t.contiguous();
 }
@@ -317,7 +318,7 @@ at::Tensor sparse_from(const wire::Tensor& t, at::ScalarType dtype, const std::v
     *error = describe(t) + ": " + e.what_without_backtrace();
     return {};
   }
-  return at::_sparse_coo_tensor_unsafe(indices, out_values, shape).coalesce();
+  return codecs::coalesce(at::_sparse_coo_tensor_unsafe(indices, out_values, shape));
 }
 }  // namespace
 
