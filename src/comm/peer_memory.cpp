@@ -80,5 +80,22 @@ int open_peer_memory(const PeerMemoryAddress& a, std::string* error) {
   return -1;
 }
 
+void* map_peer_memory(const PeerMemoryAddress& a, std::string* error, int* keep_fd) {
+  const int fd = open_peer_memory(a, error);
+  if (fd < 0) return nullptr;
+  void* p = ::mmap(nullptr, static_cast<size_t>(a.bytes), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (p == MAP_FAILED) {
+    const int e = errno;
+    *error = "cannot map /proc/" + std::to_string(a.pid) + "/fd/" + std::to_string(a.fd) + ": " + std::strerror(e);
+    ::close(fd);
+    return nullptr;
+  }
+  if (keep_fd)
+    *keep_fd = fd;
+  else
+    ::close(fd);
+  return p;
+}
+
 }  // namespace detail
 }  // namespace ddpkit

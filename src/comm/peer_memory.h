@@ -35,5 +35,10 @@ bool parse_peer_memory_address(const std::string& text, PeerMemoryAddress* out);
 // naming the path and the reason.
 int open_peer_memory(const PeerMemoryAddress& address, std::string* error);
 
+// open_peer_memory, then maps all address.bytes of it (read/write, shared). The fd is closed (the
+// mapping keeps the memory) unless `keep_fd` is given, which then receives it. Returns the
+// mapping, or null with *error set and nothing left open.
+void* map_peer_memory(const PeerMemoryAddress& address, std::string* error, int* keep_fd = nullptr);
+
 }  // namespace detail
 }  // namespace ddpkit

@@ -150,11 +150,10 @@ std::unique_ptr<Domain> Domain::create(c10d::Store& store, const std::string& ke
     detail::PeerMemoryAddress address;
     if (!detail::parse_peer_memory_address(said, &address)) {
       error = "local rank 0 published no segment address (\"" + said + "\")";
-    } else if (address.bytes < sizeof(Header) || (fd = detail::open_peer_memory(address, &error)) < 0) {
-      if (error.empty()) error = "local rank 0's segment is too small to be one";
-    } else if ((base = mmap(nullptr, address.bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0)) == MAP_FAILED) {
-      base = nullptr;
-      error = "cannot map local rank 0's segment: " + errno_text(errno);
+    } else if (address.bytes < sizeof(Header)) {
+      error = "local rank 0's segment is too small to be one";
+    } else if (!(base = detail::map_peer_memory(address, &error, &fd))) {
+      error = "local rank 0's segment: " + error;
     } else {
       size = address.bytes;
       const Header* h = Segment::header(base);
@@ -531,16 +530,10 @@ std::shared_ptr<SharedBuffer> Domain::allocate(c10d::Store& store, const std::st
     } else if (!detail::parse_peer_memory_address(where, &address) || address.bytes != size) {
       failure = "rank " + std::to_string(group_rank(p)) + " (on this host) published no address of " +
                 std::to_string(size) + " bytes (\"" + where + "\")";
-    } else if (const int peer_fd = detail::open_peer_memory(address, &why_not); peer_fd < 0) {
-      failure = "local rank " + std::to_string(me) + ": " + why_not;
+    } else if (void* mapped = detail::map_peer_memory(address, &why_not)) {
+      buffer->base[p] = static_cast<uint8_t*>(mapped);
     } else {
-      void* mapped = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, peer_fd, 0);
-      if (mapped == MAP_FAILED)
-        failure = "local rank " + std::to_string(me) + ": cannot map rank " + std::to_string(group_rank(p)) +
-                  "'s buffer: " + errno_text(errno);
-      else
-        buffer->base[p] = static_cast<uint8_t*>(mapped);
-      close(peer_fd);
+      failure = "local rank " + std::to_string(me) + ": rank " + std::to_string(group_rank(p)) + "'s buffer: " + why_not;
     }
   }
   failure = meet_once_mapped(store, prefix, L, options_.timeout, failure, what);

@@ -9,7 +9,6 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
-#include <cerrno>
 #include <cstring>
 #include <random>
 
@@ -23,8 +22,6 @@ std::string random_bytes(size_t n) {
   for (auto& c : out) c = static_cast<char>(rd());
   return out;
 }
-
-std::string errno_text() { return std::strerror(errno); }
 
 }  // namespace
 
@@ -58,14 +55,8 @@ std::shared_ptr<SharedRegion> SharedRegion::attach(int64_t pid, int fd, int64_t 
   address.pid = static_cast<long>(pid);
   address.fd = fd;
   address.bytes = static_cast<unsigned long long>(bytes);
-  const int local = detail::open_peer_memory(address, error);
-  if (local < 0) return nullptr;
-  void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, local, 0);
-  ::close(local);  // the mapping keeps the memory
-  if (p == MAP_FAILED) {
-    *error = "cannot map the trainer's region: " + errno_text();
-    return nullptr;
-  }
+  void* p = detail::map_peer_memory(address, error);
+  if (!p) return nullptr;
   std::shared_ptr<SharedRegion> region(new SharedRegion());
   region->base_ = static_cast<uint8_t*>(p);
   region->bytes_ = bytes;
