@@ -73,7 +73,7 @@ def soak_server(build, requests):
         samples, batch = [], 0
         for k in range(rounds):
             clients = [subprocess.Popen([os.path.join(build, "ps_server_bench"), "--connect", address, "--trainer-id",
-                                         str(t), "--batches", str(per_round - 2), "--sizes", "0.01", "--first-batch",
+                                         str(t), "--batches", str(per_round), "--warmup", "0", "--sizes", "0.01", "--first-batch",
                                          str(batch)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
                        for t in (0, 1)]
             for c in clients:
