@@ -89,7 +89,7 @@ def compare_sizes(a, torch_version):
           f"median over {a.repeats} interleaved runs of each run's median of {a.iterations} rounds, "
           f"after {a.warmup_rounds} unmeasured rounds per size")
     print(f"# PyTorch {torch_version} RPC (TensorPipe, its default transports and channels) vs ddpkit ps "
-          f"(gRPC with chunks; data through shared memory on one host{', off: DDPKIT_SHM=0' if os.environ.get('DDPKIT_SHM') == '0' else ''})")
+          f"(gRPC with chunks; on one host data through shared memory and calls through its mailboxes{', off: DDPKIT_SHM=0' if os.environ.get('DDPKIT_SHM') == '0' else ''})")
     print(f"{'size_MB':>8} {'ddpkit ms':>10} {'torch ms':>10} {'ratio':>6} {'ddpkit GB/s':>12} {'torch GB/s':>11}")
     ours, theirs = [], []
     for _ in range(a.repeats):

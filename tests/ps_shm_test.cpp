@@ -1,6 +1,7 @@
 // The parameter server's shared-memory data path (src/ps/shared_region.h): the same averages as
 // in messages, the fallback when slots are busy or the path is off, the server's checks on every
-// place a request names, and what the server refuses to map.
+// place a request names, and what the server refuses to map; calls posted in mailboxes
+// (src/ps/doorbell.h) under deadlines, cancellation and the server's end.
 #include "harness.h"
 #include "ps_harness.h"
 
@@ -77,7 +78,8 @@ TEST(PsSharedMemory, SameAveragesAsInMessagesForEveryDtypeAndSize) {
   EXPECT_EQ(shared.shm_bytes_sent, bytes);
   EXPECT_EQ(shared.shm_bytes_received, bytes);
   EXPECT_LT(shared.bytes_sent, shared.calls * 100);
-  EXPECT_EQ(messages.shm_bytes_sent + messages.shm_bytes_received, 0);
+  EXPECT_EQ(shared.doorbell_calls, shared.calls) << "every call had a slot, so none needed gRPC";
+  EXPECT_EQ(messages.shm_bytes_sent + messages.shm_bytes_received + messages.doorbell_calls, 0);
   EXPECT_GE(messages.bytes_sent, bytes);
 }
 
@@ -94,6 +96,8 @@ TEST(PsSharedMemory, ChunksWithoutAFreeSlotGoInTheirMessages) {
   const int64_t in_messages = 400000 - traffic.shm_bytes_sent;
   EXPECT_GE(traffic.bytes_sent, in_messages);
   EXPECT_LT(traffic.bytes_sent, in_messages + traffic.calls * 100);
+  EXPECT_GT(traffic.doorbell_calls, 0);
+  EXPECT_LT(traffic.doorbell_calls, traffic.calls) << "a chunk without a slot goes by gRPC";
 }
 
 // `nnz` distinct random rows of a rows x cols sparse gradient, coalesced.
@@ -149,7 +153,8 @@ TEST(PsSharedMemory, SparseGradientsGoByRowRangesThroughSlots) {
   EXPECT_EQ(shared.shm_bytes_received, average_values_bytes);
   EXPECT_EQ(shared.calls, 5 * 16 + 1);  // five gradients of 16 ranges, one whole
   EXPECT_LT(shared.bytes_sent, index_bytes + shared.calls * 100);
-  EXPECT_EQ(messages.shm_bytes_sent + messages.shm_bytes_received, 0);
+  EXPECT_EQ(shared.doorbell_calls, shared.calls);
+  EXPECT_EQ(messages.shm_bytes_sent + messages.shm_bytes_received + messages.doorbell_calls, 0);
   EXPECT_GE(messages.bytes_sent, values_bytes + index_bytes);
 }
 
@@ -187,22 +192,27 @@ TEST(PsSharedMemory, ServerRefusesWhatItCannotTrust) {
   std::string why;
   SharedRegion mine(4096, 2);
   std::string cookie = mine.cookie();
-  EXPECT_TRUE(SharedRegion::attach(::getpid(), mine.fd(), mine.bytes(), cookie, &why)) << why;
+  EXPECT_TRUE(SharedRegion::attach(::getpid(), mine.fd(), mine.bytes(), cookie, mine.mailboxes(), &why)) << why;
   cookie[0] ^= 1;
-  EXPECT_FALSE(SharedRegion::attach(::getpid(), mine.fd(), mine.bytes(), cookie, &why));
+  EXPECT_FALSE(SharedRegion::attach(::getpid(), mine.fd(), mine.bytes(), cookie, mine.mailboxes(), &why));
   EXPECT_THAT(why, ::testing::HasSubstr("cookie differs"));
-  EXPECT_FALSE(SharedRegion::attach(::getpid(), mine.fd(), mine.bytes() - 4096, mine.cookie(), &why));
+  EXPECT_FALSE(SharedRegion::attach(::getpid(), mine.fd(), mine.bytes() - 4096, mine.cookie(), mine.mailboxes(), &why));
   EXPECT_THAT(why, ::testing::HasSubstr("is not a sealed"));
-  EXPECT_FALSE(SharedRegion::attach(::getpid(), 100000, mine.bytes(), mine.cookie(), &why));
+  EXPECT_FALSE(SharedRegion::attach(::getpid(), 100000, mine.bytes(), mine.cookie(), mine.mailboxes(), &why));
   EXPECT_THAT(why, ::testing::HasSubstr("cannot open /proc/"));
   // A memfd whose size is not sealed could shrink under the server's mapping.
   const int unsealed = ::memfd_create("unsealed", MFD_CLOEXEC);
   ASSERT_GE(unsealed, 0);
   ASSERT_EQ(::ftruncate(unsealed, 8192), 0);
-  EXPECT_FALSE(SharedRegion::attach(::getpid(), unsealed, 8192, mine.cookie(), &why));
+  EXPECT_FALSE(SharedRegion::attach(::getpid(), unsealed, 8192, mine.cookie(), 0, &why));
   EXPECT_THAT(why, ::testing::HasSubstr("is not a sealed 8192-byte memfd"));
   ::close(unsealed);
-  EXPECT_FALSE(SharedRegion::attach(::getpid(), mine.fd(), 1 << 20, "short", &why));
+  EXPECT_FALSE(SharedRegion::attach(::getpid(), mine.fd(), 1 << 20, "short", 0, &why));
+  EXPECT_THAT(why, ::testing::HasSubstr("malformed offer"));
+  // Mailboxes that would run past the region, or more than there can be.
+  EXPECT_FALSE(SharedRegion::attach(::getpid(), mine.fd(), mine.bytes(), mine.cookie(), 100, &why));
+  EXPECT_THAT(why, ::testing::HasSubstr("100 mailboxes"));
+  EXPECT_FALSE(SharedRegion::attach(::getpid(), mine.fd(), mine.bytes(), mine.cookie(), -1, &why));
   EXPECT_THAT(why, ::testing::HasSubstr("malformed offer"));
 }
 
@@ -232,7 +242,7 @@ struct RawTrainer {
     r.mutable_shared_memory()->set_region(region.id());
     r.mutable_shared_memory()->set_offset(offset);
     r.mutable_shared_memory()->set_bytes(bytes);
-    if (offset >= SharedRegion::kHeaderBytes && offset + 16 <= region.bytes()) {
+    if (offset >= region.first_slot() && offset + 16 <= region.bytes()) {
       const float ones[4] = {1, 1, 1, 1};
       std::memcpy(region.at(offset), ones, sizeof(ones));
     }
@@ -255,7 +265,7 @@ TEST(PsSharedMemory, EveryPlaceARequestNamesIsChecked) {
   auto server = start_server({0, 1}, ps::ServerKind::kAverage, ServerOptions().max_message_bytes(2048));
   RawTrainer raw(*server, 0);
   ASSERT_TRUE(raw.attached);
-  const int64_t slot = SharedRegion::kHeaderBytes;
+  const int64_t slot = raw.region.first_slot();
   auto status = [](const grpc::Status& s) { return s.error_message(); };
   using ::testing::HasSubstr;
   EXPECT_THAT(status(raw.send(slot, 16, [](auto& r) { r.mutable_shared_memory()->set_region(12345); })),
@@ -263,6 +273,7 @@ TEST(PsSharedMemory, EveryPlaceARequestNamesIsChecked) {
   EXPECT_THAT(status(raw.send(slot, 16, [](auto& r) { r.set_trainer_id(1); })),  // another trainer's region
               HasSubstr("its shared-memory region is not attached"));
   EXPECT_THAT(status(raw.send(0, 16)), HasSubstr("lie outside its"));  // the header holds the cookie
+  EXPECT_THAT(status(raw.send(SharedRegion::kHeaderBytes, 16)), HasSubstr("lie outside its"));  // the mailboxes
   EXPECT_THAT(status(raw.send(raw.region.bytes() - 8, 16)), HasSubstr("lie outside its"));
   EXPECT_THAT(status(raw.send(slot, -16)), HasSubstr("lie outside its"));
   EXPECT_THAT(status(raw.send(slot, int64_t(1) << 62)), HasSubstr("lie outside its"));
@@ -318,6 +329,59 @@ TEST(PsSharedMemory, EveryPlaceARequestNamesIsChecked) {
   EXPECT_TRUE(reply.average().data().empty());
   EXPECT_TRUE(at::equal(at::from_blob(raw.region.at(slot), {4}), at::full({4}, 2.0f)));
   EXPECT_TRUE(at::equal(ProcessGroup::wait(fb), at::full({4}, 2.0f)));
+}
+
+// ---- calls posted in mailboxes ------------------------------------------------------------------
+
+std::string failure(const FuturePtr& f) {
+  return testing::error_of([&] { ProcessGroup::wait(f); });
+}
+
+// A trainer whose deadline passes gives up there, and its raised cancel flag fails the batch for
+// the trainers waiting with it at once, as a cancelled gRPC call does; nobody waits for the
+// server's bucket timeout.
+TEST(PsDoorbell, AGivenUpCallFailsTheBatchForTheOthers) {
+  auto server = start_server({0, 1, 2}, ps::ServerKind::kAverage, ServerOptions().bucket_timeout(60s));
+  auto a = connect(*server, 0, ClientOptions().timeout(300ms)), b = connect(*server, 1);
+  ASSERT_TRUE(a->uses_shared_memory() && b->uses_shared_memory());
+  const auto start = std::chrono::steady_clock::now();
+  auto fb = b->average(0, 0, at::ones({4}));
+  EXPECT_THAT(failure(a->average(0, 0, at::ones({4}))), ::testing::HasSubstr("DEADLINE_EXCEEDED"));
+  EXPECT_THAT(failure(fb), ::testing::HasSubstr("ABORTED: trainer 0 gave up on bucket 0 of batch 0"));
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 20s) << "not the 60 s bucket timeout";
+  EXPECT_EQ(a->traffic().doorbell_calls + b->traffic().doorbell_calls, 0) << "no call completed";
+  EXPECT_EQ(server->counters().gradients_received, 2) << "both went by doorbell and reached the server";
+}
+
+// Calls waiting in mailboxes when the server shuts down are answered there, and a client whose
+// session is gone fails what it had posted instead of waiting for its deadline.
+TEST(PsDoorbell, TheServersEndFailsPostedCalls) {
+  auto server = start_server({0, 1});
+  auto a = connect(*server, 0, ClientOptions().timeout(60s));
+  auto waiting = a->average(0, 0, at::ones({4}));
+  for (int i = 0; i < 5000 && server->counters().gradients_received < 1; ++i) std::this_thread::sleep_for(1ms);
+  ASSERT_EQ(server->counters().gradients_received, 1);
+  const auto start = std::chrono::steady_clock::now();
+  server->shutdown();
+  EXPECT_THAT(failure(waiting), ::testing::HasSubstr("UNAVAILABLE: the parameter server is shutting down"));
+  // The session has ended: a call posted now has nobody to answer it.
+  EXPECT_THAT(failure(a->average(0, 1, at::ones({4}))), ::testing::HasSubstr("UNAVAILABLE"));
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 20s) << "not the 60 s deadline";
+}
+
+// Gradients from mailboxes and from gRPC meet in the same buckets.
+TEST(PsDoorbell, MailboxAndGrpcTrainersAverageTogether) {
+  auto server = start_server({0, 1});
+  auto a = connect(*server, 0), b = connect(*server, 1, ClientOptions().shared_memory(false));
+  for (int64_t batch = 0; batch < 3; ++batch) {
+    const at::Tensor ga = testing::seeded_randn({50000}, 2 * batch + 1), gb = testing::seeded_randn({50000}, 2 * batch + 2);
+    auto fa = a->average(batch, 0, ga), fb = b->average(batch, 0, gb);
+    const at::Tensor mean = (ga + gb) / 2;
+    EXPECT_TRUE(at::equal(ProcessGroup::wait(fa), mean));
+    EXPECT_TRUE(at::equal(ProcessGroup::wait(fb), mean));
+  }
+  EXPECT_EQ(a->traffic().doorbell_calls, a->traffic().calls);
+  EXPECT_EQ(b->traffic().doorbell_calls, 0);
 }
 
 }  // namespace

@@ -381,11 +381,13 @@ PYBIND11_MODULE(_C, m) {
              d["shm_bytes_sent"] = t.shm_bytes_sent;
              d["shm_bytes_received"] = t.shm_bytes_received;
              d["calls"] = t.calls;
+             d["doorbell_calls"] = t.doorbell_calls;
              d["shared_memory"] = s.client->uses_shared_memory();
              return d;
            },
            "rpc/sparse_rpc: what this trainer sent to and received from its parameter server: bytes in "
-           "messages, bytes through shared memory (a server on this host), calls")
+           "messages, bytes through shared memory (a server on this host), calls, and of those the calls "
+           "posted in the shared-memory region's mailboxes instead of sent by gRPC")
 #endif
       .def("__repr__", [](const HookState& s) {
         return "<ddpkit.HookState '" + s.name + "' on a group of " + std::to_string(s.group->size()) + ">";

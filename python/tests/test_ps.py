@@ -91,6 +91,7 @@ def test_rpc_sparse_rpc_and_hybrid_average_like_allreduce(ps_servers):
     assert traffic["calls"] == STEPS and traffic["bytes_sent"] > 0, traffic
     # The servers run on this host: the gradients go through shared memory, the messages carry the rest.
     assert traffic["shared_memory"] and traffic["shm_bytes_sent"] > traffic["bytes_sent"], traffic
+    assert traffic["doorbell_calls"] == traffic["calls"], traffic  # and the calls through its mailboxes
     # sparse_rpc averages the embedding on the server and allreduces the rest; hybrid allreduces
     # both over Gloo: the same average.
     torch.testing.assert_close(ranks[0]["sparse_rpc"], ranks[0]["hybrid"], rtol=1e-5, atol=1e-6)

@@ -64,8 +64,12 @@ void ParameterServerClient::Impl::settle_shared_memory() {
     shared_memory_refused = "the session did not answer the offer";
   else if (!event.shared_memory())
     shared_memory_refused = event.shared_memory_refused();
-  else
+  else {
+    if (event.doorbell())
+      doorbell = std::make_unique<DoorbellClient>(region.get(), options.timeout(),
+                                                  [s = session.get()] { return !s->ended(); });
     return;
+  }
   region.reset();
   // On one host the offer should be taken: say why not, once, rather than run slower unnoticed.
   if (loopback(options.address()))
@@ -84,7 +88,8 @@ ParameterServerClient::ParameterServerClient(ClientOptions options) : impl_(std:
   DDPKIT_CHECK(o.chunk_bytes() >= 0, "parameter server client: chunk_bytes must be >= 0, got ", o.chunk_bytes());
   DDPKIT_CHECK(o.chunks_in_flight() >= 1, "parameter server client: chunks_in_flight must be >= 1, got ",
                o.chunks_in_flight());
-  DDPKIT_CHECK(o.shared_memory_slots() >= 1, "parameter server client: shared_memory_slots must be >= 1, got ",
+  DDPKIT_CHECK(o.shared_memory_slots() >= 1 && o.shared_memory_slots() <= SharedRegion::kMaxMailboxes,
+               "parameter server client: shared_memory_slots must be in 1..", SharedRegion::kMaxMailboxes, ", got ",
                o.shared_memory_slots());
   std::shared_ptr<grpc::ChannelCredentials> creds;
   if (!o.tls().root_certificate().empty()) {
@@ -118,6 +123,7 @@ ParameterServerClient::ParameterServerClient(ClientOptions options) : impl_(std:
 }
 
 ParameterServerClient::~ParameterServerClient() {
+  if (impl_->doorbell) impl_->doorbell->close();
   impl_->flight->cancel_and_wait();
   if (impl_->session) impl_->session->stop();
 }
@@ -129,6 +135,7 @@ ParameterServerClient::Traffic ParameterServerClient::traffic() const {
   t.shm_bytes_sent = impl_->counters->shm_sent;
   t.shm_bytes_received = impl_->counters->shm_received;
   t.calls = impl_->counters->calls;
+  t.doorbell_calls = impl_->counters->doorbell_calls;
   return t;
 }
 

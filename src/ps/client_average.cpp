@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <limits>
 
 namespace ddpkit {
 namespace ps {
@@ -172,9 +173,8 @@ void ParameterServerClient::Impl::send_piece(int64_t batch, int64_t bucket, cons
   } else {
     request = serialize_gradient_request(options.trainer_id(), batch, bucket, piece, chunk);
   }
-  send(std::move(request), [shared, slot, room, what, address = options.address(), counters = counters,
-                            read = std::move(read), done = std::move(done)](const grpc::Status& status,
-                                                                            grpc::ByteBuffer& reply) {
+  auto answered = [shared, slot, room, what, address = options.address(), counters = counters,
+                   read = std::move(read), done = std::move(done)](const grpc::Status& status, grpc::ByteBuffer& reply) {
     std::string error = status.ok() ? "" : failure_message(address, what, status);
     if (status.ok()) {
       const int64_t from_slot = read(reply, slot >= 0 ? shared->at(slot) : nullptr, room, &error);
@@ -187,7 +187,32 @@ void ParameterServerClient::Impl::send_piece(int64_t batch, int64_t bucket, cons
     // server may still write into it, so it stays out of use.
     if (slot >= 0 && error.empty()) shared->release(slot);
     done(error);
-  });
+  };
+  // The largest reply: a dense average's is dtype and shape; a sparse one's also carries the
+  // indices of up to every row of its range (sparse_dim 1; others always go by gRPC).
+  int64_t reply_bound = 1024;
+  if (piece.is_sparse()) {
+    const int64_t row_bytes = piece.dim() >= 1 && piece.size(0) > 0
+                                  ? piece.numel() / piece.size(0) * static_cast<int64_t>(piece.element_size())
+                                  : 0;
+    reply_bound = piece.sparse_dim() == 1 && row_bytes > 0 ? reply_bound + room / row_bytes * 8
+                                                           : std::numeric_limits<int64_t>::max();
+  }
+  if (slot >= 0 && doorbell && static_cast<int64_t>(request.Length()) <= kMailboxPayloadBytes &&
+      reply_bound <= kMailboxPayloadBytes) {
+    counters->sent += static_cast<int64_t>(request.Length());
+    doorbell->post(shared->mailbox_of(slot), request,
+                   [counters = counters, answered = std::move(answered)](const grpc::Status& status, grpc::ByteBuffer& reply) {
+                     if (status.ok()) {
+                       counters->received += static_cast<int64_t>(reply.Length());
+                       counters->calls++;
+                       counters->doorbell_calls++;
+                     }
+                     answered(status, reply);
+                   });
+    return;
+  }
+  send(std::move(request), std::move(answered));
 }
 
 void ParameterServerClient::Impl::average_dense(int64_t batch, int64_t bucket, const at::Tensor& part, at::Tensor out,

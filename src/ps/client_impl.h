@@ -5,6 +5,7 @@
 
 #include <ddpkit/ps/parameter_server.h>
 
+#include "doorbell.h"
 #include "grpc_common.h"
 #include "parameter_server.grpc.pb.h"
 #include "shared_region.h"
@@ -83,6 +84,10 @@ struct ParameterServerClient::Impl {
       if (answered) *out = first;
       return answered;
     }
+    bool ended() {
+      std::lock_guard<std::mutex> lock(mu);
+      return done;
+    }
     void stop() {
       ctx.TryCancel();
       std::unique_lock<std::mutex> lock(mu);
@@ -101,6 +106,8 @@ struct ParameterServerClient::Impl {
   // Set while the server has mapped it (ClientOptions::shared_memory).
   std::unique_ptr<SharedRegion> region;
   std::string shared_memory_refused;
+  // Set while the server answers calls posted in the region's mailboxes (doorbell.h).
+  std::unique_ptr<DoorbellClient> doorbell;
 
   struct Call {
     grpc::ClientContext ctx;
@@ -140,7 +147,7 @@ struct ParameterServerClient::Impl {
   };
   std::shared_ptr<InFlight> flight = std::make_shared<InFlight>();
   struct Counters {
-    std::atomic<int64_t> sent{0}, received{0}, shm_sent{0}, shm_received{0}, calls{0};
+    std::atomic<int64_t> sent{0}, received{0}, shm_sent{0}, shm_received{0}, calls{0}, doorbell_calls{0};
   };
   std::shared_ptr<Counters> counters = std::make_shared<Counters>();
 
@@ -151,7 +158,8 @@ struct ParameterServerClient::Impl {
   // One call for one piece of a gradient (dense, or sparse coalesced CPU). Its data (`data`: the
   // dense piece or the sparse values) goes through a free shared-memory slot when the reply's
   // data can need at most `room` bytes and a slot holds that; otherwise in the message, with a
-  // sparse piece's indices. `read(reply, slot or nullptr, room, &error)` takes the answer and
+  // sparse piece's indices. A call with a slot is posted in the slot's mailbox instead of sent by
+  // gRPC when the request and the largest reply it can get fit one. `read(reply, slot or nullptr, room, &error)` takes the answer and
   // returns the bytes it read from the slot, or -1 with *error. `done` runs once, with "" or the
   // error.
   using ReadReply = std::function<int64_t(grpc::ByteBuffer&, uint8_t*, int64_t, std::string*)>;

@@ -154,15 +154,48 @@ grpc::Status ParameterServer::Impl::check_token(grpc::CallbackServerContext* ctx
 grpc::ServerUnaryReactor* ParameterServer::Impl::average_gradient(grpc::CallbackServerContext* ctx,
                                                                   const grpc::ByteBuffer* raw,
                                                                   grpc::ByteBuffer* response) {
-  auto* call = new AverageCall(this, response);
+  auto* call = new GrpcAverageCall(this, response);
+  const grpc::Status auth = check_token(ctx);
+  if (!auth.ok()) {
+    call->waiting = false;
+    call->finish(auth);
+  } else {
+    serve(call, *raw);
+  }
+  return call;
+}
+
+void ParameterServer::Impl::serve_posted(const std::shared_ptr<SharedRegion>& region,
+                                         const std::shared_ptr<DoorbellCalls>& calls, int mailbox, std::string request) {
+  auto* call = new DoorbellCall(this, region, calls, mailbox);
+  {
+    std::lock_guard<std::mutex> lock(calls->mu);
+    calls->pending[mailbox] = call;
+  }
+  grpc::Slice slice(request.data(), request.size());
+  serve(call, grpc::ByteBuffer(&slice, 1));
+}
+
+void ParameterServer::Impl::cancel_posted(const std::shared_ptr<DoorbellCalls>& calls, int mailbox) {
+  DoorbellCall* call = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(calls->mu);
+    auto it = calls->pending.find(mailbox);
+    if (it == calls->pending.end()) return;  // already answered
+    call = it->second;
+    call->ref();
+  }
+  on_cancel(call);
+  call->unref();
+}
+
+void ParameterServer::Impl::serve(AverageCall* call, const grpc::ByteBuffer& raw) {
   auto reject = [&](grpc::StatusCode code, const std::string& msg) {
     call->waiting = false;
-    call->Finish(grpc::Status(code, msg));
-    return call;
+    call->finish(grpc::Status(code, msg));
   };
-  grpc::Status auth = check_token(ctx);
-  if (!auth.ok()) return reject(auth.error_code(), auth.error_message());
-  grpc::ByteBuffer shared(*raw);  // shares the slices; Deserialize consumes its argument
+  if (shutting_down) return reject(grpc::StatusCode::UNAVAILABLE, "the parameter server is shutting down");
+  grpc::ByteBuffer shared(raw);  // shares the slices; Deserialize consumes its argument
   if (!grpc::SerializationTraits<wire::GradientRequest>::Deserialize(&shared, &call->request).ok())
     return reject(grpc::StatusCode::INVALID_ARGUMENT, "malformed GradientRequest");
   const wire::GradientRequest* req = &call->request;
@@ -401,15 +434,14 @@ grpc::ServerUnaryReactor* ParameterServer::Impl::average_gradient(grpc::Callback
         *c->response = reply;
         sent += out_bytes;
       }
-      c->Finish(grpc::Status::OK);
+      c->finish(grpc::Status::OK);
     }
     std::lock_guard<std::mutex> lock(mu);
     counters.bytes_sent += sent;
     counters.shm_bytes_sent += shm_sent;
     log.record_end("parameter_server_batch_metric", key(b, bkey, chunk_count));
   }
-  for (auto& [c, s] : finish) c->Finish(s);
-  return call;
+  for (auto& [c, s] : finish) c->finish(s);
 }
 
 grpc::Status ParameterServer::Impl::borrow_shared_memory(AverageCall* call, const std::string& who) {
@@ -464,7 +496,7 @@ void ParameterServer::Impl::on_cancel(AverageCall* call) {
                                        std::to_string(call->batch) + " (its deadline passed or it was cancelled)"),
                       &finish);
   }
-  for (auto& [c, s] : finish) c->Finish(s);
+  for (auto& [c, s] : finish) c->finish(s);
 }
 
 void ParameterServer::Impl::reset() {
@@ -482,7 +514,7 @@ void ParameterServer::Impl::reset() {
     held_bytes = 0;
     reset_at = Clock::now();
   }
-  for (auto& [c, s] : finish) c->Finish(s);
+  for (auto& [c, s] : finish) c->finish(s);
 }
 
 // ---- ParameterServer ----------------------------------------------------------------------------
@@ -542,12 +574,17 @@ void ParameterServer::shutdown(std::chrono::milliseconds grace) {
   impl_->stop_cv.notify_all();
   if (impl_->reaper.joinable()) impl_->reaper.join();
   if (!impl_->server) return;
-  std::vector<std::pair<AverageCall*, grpc::Status>> finish;
-  {
-    std::lock_guard<std::mutex> lock(impl_->mu);
-    impl_->fail_batch_locked(grpc::Status(grpc::StatusCode::UNAVAILABLE, "the parameter server is shutting down"), &finish);
-  }
-  for (auto& [c, s] : finish) c->Finish(s);
+  impl_->shutting_down = true;
+  auto fail_waiting = [&] {
+    std::vector<std::pair<AverageCall*, grpc::Status>> finish;
+    {
+      std::lock_guard<std::mutex> lock(impl_->mu);
+      impl_->fail_batch_locked(grpc::Status(grpc::StatusCode::UNAVAILABLE, "the parameter server is shutting down"),
+                               &finish);
+    }
+    for (auto& [c, s] : finish) c->finish(s);
+  };
+  fail_waiting();
   {
     // Open sessions would otherwise hold Shutdown for the whole grace period.
     std::lock_guard<std::recursive_mutex> lock(impl_->sessions_mu);
@@ -557,6 +594,9 @@ void ParameterServer::shutdown(std::chrono::milliseconds grace) {
   }
   impl_->server->Shutdown(std::chrono::system_clock::now() + grace);
   impl_->server->Wait();
+  // A call posted in a mailbox just before may have slipped past the refusal above.
+  impl_->stop_listeners();
+  fail_waiting();
   std::lock_guard<std::mutex> lock(impl_->stop_mu);
   impl_->stopped = true;
   impl_->stop_cv.notify_all();

@@ -19,12 +19,22 @@ wire::SessionEvent ParameterServer::Impl::on_session_opened(const wire::SessionR
     if (!shared_memory_allowed_by_environment())
       why = "DDPKIT_SHM=0 on the server";
     else
-      memory = SharedRegion::attach(offer.pid(), offer.fd(), offer.bytes(), offer.cookie(), &why);
+      memory = SharedRegion::attach(offer.pid(), offer.fd(), offer.bytes(), offer.cookie(), offer.mailboxes(), &why);
     if (memory) {
       std::lock_guard<std::mutex> lock(regions_mu);
-      if (offer.region() == 0 || !regions.emplace(offer.region(), Region{request.trainer_id(), memory}).second) {
+      Region entry{request.trainer_id(), memory, std::make_shared<DoorbellCalls>(), nullptr};
+      if (offer.region() == 0 || regions.count(offer.region())) {
         why = "region id " + std::to_string(offer.region()) + " is taken";
         memory.reset();
+      } else {
+        if (memory->mailboxes() > 0) {
+          auto calls = entry.calls;
+          entry.listener = std::make_shared<DoorbellListener>(
+              memory, [this, memory, calls](int box, std::string bytes) { serve_posted(memory, calls, box, std::move(bytes)); },
+              [this, calls](int box) { cancel_posted(calls, box); });
+          event.set_doorbell(true);
+        }
+        regions.emplace(offer.region(), std::move(entry));
       }
     }
     event.set_shared_memory(memory != nullptr);
@@ -40,12 +50,27 @@ wire::SessionEvent ParameterServer::Impl::on_session_opened(const wire::SessionR
 }
 
 void ParameterServer::Impl::on_session_done(SessionCall* call, uint64_t region) {
+  std::shared_ptr<DoorbellListener> listener;
   if (region != 0) {
     std::lock_guard<std::mutex> lock(regions_mu);
-    regions.erase(region);
+    auto it = regions.find(region);
+    if (it != regions.end()) {
+      listener = std::move(it->second.listener);
+      regions.erase(it);
+    }
   }
+  listener.reset();  // joins its thread, which may be taking regions_mu to check a call's place
   std::lock_guard<std::recursive_mutex> lock(sessions_mu);
   sessions.erase(call);
+}
+
+void ParameterServer::Impl::stop_listeners() {
+  std::vector<std::shared_ptr<DoorbellListener>> stop;
+  {
+    std::lock_guard<std::mutex> lock(regions_mu);
+    for (auto& [id, r] : regions) stop.push_back(std::move(r.listener));
+  }
+  stop.clear();
 }
 
 void SessionCall::OnCancel() {
@@ -102,7 +127,7 @@ void ParameterServer::Impl::reaper_loop() {
       }
     }
     stop_lock.unlock();
-    for (auto& [c, s] : finish) c->Finish(s);
+    for (auto& [c, s] : finish) c->finish(s);
     stop_lock.lock();
   }
 }

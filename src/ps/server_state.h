@@ -5,6 +5,7 @@
 
 #include <ddpkit/ps/parameter_server.h>
 
+#include "doorbell.h"
 #include "parameter_server.grpc.pb.h"
 #include "shared_region.h"
 
@@ -30,7 +31,14 @@ using Clock = std::chrono::steady_clock;
 std::string join_ids(const std::vector<int>& ids);
 
 class AverageCall;
+class DoorbellCall;
 class SessionCall;
+
+// The calls waiting in one trainer's mailboxes, by mailbox: a raised cancel flag finds its call here.
+struct DoorbellCalls {
+  std::mutex mu;
+  std::map<int, DoorbellCall*> pending;
+};
 
 struct ParameterServer::Impl {
   explicit Impl(ServerOptions o) : options(std::move(o)), log(options.rank()) {
@@ -55,6 +63,14 @@ struct ParameterServer::Impl {
   grpc::Status check_token(grpc::CallbackServerContext* ctx) const;
   grpc::ServerUnaryReactor* average_gradient(grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* raw,
                                              grpc::ByteBuffer* response);
+  // Everything an AverageGradient does once its caller is known to be allowed (a gRPC call
+  // with the token, or a call in the mailbox of a session that had it): parse, check, sum, and
+  // finish `call` now or when its bucket is complete.
+  void serve(AverageCall* call, const grpc::ByteBuffer& raw);
+  // A request posted in mailbox `mailbox` of the region `region` (doorbell.h).
+  void serve_posted(const std::shared_ptr<SharedRegion>& region, const std::shared_ptr<DoorbellCalls>& calls,
+                    int mailbox, std::string request);
+  void cancel_posted(const std::shared_ptr<DoorbellCalls>& calls, int mailbox);
   // Points the call at the shared-memory place its request names, after checking it lies in
   // that trainer's attached region and within max_message_bytes; `who` starts the messages.
   grpc::Status borrow_shared_memory(AverageCall* call, const std::string& who);
@@ -103,7 +119,11 @@ struct ParameterServer::Impl {
   struct Region {
     int trainer;
     std::shared_ptr<SharedRegion> memory;
+    std::shared_ptr<DoorbellCalls> calls;
+    std::shared_ptr<DoorbellListener> listener;  // while the session is open, if it has mailboxes
   };
+  // Stops every session's listener (shutdown, once gRPC has stopped).
+  void stop_listeners();
   std::mutex regions_mu;
   std::map<uint64_t, Region> regions;
   metrics::MetricsLogger log;
@@ -123,20 +143,22 @@ struct ParameterServer::Impl {
   std::mutex stop_mu;
   std::condition_variable stop_cv;
   bool stopping = false;
+  std::atomic<bool> shutting_down{false};  // new calls are refused
   bool stopped = false;
   std::thread reaper;
 };
 
-// AverageGradient is a raw (ByteBuffer) method: the request is parsed here, and the one reply
-// is serialized once into a slice that every waiting trainer's response shares.
-class AverageCall final : public grpc::ServerUnaryReactor {
+// One AverageGradient, from gRPC or from a mailbox. The request is parsed here, and the one
+// reply is serialized once into a slice that every waiting trainer's response shares.
+class AverageCall {
  public:
-  AverageCall(ParameterServer::Impl* impl, grpc::ByteBuffer* response) : impl_(impl), response(response) {}
-  void OnCancel() override { impl_->on_cancel(this); }
-  void OnDone() override { delete this; }
+  explicit AverageCall(ParameterServer::Impl* impl) : impl_(impl) {}
+  virtual ~AverageCall() = default;
+  // Answers the trainer (with *response when OK). The call may be gone when this returns.
+  virtual void finish(const grpc::Status& status) = 0;
 
   ParameterServer::Impl* impl_;
-  grpc::ByteBuffer* response;
+  grpc::ByteBuffer* response = nullptr;
   wire::GradientRequest request;  // the gradient's bytes stay here until the call is finished
   // The request's shared-memory place: the gradient is read from it and the average written to it.
   std::shared_ptr<SharedRegion> region;
@@ -146,6 +168,45 @@ class AverageCall final : public grpc::ServerUnaryReactor {
   int trainer = -1;
   int64_t batch = 0, bucket = 0, chunk = 0, chunk_count = 0;
   bool waiting = true;  // guarded by impl_->mu
+};
+
+// AverageGradient is a raw (ByteBuffer) method of the callback API.
+class GrpcAverageCall final : public AverageCall, public grpc::ServerUnaryReactor {
+ public:
+  GrpcAverageCall(ParameterServer::Impl* impl, grpc::ByteBuffer* reply) : AverageCall(impl) { response = reply; }
+  void finish(const grpc::Status& status) override { Finish(status); }
+  void OnCancel() override { impl_->on_cancel(this); }
+  void OnDone() override { delete this; }
+};
+
+// A call posted in a trainer's mailbox; answered there. Counted: a raised cancel flag may hold it
+// while it is finished on another thread.
+class DoorbellCall final : public AverageCall {
+ public:
+  DoorbellCall(ParameterServer::Impl* impl, std::shared_ptr<SharedRegion> mailboxes, std::shared_ptr<DoorbellCalls> calls,
+               int mailbox)
+      : AverageCall(impl), mailboxes_(std::move(mailboxes)), calls_(std::move(calls)), mailbox_(mailbox) {
+    response = &reply_;
+  }
+  void finish(const grpc::Status& status) override {
+    {
+      std::lock_guard<std::mutex> lock(calls_->mu);
+      calls_->pending.erase(mailbox_);
+    }
+    DoorbellListener::answer(*mailboxes_, mailbox_, status, &reply_);
+    unref();
+  }
+  void ref() { refs_.fetch_add(1); }
+  void unref() {
+    if (refs_.fetch_sub(1) == 1) delete this;
+  }
+
+ private:
+  std::shared_ptr<SharedRegion> mailboxes_;
+  std::shared_ptr<DoorbellCalls> calls_;
+  int mailbox_;
+  grpc::ByteBuffer reply_;
+  std::atomic<int> refs_{1};
 };
 
 // The session: writes one event (the shared-memory answer), then nothing; ends when the trainer

@@ -26,10 +26,11 @@ std::string random_bytes(size_t n) {
 }  // namespace
 
 SharedRegion::SharedRegion(int64_t slot_bytes, int slots) {
-  DDPKIT_CHECK(slot_bytes > 0 && slot_bytes % 64 == 0 && slots > 0, "shared-memory region: bad slot layout (",
-               slots, " slots of ", slot_bytes, " bytes)");
+  DDPKIT_CHECK(slot_bytes > 0 && slot_bytes % 64 == 0 && slots > 0 && slots <= kMaxMailboxes,
+               "shared-memory region: bad slot layout (", slots, " slots of ", slot_bytes, " bytes)");
   slot_bytes_ = slot_bytes;
-  bytes_ = kHeaderBytes + slot_bytes * slots;
+  mailboxes_ = slots;
+  bytes_ = first_slot() + slot_bytes * slots;
   void* p = nullptr;
   std::string error;
   fd_ = detail::create_peer_memory("ddpkit-ps", static_cast<size_t>(bytes_), &p, &error);
@@ -39,15 +40,16 @@ SharedRegion::SharedRegion(int64_t slot_bytes, int slots) {
   std::memcpy(base_, cookie_.data(), kCookieBytes);
   const std::string id = random_bytes(sizeof(id_));
   std::memcpy(&id_, id.data(), sizeof(id_));
-  for (int s = slots - 1; s >= 0; --s) free_.push_back(kHeaderBytes + s * slot_bytes);
+  for (int s = slots - 1; s >= 0; --s) free_.push_back(first_slot() + s * slot_bytes);
 }
 
 std::shared_ptr<SharedRegion> SharedRegion::attach(int64_t pid, int fd, int64_t bytes, const std::string& cookie,
-                                                   std::string* error) {
-  if (pid <= 0 || fd < 0 || bytes <= kHeaderBytes || bytes > (int64_t(1) << 36) ||
+                                                   int mailboxes, std::string* error) {
+  if (pid <= 0 || fd < 0 || mailboxes < 0 || mailboxes > kMaxMailboxes ||
+      bytes <= kHeaderBytes + mailboxes * kMailboxBytes || bytes > (int64_t(1) << 36) ||
       cookie.size() != static_cast<size_t>(kCookieBytes)) {
     *error = "malformed offer (pid " + std::to_string(pid) + ", fd " + std::to_string(fd) + ", " +
-             std::to_string(bytes) + " bytes)";
+             std::to_string(bytes) + " bytes, " + std::to_string(mailboxes) + " mailboxes)";
     return nullptr;
   }
   // The offer names no inode: the cookie below tells the trainer's region from anything else.
@@ -60,6 +62,7 @@ std::shared_ptr<SharedRegion> SharedRegion::attach(int64_t pid, int fd, int64_t 
   std::shared_ptr<SharedRegion> region(new SharedRegion());
   region->base_ = static_cast<uint8_t*>(p);
   region->bytes_ = bytes;
+  region->mailboxes_ = mailboxes;
   if (std::memcmp(region->base_, cookie.data(), kCookieBytes) != 0) {
     *error = "/proc/" + std::to_string(pid) + "/fd/" + std::to_string(fd) +
              " is not the trainer's region (cookie differs: another host or PID namespace)";
@@ -79,6 +82,7 @@ void SharedRegion::offer(wire::SharedMemoryOffer* out) const {
   out->set_bytes(bytes_);
   out->set_region(id_);
   out->set_cookie(cookie_);
+  out->set_mailboxes(mailboxes_);
 }
 
 int64_t SharedRegion::acquire() {

@@ -177,6 +177,9 @@ class ParameterServerClient {
     int64_t shm_bytes_sent = 0;
     int64_t shm_bytes_received = 0;
     int64_t calls = 0;
+    // Of `calls`, those whose request and reply went through the shared-memory region's
+    // mailboxes instead of gRPC (same host; their bytes count in bytes_sent/received).
+    int64_t doorbell_calls = 0;
   };
   Traffic traffic() const;
   // Whether the server took this trainer's shared-memory region; if not, why ("" when not offered).
