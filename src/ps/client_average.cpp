@@ -1,6 +1,8 @@
 // AverageGradient from the trainer's side: a gradient cut into chunks (dense) or row ranges
-// (sparse), each sent as one call through gRPC's callback API with at most a window in flight,
-// its data through a shared-memory slot where one is free; the future completes on a gRPC thread.
+// (sparse), each sent as one call with at most a window in flight, its data through a
+// shared-memory slot where one is free. A call with a slot is posted in the slot's mailbox
+// (doorbell.h) and completes on the client's doorbell thread; any other goes through gRPC's
+// callback API and completes on a gRPC thread.
 #include "client_impl.h"
 
 #include <ddpkit/codecs/sparse.h>

@@ -156,7 +156,8 @@ class ParameterServerClient {
 
   // Sends `gradient` (dense, or sparse COO: coalesced on the way) and returns a future of the
   // average. Dense: `into` (optional, same numel and dtype) receives the average and is the
-  // future's value; otherwise a new tensor shaped like `gradient`.
+  // future's value; otherwise a new tensor shaped like `gradient`. The future completes on one
+  // of the client's threads (gRPC's, or its doorbell thread): destroy the client elsewhere.
   FuturePtr average(int64_t batch_number, int64_t bucket_index, const at::Tensor& gradient,
                     at::Tensor into = at::Tensor());
   void reset_state();
