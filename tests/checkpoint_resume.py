@@ -143,7 +143,11 @@ def restart(tmp, trials=3):
     flags = ["--hook", "int8", "--int8-error-feedback", "--checkpoint-every", "50", "--epochs", "50", "--steps", "1500",
              "--nproc", "3"]
     ref = os.path.join(tmp, "undisturbed")
+    started = time.time()
     undisturbed = last_json(train(flags + ["--checkpoint-dir", ref]))
+    # Kill moments are drawn within the undisturbed run's length, so a fast machine or a fast
+    # libtorch cannot finish the job before the first kill.
+    duration = time.time() - started
     for t in range(trials):
         d = os.path.join(tmp, f"killed{t}")
         cmd = [BIN, "train"] + BASE + flags + ["--checkpoint-dir", d, "--max-restarts", "3"]
@@ -151,8 +155,11 @@ def restart(tmp, trials=3):
         kills = 0
         deadline = time.time() + 240
         while kills < 2 and job.poll() is None and time.time() < deadline:
-            time.sleep(rng.uniform(0.5, 3.0))
+            time.sleep(rng.uniform(0.3, 0.6) * duration)
             ranks = children_of(job.pid)
+            while len(ranks) != 3 and job.poll() is None and time.time() < deadline:  # (re)starting
+                time.sleep(0.05)
+                ranks = children_of(job.pid)
             if len(ranks) == 3:
                 victim = rng.choice(ranks)
                 os.kill(victim, signal.SIGKILL)
