@@ -1,5 +1,6 @@
 #include "shm_domain.h"
 
+#include "futex.h"
 #include "peer_memory.h"
 
 #include <ddpkit/codecs/cast.h>
@@ -9,16 +10,13 @@
 
 #include <fcntl.h>
 #include <immintrin.h>
-#include <linux/futex.h>
 #include <sched.h>
 #include <sys/mman.h>
-#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
-#include <climits>
 #include <cstring>
 #include <sstream>
 #include <stdexcept>
@@ -57,7 +55,6 @@ std::string describe(const Announcement& a) {
 struct alignas(64) Word {
   std::atomic<uint32_t> value{0};
 };
-static_assert(sizeof(std::atomic<uint32_t>) == 4, "futex words are 32-bit");
 
 struct RankControl {
   Word counters[3];
@@ -208,7 +205,7 @@ void Domain::publish(int counter, uint32_t value) {
   RankControl* me = Segment::control(base_, options_.local_rank);
   me->counters[counter].value.store(value, std::memory_order_seq_cst);
   if (me->sleepers.value.load(std::memory_order_seq_cst) > 0)
-    syscall(SYS_futex, &me->counters[counter].value, FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
+    detail::futex_wake_all(me->counters[counter].value);
 }
 
 int Domain::group_rank(int local) const {
@@ -234,7 +231,7 @@ void Domain::wait_peer(int peer, int counter, uint32_t target) {
     const uint32_t seen = word.load(std::memory_order_seq_cst);
     if (!reached(seen, target)) {
       const timespec nap{0, 2 * 1000 * 1000};  // a missed wake costs at most this
-      syscall(SYS_futex, &word, FUTEX_WAIT, seen, &nap, nullptr, 0);
+      detail::futex_wait(word, seen, nap);
     }
     p->sleepers.value.fetch_sub(1, std::memory_order_seq_cst);
     if (reached(word.load(std::memory_order_acquire), target)) return;

@@ -1,10 +1,7 @@
 #include "doorbell.h"
 
-#include <linux/futex.h>
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "../comm/futex.h"
 
-#include <climits>
 #include <cstring>
 #include <vector>
 
@@ -23,6 +20,16 @@ grpc::ByteBuffer to_buffer(const char* data, size_t n) {
   return grpc::ByteBuffer(&slice, 1);
 }
 
+// Copies all of `bytes` to `to`, which has room for bytes.Length().
+void copy_out(const grpc::ByteBuffer& bytes, char* to) {
+  std::vector<grpc::Slice> slices;
+  (void)bytes.Dump(&slices);
+  for (const grpc::Slice& s : slices) {
+    std::memcpy(to, s.begin(), s.size());
+    to += s.size();
+  }
+}
+
 }  // namespace
 
 DoorbellHeader* doorbells(const SharedRegion& region) { return reinterpret_cast<DoorbellHeader*>(region.at(0)); }
@@ -31,8 +38,7 @@ Mailbox* mailbox(const SharedRegion& region, int index) { return reinterpret_cas
 
 void ring(DoorbellWord& word) {
   word.value.fetch_add(1, std::memory_order_seq_cst);
-  if (word.sleepers.load(std::memory_order_seq_cst) > 0)
-    syscall(SYS_futex, &word.value, FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
+  if (word.sleepers.load(std::memory_order_seq_cst) > 0) detail::futex_wake_all(word.value);
 }
 
 void wait_for_ring(DoorbellWord& word, uint32_t seen, std::chrono::nanoseconds timeout) {
@@ -40,7 +46,7 @@ void wait_for_ring(DoorbellWord& word, uint32_t seen, std::chrono::nanoseconds t
   word.sleepers.fetch_add(1, std::memory_order_seq_cst);
   if (word.value.load(std::memory_order_seq_cst) == seen) {
     const timespec ts{static_cast<time_t>(timeout.count() / 1000000000), static_cast<long>(timeout.count() % 1000000000)};
-    syscall(SYS_futex, &word.value, FUTEX_WAIT, seen, &ts, nullptr, 0);
+    detail::futex_wait(word.value, seen, ts);
   }
   word.sleepers.fetch_sub(1, std::memory_order_seq_cst);
 }
@@ -60,14 +66,8 @@ void DoorbellClient::post(int index, const grpc::ByteBuffer& request, Done done)
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (!closing_) {
-      std::vector<grpc::Slice> slices;
-      (void)request.Dump(&slices);
-      size_t n = 0;
-      for (const grpc::Slice& s : slices) {
-        std::memcpy(box->payload + n, s.begin(), s.size());
-        n += s.size();
-      }
-      box->request_bytes = static_cast<uint32_t>(n);
+      copy_out(request, box->payload);
+      box->request_bytes = static_cast<uint32_t>(request.Length());
       box->cancel.store(0, std::memory_order_relaxed);
       pending_[index] = Pending{std::move(done), Clock::now() + timeout_};
       box->state.store(Mailbox::kRequest, std::memory_order_release);
@@ -86,7 +86,6 @@ void DoorbellClient::close() {
   std::map<int, Pending> left;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (closing_ && !thread_.joinable()) return;
     closing_ = true;
   }
   ring(doorbells(*region_)->to_trainer);  // our own thread sleeps on it
@@ -173,19 +172,13 @@ void DoorbellListener::answer(SharedRegion& region, int index, const grpc::Statu
   std::string message = status.error_message();
   size_t n = 0;
   if (status.ok()) {
-    std::vector<grpc::Slice> slices;
-    (void)reply->Dump(&slices);
-    for (const grpc::Slice& s : slices) n += s.size();
+    n = reply->Length();
     if (n > static_cast<size_t>(kMailboxPayloadBytes)) {
       code = grpc::StatusCode::RESOURCE_EXHAUSTED;
       message = "the reply's " + std::to_string(n) + " bytes do not fit a mailbox (" +
                 std::to_string(kMailboxPayloadBytes) + "); the trainer should have sent this by gRPC";
     } else {
-      n = 0;
-      for (const grpc::Slice& s : slices) {
-        std::memcpy(box->payload + n, s.begin(), s.size());
-        n += s.size();
-      }
+      copy_out(*reply, box->payload);
     }
   }
   if (code != grpc::StatusCode::OK) {
@@ -219,7 +212,7 @@ void DoorbellListener::loop() {
                  nullptr);
           continue;
         }
-        serve_(i, std::string(box->payload, n));
+        serve_(i, to_buffer(box->payload, n));
       }
       if (box->cancel.load(std::memory_order_acquire) && box->cancel.exchange(0, std::memory_order_acq_rel)) {
         found = true;

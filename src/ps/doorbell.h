@@ -95,10 +95,11 @@ class DoorbellClient {
 };
 
 // The server's side, one per trainer session with mailboxes: a thread that takes posted requests
-// and passes their bytes to `serve(mailbox, bytes)`, and a raised cancel flag to `cancel(mailbox)`.
+// and passes a copy of their bytes to `serve(mailbox, bytes)`, and a raised cancel flag to
+// `cancel(mailbox)`.
 class DoorbellListener {
  public:
-  using Serve = std::function<void(int, std::string)>;
+  using Serve = std::function<void(int, const grpc::ByteBuffer&)>;
   using Cancel = std::function<void(int)>;
   DoorbellListener(std::shared_ptr<SharedRegion> region, Serve serve, Cancel cancel);
   ~DoorbellListener();  // stops and joins the thread

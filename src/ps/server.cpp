@@ -166,14 +166,14 @@ grpc::ServerUnaryReactor* ParameterServer::Impl::average_gradient(grpc::Callback
 }
 
 void ParameterServer::Impl::serve_posted(const std::shared_ptr<SharedRegion>& region,
-                                         const std::shared_ptr<DoorbellCalls>& calls, int mailbox, std::string request) {
+                                         const std::shared_ptr<DoorbellCalls>& calls, int mailbox,
+                                         const grpc::ByteBuffer& request) {
   auto* call = new DoorbellCall(this, region, calls, mailbox);
   {
     std::lock_guard<std::mutex> lock(calls->mu);
     calls->pending[mailbox] = call;
   }
-  grpc::Slice slice(request.data(), request.size());
-  serve(call, grpc::ByteBuffer(&slice, 1));
+  serve(call, request);
 }
 
 void ParameterServer::Impl::cancel_posted(const std::shared_ptr<DoorbellCalls>& calls, int mailbox) {

@@ -22,15 +22,16 @@ wire::SessionEvent ParameterServer::Impl::on_session_opened(const wire::SessionR
       memory = SharedRegion::attach(offer.pid(), offer.fd(), offer.bytes(), offer.cookie(), offer.mailboxes(), &why);
     if (memory) {
       std::lock_guard<std::mutex> lock(regions_mu);
-      Region entry{request.trainer_id(), memory, std::make_shared<DoorbellCalls>(), nullptr};
+      Region entry{request.trainer_id(), memory, nullptr};
       if (offer.region() == 0 || regions.count(offer.region())) {
         why = "region id " + std::to_string(offer.region()) + " is taken";
         memory.reset();
       } else {
         if (memory->mailboxes() > 0) {
-          auto calls = entry.calls;
+          auto calls = std::make_shared<DoorbellCalls>();
           entry.listener = std::make_shared<DoorbellListener>(
-              memory, [this, memory, calls](int box, std::string bytes) { serve_posted(memory, calls, box, std::move(bytes)); },
+              memory,
+              [this, memory, calls](int box, const grpc::ByteBuffer& bytes) { serve_posted(memory, calls, box, bytes); },
               [this, calls](int box) { cancel_posted(calls, box); });
           event.set_doorbell(true);
         }

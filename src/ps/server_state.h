@@ -69,7 +69,7 @@ struct ParameterServer::Impl {
   void serve(AverageCall* call, const grpc::ByteBuffer& raw);
   // A request posted in mailbox `mailbox` of the region `region` (doorbell.h).
   void serve_posted(const std::shared_ptr<SharedRegion>& region, const std::shared_ptr<DoorbellCalls>& calls,
-                    int mailbox, std::string request);
+                    int mailbox, const grpc::ByteBuffer& request);
   void cancel_posted(const std::shared_ptr<DoorbellCalls>& calls, int mailbox);
   // Points the call at the shared-memory place its request names, after checking it lies in
   // that trainer's attached region and within max_message_bytes; `who` starts the messages.
@@ -119,7 +119,6 @@ struct ParameterServer::Impl {
   struct Region {
     int trainer;
     std::shared_ptr<SharedRegion> memory;
-    std::shared_ptr<DoorbellCalls> calls;
     std::shared_ptr<DoorbellListener> listener;  // while the session is open, if it has mailboxes
   };
   // Stops every session's listener (shutdown, once gRPC has stopped).
