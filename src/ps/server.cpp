@@ -434,12 +434,16 @@ void ParameterServer::Impl::serve(AverageCall* call, const grpc::ByteBuffer& raw
         *c->response = reply;
         sent += out_bytes;
       }
-      c->finish(grpc::Status::OK);
     }
-    std::lock_guard<std::mutex> lock(mu);
-    counters.bytes_sent += sent;
-    counters.shm_bytes_sent += shm_sent;
-    log.record_end("parameter_server_batch_metric", key(b, bkey, chunk_count));
+    {
+      // Counted before anyone is answered: a trainer that reads the metrics after its reply
+      // must find this bucket in them.
+      std::lock_guard<std::mutex> lock(mu);
+      counters.bytes_sent += sent;
+      counters.shm_bytes_sent += shm_sent;
+      log.record_end("parameter_server_batch_metric", key(b, bkey, chunk_count));
+    }
+    for (AverageCall* c : answer) c->finish(grpc::Status::OK);
   }
   for (auto& [c, s] : finish) c->finish(s);
 }
