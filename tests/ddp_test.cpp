@@ -204,6 +204,43 @@ TEST(DDP, BucketsLiveInSharedMemoryOnOneHost) {
   }
 }
 
+// Without a hook (and with .grad not the bucket's view) the gradients themselves are reduced
+// through the shared bucket (ProcessGroup::allreduce_parts): .grad keeps its own memory, a .grad
+// that was there before backward stays the same tensor, and the values equal shared memory off.
+TEST(DDP, BuiltInAllreduceReducesGradientsWhereTheyLie) {
+  std::vector<std::vector<at::Tensor>> grads(2);  // [shm off, on][rank * params + i]
+  for (bool shm : {false, true}) {
+    grads[shm].resize(2 * 6);
+    spawn_ranks_with(2, ProcessGroupOptions().shared_memory(shm), [&](int rank, std::shared_ptr<ProcessGroup> pg) {
+      auto model = make_mlp(1, {8, 300, 200, 4});
+      DistributedDataParallel<torch::nn::Sequential> ddp(model, pg);
+      const auto params = model->parameters();
+      ASSERT_EQ(params.size(), 6u);
+      for (int step = 0; step < 3; ++step) {
+        // Step 2 keeps the gradients (zeroed in place, as zero_grad(set_to_none=false)).
+        std::vector<void*> before;
+        for (auto& p : params) {
+          if (step < 2) {
+            p.mutable_grad() = at::Tensor();
+          } else {
+            p.mutable_grad().zero_();
+          }
+          before.push_back(p.grad().defined() ? p.grad().data_ptr() : nullptr);
+        }
+        ddp.forward(batch_for(step, 4).narrow(0, 0, 4) * (rank + 1)).pow(2).mean().backward();
+        for (size_t i = 0; i < params.size(); ++i) {
+          EXPECT_FALSE(testing::in_shared_memory(params[i].grad())) << "parameter " << i;
+          if (step == 2) EXPECT_EQ(params[i].grad().data_ptr(), before[i]) << "parameter " << i;
+        }
+      }
+      for (size_t i = 0; i < params.size(); ++i) grads[shm][rank * params.size() + i] = params[i].grad().clone();
+    });
+  }
+  for (size_t i = 0; i < grads[0].size(); ++i)
+    EXPECT_TRUE(at::allclose(grads[0][i], grads[1][i], 1e-6, 1e-7)) << "gradient " << i;
+  for (size_t i = 0; i < 6; ++i) EXPECT_TRUE(at::equal(grads[1][i], grads[1][6 + i])) << "ranks differ, " << i;
+}
+
 TEST(Hooks, SecondRegistrationIsAnError) {
   spawn_ranks(1, [](int, std::shared_ptr<ProcessGroup> pg) {
     auto model = make_mlp(1);

@@ -116,6 +116,67 @@ TEST(SharedMemory, AllreduceBuffersSumInPlaceAndEqualGloo) {
   }
 }
 
+// DDP's gradients (ProcessGroup::allreduce_parts): each rank's values in tensors of its own, one
+// of them the buffer's own place, reduced through the buffer and written back into them. Same
+// bits as Gloo; a rank that allreduces its buffer instead sums along; a rank with plain memory
+// sends everyone through the slots; Gloo's group takes the parts through its buffer.
+TEST(SharedMemory, AllreducePartsEqualsGlooWhereverTheyLie) {
+  for (int world : {1, 2, 3, 4}) {
+    with_both(world, [&](int rank, ProcessGroup& shm, ProcessGroup& gloo) {
+      const double scale = world == 3 ? 1.0 : 1.0 / world;  // exact on integers
+      for (int64_t n : {1, 7, 1000, 100003})
+        for (auto dt : {at::kFloat, at::kDouble, at::kHalf, at::kBFloat16}) {
+          at::Tensor buffer = shm.allreduce_buffer(n, dt);
+          const at::Tensor data = integers(n, rank, dt, 4);
+          const int64_t a = n / 3, b = n - n / 3;  // parts [0, a) and [b, n) private, [a, b) the buffer's own
+          std::vector<at::Tensor> parts = {data.narrow(0, 0, a).clone(), buffer.narrow(0, a, b - a),
+                                           data.narrow(0, b, n - b).clone()};
+          parts[1].copy_(data.narrow(0, a, b - a));
+          at::Tensor want = data.clone();
+          ProcessGroup::wait(gloo.allreduce(want));
+          want.mul_(scale);
+          ProcessGroup::wait(shm.allreduce_parts(buffer, parts, scale));
+          EXPECT_TRUE(same_bits(at::cat(parts), want)) << "world " << world << " n " << n << " " << dt;
+          // Gloo's group: the same call, through its (plain) buffer.
+          at::Tensor plain = at::empty({n}, dt);
+          std::vector<at::Tensor> again = {data.narrow(0, 0, a).clone(), plain.narrow(0, a, b - a),
+                                           data.narrow(0, b, n - b).clone()};
+          again[1].copy_(data.narrow(0, a, b - a));
+          ProcessGroup::wait(gloo.allreduce_parts(plain, again, scale));
+          EXPECT_TRUE(same_bits(at::cat(again), want)) << "gloo, world " << world << " n " << n << " " << dt;
+        }
+      const int64_t n = 30011;
+      const at::Tensor data = integers(n, rank, at::kFloat, 5);
+      at::Tensor want = data.clone();
+      ProcessGroup::wait(gloo.allreduce(want));
+      // Rank 0 allreduces its buffer, the others pass parts: in place for all.
+      at::Tensor buffer = shm.allreduce_buffer(n, at::kFloat);
+      std::vector<at::Tensor> parts = {data.narrow(0, 0, 5000).clone(), data.narrow(0, 5000, n - 5000).clone()};
+      if (rank == 0) {
+        buffer.copy_(data);
+        ProcessGroup::wait(shm.allreduce(buffer));
+      } else {
+        ProcessGroup::wait(shm.allreduce_parts(buffer, parts));
+      }
+      EXPECT_TRUE(same_bits(rank == 0 ? buffer : at::cat(parts), want)) << "with allreduce, world " << world;
+      // Rank 0 passes plain memory: everyone goes through the slots.
+      parts = {data.narrow(0, 0, 5000).clone(), data.narrow(0, 5000, n - 5000).clone()};
+      at::Tensor plain = data.clone();
+      if (rank == 0) {
+        ProcessGroup::wait(shm.allreduce(plain));
+      } else {
+        ProcessGroup::wait(shm.allreduce_parts(buffer, parts));
+      }
+      EXPECT_TRUE(same_bits(rank == 0 ? plain : at::cat(parts), want)) << "through the slots, world " << world;
+      // What is wrong with the parts is named.
+      EXPECT_THAT(testing::error_of([&] { shm.allreduce_parts(buffer, {data.narrow(0, 0, 10)}); }),
+                  ::testing::HasSubstr("allreduce_parts: the parts hold 10 elements, the buffer 30011"));
+      EXPECT_THAT(testing::error_of([&] { shm.allreduce_parts(buffer, {data.to(at::kDouble)}); }),
+                  ::testing::HasSubstr("allreduce_parts: part 0 is"));
+    });
+  }
+}
+
 // Allocation is collective over the host's ranks: sizes must agree, and a rank that does not
 // take part gives its peers an error within the timeout. Nothing is left in /dev/shm, and a
 // buffer outlives its group.

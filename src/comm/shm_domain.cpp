@@ -290,7 +290,54 @@ void Domain::pack(uint32_t s, const uint8_t* src, int64_t src_stride, int64_t pa
 // ---- collectives ---------------------------------------------------------------------------------
 // Each step: claim my slot, fill it, arrive; wait for every peer to arrive; read their slots; done.
 
+namespace {
+
+// Copies elements [lo, hi) between `parts` and `buffer` (element i at buffer + i * elt), into
+// the buffer or out of it; a part that is the buffer itself needs no copy.
+void copy_parts(const std::vector<Part>& parts, uint8_t* buffer, int64_t elt, int64_t lo, int64_t hi, bool into_buffer) {
+  for (const Part& p : parts) {
+    const int64_t a = std::max(lo, p.at), b = std::min(hi, p.at + p.numel);
+    if (a >= b) continue;
+    uint8_t* own = static_cast<uint8_t*>(p.data) + (a - p.at) * elt;
+    uint8_t* in_buffer = buffer + a * elt;
+    if (own == in_buffer) continue;
+    if (into_buffer) {
+      std::memcpy(in_buffer, own, (b - a) * elt);
+    } else {
+      std::memcpy(own, in_buffer, (b - a) * elt);
+    }
+  }
+}
+
+}  // namespace
+
 void Domain::allreduce(void* data, int64_t numel, c10::ScalarType dtype, double scale) {
+  allreduce_impl(data, numel, dtype, scale, nullptr);
+}
+
+void Domain::allreduce_parts(void* data, int64_t numel, c10::ScalarType dtype, double scale,
+                             const std::vector<Part>& parts) {
+  int64_t next = 0;
+  for (const Part& p : parts) {
+    DDPKIT_CHECK(p.at == next && p.numel >= 0 && (p.data || p.numel == 0), "shared-memory allreduce_parts: part at ",
+                 p.at, " (", p.numel, " elements) does not follow element ", next);
+    next += p.numel;
+  }
+  DDPKIT_CHECK(next == numel, "shared-memory allreduce_parts: parts hold ", next, " elements, the allreduce ", numel);
+  DDPKIT_CHECK(find_buffer(data, numel * static_cast<int64_t>(c10::elementSize(dtype))),
+               "shared-memory allreduce_parts: the scratch is not in a shared buffer");
+  allreduce_impl(data, numel, dtype, scale, &parts);
+}
+
+std::pair<int64_t, int64_t> Domain::in_place_slice(int64_t numel, int64_t elt) const {
+  const int L = options_.local_size, me = options_.local_rank;
+  const int64_t align = std::max<int64_t>(1, 64 / elt);
+  const int64_t q = ((numel + L - 1) / L + align - 1) / align * align;
+  return {std::min(numel, me * q), std::min(numel, (me + 1) * q)};
+}
+
+void Domain::allreduce_impl(void* data, int64_t numel, c10::ScalarType dtype, double scale,
+                            const std::vector<Part>* parts) {
   DDPKIT_CHECK(codecs::sums_raw(dtype), "shared-memory allreduce: no sum for ", dtype);
   begin(kAllreduce, numel, dtype, 0);
   const int L = options_.local_size, me = options_.local_rank;
@@ -304,6 +351,15 @@ void Domain::allreduce(void* data, int64_t numel, c10::ScalarType dtype, double 
   // Each rank sums one slice of every step's chunk: slices are whole cache lines.
   const int64_t align = std::max<int64_t>(1, 64 / elt);
   const int64_t per_step = std::max<int64_t>(align * L, options_.slot_bytes / elt / (align * L) * (align * L));
+  const auto [lo, hi] = in_place_slice(numel, elt);
+  const int64_t first_end = std::min(numel, std::max(lo, std::min(hi, per_step)));  // [lo, first_end): mine in step 0
+  if (parts) {
+    // Peers read my buffer outside my slice, and the first step's slot is filled from the buffer
+    // before the path is known: those go in now; the rest of mine only if the slots are taken.
+    copy_parts(*parts, base, elt, 0, lo, true);
+    copy_parts(*parts, base, elt, hi, numel, true);
+    copy_parts(*parts, base, elt, lo, first_end, true);
+  }
   const void* inputs[kMaxLocalRanks];
   for (int64_t off = 0, first = 1; first || off < numel; first = 0) {
     const int64_t c = std::min(per_step, numel - off);
@@ -316,7 +372,9 @@ void Domain::allreduce(void* data, int64_t numel, c10::ScalarType dtype, double 
       if (j != me && len(j) > 0) std::memcpy(mine + j * q * elt, base + (off + j * q) * elt, len(j) * elt);
     arrive(s, first);
     // The first step's slot was filled all the same: which path to take is known only now.
-    if (first && in_place_everywhere(s)) return allreduce_in_place(*shared, call_.offset, numel, dtype, scale, s);
+    if (first && in_place_everywhere(s))
+      return allreduce_in_place(*shared, call_.offset, numel, dtype, scale, s, parts);
+    if (first && parts) copy_parts(*parts, base, elt, first_end, hi, true);
     if (len(me) > 0) {
       int k = 0;
       inputs[k++] = base + (off + me * q) * elt;
@@ -331,6 +389,7 @@ void Domain::allreduce(void* data, int64_t numel, c10::ScalarType dtype, double 
     finish(s);
     off += c;
   }
+  if (parts) copy_parts(*parts, base, elt, 0, numel, false);
 }
 
 bool Domain::in_place_everywhere(uint32_t s) const {
@@ -342,34 +401,52 @@ bool Domain::in_place_everywhere(uint32_t s) const {
   return true;
 }
 
-// Every rank's data are in place in its own buffer, and every rank maps every peer's: rank j sums
-// slice j of all of them and writes the sum into each. A rank reads and writes only its slice, so
-// no two ranks touch the same bytes; `reduced` says a rank's slice is everywhere. Per element that
-// is L reads and L writes across the host, against the slot path's copy in, sum and copy out.
+// Every rank's data are in place in its own buffer (or, with `parts`, its own slice in its parts
+// and the rest in its buffer), and every rank maps every peer's buffer: rank j sums slice j of
+// all of them and writes the sum into its own copy and every peer's buffer. A rank reads and
+// writes only its slice of peers' buffers, so no two ranks touch the same bytes; `reduced` says
+// a rank's slice is everywhere. Per element that is L reads and L writes across the host, against
+// the slot path's copy in, sum and copy out. A peer that passed parts may sum here too: what each
+// rank leaves in the others' buffers is the same.
 void Domain::allreduce_in_place(const SharedBuffer& buffer, int64_t offset, int64_t numel, c10::ScalarType dtype,
-                                double scale, uint32_t s) {
+                                double scale, uint32_t s, const std::vector<Part>* parts) {
   const int L = options_.local_size, me = options_.local_rank;
   const int64_t elt = static_cast<int64_t>(c10::elementSize(dtype));
   const int64_t align = std::max<int64_t>(1, 64 / elt);
-  const int64_t q = ((numel + L - 1) / L + align - 1) / align * align;
-  const int64_t lo = std::min(numel, me * q), hi = std::min(numel, (me + 1) * q);
+  const auto [lo, hi] = in_place_slice(numel, elt);
   // Chunks small enough that the copies out read the sum from cache.
   const int64_t chunk = std::max<int64_t>(align, std::min<int64_t>(options_.slot_bytes, 256 << 10) / elt);
   const void* inputs[kMaxLocalRanks];
-  for (int64_t i = lo; i < hi; i += chunk) {
-    const int64_t n = std::min(chunk, hi - i);
-    const int64_t at = offset + i * elt;
-    uint8_t* own = buffer.base[me] + at;
-    int k = 0;
-    inputs[k++] = own;  // first: `out` may alias inputs, and the order matches the slot path's
-    for (int p = 0; p < L; ++p)
-      if (p != me) inputs[k++] = buffer.base[p] + at;
-    codecs::sum_raw(dtype, inputs, k, own, n, scale);
-    for (int p = 0; p < L; ++p)
-      if (p != me) std::memcpy(buffer.base[p] + at, own, n * elt);
+  // Elements [from, to) of my slice, whose own copy is at `own`.
+  auto sum = [&](int64_t from, int64_t to, uint8_t* own) {
+    for (int64_t i = from; i < to; i += chunk) {
+      const int64_t n = std::min(chunk, to - i);
+      const int64_t at = offset + i * elt;
+      int k = 0;
+      inputs[k++] = own;  // first: `out` may alias inputs, and the order matches the slot path's
+      for (int p = 0; p < L; ++p)
+        if (p != me) inputs[k++] = buffer.base[p] + at;
+      codecs::sum_raw(dtype, inputs, k, own, n, scale);
+      for (int p = 0; p < L; ++p)
+        if (p != me) std::memcpy(buffer.base[p] + at, own, n * elt);
+      own += n * elt;
+    }
+  };
+  if (!parts) {
+    sum(lo, hi, buffer.base[me] + offset + lo * elt);
+  } else {
+    for (const Part& p : *parts) {
+      const int64_t a = std::max(lo, p.at), b = std::min(hi, p.at + p.numel);
+      if (a < b) sum(a, b, static_cast<uint8_t*>(p.data) + (a - p.at) * elt);
+    }
   }
   publish(kReduced, s + 1);
   wait_all(kReduced, s + 1);
+  if (parts) {
+    uint8_t* mine = buffer.base[me] + offset;
+    copy_parts(*parts, mine, elt, 0, lo, false);
+    copy_parts(*parts, mine, elt, hi, numel, false);
+  }
   finish(s);
 }
 

@@ -23,6 +23,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace c10d {
@@ -59,6 +60,13 @@ struct SharedBuffer {
   ~SharedBuffer();
 };
 
+// A stretch of this rank's own memory holding elements [at, at + numel) of an allreduce_parts.
+struct Part {
+  int64_t at = 0;
+  int64_t numel = 0;
+  void* data = nullptr;
+};
+
 struct DomainOptions {
   int local_rank = 0;
   int local_size = 1;
@@ -87,6 +95,14 @@ class Domain {
   // throws std::runtime_error naming the peer that died or did not arrive in time.
   // data <- scale * sum over local ranks (16-bit types accumulate in fp32 and round once).
   void allreduce(void* data, int64_t numel, c10::ScalarType dtype, double scale = 1.0);
+  // The same sum, but this rank's values live in `parts` (ascending, covering [0, numel) without
+  // gaps: DDP's gradients) and the result is written back there; `data`, inside a buffer from
+  // allocate(), is scratch. Where every rank sums in place, a rank copies into its buffer only
+  // what its peers sum, reads its own share straight from its parts and writes the sum there, and
+  // copies the peers' shares of the sum out of its buffer: per element one read and one write
+  // less than filling the buffer, allreduce() and copying back. Peers may call allreduce() on the
+  // same part of their buffers instead: the result is the same.
+  void allreduce_parts(void* data, int64_t numel, c10::ScalarType dtype, double scale, const std::vector<Part>& parts);
   // out (numel) <- sum over local ranks of block local_rank() of their `in`: local_size blocks of
   // numel elements, block j starting at element j * in_stride (default numel).
   void reduce_scatter(const void* in, void* out, int64_t numel, c10::ScalarType dtype, int64_t in_stride = -1);
@@ -106,6 +122,8 @@ class Domain {
   // part within the timeout.
   std::shared_ptr<SharedBuffer> allocate(c10d::Store& store, const std::string& key, int64_t id, size_t bytes,
                                          std::string* why);
+  // Whether [data, data + bytes) lies in one of this rank's buffers from allocate().
+  bool holds(const void* data, int64_t bytes) { return find_buffer(data, bytes) != nullptr; }
 
  private:
   struct Segment;
@@ -134,8 +152,12 @@ class Domain {
   // After the first arrive of an allreduce at step s: did every rank announce the same buffer
   // and offset? Then each sums its slice in every rank's buffer, and the step ends.
   bool in_place_everywhere(uint32_t s) const;
+  // allreduce() and allreduce_parts(); `parts` null when the data are in `data`.
+  void allreduce_impl(void* data, int64_t numel, c10::ScalarType dtype, double scale, const std::vector<Part>* parts);
   void allreduce_in_place(const SharedBuffer& buffer, int64_t offset, int64_t numel, c10::ScalarType dtype,
-                          double scale, uint32_t s);
+                          double scale, uint32_t s, const std::vector<Part>* parts);
+  // This rank's slice [lo, hi) of an in-place sum of numel elements: whole cache lines.
+  std::pair<int64_t, int64_t> in_place_slice(int64_t numel, int64_t elt) const;
   uint8_t* slot(int rank, uint32_t step) const;
   int group_rank(int local) const;
 

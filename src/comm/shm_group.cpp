@@ -1,5 +1,6 @@
 // The group's shared-memory side: choosing it at creation, buffers DDP sums in place, handing
 // collectives to the shm thread, and hierarchical allreduce across hosts (docs/shared_memory.md).
+#include <ddpkit/codecs/cast.h>
 #include <ddpkit/comm/process_group.h>
 
 #include "process_group_internal.h"
@@ -90,6 +91,67 @@ at::Tensor ProcessGroup::allreduce_buffer(int64_t numel, at::ScalarType dtype) {
   }
   // The tensor owns the mappings: they outlive the group if the tensor does.
   return at::from_blob(buffer->base[shm_->domain->local_rank()], {numel}, [buffer](void*) {}, options);
+}
+
+bool ProcessGroup::sums_in_place(const at::Tensor& buffer) const {
+  return shm_ && !shm_->across && buffer.defined() && buffer.device().is_cpu() && !buffer.is_sparse() &&
+         buffer.is_contiguous() && codecs::sums_raw(buffer.scalar_type()) &&
+         shm_->domain->holds(buffer.data_ptr(), static_cast<int64_t>(detail::bytes_of(buffer)));
+}
+
+FuturePtr ProcessGroup::allreduce_parts(const at::Tensor& buffer, const std::vector<at::Tensor>& parts, double scale) {
+  DDPKIT_CHECK(buffer.defined() && !buffer.is_sparse() && buffer.is_contiguous(),
+               "allreduce_parts: the buffer must be a dense contiguous tensor");
+  int64_t total = 0;
+  for (size_t i = 0; i < parts.size(); ++i) {
+    const at::Tensor& p = parts[i];
+    DDPKIT_CHECK(p.defined() && !p.is_sparse() && p.is_contiguous() && p.scalar_type() == buffer.scalar_type() &&
+                     p.device() == buffer.device(),
+                 "allreduce_parts: part ", i, " is ", (p.defined() ? detail::describe_tensor(p) : "undefined"),
+                 "; every part must be dense, contiguous, and of the buffer's dtype and device (",
+                 detail::describe_tensor(buffer), ")");
+    total += p.numel();
+  }
+  DDPKIT_CHECK(total == buffer.numel(), "allreduce_parts: the parts hold ", total, " elements, the buffer ",
+               buffer.numel());
+  const std::string what = "allreduce (" + detail::describe_tensor(buffer) + " in " + std::to_string(parts.size()) +
+                           " parts)";
+  if (sums_in_place(buffer)) {
+    const uint64_t n = static_cast<uint64_t>(world_size_);
+    return shm_issue(what, 2 * (n - 1) * detail::bytes_of(buffer) / n, buffer, [this, buffer, parts, scale] {
+      std::vector<shm::Part> spans;
+      int64_t at = 0;
+      for (const at::Tensor& p : parts) {
+        spans.push_back({at, p.numel(), p.data_ptr()});
+        at += p.numel();
+      }
+      shm_->domain->allreduce_parts(buffer.data_ptr(), buffer.numel(), buffer.scalar_type(), scale, spans);
+    });
+  }
+  // Elsewhere: through the buffer. A part that already is its place in the buffer is not copied.
+  const at::Tensor flat = buffer.view({-1});
+  auto places = std::make_shared<std::vector<std::pair<at::Tensor, at::Tensor>>>();  // (part, its place)
+  int64_t at = 0;
+  for (const at::Tensor& p : parts) {
+    at::Tensor place = flat.narrow(0, at, p.numel());
+    at += p.numel();
+    if (p.numel() == 0 || p.data_ptr() == place.data_ptr()) continue;
+    place.copy_(p.view({-1}));
+    places->emplace_back(p, place);
+  }
+  auto result = make_tensor_future(buffer.device());
+  const int rank = rank_, world = world_size_;
+  allreduce(buffer)->addCallback([=](c10::ivalue::Future& f) {
+    if (f.hasError()) return result->setError(f.exception_ptr());
+    try {
+      if (scale != 1.0) flat.mul_(scale);
+      for (auto& [part, place] : *places) part.view({-1}).copy_(place);
+      result->markCompleted(c10::IValue(buffer));
+    } catch (...) {
+      fail(result, what, rank, world, std::current_exception());
+    }
+  });
+  return result;
 }
 
 bool ProcessGroup::shm_takes(const at::Tensor& t) const {

@@ -214,6 +214,7 @@ void Reducer::build_buckets(const BucketAssignment& assignment) {
       // On CPU the group may place it in shared memory, where ranks on one host sum in place.
       bucket.buffer = first.device().is_cpu() ? pg_->allreduce_buffer(total, first.scalar_type())
                                               : at::zeros({total}, first.options().requires_grad(false));
+      bucket.in_place = pg_->sums_in_place(bucket.buffer);
       for (size_t slot = 0; slot < bucket.vars.size(); ++slot) {
         at::Tensor view = alias_of(bucket.buffer, bucket.offsets[slot], bucket.shapes[slot]);
         if (options_.gradient_as_bucket_view) {
@@ -354,6 +355,7 @@ void Reducer::reset_iteration_state() {
   for (auto& b : buckets_) {
     b.pending = b.vars.size();
     b.future.reset();
+    b.parts.clear();
   }
   next_bucket_ = 0;
   used_map_future_.reset();
@@ -424,6 +426,26 @@ void Reducer::mark_var_ready(size_t var, bool unused) {
     } else {
       bucket.buffer = sparse_zeros_like(param);
     }
+  } else if (reduces_gradients_in_place(bucket)) {
+    // The gradient is reduced where it lies (ProcessGroup::allreduce_parts); one that cannot be
+    // (another layout or dtype, or part of a graph) goes through its view as below.
+    if (bucket.parts.empty()) bucket.parts.resize(bucket.vars.size());
+    at::Tensor& view = bucket.views[slot];
+    if (!has_grad) {
+      view.zero_();
+      bucket.parts[slot] = view.view({-1});
+    } else {
+      DDPKIT_CHECK(!grad.is_sparse(), "parameter '", names_[var],
+                   "' produced a sparse gradient; DistributedDataParallel detects sparse Embedding/EmbeddingBag "
+                   "modules, or pass expect_sparse_gradients");
+      if (grad.is_contiguous() && grad.scalar_type() == view.scalar_type() && grad.device() == view.device() &&
+          grad.numel() == view.numel() && !grad.requires_grad()) {
+        bucket.parts[slot] = grad.view({-1});
+      } else {
+        view.copy_(grad);
+        bucket.parts[slot] = view.view({-1});
+      }
+    }
   } else {
     at::Tensor& view = bucket.views[slot];
     if (!has_grad) {
@@ -448,6 +470,10 @@ void Reducer::mark_var_ready(size_t var, bool unused) {
   if (--bucket.pending == 0) launch_ready_buckets();
 }
 
+bool Reducer::reduces_gradients_in_place(const Bucket& bucket) const {
+  return bucket.in_place && !hook_ && !options_.gradient_as_bucket_view;
+}
+
 void Reducer::launch_ready_buckets() {
   while (next_bucket_ < buckets_.size() && buckets_[next_bucket_].pending == 0) launch_bucket(next_bucket_++);
 }
@@ -460,6 +486,12 @@ void Reducer::launch_bucket(size_t index) {
     const uint64_t bytes = static_cast<uint64_t>(bucket.buffer.numel()) * bucket.buffer.element_size();
     if (allreduce_bytes_.size() <= index) allreduce_bytes_.resize(index + 1, 0);
     allreduce_bytes_[index] += 2 * (n - 1) * bytes / n;
+  }
+  if (reduces_gradients_in_place(bucket)) {
+    // Scaled as the sum is taken, on every rank alike: a joined rank's zeros come as the buffer.
+    if (bucket.parts.empty()) bucket.parts = {bucket.buffer};
+    bucket.future = pg_->allreduce_parts(bucket.buffer, bucket.parts, 1.0 / divisor_.item<double>());
+    return;
   }
   if (!hook_) {
     bucket.future = pg_->allreduce(bucket.buffer);
@@ -531,6 +563,8 @@ void Reducer::finalize_backward() {
         const size_t var = bucket.vars[slot];
         if (globally_unused_[var]) continue;  // keeps no gradient, as in PyTorch
         at::Tensor& grad = params_[var].mutable_grad();
+        if (!bucket.parts.empty() && bucket.parts[slot].data_ptr() != bucket.views[slot].data_ptr())
+          continue;  // the gradient itself was reduced
         if (options_.gradient_as_bucket_view) {
           if (!in_place) bucket.views[slot].copy_(flat.narrow(0, bucket.offsets[slot], bucket.views[slot].numel())
                                                       .view(bucket.shapes[slot]));

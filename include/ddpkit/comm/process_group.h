@@ -147,6 +147,16 @@ class ProcessGroup {
   // host's ranks: each calls it in the same order with the same size. Plain memory otherwise,
   // or (with one warning) when the memory cannot be reserved or shared.
   at::Tensor allreduce_buffer(int64_t numel, at::ScalarType dtype);
+  // Whether an allreduce on `buffer` (from allreduce_buffer) sums in place in shared memory.
+  bool sums_in_place(const at::Tensor& buffer) const;
+  // Allreduce of the concatenation of `parts` (dense, contiguous, of buffer's dtype and device,
+  // their numel adding up to buffer's), with `buffer` from allreduce_buffer() as scratch: each
+  // part ends up holding `scale` times the sum. Where sums_in_place(buffer), a rank copies into
+  // its buffer only the shares its peers sum, sums its own share straight from its parts into
+  // them, and copies the peers' shares back: DDP's gradients reduced without filling the bucket
+  // and copying it back. Elsewhere the parts are copied into `buffer`, allreduced and copied back.
+  // The future's value is `buffer`, whose contents are then unspecified.
+  FuturePtr allreduce_parts(const at::Tensor& buffer, const std::vector<at::Tensor>& parts, double scale = 1.0);
 
   // Collectives. All are asynchronous and in place where the c10d one is; each returns a future
   // whose value is the result tensor, or whose error is a CommError naming the operation.

@@ -97,6 +97,10 @@ class Reducer {
     std::vector<std::vector<int64_t>> shapes;
     at::Tensor buffer;               // dense: flat contents; sparse: set when ready
     std::vector<at::Tensor> views;   // dense: per-var views of buffer
+    // Built-in allreduce of a bucket that sums in place in shared memory (and .grad is not the
+    // bucket's view): per var, the flat gradient itself, reduced where it lies, or its view.
+    std::vector<at::Tensor> parts;
+    bool in_place = false;           // pg_->sums_in_place(buffer)
     bool sparse = false;
     size_t pending = 0;
     FuturePtr future;
@@ -108,6 +112,7 @@ class Reducer {
   void mark_var_ready(size_t var, bool unused);
   void launch_ready_buckets();
   void launch_bucket(size_t index);
+  bool reduces_gradients_in_place(const Bucket& bucket) const;
   void finalize_backward();
   void apply_used_map();  // waits for the used-map allreduce; records globally unused parameters
   void reset_iteration_state();
