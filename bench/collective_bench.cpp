@@ -7,8 +7,9 @@
 // shared memory (the default on one host) and over Gloo's loopback TCP (shared_memory off), and
 // prints both times, both bus bandwidths and the speedup. --gloo-variants adds the older table of
 // Gloo paths (ring, two connections, two-phase alltoall, Gloo's own allgather/_base collectives).
-// Rows "allreduce bucket" and "allreduce parts" are DDP's: a bucket from allreduce_buffer() summed
-// in place, and four gradient tensors reduced through it (allreduce_parts); Gloo's side runs the
+// Rows "allreduce bucket", "allreduce parts" and "allreduce arena" are DDP's: a bucket from
+// allreduce_buffer() summed in place; four gradient tensors reduced through it (allreduce_parts);
+// the same four born in a GradientArena, as DDP's gradients are by default. Gloo's side runs the
 // same calls on plain memory.
 //
 // algbw = bytes / time. busbw = algbw * 2(n-1)/n for allreduce (the bytes each rank must send and
@@ -73,12 +74,19 @@ void shm_vs_gloo(int world, int reps, int gloo_threads, int64_t max_bytes) {
         // A DDP bucket: on the shm side in memory every local rank maps, so it sums in place.
         at::Tensor bucket = shm->allreduce_buffer(elems, at::kFloat).fill_(1);
         // DDP's gradients: four tensors of their own, reduced through the bucket.
-        std::vector<at::Tensor> grads;
+        // The same four born in a GradientArena (as DDP's are by default), read and written in place.
+        std::vector<at::Tensor> grads, born_shared;
+        std::vector<int64_t> sizes;
         for (int64_t at = 0, k = 0; k < 4; ++k) {
           const int64_t m = k < 3 ? elems / 4 : elems - at;
           grads.push_back(at::ones({m}));
+          sizes.push_back(m * 4);
           at += m;
         }
+        std::shared_ptr<GradientArena> arena = shm->gradient_arena(sizes);
+        GradientArena::use(arena);
+        for (const at::Tensor& g : grads) born_shared.push_back(at::ones_like(g));
+        GradientArena::use(nullptr);
         std::vector<at::Tensor> gathered;
         for (int k = 0; k < world; ++k) gathered.push_back(at::empty({elems / world}));
         struct Row {
@@ -93,6 +101,10 @@ void shm_vs_gloo(int world, int reps, int gloo_threads, int64_t max_bytes) {
              [&](ProcessGroup& pg) { ProcessGroup::wait(pg.allreduce(&pg == shm.get() ? bucket : f)); }},
             {"allreduce parts", elems * 4, 2 * (n - 1) / n,
              [&](ProcessGroup& pg) { ProcessGroup::wait(pg.allreduce_parts(&pg == shm.get() ? bucket : f, grads)); }},
+            {"allreduce arena", elems * 4, 2 * (n - 1) / n,
+             [&](ProcessGroup& pg) {
+               ProcessGroup::wait(&pg == shm.get() ? pg.allreduce_parts(bucket, born_shared) : pg.allreduce_parts(f, grads));
+             }},
             {"allreduce fp16", elems * 2, 2 * (n - 1) / n, [&](ProcessGroup& pg) { ProcessGroup::wait(pg.allreduce(h)); }},
             {"broadcast", elems * 4, (n - 1) / n, [&](ProcessGroup& pg) { ProcessGroup::wait(pg.broadcast(f, 0)); }},
             {"allgather", elems * 4, (n - 1) / n,
@@ -246,13 +258,6 @@ int main(int argc, char** argv) {
       for (int64_t elems : {int64_t(1) << 18, int64_t(1) << 22, int64_t(25) << 20}) {
         at::Tensor f = at::ones({elems}), h = at::ones({elems}, at::kHalf), b = at::ones({elems}, at::kBFloat16);
         at::Tensor out = at::empty({elems});
-        // DDP's gradients: four tensors of their own, reduced through the bucket.
-        std::vector<at::Tensor> grads;
-        for (int64_t at = 0, k = 0; k < 4; ++k) {
-          const int64_t m = k < 3 ? elems / 4 : elems - at;
-          grads.push_back(at::ones({m}));
-          at += m;
-        }
         std::vector<at::Tensor> gathered;
         for (int k = 0; k < world; ++k) gathered.push_back(at::empty({elems / world}));
         run("allreduce fp32 (gloo ring)", elems * 4, 2 * (n - 1) / n, [&] { ProcessGroup::wait(ring->allreduce(f)); });

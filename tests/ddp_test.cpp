@@ -205,19 +205,27 @@ TEST(DDP, BucketsLiveInSharedMemoryOnOneHost) {
 }
 
 // Without a hook (and with .grad not the bucket's view) the gradients themselves are reduced
-// through the shared bucket (ProcessGroup::allreduce_parts): .grad keeps its own memory, a .grad
-// that was there before backward stays the same tensor, and the values equal shared memory off.
+// through the shared bucket (ProcessGroup::allreduce_parts). By default autograd's gradients of
+// parameters of 64 KiB and more are born in memory the local ranks share (GradientArena), where
+// peers read them and write their shares of the sum; with that off they keep private memory. A
+// .grad that was there before backward stays the same tensor. Same values every way.
 TEST(DDP, BuiltInAllreduceReducesGradientsWhereTheyLie) {
-  std::vector<std::vector<at::Tensor>> grads(2);  // [shm off, on][rank * params + i]
-  for (bool shm : {false, true}) {
-    grads[shm].resize(2 * 6);
-    spawn_ranks_with(2, ProcessGroupOptions().shared_memory(shm), [&](int rank, std::shared_ptr<ProcessGroup> pg) {
+  struct Setting {
+    bool shm, arena;
+  };
+  const std::vector<Setting> settings = {{false, false}, {true, true}, {true, false}};
+  std::vector<std::vector<at::Tensor>> grads(settings.size());  // [setting][rank * params + i]
+  for (size_t k = 0; k < settings.size(); ++k) {
+    const Setting setting = settings[k];
+    grads[k].resize(2 * 6);
+    spawn_ranks_with(2, ProcessGroupOptions().shared_memory(setting.shm), [&](int rank, std::shared_ptr<ProcessGroup> pg) {
       auto model = make_mlp(1, {8, 300, 200, 4});
-      DistributedDataParallel<torch::nn::Sequential> ddp(model, pg);
+      DistributedDataParallel<torch::nn::Sequential> ddp(
+          model, pg, DistributedDataParallelOptions().gradients_in_shared_memory(setting.arena));
       const auto params = model->parameters();
       ASSERT_EQ(params.size(), 6u);
-      for (int step = 0; step < 3; ++step) {
-        // Step 2 keeps the gradients (zeroed in place, as zero_grad(set_to_none=false)).
+      for (int step = 0; step < 4; ++step) {
+        // Steps 2 and 3 keep the gradients (zeroed in place, as zero_grad(set_to_none=false)).
         std::vector<void*> before;
         for (auto& p : params) {
           if (step < 2) {
@@ -227,18 +235,22 @@ TEST(DDP, BuiltInAllreduceReducesGradientsWhereTheyLie) {
           }
           before.push_back(p.grad().defined() ? p.grad().data_ptr() : nullptr);
         }
-        ddp.forward(batch_for(step, 4).narrow(0, 0, 4) * (rank + 1)).pow(2).mean().backward();
+        ddp.forward(batch_for(step, 4) * (rank + 1)).pow(2).mean().backward();
         for (size_t i = 0; i < params.size(); ++i) {
-          EXPECT_FALSE(testing::in_shared_memory(params[i].grad())) << "parameter " << i;
-          if (step == 2) EXPECT_EQ(params[i].grad().data_ptr(), before[i]) << "parameter " << i;
+          const bool big = params[i].numel() * 4 >= (64 << 10);
+          EXPECT_EQ(testing::in_shared_memory(params[i].grad()), setting.arena && big)
+              << "parameter " << i << ", step " << step << ", shm " << setting.shm;
+          if (step >= 2) EXPECT_EQ(params[i].grad().data_ptr(), before[i]) << "parameter " << i;
         }
       }
-      for (size_t i = 0; i < params.size(); ++i) grads[shm][rank * params.size() + i] = params[i].grad().clone();
+      for (size_t i = 0; i < params.size(); ++i) grads[k][rank * params.size() + i] = params[i].grad().clone();
     });
   }
-  for (size_t i = 0; i < grads[0].size(); ++i)
-    EXPECT_TRUE(at::allclose(grads[0][i], grads[1][i], 1e-6, 1e-7)) << "gradient " << i;
-  for (size_t i = 0; i < 6; ++i) EXPECT_TRUE(at::equal(grads[1][i], grads[1][6 + i])) << "ranks differ, " << i;
+  for (size_t k = 1; k < settings.size(); ++k)
+    for (size_t i = 0; i < grads[0].size(); ++i)
+      EXPECT_TRUE(at::allclose(grads[0][i], grads[k][i], 1e-6, 1e-7)) << "setting " << k << ", gradient " << i;
+  for (size_t k = 0; k < settings.size(); ++k)
+    for (size_t i = 0; i < 6; ++i) EXPECT_TRUE(at::equal(grads[k][i], grads[k][6 + i])) << "ranks differ, " << i;
 }
 
 TEST(Hooks, SecondRegistrationIsAnError) {

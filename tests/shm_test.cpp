@@ -6,10 +6,15 @@
 
 #include "../src/comm/peer_memory.h"
 
+#include <ddpkit/comm/gradient_arena.h>
+
+#include <c10/core/CPUAllocator.h>
+
 #include <sys/mman.h>
 #include <unistd.h>
 
 #include <future>
+#include <thread>
 
 namespace ddpkit {
 namespace {
@@ -168,11 +173,79 @@ TEST(SharedMemory, AllreducePartsEqualsGlooWhereverTheyLie) {
         ProcessGroup::wait(shm.allreduce_parts(buffer, parts));
       }
       EXPECT_TRUE(same_bits(rank == 0 ? plain : at::cat(parts), want)) << "through the slots, world " << world;
+      // Parts that lie in another shared buffer (a GradientArena's) on odd ranks: peers read and
+      // write them where they lie; through the slots when rank 0 passes plain memory.
+      at::Tensor home = shm.allreduce_buffer(n + 100, at::kFloat);
+      for (bool slots : {false, true}) {
+        std::vector<at::Tensor> spread = {data.narrow(0, 0, 5000).clone(), data.narrow(0, 5000, 20000).clone(),
+                                          data.narrow(0, 25000, n - 25000).clone()};
+        if (rank % 2 == 1) {  // parts 0 and 2 in `home`, away from their own positions
+          spread[0] = home.narrow(0, 100 + (n - 25000), 5000).copy_(spread[0]);
+          spread[2] = home.narrow(0, 50, n - 25000).copy_(spread[2]);
+        }
+        if (slots && rank == 0) {
+          at::Tensor mine = data.clone();
+          ProcessGroup::wait(shm.allreduce(mine));
+          EXPECT_TRUE(same_bits(mine, want)) << "rank 0, world " << world;
+          continue;
+        }
+        ProcessGroup::wait(shm.allreduce_parts(buffer, spread));
+        EXPECT_TRUE(same_bits(at::cat(spread), want)) << "parts in a shared buffer, slots " << slots << ", world "
+                                                      << world;
+        if (rank % 2 == 1) EXPECT_TRUE(testing::in_shared_memory(spread[0]) == (world > 1));
+      }
       // What is wrong with the parts is named.
       EXPECT_THAT(testing::error_of([&] { shm.allreduce_parts(buffer, {data.narrow(0, 0, 10)}); }),
                   ::testing::HasSubstr("allreduce_parts: the parts hold 10 elements, the buffer 30011"));
       EXPECT_THAT(testing::error_of([&] { shm.allreduce_parts(buffer, {data.to(at::kDouble)}); }),
                   ::testing::HasSubstr("allreduce_parts: part 0 is"));
+    });
+  }
+}
+
+// GradientArena: on the thread that uses it, CPU allocations of its block sizes come from memory
+// every local rank maps (while it has room); others, and other threads, do not. Freed blocks are
+// reused; raw_allocate/raw_deleter work through it; a retired arena stays valid until its last
+// block is freed. Where buffers do not sum in place there is none.
+TEST(SharedMemory, GradientArenaServesItsSizesOnTheThreadThatUsesIt) {
+  for (int world : {1, 2}) {
+    with_both(world, [&](int, ProcessGroup& shm, ProcessGroup& gloo) {
+      EXPECT_EQ(gloo.gradient_arena({1 << 20}), nullptr);
+      std::shared_ptr<GradientArena> arena = shm.gradient_arena({1 << 20, 3 << 20});
+      if (world == 1) {
+        EXPECT_EQ(arena, nullptr);
+        return;
+      }
+      ASSERT_NE(arena, nullptr);
+      EXPECT_EQ(arena->capacity(), size_t(7) << 20);  // one of each, and one more of the largest
+      GradientArena::use(arena);
+      at::Tensor a = at::empty({1 << 18});  // 1 MiB
+      at::Tensor other = at::empty({1000});
+      EXPECT_TRUE(arena->contains(a.data_ptr()));
+      EXPECT_TRUE(testing::in_shared_memory(a));
+      EXPECT_FALSE(arena->contains(other.data_ptr()));
+      void* was = a.data_ptr();
+      a = at::Tensor();
+      EXPECT_EQ(arena->bytes_in_use(), 0u);
+      a = at::empty({1 << 18});
+      EXPECT_EQ(a.data_ptr(), was) << "a freed block is reused";
+      std::vector<at::Tensor> more;  // 7 MiB hold 7 blocks of 1 MiB: the 8th is the caller's
+      for (int i = 0; i < 7; ++i) more.push_back(at::empty({1 << 18}));
+      EXPECT_TRUE(arena->contains(more[5].data_ptr()));
+      EXPECT_FALSE(arena->contains(more[6].data_ptr()));
+      more.clear();
+      c10::Allocator* cpu = c10::GetCPUAllocator();
+      void* raw = cpu->raw_allocate(1 << 20);
+      EXPECT_TRUE(arena->contains(raw));
+      cpu->raw_deleter()(raw);
+      EXPECT_EQ(arena->bytes_in_use(), size_t(1) << 20);  // only `a`
+      std::thread([&] { EXPECT_FALSE(arena->contains(at::empty({1 << 18}).data_ptr())) << "another thread"; }).join();
+      GradientArena::use(nullptr);
+      EXPECT_FALSE(arena->contains(at::empty({1 << 18}).data_ptr()));
+      arena->retire();
+      arena.reset();
+      a.fill_(2);  // still mapped
+      EXPECT_EQ(a.sum().item<float>(), 2.f * (1 << 18));
     });
   }
 }

@@ -8,6 +8,9 @@
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
+#include <c10/core/Allocator.h>
+
+#include <cstring>
 #include <functional>
 #include <sstream>
 #include <string>
@@ -20,6 +23,16 @@
 
 namespace ddpkit {
 namespace compat {
+
+// c10::Allocator::allocate is const in 1.13 and not in 2.x, where copy_data became pure virtual as
+// well. An allocator derives from this and implements allocate_bytes; both spellings of allocate
+// are declared (neither marked override), so whichever the base has is the one overridden.
+struct CpuAllocatorBase : c10::Allocator {
+  virtual c10::DataPtr allocate_bytes(size_t n) const = 0;
+  c10::DataPtr allocate(size_t n) const { return allocate_bytes(n); }
+  c10::DataPtr allocate(size_t n) { return allocate_bytes(n); }
+  void copy_data(void* dest, const void* src, std::size_t count) const { std::memcpy(dest, src, count); }
+};
 
 // The object collectives are called on: ProcessGroup in 1.13, Backend from 2.0 on. Both have the
 // same collective signatures and return c10::intrusive_ptr<c10d::Work>.

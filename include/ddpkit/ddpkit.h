@@ -3,6 +3,7 @@
 #include <ddpkit/codecs/cast.h>
 #include <ddpkit/codecs/quantize.h>
 #include <ddpkit/codecs/sparse.h>
+#include <ddpkit/comm/gradient_arena.h>
 #include <ddpkit/comm/host_topology.h>
 #include <ddpkit/comm/process_group.h>
 #include <ddpkit/runtime/checkpoint.h>

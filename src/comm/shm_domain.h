@@ -17,6 +17,7 @@
 
 #include <c10/core/ScalarType.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <map>
@@ -45,7 +46,20 @@ struct Announcement {
   // offset in it); -1 otherwise. Not part of the call: ranks that differ here copy as usual.
   int64_t buffer = -1;
   int64_t offset = 0;
+  // allreduce_parts: how many of this rank's parts lie in shared buffers, listed in its part
+  // table for the step's parity (peers read and write them there).
+  int32_t shared_parts = 0;
 };
+
+// Where one of a rank's parts lies in a shared buffer: elements [at, at + numel) of the allreduce
+// at byte `offset` of buffer `buffer` (its id).
+struct SharedPart {
+  int64_t at = 0;
+  int64_t numel = 0;
+  int64_t buffer = -1;
+  int64_t offset = 0;
+};
+constexpr int kMaxSharedParts = 512;  // per collective; further parts go through the buffer
 
 // Memory that every local rank allocated at once (Domain::allocate) and that each maps from
 // every peer, so an allreduce over it can sum in place instead of copying through the slots.
@@ -54,6 +68,9 @@ struct SharedBuffer {
   int64_t id = -1;  // the allocation's number: the same on every local rank
   size_t bytes = 0;
   std::vector<uint8_t*> base;  // by local rank: base[local_rank()] is this rank's own memory
+  // Set when a collective that may write into this buffer failed: a peer may still be writing, so
+  // memory carved out of it (a GradientArena) is never handed out again.
+  std::atomic<bool> poisoned{false};
   SharedBuffer() = default;
   SharedBuffer(const SharedBuffer&) = delete;
   SharedBuffer& operator=(const SharedBuffer&) = delete;
@@ -100,8 +117,10 @@ class Domain {
   // allocate(), is scratch. Where every rank sums in place, a rank copies into its buffer only
   // what its peers sum, reads its own share straight from its parts and writes the sum there, and
   // copies the peers' shares of the sum out of its buffer: per element one read and one write
-  // less than filling the buffer, allreduce() and copying back. Peers may call allreduce() on the
-  // same part of their buffers instead: the result is the same.
+  // less than filling the buffer, allreduce() and copying back. A part that itself lies in a
+  // shared buffer (a GradientArena's) is not copied at all: peers read it and write their shares
+  // of the sum into it where it lies. Peers may call allreduce() on the same part of their
+  // buffers instead: the result is the same.
   void allreduce_parts(void* data, int64_t numel, c10::ScalarType dtype, double scale, const std::vector<Part>& parts);
   // out (numel) <- sum over local ranks of block local_rank() of their `in`: local_size blocks of
   // numel elements, block j starting at element j * in_stride (default numel).
@@ -149,13 +168,19 @@ class Domain {
   [[noreturn]] void fail(const std::string& message);
   // The shared buffer holding [data, data + bytes) of this rank, if any.
   std::shared_ptr<SharedBuffer> find_buffer(const void* data, int64_t bytes);
+  // allreduce_parts: my parts that lie in shared buffers (other than in their place in the call's
+  // own), which peers read and write where they lie; the rest go through the call's buffer.
+  std::vector<SharedPart> list_shared_parts(const std::vector<Part>& parts, int64_t elt, std::vector<bool>* listed);
+  // Where peer p keeps element i of this collective: in one of its listed parts, or its buffer.
+  uint8_t* peer_element(int p, uint32_t s, const SharedBuffer& buffer, int64_t offset, int64_t i, int64_t elt,
+                        int64_t* run);
   // After the first arrive of an allreduce at step s: did every rank announce the same buffer
   // and offset? Then each sums its slice in every rank's buffer, and the step ends.
   bool in_place_everywhere(uint32_t s) const;
   // allreduce() and allreduce_parts(); `parts` null when the data are in `data`.
   void allreduce_impl(void* data, int64_t numel, c10::ScalarType dtype, double scale, const std::vector<Part>* parts);
   void allreduce_in_place(const SharedBuffer& buffer, int64_t offset, int64_t numel, c10::ScalarType dtype,
-                          double scale, uint32_t s, const std::vector<Part>* parts);
+                          double scale, uint32_t s, const std::vector<Part>* parts, const std::vector<bool>& listed);
   // This rank's slice [lo, hi) of an in-place sum of numel elements: whole cache lines.
   std::pair<int64_t, int64_t> in_place_slice(int64_t numel, int64_t elt) const;
   uint8_t* slot(int rank, uint32_t step) const;
@@ -171,6 +196,7 @@ class Domain {
   std::string broken_;  // the first failure; every later collective reports it
   std::mutex buffers_mutex_;  // allocate() runs on the caller's thread, allreduce() on the shm thread
   std::map<const uint8_t*, std::weak_ptr<SharedBuffer>> buffers_;  // by this rank's base address
+  std::map<int64_t, std::weak_ptr<SharedBuffer>> buffers_by_id_;
 };
 
 }  // namespace shm

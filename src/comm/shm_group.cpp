@@ -1,6 +1,7 @@
 // The group's shared-memory side: choosing it at creation, buffers DDP sums in place, handing
 // collectives to the shm thread, and hierarchical allreduce across hosts (docs/shared_memory.md).
 #include <ddpkit/codecs/cast.h>
+#include <ddpkit/comm/gradient_arena.h>
 #include <ddpkit/comm/process_group.h>
 
 #include "process_group_internal.h"
@@ -91,6 +92,38 @@ at::Tensor ProcessGroup::allreduce_buffer(int64_t numel, at::ScalarType dtype) {
   }
   // The tensor owns the mappings: they outlive the group if the tensor does.
   return at::from_blob(buffer->base[shm_->domain->local_rank()], {numel}, [buffer](void*) {}, options);
+}
+
+std::shared_ptr<GradientArena> ProcessGroup::gradient_arena(const std::vector<int64_t>& block_bytes) {
+  if (!shm_ || shm_->across || block_bytes.empty()) return nullptr;
+  size_t capacity = 0, largest = 0;
+  std::vector<size_t> sizes;
+  for (int64_t b : block_bytes) {
+    DDPKIT_CHECK(b > 0, "gradient_arena: block sizes must be positive, got ", b);
+    const size_t rounded = (static_cast<size_t>(b) + 4095) / 4096 * 4096;
+    capacity += rounded;
+    largest = std::max(largest, rounded);
+    sizes.push_back(static_cast<size_t>(b));
+  }
+  capacity += largest;  // a transient gradient beside the kept ones (gradients accumulated in .grad)
+  std::lock_guard<std::mutex> lock(shm_->allocate_mutex);
+  const int64_t id = shm_->allocations++;
+  std::string why;
+  std::shared_ptr<shm::SharedBuffer> buffer;
+  try {
+    buffer = shm_->domain->allocate(*shm_->store, shm_->key + "/buffer", id, capacity, &why);
+  } catch (const std::exception&) {
+    throw CommError(describe_comm_failure("gradient_arena of " + std::to_string(capacity) + " bytes in shared memory",
+                                          rank_, world_size_, std::current_exception()));
+  }
+  if (!buffer) {
+    if (!shm_->warned)
+      std::cerr << "ddpkit: rank " << rank_ << ": gradients stay in private memory (" << why
+                << "); their allreduce copies them through the buckets\n";
+    shm_->warned = true;
+    return nullptr;
+  }
+  return std::make_shared<GradientArena>(buffer, buffer->base[shm_->domain->local_rank()], std::move(sizes));
 }
 
 bool ProcessGroup::sums_in_place(const at::Tensor& buffer) const {

@@ -81,6 +81,7 @@ DistributedDataParallelBase::DistributedDataParallelBase(std::shared_ptr<torch::
   ro.find_unused_parameters = options_.find_unused_parameters();
   ro.gradient_as_bucket_view = options_.gradient_as_bucket_view();
   ro.static_graph = options_.static_graph();
+  ro.gradients_in_shared_memory = options_.gradients_in_shared_memory();
   reducer_ = std::make_unique<Reducer>(params_, names_, expect_sparse, pg_, ro);
 }
 

@@ -1,6 +1,8 @@
 // GradBucket, bucket assignment and the Reducer: one translation unit, one subsystem.
 #include <ddpkit/reducer/reducer.h>
 
+#include <ddpkit/comm/gradient_arena.h>
+
 #include <c10/util/accumulate.h>
 
 #include <torch/csrc/autograd/engine.h>
@@ -175,6 +177,33 @@ Reducer::Reducer(std::vector<at::Tensor> params, std::vector<std::string> names,
 
 Reducer::~Reducer() {
   for (size_t i = 0; i < accumulators_.size(); ++i) accumulators_[i]->del_post_hook(hook_keys_[i]);
+  if (arena_) {
+    if (GradientArena::in_use() == arena_) GradientArena::use(nullptr);
+    arena_->retire();
+  }
+}
+
+void Reducer::make_arena(std::unique_lock<std::mutex>& lock) {
+  arena_considered_ = true;
+  if (!options_.gradients_in_shared_memory || options_.gradient_as_bucket_view || hook_) return;
+  // One block per parameter big enough to be worth it; small gradients go through the bucket.
+  std::vector<int64_t> sizes;
+  for (const Bucket& b : buckets_) {
+    if (!b.in_place) continue;
+    for (size_t v : b.vars) {
+      const int64_t bytes = params_[v].numel() * static_cast<int64_t>(params_[v].element_size());
+      if (bytes >= (64 << 10) && params_[v].is_contiguous()) sizes.push_back(bytes);
+    }
+  }
+  if (sizes.empty()) return;
+  lock.unlock();  // collective: do not hold the lock while waiting
+  std::shared_ptr<GradientArena> arena = pg_->gradient_arena(sizes);
+  lock.lock();
+  if (hook_ && arena) {
+    arena->retire();  // a hook arrived meanwhile
+    arena.reset();
+  }
+  arena_ = std::move(arena);
 }
 
 void Reducer::register_comm_hook(CommHook hook, std::string name) {
@@ -184,6 +213,10 @@ void Reducer::register_comm_hook(CommHook hook, std::string name) {
                "register_comm_hook may be called only once");
   DDPKIT_CHECK(!backward_started_, "register_comm_hook: cannot register during backward");
   hook_ = std::move(hook);
+  if (arena_) {  // a hook needs whole buckets: gradients are copied into them
+    arena_->retire();
+    arena_.reset();
+  }
   hook_name_ = name.empty() ? "user hook" : std::move(name);
 }
 
@@ -289,6 +322,8 @@ void Reducer::prepare_for_forward(int source_rank) {
   DDPKIT_CHECK(!backward_started_,
                "the previous backward pass did not finish its gradient reduction (an exception, or a backward "
                "that never reached the end); this DistributedDataParallel instance cannot continue");
+  if (GradientArena::in_use() == arena_ && arena_) GradientArena::use(nullptr);
+  if (!arena_considered_) make_arena(lock);
   if (!rebuild_pending_) return;
   // Agree on one order: the source rank's recorded gradient-ready order, completed with the
   // parameters it never saw in reverse registration order.
@@ -360,6 +395,7 @@ void Reducer::reset_iteration_state() {
   next_bucket_ = 0;
   used_map_future_.reset();
   backward_started_ = false;
+  if (arena_ && GradientArena::in_use() == arena_) GradientArena::use(nullptr);
 }
 
 void Reducer::prepare_for_backward(const std::vector<at::Tensor>& outputs) {
@@ -376,6 +412,7 @@ void Reducer::prepare_for_backward(const std::vector<at::Tensor>& outputs) {
     locally_used_.assign(params_.size(), true);
   }
   expect_hooks_ = true;
+  if (arena_ && !hook_) GradientArena::use(arena_);  // this backward's gradients are born there
 }
 
 void Reducer::autograd_hook(size_t var) {

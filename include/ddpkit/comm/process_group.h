@@ -34,6 +34,7 @@ namespace ddpkit {
 
 using FuturePtr = c10::intrusive_ptr<c10::ivalue::Future>;
 class JobThread;  // src/comm/job_thread.h
+class GradientArena;  // ddpkit/comm/gradient_arena.h
 
 // A future that will hold one tensor, placed on `device` (CUDA futures must name their device).
 FuturePtr make_tensor_future(c10::Device device = c10::kCPU);
@@ -149,6 +150,11 @@ class ProcessGroup {
   at::Tensor allreduce_buffer(int64_t numel, at::ScalarType dtype);
   // Whether an allreduce on `buffer` (from allreduce_buffer) sums in place in shared memory.
   bool sums_in_place(const at::Tensor& buffer) const;
+  // Memory for gradients of these sizes (bytes) that every local rank maps: see GradientArena.
+  // Room for one block of each size, plus one more of the largest. Collective over this host's
+  // ranks like allreduce_buffer; null where buffers do not sum in place, or (with one warning)
+  // when the memory cannot be reserved or shared.
+  std::shared_ptr<GradientArena> gradient_arena(const std::vector<int64_t>& block_bytes);
   // Allreduce of the concatenation of `parts` (dense, contiguous, of buffer's dtype and device,
   // their numel adding up to buffer's), with `buffer` from allreduce_buffer() as scratch: each
   // part ends up holding `scale` times the sum. Where sums_in_place(buffer), a rank copies into

@@ -34,6 +34,10 @@ struct DistributedDataParallelOptions {
   TORCH_ARG(bool, broadcast_buffers) = true;
   TORCH_ARG(bool, find_unused_parameters) = false;
   TORCH_ARG(bool, gradient_as_bucket_view) = false;
+  // On one host with shared memory and the built-in allreduce: gradients are born in memory the
+  // local ranks share, so their allreduce copies nothing (docs/shared_memory.md). Off: they are
+  // copied through the buckets.
+  TORCH_ARG(bool, gradients_in_shared_memory) = true;
   // The set of used parameters is the same every iteration: found once, then no per-iteration
   // search or used-map allreduce.
   TORCH_ARG(bool, static_graph) = false;

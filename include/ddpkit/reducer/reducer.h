@@ -27,6 +27,8 @@ struct ReducerOptions {
   bool find_unused_parameters = false;
   bool gradient_as_bucket_view = false;
   bool static_graph = false;
+  // Built-in allreduce in shared memory: autograd's gradients are born in a GradientArena.
+  bool gradients_in_shared_memory = true;
 };
 
 // Traffic of one bucket since the process group's stats were last reset.
@@ -154,6 +156,11 @@ class Reducer {
   std::vector<bool> globally_unused_;   // from the last used-map allreduce
   bool static_unused_known_ = false;
   std::vector<uint64_t> allreduce_bytes_;  // per bucket index
+  // Where the built-in allreduce reduces gradients in place: memory they are born in, which
+  // every local rank maps (made at the first forward; dropped when a hook is registered).
+  std::shared_ptr<GradientArena> arena_;
+  bool arena_considered_ = false;
+  void make_arena(std::unique_lock<std::mutex>& lock);  // collective over the host's ranks, at the first forward
 };
 
 }  // namespace ddpkit

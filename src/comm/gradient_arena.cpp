@@ -1,0 +1,157 @@
+// GradientArena and the forwarding CPU allocator that serves it (include/ddpkit/comm/gradient_arena.h).
+//
+// Blocks are handed out by exact size: DDP's gradients come back at the same sizes every
+// iteration, so a freed block is reused as is and nothing needs coalescing. A DataPtr's context
+// is its own address, as c10's default allocator does, so raw_allocate/raw_deleter keep working;
+// the deleter finds the arena by address in a small registry, which also keeps an arena alive
+// until its last block is freed.
+#include <ddpkit/comm/gradient_arena.h>
+
+#include <ddpkit/compat.h>
+
+#include "shm_domain.h"
+
+#include <c10/core/CPUAllocator.h>
+
+#include <algorithm>
+#include <numeric>
+
+namespace ddpkit {
+namespace {
+
+struct Registry {
+  std::mutex mutex;
+  std::vector<std::shared_ptr<GradientArena>> arenas;
+};
+
+Registry& registry() {
+  static Registry* r = new Registry();  // never destroyed: blocks may be freed during exit
+  return *r;
+}
+
+std::shared_ptr<GradientArena> arena_of(const void* p) {
+  Registry& r = registry();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  for (const auto& a : r.arenas)
+    if (a->contains(p)) return a;
+  return nullptr;
+}
+
+thread_local std::weak_ptr<GradientArena> current;
+
+c10::DeleterFnPtr next_raw_deleter = nullptr;
+
+void free_block(void* p) {
+  if (!p) return;
+  if (auto arena = arena_of(p)) return arena->give_back(p);
+  if (next_raw_deleter) next_raw_deleter(p);
+}
+
+struct ForwardingAllocator final : compat::CpuAllocatorBase {
+  c10::Allocator* next = nullptr;
+  c10::DataPtr allocate_bytes(size_t n) const {
+    if (n > 0) {
+      if (std::shared_ptr<GradientArena> arena = current.lock(); arena && arena->serves(n))
+        if (void* p = arena->take(n)) return {p, p, &free_block, c10::Device(c10::DeviceType::CPU)};
+    }
+    // The allocator we replaced (allocate is const in 1.13 and not in 2.x: call it through the base).
+    return static_cast<c10::Allocator*>(next)->allocate(n);
+  }
+  c10::DeleterFnPtr raw_deleter() const { return next_raw_deleter ? &free_block : nullptr; }
+};
+
+void install_forwarding_allocator() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    static ForwardingAllocator* forwarding = new ForwardingAllocator();
+    forwarding->next = c10::GetCPUAllocator();
+    next_raw_deleter = forwarding->next->raw_deleter();
+    c10::SetCPUAllocator(forwarding, /*priority=*/0);
+  });
+}
+
+}  // namespace
+
+GradientArena::GradientArena(std::shared_ptr<shm::SharedBuffer> buffer, uint8_t* own, std::vector<size_t> block_bytes)
+    : buffer_(std::move(buffer)), base_(own), capacity_(buffer_->bytes), sizes_(block_bytes.begin(), block_bytes.end()) {}
+
+GradientArena::~GradientArena() = default;
+
+void GradientArena::use(const std::shared_ptr<GradientArena>& arena) {
+  if (arena) {
+    install_forwarding_allocator();
+    Registry& r = registry();
+    std::lock_guard<std::mutex> lock(r.mutex);
+    if (std::find(r.arenas.begin(), r.arenas.end(), arena) == r.arenas.end()) r.arenas.push_back(arena);
+  }
+  current = arena;
+}
+
+std::shared_ptr<GradientArena> GradientArena::in_use() { return current.lock(); }
+
+bool GradientArena::contains(const void* p) const {
+  const auto* b = static_cast<const uint8_t*>(p);
+  return b >= base_ && b < base_ + capacity_;
+}
+
+size_t GradientArena::bytes_in_use() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  size_t total = 0;
+  for (const auto& [offset, size] : live_) total += size;
+  return total;
+}
+
+void* GradientArena::take(size_t n) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (retired_ || buffer_->poisoned.load()) return nullptr;
+  size_t offset;
+  auto it = free_.find(n);
+  if (it != free_.end() && !it->second.empty()) {
+    offset = it->second.back();
+    it->second.pop_back();
+  } else {
+    const size_t rounded = (n + kAlign - 1) / kAlign * kAlign;
+    if (top_ + rounded > capacity_) return nullptr;  // full: the caller's allocator takes it
+    offset = top_;
+    top_ += rounded;
+  }
+  live_[offset] = n;
+  return base_ + offset;
+}
+
+void GradientArena::give_back(void* p) {
+  bool last = false;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    const size_t offset = static_cast<size_t>(static_cast<uint8_t*>(p) - base_);
+    auto it = live_.find(offset);
+    if (it == live_.end()) return;
+    // After a failed collective a peer may still write here: such a block is never reused.
+    if (!buffer_->poisoned.load()) free_[it->second].push_back(offset);
+    live_.erase(it);
+    last = retired_ && live_.empty();
+  }
+  if (last) {
+    Registry& r = registry();
+    std::lock_guard<std::mutex> lock(r.mutex);
+    r.arenas.erase(std::remove_if(r.arenas.begin(), r.arenas.end(), [this](const auto& a) { return a.get() == this; }),
+                   r.arenas.end());
+  }
+}
+
+void GradientArena::retire() {
+  bool unused = false;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    retired_ = true;
+    unused = live_.empty();
+  }
+  if (unused) {
+    Registry& r = registry();
+    std::lock_guard<std::mutex> lock(r.mutex);
+    r.arenas.erase(std::remove_if(r.arenas.begin(), r.arenas.end(), [this](const auto& a) { return a.get() == this; }),
+                   r.arenas.end());
+  }
+}
+
+}  // namespace ddpkit
