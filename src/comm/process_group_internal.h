@@ -27,6 +27,12 @@ struct ProcessGroup::Shm {
   int64_t allocations = 0;  // numbers them alike on every local rank
   bool warned = false;
   JobThread thread;  // last: stopped (drained) first
+
+  // One allocation over this host's ranks (shm::Domain::allocate), numbered alike on every rank.
+  // Null when the memory cannot be reserved or shared, with one warning per group: "rank R:
+  // <instead> (<why>)". A peer that does not take part is a CommError naming `what`.
+  std::shared_ptr<shm::SharedBuffer> allocate(size_t bytes, const std::string& what, int rank, int world,
+                                              const std::string& instead);
 };
 
 namespace detail {

@@ -66,30 +66,35 @@ void ProcessGroup::setup_shared_memory(const c10::intrusive_ptr<c10d::Store>& gr
 bool ProcessGroup::uses_shared_memory() const { return shm_ != nullptr; }
 bool ProcessGroup::hierarchical() const { return shm_ && shm_->across; }
 
+std::shared_ptr<shm::SharedBuffer> ProcessGroup::Shm::allocate(size_t bytes, const std::string& what, int rank,
+                                                                int world, const std::string& instead) {
+  std::lock_guard<std::mutex> lock(allocate_mutex);
+  const int64_t id = allocations++;
+  std::string why;
+  std::shared_ptr<shm::SharedBuffer> buffer;
+  try {
+    buffer = domain->allocate(*store, key + "/buffer", id, bytes, &why);
+  } catch (const std::exception&) {
+    throw CommError(describe_comm_failure(what + " in shared memory", rank, world, std::current_exception()));
+  }
+  if (!buffer && !warned) {
+    std::cerr << "ddpkit: rank " << rank << ": " << instead << " (" << why << ")\n";
+    warned = true;
+  }
+  return buffer;
+}
+
 at::Tensor ProcessGroup::allreduce_buffer(int64_t numel, at::ScalarType dtype) {
   DDPKIT_CHECK(numel >= 0, "allreduce_buffer: numel must be >= 0, got ", numel);
   const auto options = at::TensorOptions().dtype(dtype).device(at::kCPU);
   // Summing in place needs every rank of the group in one domain (no hierarchical step).
   if (!shm_ || shm_->across || numel == 0) return at::zeros({numel}, options);
-  std::lock_guard<std::mutex> lock(shm_->allocate_mutex);
-  const int64_t id = shm_->allocations++;
-  std::string why;
-  std::shared_ptr<shm::SharedBuffer> buffer;
-  try {
-    buffer = shm_->domain->allocate(*shm_->store, shm_->key + "/buffer", id,
-                                    static_cast<size_t>(numel) * c10::elementSize(dtype), &why);
-  } catch (const std::exception&) {
-    throw CommError(describe_comm_failure("allreduce_buffer of " + std::to_string(numel) + " " + c10::toString(dtype) +
-                                              " elements in shared memory",
-                                          rank_, world_size_, std::current_exception()));
-  }
-  if (!buffer) {
-    if (!shm_->warned)
-      std::cerr << "ddpkit: rank " << rank_ << ": allreduce buffers stay in private memory (" << why
-                << "); allreduce still goes through shared memory, with one more copy each way\n";
-    shm_->warned = true;
-    return at::zeros({numel}, options);
-  }
+  std::shared_ptr<shm::SharedBuffer> buffer = shm_->allocate(
+      static_cast<size_t>(numel) * c10::elementSize(dtype),
+      "allreduce_buffer of " + std::to_string(numel) + " " + c10::toString(dtype) + " elements", rank_, world_size_,
+      "allreduce buffers stay in private memory; allreduce still goes through shared memory, with one more copy "
+      "each way");
+  if (!buffer) return at::zeros({numel}, options);
   // The tensor owns the mappings: they outlive the group if the tensor does.
   return at::from_blob(buffer->base[shm_->domain->local_rank()], {numel}, [buffer](void*) {}, options);
 }
@@ -106,23 +111,10 @@ std::shared_ptr<GradientArena> ProcessGroup::gradient_arena(const std::vector<in
     sizes.push_back(static_cast<size_t>(b));
   }
   capacity += largest;  // a transient gradient beside the kept ones (gradients accumulated in .grad)
-  std::lock_guard<std::mutex> lock(shm_->allocate_mutex);
-  const int64_t id = shm_->allocations++;
-  std::string why;
-  std::shared_ptr<shm::SharedBuffer> buffer;
-  try {
-    buffer = shm_->domain->allocate(*shm_->store, shm_->key + "/buffer", id, capacity, &why);
-  } catch (const std::exception&) {
-    throw CommError(describe_comm_failure("gradient_arena of " + std::to_string(capacity) + " bytes in shared memory",
-                                          rank_, world_size_, std::current_exception()));
-  }
-  if (!buffer) {
-    if (!shm_->warned)
-      std::cerr << "ddpkit: rank " << rank_ << ": gradients stay in private memory (" << why
-                << "); their allreduce copies them through the buckets\n";
-    shm_->warned = true;
-    return nullptr;
-  }
+  std::shared_ptr<shm::SharedBuffer> buffer =
+      shm_->allocate(capacity, "gradient_arena of " + std::to_string(capacity) + " bytes", rank_, world_size_,
+                     "gradients stay in private memory; their allreduce copies them through the buckets");
+  if (!buffer) return nullptr;
   return std::make_shared<GradientArena>(buffer, buffer->base[shm_->domain->local_rank()], std::move(sizes));
 }
 
