@@ -10,7 +10,10 @@
 
 #include <algorithm>
 #include <cstring>
+#include <iterator>
+#include <memory>
 #include <mutex>
+#include <vector>
 
 namespace ddpkit {
 namespace shm {
@@ -153,30 +156,30 @@ bool Domain::in_place_everywhere(uint32_t s) const {
   return true;
 }
 
-uint8_t* Domain::peer_element(int p, uint32_t s, const SharedBuffer& buffer, int64_t offset, int64_t i, int64_t elt,
-                              int64_t* run) {
+std::vector<PeerPart> Domain::map_peer_parts(int p, uint32_t s, int64_t elt,
+                                             std::vector<std::shared_ptr<SharedBuffer>>* held) {
   const RankControl* peer = Segment::control(base_, p);
   const int n = std::min<int>(kMaxSharedParts, std::max<int>(0, peer->said[s & 1].shared_parts));
-  const SharedPart* table = peer->parts[s & 1];
-  // The table is ascending in `at`: the last entry starting at or before i.
-  const SharedPart* e = std::upper_bound(table, table + n, i, [](int64_t x, const SharedPart& t) { return x < t.at; });
-  if (e != table && i < (e - 1)->at + (e - 1)->numel) {
-    const SharedPart& t = *(e - 1);
-    std::shared_ptr<SharedBuffer> b;
-    {
-      std::lock_guard<std::mutex> lock(buffers_mutex_);
+  std::vector<PeerPart> out;
+  int64_t bad = -1;  // the buffer of an entry this rank cannot map
+  {
+    std::lock_guard<std::mutex> lock(buffers_mutex_);
+    for (int k = 0; k < n && bad < 0; ++k) {
+      const SharedPart t = peer->parts[s & 1][k];
       auto it = buffers_by_id_.find(t.buffer);
-      if (it != buffers_by_id_.end()) b = it->second.lock();
+      std::shared_ptr<SharedBuffer> b = it == buffers_by_id_.end() ? nullptr : it->second.lock();
+      if (!b || t.offset < 0 || static_cast<size_t>(t.offset + t.numel * elt) > b->bytes) {
+        bad = t.buffer;
+        break;
+      }
+      out.push_back(PeerPart{t.at, t.numel, b->base[p] + t.offset});
+      held->push_back(std::move(b));
     }
-    const int64_t bytes = (t.at + t.numel - i) * elt;
-    if (!b || t.offset < 0 || static_cast<size_t>(t.offset + (i - t.at) * elt + bytes) > b->bytes)
-      fail("rank " + std::to_string(group_rank(p)) + " (on this host) named a part in shared buffer #" +
-           std::to_string(t.buffer) + " that this rank does not map, during shared-memory " + describe(call_));
-    *run = t.at + t.numel - i;
-    return b->base[p] + t.offset + (i - t.at) * elt;  // the mapping outlives the collective: the peer holds it
   }
-  *run = (e == table + n ? call_.size : e->at) - i;
-  return buffer.base[p] + offset + i * elt;
+  if (bad >= 0)
+    fail("rank " + std::to_string(group_rank(p)) + " (on this host) named a part in shared buffer #" +
+         std::to_string(bad) + " that this rank does not map, during shared-memory " + describe(call_));
+  return out;
 }
 
 // Every rank's data are in place in its own buffer (or, with `parts`, its own slice in its parts
@@ -195,6 +198,22 @@ void Domain::allreduce_in_place(const SharedBuffer& buffer, int64_t offset, int6
   const auto [lo, hi] = in_place_slice(numel, elt);
   // Chunks small enough that the copies out read the sum from cache.
   const int64_t chunk = std::max<int64_t>(align, std::min<int64_t>(options_.slot_bytes, 256 << 10) / elt);
+  // The parts peers listed, mapped once (and held for the collective): the sums take no lock.
+  std::vector<std::vector<PeerPart>> peer_parts(L);
+  std::vector<std::shared_ptr<SharedBuffer>> held;
+  for (int p = 0; p < L; ++p)
+    if (p != me) peer_parts[p] = map_peer_parts(p, s, elt, &held);
+  // Where peer p keeps element i: in a listed part, or its buffer; *run elements on alike.
+  auto where = [&](int p, int64_t i, int64_t* run) -> uint8_t* {
+    const std::vector<PeerPart>& t = peer_parts[p];  // ascending in `at`
+    auto e = std::upper_bound(t.begin(), t.end(), i, [](int64_t x, const PeerPart& q) { return x < q.at; });
+    if (e != t.begin() && i < std::prev(e)->at + std::prev(e)->numel) {
+      *run = std::prev(e)->at + std::prev(e)->numel - i;
+      return std::prev(e)->data + (i - std::prev(e)->at) * elt;
+    }
+    *run = (e == t.end() ? numel : e->at) - i;
+    return buffer.base[p] + offset + i * elt;
+  };
   const void* inputs[kMaxLocalRanks];
   uint8_t* theirs[kMaxLocalRanks];
   // Elements [from, to) of my slice, whose own copy is at `own`.
@@ -206,7 +225,7 @@ void Domain::allreduce_in_place(const SharedBuffer& buffer, int64_t offset, int6
       for (int p = 0; p < L; ++p) {
         if (p == me) continue;
         int64_t run = 0;
-        theirs[p] = peer_element(p, s, buffer, offset, i, elt, &run);
+        theirs[p] = where(p, i, &run);
         n = std::min(n, run);
         inputs[k++] = theirs[p];
       }

@@ -61,6 +61,13 @@ struct SharedPart {
 };
 constexpr int kMaxSharedParts = 512;  // per collective; further parts go through the buffer
 
+// A peer's listed part as this rank maps it.
+struct PeerPart {
+  int64_t at = 0;
+  int64_t numel = 0;
+  uint8_t* data = nullptr;
+};
+
 // Memory that every local rank allocated at once (Domain::allocate) and that each maps from
 // every peer, so an allreduce over it can sum in place instead of copying through the slots.
 // Unmapped when the last tensor over it is gone, which may be after the Domain.
@@ -171,9 +178,9 @@ class Domain {
   // allreduce_parts: my parts that lie in shared buffers (other than in their place in the call's
   // own), which peers read and write where they lie; the rest go through the call's buffer.
   std::vector<SharedPart> list_shared_parts(const std::vector<Part>& parts, int64_t elt, std::vector<bool>* listed);
-  // Where peer p keeps element i of this collective: in one of its listed parts, or its buffer.
-  uint8_t* peer_element(int p, uint32_t s, const SharedBuffer& buffer, int64_t offset, int64_t i, int64_t elt,
-                        int64_t* run);
+  // The parts peer p listed for step s, as this rank maps them (the buffers held in *held); a
+  // buffer this rank does not map fails the collective.
+  std::vector<PeerPart> map_peer_parts(int p, uint32_t s, int64_t elt, std::vector<std::shared_ptr<SharedBuffer>>* held);
   // After the first arrive of an allreduce at step s: did every rank announce the same buffer
   // and offset? Then each sums its slice in every rank's buffer, and the step ends.
   bool in_place_everywhere(uint32_t s) const;
