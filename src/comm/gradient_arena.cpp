@@ -37,6 +37,14 @@ std::shared_ptr<GradientArena> arena_of(const void* p) {
   return nullptr;
 }
 
+// A retired arena with no block left: the registry's reference was the last but its owner's.
+void unregister(const GradientArena* arena) {
+  Registry& r = registry();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  r.arenas.erase(std::remove_if(r.arenas.begin(), r.arenas.end(), [arena](const auto& a) { return a.get() == arena; }),
+                 r.arenas.end());
+}
+
 thread_local std::weak_ptr<GradientArena> current;
 
 c10::DeleterFnPtr next_raw_deleter = nullptr;
@@ -131,12 +139,7 @@ void GradientArena::give_back(void* p) {
     live_.erase(it);
     last = retired_ && live_.empty();
   }
-  if (last) {
-    Registry& r = registry();
-    std::lock_guard<std::mutex> lock(r.mutex);
-    r.arenas.erase(std::remove_if(r.arenas.begin(), r.arenas.end(), [this](const auto& a) { return a.get() == this; }),
-                   r.arenas.end());
-  }
+  if (last) unregister(this);
 }
 
 void GradientArena::retire() {
@@ -146,12 +149,7 @@ void GradientArena::retire() {
     retired_ = true;
     unused = live_.empty();
   }
-  if (unused) {
-    Registry& r = registry();
-    std::lock_guard<std::mutex> lock(r.mutex);
-    r.arenas.erase(std::remove_if(r.arenas.begin(), r.arenas.end(), [this](const auto& a) { return a.get() == this; }),
-                   r.arenas.end());
-  }
+  if (unused) unregister(this);
 }
 
 }  // namespace ddpkit

@@ -41,6 +41,12 @@ void copy_parts(const std::vector<Part>& parts, uint8_t* buffer, int64_t elt, in
   }
 }
 
+// Each rank sums one slice of `count` elements: count / L, rounded up to whole cache lines.
+int64_t slice_elements(int64_t count, int L, int64_t elt) {
+  const int64_t align = std::max<int64_t>(1, 64 / elt);
+  return ((count + L - 1) / L + align - 1) / align * align;
+}
+
 }  // namespace
 
 void Domain::allreduce(void* data, int64_t numel, c10::ScalarType dtype, double scale) {
@@ -62,10 +68,8 @@ void Domain::allreduce_parts(void* data, int64_t numel, c10::ScalarType dtype, d
 }
 
 std::pair<int64_t, int64_t> Domain::in_place_slice(int64_t numel, int64_t elt) const {
-  const int L = options_.local_size, me = options_.local_rank;
-  const int64_t align = std::max<int64_t>(1, 64 / elt);
-  const int64_t q = ((numel + L - 1) / L + align - 1) / align * align;
-  return {std::min(numel, me * q), std::min(numel, (me + 1) * q)};
+  const int64_t q = slice_elements(numel, options_.local_size, elt);
+  return {std::min(numel, options_.local_rank * q), std::min(numel, (options_.local_rank + 1) * q)};
 }
 
 std::vector<SharedPart> Domain::list_shared_parts(const std::vector<Part>& parts, int64_t elt,
@@ -117,7 +121,7 @@ void Domain::allreduce_impl(void* data, int64_t numel, c10::ScalarType dtype, do
   const void* inputs[kMaxLocalRanks];
   for (int64_t off = 0, first = 1; first || off < numel; first = 0) {
     const int64_t c = std::min(per_step, numel - off);
-    const int64_t q = ((c + L - 1) / L + align - 1) / align * align;  // slice: c / L, rounded up to `align`
+    const int64_t q = slice_elements(c, L, elt);
     auto len = [&](int j) { return std::max<int64_t>(0, std::min(c, (j + 1) * q) - j * q); };
     const uint32_t s = step_;
     claim(s, first);

@@ -463,34 +463,29 @@ void Reducer::mark_var_ready(size_t var, bool unused) {
     } else {
       bucket.buffer = sparse_zeros_like(param);
     }
-  } else if (reduces_gradients_in_place(bucket)) {
-    // The gradient is reduced where it lies (ProcessGroup::allreduce_parts); one that cannot be
-    // (another layout or dtype, or part of a graph) goes through its view as below.
-    if (bucket.parts.empty()) bucket.parts.resize(bucket.vars.size());
+  } else {
+    DDPKIT_CHECK(!has_grad || !grad.is_sparse(), "parameter '", names_[var],
+                 "' produced a sparse gradient; DistributedDataParallel detects sparse Embedding/EmbeddingBag "
+                 "modules, or pass expect_sparse_gradients");
     at::Tensor& view = bucket.views[slot];
-    if (!has_grad) {
-      view.zero_();
-      bucket.parts[slot] = view.view({-1});
-    } else {
-      DDPKIT_CHECK(!grad.is_sparse(), "parameter '", names_[var],
-                   "' produced a sparse gradient; DistributedDataParallel detects sparse Embedding/EmbeddingBag "
-                   "modules, or pass expect_sparse_gradients");
-      if (grad.is_contiguous() && grad.scalar_type() == view.scalar_type() && grad.device() == view.device() &&
-          grad.numel() == view.numel() && !grad.requires_grad()) {
+    if (reduces_gradients_in_place(bucket)) {
+      // The gradient is reduced where it lies (ProcessGroup::allreduce_parts); one that cannot be
+      // (another layout or dtype, or part of a graph), or none, goes through its view.
+      if (bucket.parts.empty()) bucket.parts.resize(bucket.vars.size());
+      if (has_grad && grad.is_contiguous() && grad.scalar_type() == view.scalar_type() &&
+          grad.device() == view.device() && grad.numel() == view.numel() && !grad.requires_grad()) {
         bucket.parts[slot] = grad.view({-1});
       } else {
-        view.copy_(grad);
+        if (has_grad) {
+          view.copy_(grad);
+        } else {
+          view.zero_();
+        }
         bucket.parts[slot] = view.view({-1});
       }
-    }
-  } else {
-    at::Tensor& view = bucket.views[slot];
-    if (!has_grad) {
+    } else if (!has_grad) {
       view.zero_();
     } else {
-      DDPKIT_CHECK(!grad.is_sparse(), "parameter '", names_[var],
-                   "' produced a sparse gradient; DistributedDataParallel detects sparse Embedding/EmbeddingBag "
-                   "modules, or pass expect_sparse_gradients");
       const bool is_view = grad.data_ptr() == view.data_ptr() && grad.strides() == view.strides();
       if (is_view) {
         if (!hook_) view.div_(divisor_);
