@@ -9,6 +9,7 @@
 #include <ddpkit/runtime/checkpoint.h>
 #include <ddpkit/runtime/runtime.h>
 #include <ddpkit/ddp/distributed_data_parallel.h>
+#include <ddpkit/fsdp/fully_sharded_data_parallel.h>
 #include <ddpkit/hooks/default_hooks.h>
 #include <ddpkit/hooks/fsdp_hooks.h>
 #include <ddpkit/hooks/optimizer_hook.h>

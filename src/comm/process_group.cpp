@@ -363,49 +363,77 @@ FuturePtr ProcessGroup::allgather(const std::vector<at::Tensor>& outputs, const 
   for (size_t k = 0; k < outputs.size(); ++k)
     DDPKIT_CHECK(outputs[k].numel() == input.numel() && outputs[k].scalar_type() == input.scalar_type(),
                  "allgather: output ", k, " is ", describe_tensor(outputs[k]), ", the input ", describe_tensor(input));
+  if (options_.backend() == "nccl") {
+    auto out_copy = outputs;
+    const uint64_t n = static_cast<uint64_t>(world_size_);
+    return issue("allgather (" + describe_tensor(input) + " per rank)", (n - 1) * bytes_of(input), input,
+                 [this, out_copy, input] {
+                   std::vector<std::vector<at::Tensor>> out{out_copy};
+                   std::vector<at::Tensor> in{input};
+                   c10d::AllgatherOptions o;
+                   o.timeout = options_.timeout();
+                   return backend_->allgather(out, in, o);
+                 });
+  }
+  // Gathered into pooled scratch, then copied out as local work once it lands.
+  const int64_t m = input.numel();
+  at::Tensor all = take_workspace(input.scalar_type(), m * world_size_);
+  return allgather_into_tensor(all, input)->then(
+      [this, outputs, all, m](c10::ivalue::Future& f) -> c10::IValue {
+        f.value();  // rethrows the collective's error
+        for (size_t k = 0; k < outputs.size(); ++k)
+          outputs[k].copy_(all.narrow(0, static_cast<int64_t>(k) * m, m).view(outputs[k].sizes()));
+        give_workspace(all);
+        return f.value();
+      },
+      c10::TensorType::get());
+}
+
+FuturePtr ProcessGroup::allgather_into_tensor(const at::Tensor& output, const at::Tensor& input) {
+  DDPKIT_CHECK(output.numel() == input.numel() * world_size_ && output.scalar_type() == input.scalar_type() &&
+                   output.device() == input.device(),
+               "allgather_into_tensor: output is ", describe_tensor(output), ", expected ", world_size_,
+               " x the input (", describe_tensor(input), ")");
+  DDPKIT_CHECK(output.is_contiguous(), "allgather_into_tensor: the output must be contiguous");
   const uint64_t n = static_cast<uint64_t>(world_size_);
+  const std::string what = "allgather (" + describe_tensor(input) + " per rank)";
+  if (world_size_ == 1) {
+    output.view({-1}).copy_(input.reshape({-1}));
+    return completed_future(output);
+  }
   if (shm_takes(input)) {
-    return shm_issue("allgather (" + describe_tensor(input) + " per rank)", (n - 1) * bytes_of(input), input,
-                     [this, outputs, input] {
-                       const at::Tensor in = input.contiguous();
-                       const int64_t m = in.numel();
-                       at::Tensor all = take_workspace(in.scalar_type(), m * world_size_);
-                       shm_->domain->allgather(in.data_ptr(), all.data_ptr(), bytes_of(in));
-                       for (int k = 0; k < world_size_; ++k) outputs[k].copy_(all.narrow(0, k * m, m).view(outputs[k].sizes()));
-                       give_workspace(all);
-                     });
+    return shm_issue(what, (n - 1) * bytes_of(input), output, [this, output, input] {
+      const at::Tensor in = input.contiguous();
+      shm_->domain->allgather(in.data_ptr(), output.data_ptr(), bytes_of(in));
+    });
   }
   if (options_.backend() == "gloo" && input.device().is_cpu() && !input.is_sparse()) {
     auto result = make_tensor_future(input.device());
-    post([this, outputs, input, result] { gloo_allgather(outputs, input, result); });
+    post([this, output, input, result] { gloo_allgather(output, input, result); });
     return result;
   }
-  auto out_copy = outputs;
-  return issue("allgather (" + describe_tensor(input) + " per rank)", (n - 1) * bytes_of(input), input,
-               [this, out_copy, input] {
-                 std::vector<std::vector<at::Tensor>> out{out_copy};
-                 std::vector<at::Tensor> in{input};
-                 c10d::AllgatherOptions o;
-                 o.timeout = options_.timeout();
-                 return backend_->allgather(out, in, o);
-               });
+  return issue(what, (n - 1) * bytes_of(input), output, [this, output, input] {
+    at::Tensor out = output, in = input.contiguous();
+    c10d::AllgatherOptions o;
+    o.timeout = options_.timeout();
+    return backend_->_allgather_base(out, in, o);
+  });
 }
 
-// Gloo allgather as one alltoall of the input replicated n times. Measured (bench/collective_bench,
-// docs/compat.md): at 100 MB gathered it takes half the time of Gloo's own allgather (list form,
-// and 2.6's _allgather_base) on libtorch 1.13 and 2.6, and it sends the same (n-1)/n of the
-// gathered bytes. Moved as bytes, so every dtype travels (Gloo has no bfloat16).
-void ProcessGroup::gloo_allgather(const std::vector<at::Tensor>& outputs, const at::Tensor& input,
-                                  const FuturePtr& result) {
+// Gloo allgather as one alltoall of the input replicated n times, received straight into the
+// output. Measured (bench/collective_bench, docs/compat.md): at 100 MB gathered it takes half the
+// time of Gloo's own allgather (list form, and 2.6's _allgather_base) on libtorch 1.13 and 2.6, and
+// it sends the same (n-1)/n of the gathered bytes. Moved as bytes, so every dtype travels (Gloo has
+// no bfloat16).
+void ProcessGroup::gloo_allgather(const at::Tensor& output, const at::Tensor& input, const FuturePtr& result) {
   const std::string what = "allgather (" + describe_tensor(input) + " per rank)";
   try {
     const int64_t n = world_size_, m = input.numel();
     const uint64_t bytes = bytes_of(input);
     at::Tensor send = take_workspace(input.scalar_type(), n * m);
-    at::Tensor recv = take_workspace(input.scalar_type(), n * m);
     send.view({n, m}).copy_(input.reshape({1, m}).expand({n, m}));
     count((n - 1) * bytes, (n - 1) * bytes);
-    at::Tensor send_bytes = send.view(at::kByte), recv_bytes = recv.view(at::kByte);
+    at::Tensor send_bytes = send.view(at::kByte), recv_bytes = output.view({-1}).view(at::kByte);
     std::vector<int64_t> equal;
     c10d::AllToAllOptions ao;
     ao.timeout = options_.timeout();
@@ -413,19 +441,8 @@ void ProcessGroup::gloo_allgather(const std::vector<at::Tensor>& outputs, const 
     const int rank = rank_, world = world_size_;
     work->getFuture()->addCallback([=](c10::ivalue::Future& f) {
       give_workspace(send);  // the send buffer had to outlive the transfer
-      if (f.hasError()) {
-        give_workspace(recv);
-        fail(result, what, rank, world, f.exception_ptr());
-        return;
-      }
-      try {
-        const at::Tensor rows = recv.view({n, m});
-        for (int64_t k = 0; k < n; ++k) outputs[k].copy_(rows[k].view(outputs[k].sizes()));
-        give_workspace(recv);
-        result->markCompleted(c10::IValue(input));
-      } catch (...) {
-        fail(result, what, rank, world, std::current_exception());
-      }
+      if (f.hasError()) return fail(result, what, rank, world, f.exception_ptr());
+      result->markCompleted(c10::IValue(output));
     });
   } catch (...) {
     fail(result, what, rank_, world_size_, std::current_exception());

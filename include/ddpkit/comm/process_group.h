@@ -173,6 +173,10 @@ class ProcessGroup {
   // outputs[r] receives rank r's input; all shapes equal. On Gloo (CPU): one alltoall of the
   // replicated input, which outran Gloo's allgather at 100 MB in 1.13 and 2.6 (docs/compat.md).
   FuturePtr allgather(const std::vector<at::Tensor>& outputs, const at::Tensor& input);
+  // The same into one contiguous tensor (torch's all_gather_into_tensor): block r of `output`
+  // (world size x input's elements) receives rank r's input, with no copy through scratch where
+  // ranks share memory or Gloo receives it. The future's value is `output`.
+  FuturePtr allgather_into_tensor(const at::Tensor& output, const at::Tensor& input);
   // Equal split along dim 0: chunk r of input goes to rank r; chunk r of output comes from rank r.
   FuturePtr alltoall(const at::Tensor& output, const at::Tensor& input);
   // SUM reduce-scatter: output (input.numel() / size() elements) receives chunk rank() of the
@@ -221,7 +225,7 @@ class ProcessGroup {
   void check_two_phase(const TwoPhaseJob& job, const std::string& what) const;
   void run_two_phase(const std::shared_ptr<TwoPhaseJob>& job, const at::Tensor& value, const std::string& what,
                      const FuturePtr& result);
-  void gloo_allgather(const std::vector<at::Tensor>& outputs, const at::Tensor& input, const FuturePtr& result);
+  void gloo_allgather(const at::Tensor& output, const at::Tensor& input, const FuturePtr& result);
   // Shared memory (src/comm/shm_domain.h): set up at construction, run on the group's shm thread.
   struct Shm;
   void setup_shared_memory(const c10::intrusive_ptr<c10d::Store>& store);

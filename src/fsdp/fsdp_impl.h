@@ -1,0 +1,149 @@
+// FullyShardedDataParallel's machinery (internal). One FlatUnit per unit: its parameters laid out
+// flat, this rank's fp32 shard, and the gathered buffer the module's parameters point into while
+// the unit computes. docs/fsdp.md describes the memory timeline and the order of collectives.
+#pragma once
+
+#include <ddpkit/fsdp/fully_sharded_data_parallel.h>
+
+#include <torch/csrc/autograd/function.h>
+
+#include <map>
+#include <memory>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+namespace ddpkit {
+namespace detail {
+
+// One parameter of a unit: the module's own tensor (a leaf whose data FSDP swaps) and its place in
+// the unit's flat layout.
+struct FlatParam {
+  at::Tensor param;
+  std::vector<std::string> names;  // full names; more than one when a module ties it twice
+  std::vector<int64_t> shape;
+  int64_t offset = 0;
+  int64_t numel = 0;
+  std::shared_ptr<torch::autograd::Node> accumulator;  // autograd holds it weakly: we keep it
+  bool grad_in = false;  // this backward: its gradient was copied into the unit's flat gradient
+};
+
+struct FlatUnit {
+  enum class State { kSharded, kGathering, kGathered };
+
+  int index = 0;
+  std::string name;                          // module path; "" for the root unit
+  const torch::nn::Module* module = nullptr; // null for the root unit
+  std::vector<FlatParam> params;
+  bool trainable = true;
+  int64_t numel = 0;        // without padding
+  int64_t shard_numel = 0;  // S: padded numel = S * shard world
+  at::Tensor shard;         // fp32 leaf [S], this rank's elements: what the optimizer steps
+  // [S * shard world] in the compute dtype. Its storage is resized to 0 bytes while sharded, and
+  // refilled in place: tensors autograd saved from the parameters' views stay valid.
+  at::Tensor full;
+  bool aliases_shard = false;  // kNoShard in fp32: the parameters are views of the shard itself
+  State state = State::kSharded;
+  FuturePtr gather;         // in flight
+  at::Tensor gather_input;  // the low-precision copy of the shard being gathered
+
+  // This backward.
+  int grads_in = 0;
+  int trainable_params = 0;
+  bool reduce_launched = false;
+  bool used_in_backward = false;
+  at::Tensor grad_flat;  // padded, reduce dtype
+  at::Tensor grad_out;   // [S], reduce dtype
+  FuturePtr reduce;
+};
+
+class FsdpImpl {
+ public:
+  FsdpImpl(std::shared_ptr<torch::nn::Module> module, std::shared_ptr<ProcessGroup> pg,
+           FullyShardedDataParallelOptions options);
+  ~FsdpImpl();
+
+  // ---- forward (training thread) ----
+  void root_pre_forward();
+  void root_post_forward(const std::vector<at::Tensor>& outputs);
+  std::string describe_forward_failure(const std::string& what);
+  int unit_of(const torch::nn::Module& module) const;  // -1: not a unit of this instance
+  at::Tensor cast_input(const at::Tensor& t) const;     // to the compute dtype under mixed precision
+  void unit_pre_forward(int unit);
+  void unit_post_forward(int unit, const std::vector<at::Tensor>& outputs);
+  void unit_forward_aborted(int unit);
+
+  // ---- backward (autograd thread, which is the training thread on CPU) ----
+  void unit_pre_backward(int unit);
+  void param_grad_ready(int unit, int param);
+  void finish_backward();
+
+  // ---- state (between steps) ----
+  at::Tensor gather_full_fp32(FlatUnit& u, const at::Tensor& shard_like);  // [numel] on every rank
+  at::Tensor shard_of_full(const FlatUnit& u, const at::Tensor& full_flat) const;  // [S] slice, padded with 0
+
+  std::shared_ptr<torch::nn::Module> module;
+  std::shared_ptr<ProcessGroup> pg;             // the whole group
+  std::shared_ptr<ProcessGroup> shard_pg;       // units are sharded over it (hybrid: this host)
+  std::shared_ptr<ProcessGroup> replicate_pg;   // hybrid only: shards averaged across it
+  FullyShardedDataParallelOptions options;
+  int shard_world = 1, shard_rank = 0;  // kNoShard: 1, 0
+  at::ScalarType compute_dtype = at::kFloat, reduce_dtype = at::kFloat;
+  std::vector<FlatUnit> units;  // [0]: the root unit
+  std::vector<FsdpUnitInfo> infos;
+  std::unordered_map<const torch::nn::Module*, int> unit_by_module;
+  std::vector<std::pair<std::string, at::ScalarType>> buffer_dtypes;  // original dtype of cast buffers
+
+  FsdpCommHook hook;
+  bool hook_takes_output = true;
+  std::string hook_name;
+  std::unique_ptr<fsdp::DefaultState> default_state;
+
+  bool require_sync = true;
+  bool in_forward = false;
+  int64_t iteration = 0;            // forwards begun
+  std::vector<int> forward_order;   // unit indices as first called, recorded in iteration 0
+  std::vector<int> order_this_iteration;
+  std::vector<int> position_in_order;  // unit -> first position in forward_order (-1: never)
+  bool backward_queued = false;
+  std::shared_ptr<int> alive = std::make_shared<int>(0);  // hooks hold it weakly
+  int gathered_units = 0;  // gathered or gathering, root and aliases excluded
+  int max_gathered = 0;
+
+ private:
+  void build_units();
+  void check_same_units_on_every_rank();
+  void shard_parameters();
+  void make_groups();
+  void wrap_sequential_children();
+  void unwrap_sequential_children();
+
+  void start_gather(FlatUnit& u);
+  void wait_gather(FlatUnit& u);
+  void gather_now(FlatUnit& u);
+  void prefetch(int unit);
+  void point_params_at_full(FlatUnit& u);
+  void reshard(FlatUnit& u);
+  bool frees_after_forward(const FlatUnit& u) const;
+  void register_pre_backward(int unit, const std::vector<at::Tensor>& outputs);
+  void queue_finish_backward();
+  void launch_reduce(FlatUnit& u);
+  void check_forward_order();
+  std::string failure_context() const;
+  int failed_in_unit_ = -1;
+  std::string failed_context_;
+
+  // Sequential entries replaced by unit wrappers: restored at destruction.
+  struct Wrapped {
+    std::shared_ptr<torch::nn::Module> sequential;
+    size_t position;
+    std::shared_ptr<void> original;  // torch::nn::AnyModule
+  };
+  std::vector<Wrapped> wrapped_;
+};
+
+// Resizes the storage of `t` to `bytes` (0 frees it) in place, keeping every view of it valid.
+void resize_storage(const at::Tensor& t, size_t bytes);
+
+}  // namespace detail
+}  // namespace ddpkit

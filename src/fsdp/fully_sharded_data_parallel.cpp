@@ -1,0 +1,824 @@
+// FullyShardedDataParallel: units, sharding, and the forward/backward schedule. State dicts, norm
+// clipping and optimizer state are in fsdp_state.cpp.
+#include "fsdp_impl.h"
+
+#include <ddpkit/compat.h>
+
+#include <ATen/native/Resize.h>
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/variable.h>
+#include <torch/nn/modules/container/any.h>
+#include <torch/nn/modules/container/modulelist.h>
+#include <torch/nn/modules/container/sequential.h>
+
+#include <algorithm>
+#include <functional>
+#include <mutex>
+#include <set>
+#include <sstream>
+
+namespace ddpkit {
+
+ShardingStrategy parse_sharding_strategy(const std::string& name) {
+  if (name == "full_shard") return ShardingStrategy::kFullShard;
+  if (name == "shard_grad_op") return ShardingStrategy::kShardGradOp;
+  if (name == "no_shard") return ShardingStrategy::kNoShard;
+  if (name == "hybrid_shard") return ShardingStrategy::kHybridShard;
+  DDPKIT_CHECK(false, "sharding strategy must be full_shard, shard_grad_op, no_shard or hybrid_shard, got '", name, "'");
+}
+
+std::string to_string(ShardingStrategy s) {
+  switch (s) {
+    case ShardingStrategy::kFullShard: return "full_shard";
+    case ShardingStrategy::kShardGradOp: return "shard_grad_op";
+    case ShardingStrategy::kNoShard: return "no_shard";
+    case ShardingStrategy::kHybridShard: return "hybrid_shard";
+  }
+  return "?";
+}
+
+AutoWrapPolicy size_based_auto_wrap_policy(int64_t min_num_params) {
+  DDPKIT_CHECK(min_num_params >= 1, "size_based_auto_wrap_policy: min_num_params must be positive, got ", min_num_params);
+  return [min_num_params](const torch::nn::Module&, const std::string&, int64_t unwrapped) {
+    return unwrapped >= min_num_params;
+  };
+}
+
+namespace detail {
+
+void resize_storage(const at::Tensor& t, size_t bytes) {
+  at::native::resize_bytes_cpu(t.storage().unsafeGetStorageImpl(), bytes);
+}
+
+namespace {
+
+thread_local FsdpImpl* t_active = nullptr;  // the instance whose forward runs on this thread
+
+// Every unit module of every live instance, for a named error when one runs outside its FSDP.
+std::mutex& registry_mutex() {
+  static std::mutex m;
+  return m;
+}
+std::unordered_map<const torch::nn::Module*, std::string>& registry() {
+  static std::unordered_map<const torch::nn::Module*, std::string> r;
+  return r;
+}
+
+std::string unit_label(const FlatUnit& u) { return u.name.empty() ? std::string("(root)") : "'" + u.name + "'"; }
+
+bool is_container(const torch::nn::Module& m) {
+  return dynamic_cast<const torch::nn::SequentialImpl*>(&m) || dynamic_cast<const torch::nn::ModuleListImpl*>(&m);
+}
+
+std::string join(const std::string& prefix, const std::string& name) {
+  return prefix.empty() ? name : prefix + "." + name;
+}
+
+int64_t element_size(at::ScalarType t) { return static_cast<int64_t>(c10::elementSize(t)); }
+
+// A Sequential child that is a unit: runs it inside its unit's scope.
+struct UnitCallImpl : torch::nn::Module {
+  explicit UnitCallImpl(torch::nn::AnyModule wrapped) : wrapped(std::move(wrapped)) {}
+  at::Tensor forward(at::Tensor x) {
+    fsdp::UnitScope scope(*wrapped.ptr());
+    at::Tensor out = wrapped.forward<at::Tensor>(scope.cast(x));
+    if (scope.active()) scope.finish({out});
+    return out;
+  }
+  torch::nn::AnyModule wrapped;
+};
+
+}  // namespace
+
+FsdpImpl::FsdpImpl(std::shared_ptr<torch::nn::Module> module_in, std::shared_ptr<ProcessGroup> pg_in,
+                   FullyShardedDataParallelOptions options_in)
+    : module(std::move(module_in)), pg(std::move(pg_in)), options(std::move(options_in)) {
+  DDPKIT_CHECK(module, "FullyShardedDataParallel: the module is null");
+  DDPKIT_CHECK(pg, "FullyShardedDataParallel: the process group is null");
+  const MixedPrecision& mp = options.mixed_precision();
+  compute_dtype = mp.param_dtype().value_or(at::kFloat);
+  reduce_dtype = mp.reduce_dtype().value_or(compute_dtype);
+  for (auto t : {compute_dtype, reduce_dtype})
+    DDPKIT_CHECK(at::isFloatingType(t), "FullyShardedDataParallel: mixed precision dtypes must be floating point, got ", t);
+  make_groups();
+  build_units();
+  check_same_units_on_every_rank();
+  shard_parameters();
+  wrap_sequential_children();
+  std::lock_guard<std::mutex> lock(registry_mutex());
+  for (const auto& u : units)
+    if (u.module) registry()[u.module] = u.name;
+}
+
+FsdpImpl::~FsdpImpl() {
+  {
+    std::lock_guard<std::mutex> lock(registry_mutex());
+    for (const auto& u : units)
+      if (u.module) registry().erase(u.module);
+  }
+  for (auto& u : units) {
+    if (u.gather) {
+      try {
+        u.gather->wait();  // its buffers must outlive the collective
+      } catch (...) {
+      }
+    }
+    if (u.reduce) {
+      try {
+        u.reduce->wait();
+      } catch (...) {
+      }
+    }
+  }
+  unwrap_sequential_children();
+  if (t_active == this) t_active = nullptr;
+}
+
+void FsdpImpl::make_groups() {
+  const ShardingStrategy s = options.sharding_strategy();
+  shard_pg = pg;
+  if (s == ShardingStrategy::kHybridShard) {
+    if (options.shard_group() || options.replicate_group()) {
+      DDPKIT_CHECK(options.shard_group() && options.replicate_group(),
+                   "FullyShardedDataParallel: kHybridShard needs both shard_group and replicate_group, or neither");
+      shard_pg = options.shard_group();
+      replicate_pg = options.replicate_group();
+      DDPKIT_CHECK(shard_pg->size() * replicate_pg->size() == pg->size(),
+                   "FullyShardedDataParallel: shard group (", shard_pg->size(), " ranks) x replicate group (",
+                   replicate_pg->size(), " ranks) must cover the ", pg->size(), " ranks of the process group");
+    } else {
+      // Shard over this host's ranks (shared memory), replicate over the same local rank on every host.
+      const HostTopology& topo = pg->topology();
+      const int local = topo.local_size();
+      for (const auto& h : topo.ranks_of_host)
+        DDPKIT_CHECK(static_cast<int>(h.size()) == local, "FullyShardedDataParallel: kHybridShard needs the same "
+                     "number of ranks on every host; host sizes differ (", h.size(), " vs ", local,
+                     "): pass shard_group and replicate_group");
+      ProcessGroupOptions o = pg->options();
+      ProcessGroupOptions within = o, across = o;
+      within.group_name(o.group_name() + "/fsdp-shard-host" + std::to_string(topo.host()));
+      across.group_name(o.group_name() + "/fsdp-replicate-" + std::to_string(topo.local_rank())).shared_memory(false);
+      shard_pg = std::make_shared<ProcessGroup>(pg->store(), topo.local_rank(), local, within);
+      replicate_pg = std::make_shared<ProcessGroup>(pg->store(), topo.host(), topo.hosts(), across);
+    }
+  }
+  if (s == ShardingStrategy::kNoShard) {
+    shard_world = 1;
+    shard_rank = 0;
+  } else {
+    shard_world = shard_pg->size();
+    shard_rank = shard_pg->rank();
+  }
+  default_state = std::make_unique<fsdp::DefaultState>(s == ShardingStrategy::kNoShard ? pg : shard_pg);
+}
+
+// Units: the policy over container children, post-order (a unit's count excludes units inside it),
+// plus the modules named in unit_modules. Each parameter belongs to the nearest unit above it.
+void FsdpImpl::build_units() {
+  std::set<const torch::nn::Module*> explicit_units;
+  for (const auto& m : options.unit_modules()) {
+    DDPKIT_CHECK(m, "FullyShardedDataParallel: unit_modules holds a null module");
+    explicit_units.insert(m.get());
+  }
+  std::set<const torch::nn::Module*> chosen;
+  std::set<const torch::nn::Module*> found_explicit;
+  // Returns the parameters under `m` that are in no unit under it (counted once per tensor).
+  std::function<int64_t(const torch::nn::Module&, const std::string&, bool)> choose =
+      [&](const torch::nn::Module& m, const std::string& path, bool container_child) -> int64_t {
+    int64_t count = 0;
+    for (const auto& p : m.named_parameters(/*recurse=*/false)) count += p.value().numel();
+    for (const auto& c : m.named_children()) count += choose(*c.value(), join(path, c.key()), is_container(m));
+    if (&m == module.get()) return count;
+    const bool by_policy = container_child && options.auto_wrap_policy() && options.auto_wrap_policy()(m, path, count);
+    if (explicit_units.count(&m)) found_explicit.insert(&m);
+    if (by_policy || explicit_units.count(&m)) {
+      chosen.insert(&m);
+      return 0;
+    }
+    return count;
+  };
+  choose(*module, "", false);
+  DDPKIT_CHECK(found_explicit.size() == explicit_units.size(),
+               "FullyShardedDataParallel: ", explicit_units.size() - found_explicit.size(),
+               " of unit_modules are not submodules of the wrapped module");
+
+  units.clear();
+  units.emplace_back();  // root
+  std::unordered_map<const at::TensorImpl*, std::pair<int, size_t>> seen;  // tensor -> unit, param
+  std::function<void(const torch::nn::Module&, const std::string&, int)> assign =
+      [&](const torch::nn::Module& m, const std::string& path, int unit) {
+        if (chosen.count(&m)) {
+          FlatUnit u;
+          u.index = static_cast<int>(units.size());
+          u.name = path;
+          u.module = &m;
+          DDPKIT_CHECK(!unit_by_module.count(&m), "FullyShardedDataParallel: module '", path,
+                       "' appears twice in the module tree: a unit must have one place");
+          unit_by_module[&m] = u.index;
+          units.push_back(std::move(u));
+          unit = static_cast<int>(units.size()) - 1;
+        }
+        for (const auto& p : m.named_parameters(/*recurse=*/false)) {
+          const std::string full_name = join(path, p.key());
+          const at::TensorImpl* key = p.value().unsafeGetTensorImpl();
+          auto it = seen.find(key);
+          if (it != seen.end()) {
+            FlatUnit& owner = units[it->second.first];
+            DDPKIT_CHECK(it->second.first == unit, "FullyShardedDataParallel: parameter '", full_name, "' (also '",
+                         owner.params[it->second.second].names.front(), "') is shared by units ", unit_label(owner),
+                         " and ", unit_label(units[unit]), ": put the modules that share it in one unit");
+            owner.params[it->second.second].names.push_back(full_name);
+            continue;
+          }
+          FlatParam fp;
+          fp.param = p.value();
+          fp.names.push_back(full_name);
+          fp.shape = p.value().sizes().vec();
+          fp.numel = p.value().numel();
+          DDPKIT_CHECK(p.value().device().is_cpu() && p.value().layout() == at::kStrided &&
+                           at::isFloatingType(p.value().scalar_type()),
+                       "FullyShardedDataParallel: parameter '", full_name, "' is ", p.value().scalar_type(), " on ",
+                       p.value().device(), ": dense floating-point CPU parameters only");
+          seen[key] = {unit, units[unit].params.size()};
+          units[unit].params.push_back(std::move(fp));
+        }
+        for (const auto& c : m.named_children()) assign(*c.value(), join(path, c.key()), unit);
+      };
+  assign(*module, "", 0);
+
+  for (auto& u : units) {
+    int64_t offset = 0;
+    int requires = 0;
+    for (auto& fp : u.params) {
+      fp.offset = offset;
+      offset += fp.numel;
+      requires += fp.param.requires_grad() ? 1 : 0;
+    }
+    DDPKIT_CHECK(requires == 0 || requires == static_cast<int>(u.params.size()), "FullyShardedDataParallel: unit ",
+                 unit_label(u), " mixes frozen and trainable parameters (", requires, " of ", u.params.size(),
+                 " train): make the frozen ones a unit of their own");
+    u.trainable = requires > 0;
+    u.trainable_params = requires;
+    u.numel = offset;
+    u.shard_numel = shard_world == 1 ? offset : (offset + shard_world - 1) / shard_world;
+    FsdpUnitInfo info;
+    info.name = u.name;
+    for (const auto& fp : u.params) info.parameters.push_back(fp.names.front());
+    info.numel = u.numel;
+    info.shard_numel = u.shard_numel;
+    infos.push_back(std::move(info));
+  }
+  position_in_order.assign(units.size(), -1);
+}
+
+// Every rank must have the same units over the same parameters: a 64-bit digest of the layout,
+// the unit count and the parameter count are compared across the group.
+void FsdpImpl::check_same_units_on_every_rank() {
+  if (pg->size() == 1) return;
+  uint64_t digest = 1469598103934665603ull;
+  auto mix = [&](const std::string& s) {
+    for (unsigned char c : s) digest = (digest ^ c) * 1099511628211ull;
+    digest = (digest ^ 0xff) * 1099511628211ull;
+  };
+  int64_t total = 0;
+  for (const auto& u : units) {
+    mix(u.name);
+    for (const auto& fp : u.params) {
+      mix(fp.names.front());
+      mix(std::to_string(fp.numel));
+    }
+    total += u.numel;
+  }
+  at::Tensor mine = at::tensor({static_cast<int64_t>(digest >> 1), static_cast<int64_t>(units.size()), total}, at::kLong);
+  at::Tensor all = at::empty({pg->size() * 3}, at::kLong);
+  ProcessGroup::wait(pg->allgather_into_tensor(all, mine));
+  auto rows = all.view({pg->size(), 3});
+  for (int r = 0; r < pg->size(); ++r) {
+    DDPKIT_CHECK(rows[r].equal(mine), "FullyShardedDataParallel: units differ across ranks: rank ", pg->rank(), " has ",
+                 units.size(), " units over ", total, " parameters, rank ", r, " has ", rows[r][1].item<int64_t>(),
+                 " over ", rows[r][2].item<int64_t>(),
+                 " (or the same counts with other names or shapes): build the same model and options on every rank");
+  }
+}
+
+// Flattens each unit (rank 0's values when sync_module_states), keeps this rank's shard, and
+// turns the module's parameters into empty placeholders of the compute dtype.
+void FsdpImpl::shard_parameters() {
+  torch::NoGradGuard no_grad;
+  const bool sync = options.sync_module_states() && pg->size() > 1;
+  for (auto& u : units) {
+    at::Tensor flat = at::zeros({u.shard_numel * shard_world}, at::kFloat);
+    for (const auto& fp : u.params) flat.narrow(0, fp.offset, fp.numel).copy_(fp.param.detach().reshape({-1}));
+    if (sync && u.numel > 0) ProcessGroup::wait(pg->broadcast(flat, 0));
+    u.shard = flat.narrow(0, shard_rank * u.shard_numel, u.shard_numel).clone();
+    u.shard.set_requires_grad(u.trainable);
+    flat = at::Tensor();
+    // Without sharding in fp32, or with nothing to gather, the parameters are views of the shard.
+    u.aliases_shard = (shard_world == 1 && compute_dtype == at::kFloat) || u.numel == 0;
+    if (u.aliases_shard) {
+      u.full = u.shard.detach();
+    } else {
+      u.full = at::empty({u.shard_numel * shard_world}, compute_dtype);
+      resize_storage(u.full, 0);
+    }
+    for (size_t i = 0; i < u.params.size(); ++i) {
+      FlatParam& fp = u.params[i];
+      // The accumulator records the parameter's shape and dtype when made: make it as the
+      // parameter will be in backward, and keep it (autograd holds it weakly).
+      fp.param.set_data(at::empty(fp.shape, compute_dtype));
+      if (u.trainable) {
+        fp.accumulator = torch::autograd::impl::grad_accumulator(fp.param);
+        const int unit = u.index, param = static_cast<int>(i);
+        std::weak_ptr<int> token = alive;
+        fp.accumulator->add_post_hook(std::make_unique<compat::LambdaPostHook>([this, unit, param, token] {
+          if (token.lock()) param_grad_ready(unit, param);
+        }));
+      }
+      fp.param.mutable_grad() = at::Tensor();
+    }
+    if (u.aliases_shard) {
+      u.state = FlatUnit::State::kGathered;
+      point_params_at_full(u);
+    } else {
+      for (auto& fp : u.params) fp.param.set_data(at::empty({0}, compute_dtype));
+    }
+  }
+  // Buffers: rank 0's, in buffer_dtype while training.
+  for (auto& b : module->named_buffers(/*recurse=*/true)) {
+    at::Tensor t = b.value();
+    if (!t.defined()) continue;
+    if (sync) ProcessGroup::wait(pg->broadcast(t, 0));
+    const auto bd = options.mixed_precision().buffer_dtype();
+    if (bd && at::isFloatingType(t.scalar_type()) && t.scalar_type() != *bd) {
+      buffer_dtypes.emplace_back(b.key(), t.scalar_type());
+      t.set_data(t.detach().to(*bd));
+    }
+  }
+}
+
+void FsdpImpl::wrap_sequential_children() {
+  std::function<void(torch::nn::Module&)> visit = [&](torch::nn::Module& m) {
+    for (auto& child : m.children()) visit(*child);
+    auto* seq = dynamic_cast<torch::nn::SequentialImpl*>(&m);
+    if (!seq) return;
+    size_t pos = 0;
+    for (auto it = seq->begin(); it != seq->end(); ++it, ++pos) {
+      if (!unit_by_module.count(it->ptr().get())) continue;
+      auto original = std::make_shared<torch::nn::AnyModule>(*it);
+      *it = torch::nn::AnyModule(std::make_shared<UnitCallImpl>(*original));
+      wrapped_.push_back({seq->shared_from_this(), pos, original});
+    }
+  };
+  visit(*module);
+}
+
+void FsdpImpl::unwrap_sequential_children() {
+  for (auto& w : wrapped_) {
+    auto* seq = dynamic_cast<torch::nn::SequentialImpl*>(w.sequential.get());
+    auto it = seq->begin() + static_cast<std::ptrdiff_t>(w.position);
+    *it = *std::static_pointer_cast<torch::nn::AnyModule>(w.original);
+  }
+  wrapped_.clear();
+}
+
+at::Tensor FsdpImpl::cast_input(const at::Tensor& t) const {
+  if (t.defined() && options.mixed_precision().param_dtype() && at::isFloatingType(t.scalar_type()) &&
+      t.scalar_type() != compute_dtype)
+    return t.to(compute_dtype);
+  return t;
+}
+
+int FsdpImpl::unit_of(const torch::nn::Module& m) const {
+  auto it = unit_by_module.find(&m);
+  return it == unit_by_module.end() ? -1 : it->second;
+}
+
+bool FsdpImpl::frees_after_forward(const FlatUnit& u) const {
+  if (u.aliases_shard) return false;
+  if (!at::GradMode::is_enabled()) return true;  // no backward will need it
+  if (u.index == 0) return false;                // the root is needed first in backward
+  const ShardingStrategy s = options.sharding_strategy();
+  return s == ShardingStrategy::kFullShard || s == ShardingStrategy::kHybridShard;
+}
+
+// ---- gathering ----
+
+void FsdpImpl::start_gather(FlatUnit& u) {
+  if (u.state != FlatUnit::State::kSharded) return;
+  torch::NoGradGuard no_grad;
+  resize_storage(u.full, static_cast<size_t>(u.shard_numel * shard_world * element_size(compute_dtype)));
+  if (u.index != 0) max_gathered = std::max(max_gathered, ++gathered_units);
+  at::Tensor input = u.shard.detach();
+  if (compute_dtype != at::kFloat) input = input.to(compute_dtype);
+  if (shard_world == 1) {
+    u.full.copy_(input);
+    u.state = FlatUnit::State::kGathered;
+    point_params_at_full(u);
+    return;
+  }
+  u.gather_input = input;
+  u.gather = shard_pg->allgather_into_tensor(u.full, input);
+  u.state = FlatUnit::State::kGathering;
+}
+
+void FsdpImpl::wait_gather(FlatUnit& u) {
+  if (u.state != FlatUnit::State::kGathering) return;
+  FuturePtr f = std::move(u.gather);
+  u.gather.reset();
+  u.gather_input = at::Tensor();
+  u.state = FlatUnit::State::kGathered;  // even on error: reshard must free the memory
+  ProcessGroup::wait(f);
+  point_params_at_full(u);
+}
+
+void FsdpImpl::gather_now(FlatUnit& u) {
+  start_gather(u);
+  wait_gather(u);
+}
+
+void FsdpImpl::point_params_at_full(FlatUnit& u) {
+  for (auto& fp : u.params) fp.param.set_data(u.full.narrow(0, fp.offset, fp.numel).view(fp.shape));
+}
+
+void FsdpImpl::prefetch(int unit) {
+  if (unit <= 0) return;
+  FlatUnit& u = units[unit];
+  if (u.state != FlatUnit::State::kSharded) return;
+  if (options.limit_all_gathers() && gathered_units >= 2) return;  // gathered when needed instead
+  start_gather(u);
+}
+
+void FsdpImpl::reshard(FlatUnit& u) {
+  if (u.aliases_shard || u.state == FlatUnit::State::kSharded) return;
+  if (u.state == FlatUnit::State::kGathering) {
+    try {
+      wait_gather(u);  // the collective writes into this memory
+    } catch (...) {
+    }
+  }
+  for (auto& fp : u.params) fp.param.set_data(at::empty({0}, compute_dtype));
+  resize_storage(u.full, 0);
+  u.state = FlatUnit::State::kSharded;
+  if (u.index != 0) --gathered_units;
+}
+
+// ---- forward ----
+
+void FsdpImpl::root_pre_forward() {
+  DDPKIT_CHECK(!in_forward, "FullyShardedDataParallel: forward called again inside its own forward");
+  DDPKIT_CHECK(t_active == nullptr, "FullyShardedDataParallel: forward called inside another FullyShardedDataParallel's "
+               "forward: nest units with unit_modules/auto_wrap_policy instead of nesting instances");
+  if (backward_queued) finish_backward();  // not expected; keeps state consistent
+  // A forward whose backward never ran (evaluation with gradients on, or an exception) leaves
+  // units gathered: free them.
+  for (auto& u : units) {
+    if (u.index != 0) reshard(u);
+    u.grads_in = 0;
+    u.used_in_backward = false;
+  }
+  in_forward = true;
+  t_active = this;
+  order_this_iteration.clear();
+  try {
+    gather_now(units[0]);
+  } catch (...) {
+    in_forward = false;
+    t_active = nullptr;
+    throw;
+  }
+}
+
+void FsdpImpl::root_post_forward(const std::vector<at::Tensor>& outputs) {
+  in_forward = false;
+  t_active = nullptr;
+  check_forward_order();
+  ++iteration;
+  if (!at::GradMode::is_enabled()) {
+    for (auto& u : units) reshard(u);
+    return;
+  }
+  register_pre_backward(0, outputs);
+}
+
+void FsdpImpl::check_forward_order() {
+  if (iteration == 0) {
+    forward_order = order_this_iteration;
+    for (size_t i = 0; i < forward_order.size(); ++i)
+      if (position_in_order[forward_order[i]] < 0) position_in_order[forward_order[i]] = static_cast<int>(i);
+    if (pg->size() > 1) {
+      // The same units in the same order on every rank, or collectives would pair wrongly.
+      int64_t digest = 17;
+      for (int u : forward_order) digest = digest * 1000003 + u;
+      at::Tensor mine = at::tensor({digest, static_cast<int64_t>(forward_order.size())}, at::kLong);
+      at::Tensor all = at::empty({pg->size() * 2}, at::kLong);
+      ProcessGroup::wait(pg->allgather_into_tensor(all, mine));
+      for (int r = 0; r < pg->size(); ++r)
+        DDPKIT_CHECK(all.view({-1, 2})[r].equal(mine), "FullyShardedDataParallel: rank ", r, " ran ",
+                     all.view({-1, 2})[r][1].item<int64_t>(), " unit calls in its first forward, rank ", pg->rank(),
+                     " ran ", forward_order.size(), " (or the same number in another order): every rank must call the "
+                     "same units in the same order");
+    }
+  }
+}
+
+// Which units held no parameters when the forward failed, and in which unit it failed: taken when
+// the innermost unit's scope unwinds (before it frees its own), else when the root's does.
+std::string FsdpImpl::failure_context() const {
+  std::vector<std::string> sharded;
+  for (const auto& u : units)
+    if (u.index != 0 && u.state == FlatUnit::State::kSharded) sharded.push_back("'" + u.name + "'");
+  if (sharded.empty()) return "";
+  std::ostringstream os;
+  os << "If it called a unit's module directly (not through its Sequential or ddpkit::fsdp::forward_unit), that "
+        "module's parameters were empty: units ";
+  for (size_t i = 0; i < sharded.size() && i < 8; ++i) os << (i ? ", " : "") << sharded[i];
+  if (sharded.size() > 8) os << " and " << sharded.size() - 8 << " more";
+  os << " were sharded outside their calls. ";
+  return os.str();
+}
+
+std::string FsdpImpl::describe_forward_failure(const std::string& what) {
+  in_forward = false;
+  t_active = nullptr;
+  std::string where = failed_in_unit_ < 0 ? std::string("") : " in unit " + unit_label(units[failed_in_unit_]);
+  std::string context = failed_in_unit_ < 0 ? failure_context() : failed_context_;
+  failed_in_unit_ = -1;
+  failed_context_.clear();
+  return "FullyShardedDataParallel: the forward failed" + where + ". " + context + "The error: " + what;
+}
+
+void FsdpImpl::unit_pre_forward(int unit) {
+  FlatUnit& u = units[unit];
+  order_this_iteration.push_back(unit);
+  gather_now(u);
+  if (options.forward_prefetch() && iteration > 0) {
+    const size_t next = order_this_iteration.size();
+    if (next < forward_order.size()) prefetch(forward_order[next]);
+  }
+}
+
+void FsdpImpl::unit_post_forward(int unit, const std::vector<at::Tensor>& outputs) {
+  FlatUnit& u = units[unit];
+  if (at::GradMode::is_enabled()) register_pre_backward(unit, outputs);
+  if (frees_after_forward(u)) reshard(u);
+}
+
+void FsdpImpl::unit_forward_aborted(int unit) {
+  if (failed_in_unit_ < 0) {
+    failed_in_unit_ = unit;
+    failed_context_ = failure_context();
+  }
+  reshard(units[unit]);
+}
+
+// ---- backward ----
+
+void FsdpImpl::register_pre_backward(int unit, const std::vector<at::Tensor>& outputs) {
+  std::weak_ptr<int> token = alive;  // a graph that outlives this instance calls nothing
+  for (const auto& t : outputs) {
+    if (!t.defined() || !t.requires_grad()) continue;
+    t.register_hook([this, unit, token](const at::Tensor&) {
+      if (token.lock()) unit_pre_backward(unit);
+    });
+  }
+}
+
+void FsdpImpl::queue_finish_backward() {
+  if (backward_queued) return;
+  backward_queued = true;
+  torch::autograd::Engine::get_default_engine().queue_callback([this] { finish_backward(); });
+}
+
+void FsdpImpl::unit_pre_backward(int unit) {
+  queue_finish_backward();
+  FlatUnit& u = units[unit];
+  if (u.used_in_backward) return;
+  u.used_in_backward = true;
+  gather_now(u);
+  if (options.backward_prefetch() == BackwardPrefetch::kBackwardPre) {
+    const int pos = position_in_order[unit];
+    if (pos > 0) prefetch(forward_order[pos - 1]);
+  }
+}
+
+void FsdpImpl::param_grad_ready(int unit, int param) {
+  if (!require_sync) return;  // no_sync: the unsharded gradient stays in .grad
+  FlatUnit& u = units[unit];
+  FlatParam& fp = u.params[param];
+  at::Tensor& grad = fp.param.mutable_grad();
+  if (!grad.defined() || fp.grad_in) return;
+  torch::NoGradGuard no_grad;
+  if (!u.grad_flat.defined()) u.grad_flat = at::empty({u.shard_numel * shard_world}, reduce_dtype);
+  u.grad_flat.narrow(0, fp.offset, fp.numel).copy_(grad.reshape({-1}));
+  grad = at::Tensor();  // the unsharded gradient is not kept
+  fp.grad_in = true;
+  if (++u.grads_in < u.trainable_params) return;
+  // The unit's gradients are all in: it is not needed again in this backward.
+  if (u.index != 0) reshard(u);
+  launch_reduce(u);
+  if (options.backward_prefetch() == BackwardPrefetch::kBackwardPost) {
+    const int pos = position_in_order[unit];
+    if (pos > 0) prefetch(forward_order[pos - 1]);
+  }
+}
+
+void FsdpImpl::launch_reduce(FlatUnit& u) {
+  if (u.reduce_launched) return;
+  u.reduce_launched = true;
+  torch::NoGradGuard no_grad;
+  // Gradients that never came (parameters unused this step) and the padding are zeros.
+  for (auto& fp : u.params)
+    if (!fp.grad_in) u.grad_flat.narrow(0, fp.offset, fp.numel).zero_();
+  if (u.grad_flat.numel() > u.numel) u.grad_flat.narrow(0, u.numel, u.grad_flat.numel() - u.numel).zero_();
+  const bool sharded = options.sharding_strategy() != ShardingStrategy::kNoShard;
+  if (sharded) u.grad_out = at::empty({u.shard_numel}, reduce_dtype);
+  if (hook) {
+    u.reduce = hook(u.grad_flat, sharded ? u.grad_out : at::Tensor());
+  } else if (sharded) {
+    u.reduce = fsdp::reduce_scatter_hook(*default_state, u.grad_flat, u.grad_out);
+  } else {
+    u.reduce = fsdp::allreduce_hook(*default_state, u.grad_flat);
+  }
+  if (!sharded) u.grad_out = u.grad_flat;
+}
+
+void FsdpImpl::finish_backward() {
+  struct Reset {
+    FsdpImpl* self;
+    ~Reset() {
+      self->backward_queued = false;
+      for (auto& u : self->units) {
+        u.grads_in = 0;
+        u.used_in_backward = false;
+        u.reduce_launched = false;
+        u.reduce.reset();
+        u.grad_flat = at::Tensor();
+        u.grad_out = at::Tensor();
+        for (auto& fp : u.params) fp.grad_in = false;
+      }
+    }
+  } reset{this};
+  // Units whose gradients did not all come (some parameters unused): reduced now, in one order
+  // on every rank (reverse of the forward's). Units that got none on this rank stay as they are.
+  if (require_sync) {
+    std::vector<int> order;
+    for (auto it = forward_order.rbegin(); it != forward_order.rend(); ++it)
+      if (std::find(order.begin(), order.end(), *it) == order.end()) order.push_back(*it);
+    order.push_back(0);
+    for (auto& u : units)
+      if (std::find(order.begin(), order.end(), u.index) == order.end()) order.push_back(u.index);
+    for (int i : order) {
+      FlatUnit& u = units[i];
+      if (u.grads_in > 0 && !u.reduce_launched) launch_reduce(u);
+    }
+  }
+  for (auto& u : units) reshard(u);
+  if (!require_sync) return;
+  // Hybrid: each host's average is averaged across hosts, launched in unit order from this thread.
+  std::vector<FuturePtr> across(units.size());
+  for (auto& u : units) {
+    if (!u.reduce) continue;
+    ProcessGroup::wait(u.reduce);
+    if (replicate_pg && replicate_pg->size() > 1) across[u.index] = fsdp::allreduce_hook(fsdp::DefaultState(replicate_pg), u.grad_out);
+  }
+  torch::NoGradGuard no_grad;
+  for (auto& u : units) {
+    if (!u.reduce) continue;
+    if (across[u.index]) ProcessGroup::wait(across[u.index]);
+    at::Tensor result = u.grad_out.narrow(0, 0, u.shard_numel);
+    at::Tensor& g = u.shard.mutable_grad();
+    if (!g.defined()) {
+      g = result.scalar_type() == at::kFloat ? result.clone() : result.to(at::kFloat);
+    } else {
+      g.add_(result);
+    }
+  }
+}
+
+}  // namespace detail
+
+// ---- public API ----
+
+FullyShardedDataParallelBase::FullyShardedDataParallelBase(std::shared_ptr<torch::nn::Module> module,
+                                                           std::shared_ptr<ProcessGroup> pg,
+                                                           FullyShardedDataParallelOptions options)
+    : impl_(std::make_unique<detail::FsdpImpl>(std::move(module), std::move(pg), std::move(options))) {}
+
+FullyShardedDataParallelBase::~FullyShardedDataParallelBase() = default;
+
+std::vector<at::Tensor> FullyShardedDataParallelBase::parameters() const {
+  std::vector<at::Tensor> out;
+  for (const auto& u : impl_->units)
+    if (u.numel > 0) out.push_back(u.shard);
+  return out;
+}
+
+std::vector<std::pair<std::string, at::Tensor>> FullyShardedDataParallelBase::named_parameters() const {
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  for (const auto& u : impl_->units)
+    if (u.numel > 0) out.emplace_back(u.name.empty() ? "_root" : u.name, u.shard);
+  return out;
+}
+
+const std::vector<FsdpUnitInfo>& FullyShardedDataParallelBase::units() const { return impl_->infos; }
+
+void FullyShardedDataParallelBase::register_comm_hook(FsdpCommHook hook, bool takes_output, const std::string& name) {
+  DDPKIT_CHECK(hook, "FullyShardedDataParallel::register_comm_hook: the hook is empty");
+  DDPKIT_CHECK(!impl_->hook, "FullyShardedDataParallel::register_comm_hook: a hook ('", impl_->hook_name,
+               "') is registered already: once per instance");
+  DDPKIT_CHECK(impl_->iteration == 0, "FullyShardedDataParallel::register_comm_hook: register the hook before the first "
+               "forward (", impl_->iteration, " forwards ran)");
+  const bool no_shard = impl_->options.sharding_strategy() == ShardingStrategy::kNoShard;
+  DDPKIT_CHECK(takes_output != no_shard, "FullyShardedDataParallel::register_comm_hook: ",
+               no_shard ? "kNoShard allreduces: its hook takes (state, grad), e.g. fsdp::allreduce_hook"
+                        : "a sharded strategy reduce-scatters: its hook takes (state, grad, output), e.g. "
+                          "fsdp::reduce_scatter_hook");
+  impl_->hook = std::move(hook);
+  impl_->hook_takes_output = takes_output;
+  impl_->hook_name = name;
+}
+
+std::shared_ptr<ProcessGroup> FullyShardedDataParallelBase::process_group_ptr() const {
+  return impl_->options.sharding_strategy() == ShardingStrategy::kNoShard ? impl_->pg : impl_->shard_pg;
+}
+
+const FullyShardedDataParallelOptions& FullyShardedDataParallelBase::options() const { return impl_->options; }
+bool FullyShardedDataParallelBase::require_backward_grad_sync() const { return impl_->require_sync; }
+void FullyShardedDataParallelBase::set_require_backward_grad_sync(bool v) { impl_->require_sync = v; }
+int FullyShardedDataParallelBase::max_units_gathered() const { return impl_->max_gathered; }
+
+int64_t FullyShardedDataParallelBase::sharded_parameter_bytes() const {
+  int64_t bytes = 0;
+  for (const auto& u : impl_->units) {
+    bytes += u.shard.numel() * 4;
+    if (u.shard.grad().defined()) bytes += u.shard.grad().numel() * 4;
+  }
+  return bytes;
+}
+
+at::Tensor FullyShardedDataParallelBase::cast_input(const at::Tensor& t) const { return impl_->cast_input(t); }
+
+void FullyShardedDataParallelBase::pre_forward() { impl_->root_pre_forward(); }
+void FullyShardedDataParallelBase::post_forward(const std::vector<at::Tensor>& outputs) {
+  impl_->root_post_forward(outputs);
+}
+
+void FullyShardedDataParallelBase::forward_failed() {
+  std::string what;
+  try {
+    throw;
+  } catch (const c10::Error& e) {
+    what = e.what_without_backtrace();
+  } catch (const CommError&) {
+    impl_->describe_forward_failure("");
+    throw;
+  } catch (const std::exception& e) {
+    what = e.what();
+  }
+  DDPKIT_CHECK(false, impl_->describe_forward_failure(what));
+}
+
+FsdpNoSyncGuard::FsdpNoSyncGuard(FullyShardedDataParallelBase& fsdp)
+    : fsdp_(&fsdp), previous_(fsdp.require_backward_grad_sync()) {
+  fsdp.set_require_backward_grad_sync(false);
+}
+FsdpNoSyncGuard::~FsdpNoSyncGuard() {
+  if (fsdp_) fsdp_->set_require_backward_grad_sync(previous_);
+}
+FsdpNoSyncGuard::FsdpNoSyncGuard(FsdpNoSyncGuard&& other) noexcept : fsdp_(other.fsdp_), previous_(other.previous_) {
+  other.fsdp_ = nullptr;
+}
+
+namespace fsdp {
+
+UnitScope::UnitScope(const torch::nn::Module& module) {
+  ddpkit::detail::FsdpImpl* impl = ddpkit::detail::t_active;
+  if (!impl) {
+    std::lock_guard<std::mutex> lock(ddpkit::detail::registry_mutex());
+    auto it = ddpkit::detail::registry().find(&module);
+    DDPKIT_CHECK(it == ddpkit::detail::registry().end(), "module '", it->second,
+                 "' is a unit of a FullyShardedDataParallel, whose parameters are sharded: call the model through "
+                 "that FullyShardedDataParallel's forward, not directly");
+    return;
+  }
+  const int unit = impl->unit_of(module);
+  if (unit < 0) return;  // not a unit: a plain call inside the enclosing unit
+  impl->unit_pre_forward(unit);
+  impl_ = impl;
+  unit_ = unit;
+}
+
+UnitScope::~UnitScope() {
+  if (impl_ && !finished_) impl_->unit_forward_aborted(unit_);
+}
+
+at::Tensor UnitScope::cast(const at::Tensor& t) const { return impl_ ? impl_->cast_input(t) : t; }
+
+void UnitScope::finish(const std::vector<at::Tensor>& outputs) {
+  if (!impl_ || finished_) return;
+  finished_ = true;
+  impl_->unit_post_forward(unit_, outputs);
+}
+
+}  // namespace fsdp
+}  // namespace ddpkit
