@@ -8,6 +8,7 @@ packages=(
   libopenblas0-pthread             # optimized BLAS: Debian's reference BLAS is ~20x slower
   googletest libgtest-dev libgmock-dev
   dataset-fashion-mnist            # IDX files under /usr/share/datasets/fashion-mnist
+  fortunes                         # English text (/usr/share/games/fortunes): the transformer LM's corpus
   python3-torch                    # PyTorch's own Python DDP: side-by-side benchmarks, the Python package
   python3-dev pybind11-dev python3-pytest   # the Python package's extension and its tests
   zlib1g-dev                       # the CLI gunzips the dataset itself

@@ -44,6 +44,10 @@ CONFIGS = {
     "zero1+adam": ["--zero", "1", "--optimizer", "adam"],
     "zero1+interleaved": ["--zero", "1", "--optimizer", "adam", "--zero-overlap", "interleaved"],
     "zero2+bf16": ["--zero", "2", "--optimizer", "adam", "--zero-precision", "bf16", "--zero-overlap", "step"],
+    # Issue 31: FSDP's checkpoints hold the full model and optimizer state, gathered per unit.
+    "fsdp_full_shard+adam": ["--fsdp", "full_shard", "--optimizer", "adam", "--fsdp-min-unit-params", "1000"],
+    "fsdp_shard_grad_op+bf16": ["--fsdp", "shard_grad_op", "--fsdp-param-dtype", "bf16", "--fsdp-min-unit-params", "1000"],
+    "fsdp_no_shard": ["--fsdp", "no_shard", "--fsdp-min-unit-params", "1000"],
 }
 
 
@@ -279,17 +283,20 @@ def torchrun_hosts(tmp):
 
 def world_size(tmp):
     """Written by 2 ranks, resumed by 3: per-rank hook state starts over, the run continues from the
-    same global sample position; the loss stays within tolerance of the undisturbed run."""
-    d, ref = os.path.join(tmp, "ws"), os.path.join(tmp, "ws-ref")
-    flags = ["--checkpoint-every", "100", "--epochs", "4", "--synthetic-size", "8192", "--hook", "powersgd",
-             "--powersgd-start-iter", "10"]
-    undisturbed = last_json(train(flags + ["--checkpoint-dir", ref, "--nproc", "2"], evaluate=True))
-    train(flags + ["--checkpoint-dir", d, "--nproc", "2", "--steps", "200"], evaluate=True)
-    r = last_json(train(flags + ["--checkpoint-dir", d, "--nproc", "3", "--resume"], evaluate=True))
-    print(f"2 ranks to step 200 of 512, then 3 ranks: resumed from {r['resumed_from_step']}, test accuracy "
-          f"{r['test_accuracy']} (undisturbed 2-rank run {undisturbed['test_accuracy']}, tolerance 0.03)")
-    if r["resumed_from_step"] != 200 or r["world_size"] != 3 or abs(r["test_accuracy"] - undisturbed["test_accuracy"]) > 0.03:
-        sys.exit("FAILED: world-size change")
+    same global sample position; the loss stays within tolerance of the undisturbed run. DDP with
+    PowerSGD, and FSDP (whose full checkpoint is resharded over 3 ranks)."""
+    cases = {"powersgd": ["--hook", "powersgd", "--powersgd-start-iter", "10"],
+             "fsdp_full_shard+adam": ["--fsdp", "full_shard", "--optimizer", "adam", "--fsdp-min-unit-params", "1000"]}
+    for name, extra in cases.items():
+        d, ref = os.path.join(tmp, "ws-" + name), os.path.join(tmp, "ws-ref-" + name)
+        flags = ["--checkpoint-every", "100", "--epochs", "4", "--synthetic-size", "8192"] + extra
+        undisturbed = last_json(train(flags + ["--checkpoint-dir", ref, "--nproc", "2"], evaluate=True))
+        train(flags + ["--checkpoint-dir", d, "--nproc", "2", "--steps", "200"], evaluate=True)
+        r = last_json(train(flags + ["--checkpoint-dir", d, "--nproc", "3", "--resume"], evaluate=True))
+        print(f"{name}: 2 ranks to step 200 of 512, then 3 ranks: resumed from {r['resumed_from_step']}, test accuracy "
+              f"{r['test_accuracy']} (undisturbed 2-rank run {undisturbed['test_accuracy']}, tolerance 0.03)")
+        if r["resumed_from_step"] != 200 or r["world_size"] != 3 or abs(r["test_accuracy"] - undisturbed["test_accuracy"]) > 0.03:
+            sys.exit("FAILED: world-size change with " + name)
 
 
 def errors(tmp):

@@ -1,6 +1,7 @@
 #include <ddpkit/runtime/checkpoint.h>
 
 #include <ddpkit/ddp/distributed_data_parallel.h>
+#include <ddpkit/fsdp/fully_sharded_data_parallel.h>
 #include <ddpkit/zero/zero_redundancy_optimizer.h>
 
 #include <ATen/CPUGeneratorImpl.h>
@@ -420,6 +421,10 @@ TrainingState& TrainingState::ddp(DistributedDataParallelBase* ddp) {
   ddp_ = ddp;
   return *this;
 }
+TrainingState& TrainingState::fsdp(FullyShardedDataParallelBase* fsdp) {
+  fsdp_ = fsdp;
+  return *this;
+}
 TrainingState& TrainingState::hook_state(std::shared_ptr<hooks::HookState> state) {
   hook_state_ = std::move(state);
   return *this;
@@ -434,8 +439,18 @@ std::string TrainingState::save(ProcessGroup* pg, const std::string& dir, int64_
   DDPKIT_CHECK(!(optimizer_ && zero_), "TrainingState: give an optimizer or a ZeroRedundancyOptimizer, not both");
   TensorDict common = with_prefix(extra, "extra/"), local = with_prefix(extra_local, "extra/");
   TensorDict& replica = replicas_differ_ ? local : common;
+  DDPKIT_CHECK(!(fsdp_ && (module_ || replicas_differ_)), "TrainingState: with fsdp(), give no module() (FSDP saves "
+               "the full model itself) and no replicas_differ");
   if (module_) put_module(replica, *module_);
-  if (optimizer_) replica["optimizer"] = bytes_entry(optimizer_bytes(*optimizer_));
+  if (fsdp_) {
+    // Collective: every rank takes part in the gathers, rank 0 keeps the result.
+    const auto model = fsdp_->full_state_dict(/*rank0_only=*/true);
+    for (const auto& kv : model.items()) common["model/" + kv.key()] = kv.value();
+    if (optimizer_)
+      for (auto& kv : fsdp_->full_optimizer_state_dict(*optimizer_)) common["fsdp/" + kv.first] = std::move(kv.second);
+  } else if (optimizer_) {
+    replica["optimizer"] = bytes_entry(optimizer_bytes(*optimizer_));
+  }
   if (zero_) {
     zero_->consolidate_state_dict(0);
     if (!pg || pg->rank() == 0) {
@@ -476,7 +491,13 @@ std::optional<Checkpoint> TrainingState::restore(ProcessGroup* pg, const std::st
                " ranks whose replicas differ (post-local SGD): resume it with the same number of ranks, not ", world);
   const TensorDict* replica = replicas_differ_ ? &ck->local : &ck->common;
   if (module_) load_module(*replica, *module_, what);
-  if (optimizer_) {
+  if (fsdp_) {
+    torch::OrderedDict<std::string, at::Tensor> model;
+    for (const auto& kv : under_prefix(ck->common, "model/")) model.insert(kv.first, kv.second);
+    DDPKIT_CHECK(!model.is_empty(), what, " holds no model");
+    fsdp_->load_full_state_dict(model);
+    if (optimizer_) fsdp_->load_full_optimizer_state_dict(*optimizer_, under_prefix(ck->common, "fsdp/"));
+  } else if (optimizer_) {
     DDPKIT_CHECK(replica->count("optimizer"), what, " holds no optimizer state (was it written by a ZeRO run?)");
     load_optimizer(bytes_of(*replica, "optimizer", what), *optimizer_);
   }

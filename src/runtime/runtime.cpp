@@ -48,6 +48,13 @@ ProcessResources process_resources() {
     if (std::fscanf(f, "%lld %lld", &size, &resident) == 2) r.rss_bytes = resident * sysconf(_SC_PAGESIZE);
     std::fclose(f);
   }
+  if (FILE* f = std::fopen("/proc/self/status", "r")) {
+    char line[256];
+    long long kb = 0;
+    while (std::fgets(line, sizeof line, f))
+      if (std::sscanf(line, "VmHWM: %lld kB", &kb) == 1) r.peak_rss_bytes = kb * 1024;
+    std::fclose(f);
+  }
   if (DIR* d = opendir("/proc/self/fd")) {
     while (dirent* e = readdir(d))
       if (e->d_name[0] != '.') ++r.open_fds;

@@ -52,8 +52,8 @@ bool in_distributed_env();
 std::string read_token(const std::string& path);
 
 struct Dataset {
-  at::Tensor inputs;   // [N, features] float32
-  at::Tensor labels;   // [N] int64
+  at::Tensor inputs;   // [N, features] float32; a language model's: [N, T] int64 byte ids
+  at::Tensor labels;   // [N] int64; a language model's: [N, T], the next byte of each input
   int64_t num_classes = 0;
 };
 struct Split {
@@ -61,6 +61,10 @@ struct Split {
 };
 // Fashion-MNIST from IDX files (gzip or plain) in `dir`; pixels scaled to [0,1] and normalised.
 Split load_fashion_mnist(const std::string& dir);
+// Every regular file in `dir` whose name has no '.' (the fortune files of Debian's fortunes
+// package: plain English text), concatenated in name order, as byte sequences of `length` (the
+// labels: the same shifted by one). The last `test_fraction` of the text is the test split.
+Split load_text_corpus(const std::string& dir, int64_t length, double test_fraction = 0.05);
 // Inputs from N(0,1), labels = argmax of a fixed random linear teacher: learnable, deterministic.
 Split make_synthetic(int64_t features, int64_t classes, int64_t train_size, int64_t test_size, uint64_t seed);
 

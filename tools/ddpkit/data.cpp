@@ -5,8 +5,11 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <zlib.h>
 
+#include <algorithm>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
+#include <iterator>
 
 namespace ddpkit {
 namespace cli {
@@ -73,6 +76,41 @@ Split load_fashion_mnist(const std::string& dir) {
   DDPKIT_CHECK(s.train.inputs.size(0) == s.train.labels.size(0), "Fashion-MNIST train images and labels differ in count");
   DDPKIT_CHECK(s.test.inputs.size(0) == s.test.labels.size(0), "Fashion-MNIST test images and labels differ in count");
   s.train.num_classes = s.test.num_classes = 10;
+  return s;
+}
+
+Split load_text_corpus(const std::string& dir, int64_t length, double test_fraction) {
+  std::vector<std::string> files;
+  std::error_code ec;
+  for (const auto& e : std::filesystem::directory_iterator(dir, ec)) {
+    const std::string name = e.path().filename().string();
+    if (name.find('.') == std::string::npos && std::filesystem::is_regular_file(e.path())) files.push_back(e.path().string());
+  }
+  if (ec || files.empty())
+    throw UsageError("no text files in " + dir + (ec ? " (" + ec.message() + ")" : "") +
+                     ": install Debian's fortunes package (scripts/install-deps.sh) or name another --text-dir");
+  std::sort(files.begin(), files.end());
+  std::string text;
+  for (const auto& f : files) {
+    std::ifstream in(f, std::ios::binary);
+    text.append(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  }
+  const int64_t windows = static_cast<int64_t>(text.size() - 1) / length;
+  if (windows < 2) throw UsageError(dir + " holds too little text for --seq-len " + std::to_string(length));
+  at::Tensor bytes = at::empty({static_cast<int64_t>(text.size())}, at::kByte);
+  std::memcpy(bytes.data_ptr(), text.data(), text.size());
+  bytes = bytes.to(at::kLong);
+  auto split = [&](int64_t first, int64_t count) {
+    Dataset d;
+    d.inputs = bytes.narrow(0, first * length, count * length).view({count, length}).clone();
+    d.labels = bytes.narrow(0, first * length + 1, count * length).view({count, length}).clone();
+    d.num_classes = 256;
+    return d;
+  };
+  const int64_t test = std::max<int64_t>(1, static_cast<int64_t>(windows * test_fraction));
+  Split s;
+  s.train = split(0, windows - test);
+  s.test = split(windows - test, test);
   return s;
 }
 

@@ -26,9 +26,14 @@ MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE). Rank 0 prints progress, per-epoch l
 accuracy, and a last line that is one JSON object.
 
   --nproc N               local processes to launch (default 2)
-  --model mlp|cnn         (default mlp)
-  --dataset fashion-mnist|synthetic   (default fashion-mnist)
+  --model mlp|cnn|transformer         (default mlp)
+  --dataset fashion-mnist|synthetic|text   (default fashion-mnist; text for transformer)
   --data-dir DIR          Fashion-MNIST IDX files (default /usr/share/datasets/fashion-mnist)
+  --text-dir DIR          text: every file without a '.' in DIR, as bytes (default
+                          /usr/share/games/fortunes, Debian's fortunes package); 5% held out
+  --layers N  --d-model N  --heads N  --seq-len N
+                          transformer: a GPT-style decoder over bytes (default 4, 256, 4, 64);
+                          rank 0 reports test loss and perplexity per byte
   --mlp-dims A,B,...      MLP layer sizes (default 784,512,256,10; synthetic: 1024,4096,4096,1024)
   --hook NAME             none (DDP's built-in allreduce), allreduce, fp16, bf16, noop,
                           fp16_wrapper, bf16_wrapper, int8, quantize_per_tensor,
@@ -61,6 +66,13 @@ accuracy, and a last line that is one JSON object.
   --zero-shard-buckets    --zero 1 with overlap: split buckets among ranks by size
   --zero-bucket-view      --zero 1: each rank's shard in one flat buffer (parameters as bucket views)
   --zero-precision fp32|fp16|bf16     --zero 2: precision of the reduce-scatter (default fp32)
+  --fsdp off|full_shard|shard_grad_op|no_shard|hybrid_shard
+                          FullyShardedDataParallel instead of DDP (docs/fsdp.md): each layer (MLP,
+                          CNN) or block (transformer) of at least --fsdp-min-unit-params parameters
+                          is a unit; --hook none|fp16|bf16 picks its FSDP hook (default off)
+  --fsdp-min-unit-params N            (default 100000)
+  --fsdp-param-dtype fp32|bf16        FSDP mixed precision: compute dtype (default fp32)
+  --fsdp-reduce-dtype fp32|bf16       gradient reduction dtype (default: the compute dtype)
   --bucket-cap-mb X       bucket cap in MiB (default: 6 for fp16/bf16/int8/quantize hooks, else 25)
   --epochs N              (default 3)
   --steps N               stop after N steps (default 0: run all epochs)
@@ -134,7 +146,9 @@ std::string divergence_message(const Flags& f, const Divergence& d, int64_t powe
 
 int run_train(const std::vector<std::string>& args, const std::vector<std::string>& argv) {
   Flags f(args,
-          {{"nproc", "2"}, {"model", "mlp"}, {"dataset", "fashion-mnist"},
+          {{"nproc", "2"}, {"model", "mlp"}, {"dataset", ""}, {"text-dir", "/usr/share/games/fortunes"},
+           {"layers", "4"}, {"d-model", "256"}, {"heads", "4"}, {"seq-len", "64"}, {"fsdp", "off"},
+           {"fsdp-min-unit-params", "100000"}, {"fsdp-param-dtype", "fp32"}, {"fsdp-reduce-dtype", ""},
            {"data-dir", "/usr/share/datasets/fashion-mnist"}, {"mlp-dims", ""}, {"hook", "none"},
            {"bucket-cap-mb", ""}, {"epochs", "3"}, {"steps", "0"}, {"batch-size", "64"}, {"lr", ""},
            {"seed", "1"}, {"threads", "1"}, {"backend", "gloo"}, {"timeout-s", "300"}, {"synthetic-size", "8192"},
@@ -148,10 +162,37 @@ int run_train(const std::vector<std::string>& args, const std::vector<std::strin
           {"gradient-as-bucket-view", "find-unused-parameters", "no-ddp", "no-eval", "quiet", "no-malloc-tuning",
            "powersgd-batch-same-shape", "no-error-feedback", "no-warm-start", "int8-error-feedback",
            "optimizer-in-hook", "zero-shard-buckets", "zero-bucket-view", "no-divergence-guard", "resume"});
-  const std::string model_name = f.str("model"), dataset = f.str("dataset"), hook_name = f.str("hook");
-  if (model_name != "mlp" && model_name != "cnn") throw UsageError("--model must be mlp or cnn, got '" + model_name + "'");
-  if (dataset != "fashion-mnist" && dataset != "synthetic")
-    throw UsageError("--dataset must be fashion-mnist or synthetic, got '" + dataset + "'");
+  const std::string model_name = f.str("model"), hook_name = f.str("hook");
+  if (model_name != "mlp" && model_name != "cnn" && model_name != "transformer")
+    throw UsageError("--model must be mlp, cnn or transformer, got '" + model_name + "'");
+  const std::string dataset = !f.str("dataset").empty() ? f.str("dataset") : model_name == "transformer" ? "text" : "fashion-mnist";
+  if (dataset != "fashion-mnist" && dataset != "synthetic" && dataset != "text")
+    throw UsageError("--dataset must be fashion-mnist, synthetic or text, got '" + dataset + "'");
+  if ((dataset == "text") != (model_name == "transformer"))
+    throw UsageError("--dataset text goes with --model transformer, and only it");
+  const std::string fsdp_name = f.str("fsdp");
+  const bool use_fsdp = fsdp_name != "off";
+  ShardingStrategy fsdp_strategy = ShardingStrategy::kFullShard;
+  if (use_fsdp) {
+    try {
+      fsdp_strategy = parse_sharding_strategy(fsdp_name);
+    } catch (const c10::Error&) {
+      throw UsageError("--fsdp must be off, full_shard, shard_grad_op, no_shard or hybrid_shard, got '" + fsdp_name + "'");
+    }
+    if (hook_name != "none" && hook_name != "fp16" && hook_name != "bf16")
+      throw UsageError("--fsdp takes --hook none, fp16 or bf16 (its FSDP hooks), got '" + hook_name + "'");
+    for (const char* flag : {"zero-shard-buckets", "zero-bucket-view", "optimizer-in-hook", "gradient-as-bucket-view",
+                             "find-unused-parameters", "no-ddp"})
+      if (f.on(flag)) throw UsageError(std::string("--") + flag + " does not apply to --fsdp");
+    if (f.str("zero") != "off") throw UsageError("--fsdp shards the optimizer state itself: drop --zero");
+  }
+  auto fsdp_dtype = [&](const std::string& flag) -> c10::optional<at::ScalarType> {
+    const std::string v = f.str(flag);
+    if (v.empty()) return c10::nullopt;
+    if (v == "fp32") return at::kFloat;
+    if (v == "bf16") return at::kBFloat16;
+    throw UsageError("--" + flag + " must be fp32 or bf16, got '" + v + "'");
+  };
   if (hook_name != "none" && hook_name != "post_local_sgd") {
     const auto names = hooks::hook_names();
     if (std::find(names.begin(), names.end(), hook_name) == names.end()) {
@@ -184,7 +225,9 @@ int run_train(const std::vector<std::string>& args, const std::vector<std::strin
   if (f.integer("local-sgd-period") < 1) throw UsageError("--local-sgd-period must be >= 1");
   if (f.integer("local-sgd-group-size") < 0) throw UsageError("--local-sgd-group-size must be >= 0");
   const bool use_ddp = !f.on("no-ddp");
-  if (model_name == "cnn" && !f.str("mlp-dims").empty()) throw UsageError("--mlp-dims applies to --model mlp only");
+  if (model_name != "mlp" && !f.str("mlp-dims").empty()) throw UsageError("--mlp-dims applies to --model mlp only");
+  for (const char* flag : {"layers", "d-model", "heads", "seq-len"})
+    if (f.integer(flag) < 1) throw UsageError(std::string("--") + flag + " must be >= 1");
 
   const std::string checkpoint_dir = f.str("checkpoint-dir");
   const int checkpoint_every = f.integer("checkpoint-every"), max_restarts = f.integer("max-restarts");
@@ -227,7 +270,9 @@ int run_train(const std::vector<std::string>& args, const std::vector<std::strin
 
   Split data;
   std::vector<int64_t> dims;
-  if (dataset == "fashion-mnist") {
+  if (dataset == "text") {
+    data = load_text_corpus(f.str("text-dir"), f.integer("seq-len"));
+  } else if (dataset == "fashion-mnist") {
     data = load_fashion_mnist(f.str("data-dir"));
     dims = f.str("mlp-dims").empty() ? std::vector<int64_t>{784, 512, 256, 10} : f.int_list("mlp-dims");
     if (dims.front() != 784 || dims.back() != 10)
@@ -246,17 +291,50 @@ int run_train(const std::vector<std::string>& args, const std::vector<std::strin
     auto m = std::make_shared<MlpImpl>(dims);
     model.module = m;
     model.forward = [m](const at::Tensor& x) { return m->forward(x); };
-  } else {
+    for (auto& l : m->layers) model.units.push_back(l.ptr());
+  } else if (model_name == "cnn") {
     auto m = std::make_shared<CnnImpl>(data.train.num_classes);
     model.module = m;
     model.forward = [m](const at::Tensor& x) { return m->forward(x); };
+    model.units = {m->conv1.ptr(), m->conv2.ptr(), m->fc1.ptr(), m->fc2.ptr()};
+  } else {
+    auto m = std::make_shared<GptImpl>(256, f.integer("d-model"), f.integer("heads"), f.integer("layers"), f.integer("seq-len"));
+    model.module = m;
+    model.forward = [m](const at::Tensor& x) { return m->forward(x); };
+    for (const auto& b : *m->blocks) model.units.push_back(b);
+    model.language_model = true;
+  }
+  // FSDP: each listed submodule of at least --fsdp-min-unit-params parameters is a unit.
+  std::unique_ptr<FullyShardedDataParallelBase> sharded_model;
+  if (use_fsdp) {
+    const int64_t min_unit = f.integer("fsdp-min-unit-params");
+    if (min_unit < 1) throw UsageError("--fsdp-min-unit-params must be >= 1");
+    std::vector<std::shared_ptr<torch::nn::Module>> units;
+    for (const auto& u : model.units) {
+      int64_t n = 0;
+      for (const auto& p : u->parameters()) n += p.numel();
+      if (n >= min_unit) units.push_back(u);
+    }
+    MixedPrecision mp;
+    mp.param_dtype(fsdp_dtype("fsdp-param-dtype")).reduce_dtype(fsdp_dtype("fsdp-reduce-dtype"));
+    sharded_model = std::make_unique<FullyShardedDataParallelBase>(
+        model.module, pg,
+        FullyShardedDataParallelOptions().sharding_strategy(fsdp_strategy).mixed_precision(mp).auto_wrap_policy(nullptr).unit_modules(units));
+    if (hook_name == "fp16" || hook_name == "bf16") {
+      auto state = std::make_shared<fsdp::LowPrecisionState>(sharded_model->process_group_ptr(), mp.reduce_dtype().value_or(mp.param_dtype().value_or(at::kFloat)));
+      auto fn = hook_name == "fp16" ? fsdp::fp16_compress_hook : fsdp::bf16_compress_hook;
+      const bool sharded = fsdp_strategy != ShardingStrategy::kNoShard;
+      sharded_model->register_comm_hook([state, fn](const at::Tensor& g, const at::Tensor& out) { return fn(*state, g, out); },
+                               sharded, hook_name);
+    }
   }
 
   // One options object per optimizer feeds the plain optimizer, ZeRO's factory and the
   // per-parameter twin for --optimizer-in-hook.
   OptimizerFactory factory;
   std::shared_ptr<hooks::FunctionalOptimizer> functional;
-  const auto params = model.module->parameters();
+  // What the optimizer steps: the parameters, or FSDP's shards of them.
+  const auto params = sharded_model ? sharded_model->parameters() : model.module->parameters();
   if (optimizer_name == "sgd") {
     const auto o = torch::optim::SGDOptions(lr).momentum(0.9);
     factory = optimizer_factory<optim::SGD>(o);  // torch::optim::SGD's results in one pass
@@ -304,7 +382,12 @@ int run_train(const std::vector<std::string>& args, const std::vector<std::strin
     throw UsageError("--zero-overlap, --zero-shard-buckets and --zero-bucket-view need --zero 1 or 2");
   }
   std::function<at::Tensor(const at::Tensor&)> train_forward = model.forward;
-  if (use_ddp) {
+  if (sharded_model) {
+    training_state.fsdp(sharded_model.get());
+    train_forward = [d = sharded_model.get(), fwd = model.forward](const at::Tensor& x) {
+      return d->forward_with([&] { return fwd(d->cast_input(x)); });
+    };
+  } else if (use_ddp) {
     ddp = std::make_unique<DistributedDataParallelBase>(
         model.module, pg,
         DistributedDataParallelOptions()
@@ -381,7 +464,8 @@ int run_train(const std::vector<std::string>& args, const std::vector<std::strin
                                     "max-restarts", "backend", "report-resources"});
   std::string settings_text;
   for (const auto& line : settings) settings_text += line + "\n";
-  training_state.module(model.module).optimizer(optimizer.get()).zero(zero);
+  if (!sharded_model) training_state.module(model.module);
+  training_state.optimizer(optimizer.get()).zero(zero);
   int64_t step = 0, start_epoch = 0, start_in_epoch = 0, resumed_from = -1;
   if (f.on("resume")) {
     if (auto ck = training_state.restore(pg.get(), checkpoint_dir)) {
@@ -439,12 +523,17 @@ int run_train(const std::vector<std::string>& args, const std::vector<std::strin
     ++checkpoints_written;
   };
 
+  // Classification, or next-byte prediction over [B, T] (in fp32 under mixed precision).
+  auto loss_of = [&](const at::Tensor& out, const at::Tensor& y) {
+    if (model.language_model) return torch::cross_entropy_loss(out.reshape({-1, out.size(-1)}).to(at::kFloat), y.reshape({-1}));
+    return torch::cross_entropy_loss(out.to(at::kFloat), y);
+  };
   Progress progress(lead && !f.on("quiet"));
   // Every rank checks the loss every 20 steps, together: a diverged run stops with advice.
   std::unique_ptr<DivergenceGuard> guard;
   if (!f.on("no-divergence-guard")) guard = std::make_unique<DivergenceGuard>(pg);
   std::vector<double> step_ms, forward_ms, backward_ms, optimizer_ms;
-  double accuracy = -1, last_loss = 0;
+  double accuracy = -1, test_loss = -1, last_loss = 0;
   const int64_t first_step = step;
   double train_seconds = 0;
   if (ddp) ddp->reducer().reset_traffic();
@@ -465,8 +554,8 @@ int run_train(const std::vector<std::string>& args, const std::vector<std::strin
       const auto t0 = clock::now();
       // Set-to-none (PyTorch 2.x's default): autograd then hands over each new gradient instead of
       // zeroing and accumulating into the old one, saving two passes over all gradients.
-      for (auto& p : model.module->parameters()) p.mutable_grad().reset();
-      at::Tensor loss = torch::cross_entropy_loss(train_forward(x), y);
+      for (auto& p : params) p.mutable_grad().reset();
+      at::Tensor loss = loss_of(train_forward(x), y);
       const auto t1 = clock::now();
       loss.backward();  // returns once gradients are averaged across ranks
       const auto t2 = clock::now();
@@ -498,25 +587,36 @@ int run_train(const std::vector<std::string>& args, const std::vector<std::strin
     train_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - epoch_start).count();
     progress.finish();
     if (!f.on("no-eval")) {
-      // Each rank scores a shard of the test set with the plain module; counts are summed.
+      // Each rank scores a shard of the test set (FSDP: through it, every rank the same number of
+      // chunks, since each forward gathers); correct predictions, loss and counts are summed.
       torch::NoGradGuard no_grad;
       model.module->eval();
-      const int64_t n_test = data.test.inputs.size(0);
-      at::Tensor counts = at::zeros({2}, at::kDouble);
-      for (int64_t s = rank * 1000; s < n_test; s += world * 1000) {
-        const int64_t e = std::min(n_test, s + 1000);
-        at::Tensor pred = model.forward(data.test.inputs.slice(0, s, e)).argmax(1);
-        counts[0] += pred.eq(data.test.labels.slice(0, s, e)).sum().item<double>();
-        counts[1] += static_cast<double>(e - s);
+      const int64_t n_test = data.test.inputs.size(0), chunk = model.language_model ? 128 : 1000;
+      at::Tensor counts = at::zeros({3}, at::kDouble);
+      const int64_t rounds = (n_test + world * chunk - 1) / (world * chunk);
+      for (int64_t k = 0; k < rounds; ++k) {
+        int64_t s = (k * world + rank) * chunk, e = std::min(n_test, s + chunk);
+        if (s >= n_test && !sharded_model) break;
+        const bool counted = s < n_test;
+        if (!counted) s = 0, e = 1;
+        const at::Tensor xs = data.test.inputs.slice(0, s, e), ys = data.test.labels.slice(0, s, e);
+        at::Tensor out = sharded_model ? sharded_model->forward_with([&] { return model.forward(sharded_model->cast_input(xs)); }) : model.forward(xs);
+        if (!counted) continue;
+        counts[0] += out.argmax(-1).eq(ys).sum().item<double>();
+        counts[1] += static_cast<double>(ys.numel());
+        counts[2] += loss_of(out, ys).item<double>() * static_cast<double>(ys.numel());
       }
       if (pg) ProcessGroup::wait(pg->allreduce(counts));
       accuracy = counts[0].item<double>() / counts[1].item<double>();
+      test_loss = counts[2].item<double>() / counts[1].item<double>();
       model.module->train();
     }
     if (lead) {
       std::cerr << "epoch " << epoch + 1 << ": mean loss " << std::fixed << std::setprecision(4)
                 << epoch_loss / std::max<int64_t>(epoch_steps, 1);
       if (accuracy >= 0) std::cerr << "  test accuracy " << std::setprecision(4) << accuracy;
+      if (model.language_model && test_loss >= 0)
+        std::cerr << "  test loss " << test_loss << "  perplexity " << std::exp(test_loss);
       std::cerr << "\n";
     }
   }
@@ -532,10 +632,13 @@ int run_train(const std::vector<std::string>& args, const std::vector<std::strin
         for (const auto& t : factory.state_tensors(*kv.second))
           if (t.defined()) state_bytes += t.numel() * static_cast<int64_t>(t.element_size());
   }
+  // The largest rank's optimizer state and resident-memory high-water mark.
+  int64_t peak_rss = process_resources().peak_rss_bytes;
   if (pg) {
-    at::Tensor b = at::tensor({static_cast<double>(state_bytes)}, at::kDouble);
+    at::Tensor b = at::tensor({static_cast<double>(state_bytes), static_cast<double>(peak_rss)}, at::kDouble);
     ProcessGroup::wait(pg->allreduce(b, c10d::ReduceOp::MAX));
-    state_bytes = static_cast<int64_t>(b.item<double>());
+    state_bytes = static_cast<int64_t>(b[0].item<double>());
+    peak_rss = static_cast<int64_t>(b[1].item<double>());
   }
   double compression_ratio = 0;
   if (ddp) {
@@ -571,10 +674,13 @@ int run_train(const std::vector<std::string>& args, const std::vector<std::strin
        << ", \"compression_ratio\": " << std::setprecision(3) << compression_ratio
        << ", \"test_accuracy\": ";
     if (accuracy >= 0) js << std::setprecision(4) << accuracy; else js << "null";
+    js << ", \"test_perplexity\": ";
+    if (model.language_model && test_loss >= 0) js << std::setprecision(4) << std::exp(test_loss); else js << "null";
     js << ", \"final_loss\": " << std::setprecision(4) << last_loss << ", \"median_forward_ms\": " << std::setprecision(3)
        << median(forward_ms) << ", \"median_backward_ms\": " << median(backward_ms)
        << ", \"median_optimizer_ms\": " << median(optimizer_ms) << ", \"optimizer\": \"" << optimizer_name
        << "\", \"zero\": \"" << zero_shown << "\", \"optimizer_state_bytes\": " << state_bytes
+       << ", \"model\": \"" << model_name << "\", \"fsdp\": \"" << fsdp_name << "\", \"peak_rss_bytes\": " << peak_rss
        << ", \"resumed_from_step\": ";
     if (resumed_from >= 0) js << resumed_from; else js << "null";
     js << ", \"checkpoints_written\": " << checkpoints_written << "}";

@@ -1,6 +1,7 @@
 // Models and the progress bar shared by `ddpkit train` and `ddpkit bench`.
 #pragma once
 
+#include <ddpkit/fsdp/fully_sharded_data_parallel.h>
 #include <torch/torch.h>
 
 #include <unistd.h>
@@ -23,7 +24,7 @@ struct MlpImpl : torch::nn::Module {
   }
   at::Tensor forward(at::Tensor x) {
     for (size_t i = 0; i < layers.size(); ++i) {
-      x = layers[i]->forward(x);
+      x = fsdp::forward_unit(layers[i], x);  // a plain call unless FSDP shards the layer
       if (i + 1 < layers.size()) x = torch::relu(x);
     }
     return x;
@@ -39,19 +40,74 @@ struct CnnImpl : torch::nn::Module {
         fc2(register_module("fc2", torch::nn::Linear(128, classes))) {}
   at::Tensor forward(at::Tensor x) {
     x = x.view({-1, 1, 28, 28});
-    x = torch::max_pool2d(torch::relu(conv1->forward(x)), 2);
-    x = torch::max_pool2d(torch::relu(conv2->forward(x)), 2);
-    x = torch::relu(fc1->forward(x.flatten(1)));
-    return fc2->forward(x);
+    x = torch::max_pool2d(torch::relu(fsdp::forward_unit(conv1, x)), 2);
+    x = torch::max_pool2d(torch::relu(fsdp::forward_unit(conv2, x)), 2);
+    x = torch::relu(fsdp::forward_unit(fc1, x.flatten(1)));
+    return fsdp::forward_unit(fc2, x);
   }
   torch::nn::Conv2d conv1, conv2;
   torch::nn::Linear fc1, fc2;
 };
 
-// Type-erased model: forward plus the module.
+// One block of a GPT-style decoder: pre-norm causal self-attention and an MLP, each added back
+// to its input.
+struct GptBlockImpl : torch::nn::Module {
+  GptBlockImpl(int64_t d_model, int64_t heads, int64_t feedforward) : heads(heads) {
+    TORCH_CHECK(d_model % heads == 0, "--d-model (", d_model, ") must be a multiple of --heads (", heads, ")");
+    ln1 = register_module("ln1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({d_model})));
+    qkv = register_module("qkv", torch::nn::Linear(d_model, 3 * d_model));
+    proj = register_module("proj", torch::nn::Linear(d_model, d_model));
+    ln2 = register_module("ln2", torch::nn::LayerNorm(torch::nn::LayerNormOptions({d_model})));
+    fc1 = register_module("fc1", torch::nn::Linear(d_model, feedforward));
+    fc2 = register_module("fc2", torch::nn::Linear(feedforward, d_model));
+  }
+  // x [B, T, d]; mask [T, T], -inf above the diagonal.
+  at::Tensor forward(at::Tensor x, at::Tensor mask) {
+    const int64_t b = x.size(0), t = x.size(1), d = x.size(2), dh = d / heads;
+    auto parts = qkv(ln1(x)).view({b, t, 3, heads, dh}).permute({2, 0, 3, 1, 4});  // [3, B, H, T, dh]
+    at::Tensor scores = at::matmul(parts[0], parts[1].transpose(-2, -1)) / std::sqrt(static_cast<double>(dh)) + mask;
+    at::Tensor attended = at::matmul(torch::softmax(scores, -1), parts[2]).transpose(1, 2).reshape({b, t, d});
+    x = x + proj(attended);
+    return x + fc2(torch::gelu(fc1(ln2(x))));
+  }
+  int64_t heads;
+  torch::nn::LayerNorm ln1{nullptr}, ln2{nullptr};
+  torch::nn::Linear qkv{nullptr}, proj{nullptr}, fc1{nullptr}, fc2{nullptr};
+};
+TORCH_MODULE(GptBlock);
+
+// A GPT-style decoder-only language model over bytes: token and position embeddings, `layers`
+// blocks (each an FSDP unit, marked with fsdp::forward_unit), a final norm and a linear head.
+// Input [B, T] byte ids, output [B, T, vocab] logits for the next byte.
+struct GptImpl : torch::nn::Module {
+  GptImpl(int64_t vocab, int64_t d_model, int64_t heads, int64_t layers, int64_t length) {
+    tokens = register_module("tokens", torch::nn::Embedding(vocab, d_model));
+    positions = register_module("positions", torch::nn::Embedding(length, d_model));
+    blocks = register_module("blocks", torch::nn::ModuleList());
+    for (int64_t i = 0; i < layers; ++i) blocks->push_back(GptBlock(d_model, heads, 4 * d_model));
+    ln_f = register_module("ln_f", torch::nn::LayerNorm(torch::nn::LayerNormOptions({d_model})));
+    head = register_module("head", torch::nn::Linear(d_model, vocab));
+  }
+  at::Tensor forward(const at::Tensor& x) {
+    const int64_t t = x.size(1);
+    at::Tensor h = tokens(x) + positions(torch::arange(t, x.options().dtype(torch::kLong)));
+    at::Tensor mask = torch::full({t, t}, -std::numeric_limits<float>::infinity()).triu(1);
+    for (const auto& block : *blocks) h = fsdp::forward_unit(block->as<GptBlockImpl>(), h, mask);
+    return head(ln_f(h));
+  }
+  torch::nn::Embedding tokens{nullptr}, positions{nullptr};
+  torch::nn::ModuleList blocks{nullptr};
+  torch::nn::LayerNorm ln_f{nullptr};
+  torch::nn::Linear head{nullptr};
+};
+
+// Type-erased model: forward plus the module, and the submodules FSDP may make units (each called
+// through fsdp::forward_unit in the forward).
 struct Model {
   std::shared_ptr<torch::nn::Module> module;
   std::function<at::Tensor(const at::Tensor&)> forward;
+  std::vector<std::shared_ptr<torch::nn::Module>> units;
+  bool language_model = false;  // output [B, T, vocab] against labels [B, T]
 };
 
 // The parameter-server benchmark's DummyModel / DummyModelSparse: EmbeddingBag (mean; sparse or

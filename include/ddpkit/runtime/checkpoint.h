@@ -29,6 +29,7 @@
 namespace ddpkit {
 
 class DistributedDataParallelBase;
+class FullyShardedDataParallelBase;
 class ZeroRedundancyOptimizer;
 
 // Named CPU tensors <-> bytes with a checksum. decode_tensors checks every length, dtype and the
@@ -66,6 +67,10 @@ class TrainingState {
   TrainingState& optimizer(torch::optim::Optimizer* optimizer);
   TrainingState& zero(std::shared_ptr<ZeroRedundancyOptimizer> zero);
   TrainingState& ddp(DistributedDataParallelBase* ddp);
+  // FSDP: the model's full state (gathered on rank 0) and the optimizer's state gathered per unit
+  // (SGD, Adam, AdamW), so the checkpoint reloads at any world size. Give the optimizer over the
+  // shards with optimizer(), and no module().
+  TrainingState& fsdp(FullyShardedDataParallelBase* fsdp);
   TrainingState& hook_state(std::shared_ptr<hooks::HookState> state);
   // Each rank's model and optimizer are its own (post-local SGD between averages): save them per rank.
   TrainingState& replicas_differ(bool differ);
@@ -83,6 +88,7 @@ class TrainingState {
   torch::optim::Optimizer* optimizer_ = nullptr;
   std::shared_ptr<ZeroRedundancyOptimizer> zero_;
   DistributedDataParallelBase* ddp_ = nullptr;
+  FullyShardedDataParallelBase* fsdp_ = nullptr;
   std::shared_ptr<hooks::HookState> hook_state_;
   bool replicas_differ_ = false;
 };

@@ -34,10 +34,12 @@ AllocatorTuning tune_allocator_for_training(std::size_t threshold_bytes = std::s
 // Returns true when OpenBLAS was found and limited too.
 bool set_compute_threads(int n);
 
-// This process's resident memory and open file descriptors (from /proc/self), for spotting leaks
-// in long runs (`ddpkit train --report-resources N`).
+// This process's resident memory, its high-water mark (VmHWM: shared memory this process touched
+// counts, as the kernel charges it), and open file descriptors (from /proc/self), for spotting
+// leaks in long runs (`ddpkit train --report-resources N`) and memory per rank (peak_rss_bytes).
 struct ProcessResources {
   int64_t rss_bytes = 0;
+  int64_t peak_rss_bytes = 0;
   int64_t open_fds = 0;
 };
 ProcessResources process_resources();
