@@ -110,10 +110,19 @@ mkdir -p "$ccache_dir"
 mount --bind "$ccache_dir" "$root/ccache"
 mounted+=("$root/ccache")
 
-# The checkout as git sees it, over the previous copy; build/ is kept for incremental builds.
+# The checkout as git sees it, over the previous copy; build/ is kept for incremental builds. A file
+# whose content changed gets the current time: with tar's preserved times, a source edited after an
+# earlier copy but before that copy's build finished looked older than its object, and was skipped.
 dest=$root/work/ddpkit
+stage=$root/work/ddpkit.stage
+rm -rf "$stage" && mkdir -p "$stage"
+(cd "$here" && git ls-files -z -co --exclude-standard | tar --null -T - -cf -) | tar -xf - -C "$stage"
+(cd "$stage" && find . -type f -print0) | while IFS= read -r -d '' f; do
+  cmp -s "$stage/$f" "$dest/$f" 2>/dev/null || touch "$stage/$f"
+done
 find "$dest" -mindepth 1 -maxdepth 1 ! -name build -exec rm -rf {} +
-(cd "$here" && git ls-files -z -co --exclude-standard | tar --null -T - -cf -) | tar -xf - -C "$dest"
+(cd "$stage" && tar -cf - .) | tar -xf - -C "$dest"
+rm -rf "$stage"
 # The checkout's ../shared (reference material) travels too when present.
 [ -d "$here/../shared" ] && { rm -rf "$root/work/shared"; cp -r "$here/../shared" "$root/work/shared"; }
 

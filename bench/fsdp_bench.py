@@ -1,0 +1,82 @@
+#!/usr/bin/python3
+"""Memory and step time of DDP, ZeRO-1, ZeRO-2 and each FSDP strategy, side by side in one run (issue 31).
+
+    bench/fsdp_bench.py [--bin build/ddpkit] [--worlds 2,4] [--steps 6]
+    bench/fsdp_bench.py --pytorch          # + PyTorch's own FSDP FULL_SHARD and DDP on the same MLP
+                                           #   (bench/pytorch_fsdp.py, whichever torch python3 has)
+
+Every row is `ddpkit train` on local processes: the synthetic-data MLP of about 100M parameters
+(1024-4096x6-1024, 92.3M) with Adam, batch 8 per rank, one compute thread per rank, glibc's
+thresholds pinned to 1 GiB on every side (MALLOC_MMAP_THRESHOLD_/MALLOC_TRIM_THRESHOLD_, which
+ddpkit's own tuning also sets). Memory is the largest rank's high-water mark (VmHWM, the
+`peak_rss_bytes` of the JSON line): the process floor (libtorch, the data) is in every row, so the
+ratios understate what sharding saves on the model state itself. Each FSDP layer is a unit.
+With --pytorch, the speed comparison runs the issue's MLP (4 blocks 1024-4096-1024, 33.6M
+parameters, SGD, batch 32) under ddpkit and under PyTorch, each Linear a unit on both sides.
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(1 << 30), "MALLOC_TRIM_THRESHOLD_": str(1 << 30)}
+BIG = ["--dataset", "synthetic", "--mlp-dims", "1024,4096,4096,4096,4096,4096,4096,1024", "--synthetic-size", "512",
+       "--batch-size", "8", "--optimizer", "adam", "--no-eval", "--quiet", "--fsdp-min-unit-params", "1000000"]
+CONFIGS = [("DDP", []), ("ZeRO-1", ["--zero", "1"]), ("ZeRO-2", ["--zero", "2"]),
+           ("FSDP full_shard", ["--fsdp", "full_shard"]), ("FSDP shard_grad_op", ["--fsdp", "shard_grad_op"]),
+           ("FSDP no_shard", ["--fsdp", "no_shard"]), ("FSDP hybrid_shard", ["--fsdp", "hybrid_shard"])]
+ISSUE_MLP = ["--dataset", "synthetic", "--mlp-dims", "1024,4096,1024,4096,1024,4096,1024,4096,1024",
+             "--synthetic-size", "2048", "--batch-size", "32", "--no-eval", "--quiet", "--fsdp-min-unit-params", "1000000"]
+
+
+def run(binary, args):
+    env = dict(os.environ, **MALLOC)
+    out = subprocess.run([binary, "train"] + args, env=env, capture_output=True, text=True, timeout=1200)
+    if out.returncode != 0:
+        sys.exit(f"FAILED: ddpkit train {' '.join(args)}\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--bin", default=os.path.join(HERE, "..", "build", "ddpkit"))
+    ap.add_argument("--worlds", default="2,4")
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--pytorch", action="store_true")
+    a = ap.parse_args()
+    print("ddpkit train, MLP 1024-4096x6-1024 (92.3M parameters), Adam, batch 8/rank, 1 thread/rank, malloc pinned")
+    print(f"{'config':<20} {'W':>2} {'step ms':>9} {'peak MB':>9} {'vs DDP mem':>10} {'vs DDP time':>11} {'optim state MB':>14}")
+    for w in [int(x) for x in a.worlds.split(",")]:
+        base = None
+        for name, extra in CONFIGS:
+            r = run(a.bin, BIG + extra + ["--nproc", str(w), "--steps", str(a.steps)])
+            if base is None:
+                base = r
+            print(f"{name:<20} {w:>2} {r['median_step_ms']:>9.1f} {r['peak_rss_bytes'] / 2**20:>9.0f} "
+                  f"{r['peak_rss_bytes'] / base['peak_rss_bytes']:>10.2f} {r['median_step_ms'] / base['median_step_ms']:>11.2f} "
+                  f"{r['optimizer_state_bytes'] / 2**20:>14.0f}", flush=True)
+    if a.pytorch:
+        print("\nSpeed against PyTorch (the issue's MLP: 4 blocks 1024-4096-1024, 33.6M parameters, SGD, batch 32/rank, "
+              "W=2, 1 thread/rank, each Linear a unit, malloc pinned)")
+        steps = max(a.steps, 8)
+        ours = {name: run(a.bin, ISSUE_MLP + extra + ["--nproc", "2", "--steps", str(steps)])["median_step_ms"]
+                for name, extra in [("ddp", []), ("full_shard", ["--fsdp", "full_shard"])]}
+        env = dict(os.environ, **MALLOC)
+        theirs = {}
+        for mode in ["ddp", "full_shard"]:
+            out = subprocess.run([sys.executable, os.path.join(HERE, "pytorch_fsdp.py"), "--mode", mode, "--steps", str(steps)],
+                                 env=env, capture_output=True, text=True, timeout=1800)
+            if out.returncode != 0:
+                sys.exit(f"FAILED: pytorch_fsdp.py --mode {mode}\n{out.stderr[-3000:]}")
+            theirs[mode] = json.loads(out.stdout.strip().splitlines()[-1])["median_step_ms"]
+        import torch
+        print(f"{'':<22} {'ddpkit ms':>10} {'PyTorch ' + torch.__version__.split('+')[0] + ' ms':>16} {'ratio':>7}")
+        for mode in ["ddp", "full_shard"]:
+            print(f"{mode:<22} {ours[mode]:>10.1f} {theirs[mode]:>16.1f} {ours[mode] / theirs[mode]:>7.2f}")
+        print(f"ddpkit FULL_SHARD / ddpkit DDP: {ours['full_shard'] / ours['ddp']:.2f}")
+
+
+if __name__ == "__main__":
+    main()
