@@ -110,11 +110,22 @@ mkdir -p "$ccache_dir"
 mount --bind "$ccache_dir" "$root/ccache"
 mounted+=("$root/ccache")
 
-# The checkout as git sees it, over the previous copy; build/ is kept for incremental builds. A file
-# whose content changed gets the current time: with tar's preserved times, a source edited after an
-# earlier copy but before that copy's build finished looked older than its object, and was skipped.
+# The checkout as git sees it, over the previous copy; build/ is kept for incremental builds. Only
+# files whose content changed are written, with the current time; the others keep theirs. (With
+# tar's preserved times, a source edited after an earlier copy but before that copy's build
+# finished looked older than its object and was never rebuilt.)
 dest=$root/work/ddpkit
 stage=$root/work/ddpkit.stage
+rm -rf "$stage" && mkdir -p "$stage"
+(cd "$here" && git ls-files -z -co --exclude-standard | tar --null -T - -cf -) | tar -xf - -C "$stage"
+(cd "$stage" && find . \( -type f -o -type l \) -print0) | while IFS= read -r -d '' f; do
+  if ! cmp -s "$stage/$f" "$dest/$f" 2>/dev/null; then
+    mkdir -p "$(dirname "$dest/$f")" && rm -f "$dest/$f" && cp -P "$stage/$f" "$dest/$f" && touch -h "$dest/$f"
+  fi
+done
+(cd "$dest" && find . -path ./build -prune -o \( -type f -o -type l \) -print0) | while IFS= read -r -d '' f; do
+  [ -e "$stage/$f" ] || [ -L "$stage/$f" ] || rm -f "$dest/$f"
+done
 rm -rf "$stage" && mkdir -p "$stage"
 (cd "$here" && git ls-files -z -co --exclude-standard | tar --null -T - -cf -) | tar -xf - -C "$stage"
 (cd "$stage" && find . -type f -print0) | while IFS= read -r -d '' f; do
