@@ -126,13 +126,6 @@ done
 (cd "$dest" && find . -path ./build -prune -o \( -type f -o -type l \) -print0) | while IFS= read -r -d '' f; do
   [ -e "$stage/$f" ] || [ -L "$stage/$f" ] || rm -f "$dest/$f"
 done
-rm -rf "$stage" && mkdir -p "$stage"
-(cd "$here" && git ls-files -z -co --exclude-standard | tar --null -T - -cf -) | tar -xf - -C "$stage"
-(cd "$stage" && find . -type f -print0) | while IFS= read -r -d '' f; do
-  cmp -s "$stage/$f" "$dest/$f" 2>/dev/null || touch "$stage/$f"
-done
-find "$dest" -mindepth 1 -maxdepth 1 ! -name build -exec rm -rf {} +
-(cd "$stage" && tar -cf - .) | tar -xf - -C "$dest"
 rm -rf "$stage"
 # The checkout's ../shared (reference material) travels too when present.
 [ -d "$here/../shared" ] && { rm -rf "$root/work/shared"; cp -r "$here/../shared" "$root/work/shared"; }

@@ -28,6 +28,21 @@ struct FlatParam {
   bool grad_in = false;  // this backward: its gradient was copied into the unit's flat gradient
 };
 
+// The large buffers FSDP needs every step (gathered units, flat gradients, reduce outputs, low-
+// precision shard copies), kept for reuse by size. A block is free again once nothing but the pool
+// holds its storage, so a collective may drop its reference on its own thread. Freed and allocated
+// afresh, these blocks grew glibc's heap by about a unit a step under ddpkit's raised trim
+// threshold (1.5 GB -> 2.0 GB over 8 steps at W=4) and were faulted in again at glibc's defaults.
+class BufferPool {
+ public:
+  // Contiguous, uninitialized, [numel] of `dtype`.
+  at::Tensor take(int64_t numel, at::ScalarType dtype);
+  int64_t bytes() const;  // held, in use or not
+
+ private:
+  std::map<int64_t, std::vector<at::Tensor>> blocks_;  // kByte tensors, by size
+};
+
 struct FlatUnit {
   enum class State { kSharded, kGathering, kGathered };
 
@@ -39,9 +54,11 @@ struct FlatUnit {
   int64_t numel = 0;        // without padding
   int64_t shard_numel = 0;  // S: padded numel = S * shard world
   at::Tensor shard;         // fp32 leaf [S], this rank's elements: what the optimizer steps
-  // [S * shard world] in the compute dtype. Its storage is resized to 0 bytes while sharded, and
-  // refilled in place: tensors autograd saved from the parameters' views stay valid.
+  // [S * shard world] in the compute dtype. Its storage points at a pool block while gathered and
+  // at nothing (0 bytes) while sharded, and is refilled in place: tensors autograd saved from the
+  // parameters' views stay valid.
   at::Tensor full;
+  at::Tensor full_block;  // the pool block behind `full` while gathered
   bool aliases_shard = false;  // kNoShard in fp32: the parameters are views of the shard itself
   State state = State::kSharded;
   FuturePtr gather;         // in flight
@@ -108,6 +125,7 @@ class FsdpImpl {
   bool backward_queued = false;
   std::shared_ptr<int> alive = std::make_shared<int>(0);  // hooks hold it weakly
   int gathered_units = 0;  // gathered or gathering, root and aliases excluded
+  BufferPool pool;
   int max_gathered = 0;
 
  private:
@@ -123,6 +141,8 @@ class FsdpImpl {
   void gather_now(FlatUnit& u);
   void prefetch(int unit);
   void point_params_at_full(FlatUnit& u);
+  void attach_full(FlatUnit& u);
+  void detach_full(FlatUnit& u);
   void reshard(FlatUnit& u);
   bool frees_after_forward(const FlatUnit& u) const;
   void register_pre_backward(int unit, const std::vector<at::Tensor>& outputs);
@@ -142,8 +162,6 @@ class FsdpImpl {
   std::vector<Wrapped> wrapped_;
 };
 
-// Resizes the storage of `t` to `bytes` (0 frees it) in place, keeping every view of it valid.
-void resize_storage(const at::Tensor& t, size_t bytes);
 
 }  // namespace detail
 }  // namespace ddpkit

@@ -4,7 +4,6 @@
 
 #include <ddpkit/compat.h>
 
-#include <ATen/native/Resize.h>
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/variable.h>
 #include <torch/nn/modules/container/any.h>
@@ -46,8 +45,19 @@ AutoWrapPolicy size_based_auto_wrap_policy(int64_t min_num_params) {
 
 namespace detail {
 
-void resize_storage(const at::Tensor& t, size_t bytes) {
-  at::native::resize_bytes_cpu(t.storage().unsafeGetStorageImpl(), bytes);
+at::Tensor BufferPool::take(int64_t numel, at::ScalarType dtype) {
+  const int64_t bytes = numel * static_cast<int64_t>(c10::elementSize(dtype));
+  auto& blocks = blocks_[bytes];
+  for (auto& b : blocks)
+    if (b.storage().use_count() == 1) return b.view(dtype);
+  blocks.push_back(at::empty({bytes}, at::kByte));
+  return blocks.back().view(dtype);
+}
+
+int64_t BufferPool::bytes() const {
+  int64_t total = 0;
+  for (const auto& kv : blocks_) total += kv.first * static_cast<int64_t>(kv.second.size());
+  return total;
 }
 
 namespace {
@@ -74,7 +84,6 @@ std::string join(const std::string& prefix, const std::string& name) {
   return prefix.empty() ? name : prefix + "." + name;
 }
 
-int64_t element_size(at::ScalarType t) { return static_cast<int64_t>(c10::elementSize(t)); }
 
 // A Sequential child that is a unit: runs it inside its unit's scope.
 struct UnitCallImpl : torch::nn::Module {
@@ -319,7 +328,7 @@ void FsdpImpl::shard_parameters() {
       u.full = u.shard.detach();
     } else {
       u.full = at::empty({u.shard_numel * shard_world}, compute_dtype);
-      resize_storage(u.full, 0);
+      detach_full(u);
     }
     for (size_t i = 0; i < u.params.size(); ++i) {
       FlatParam& fp = u.params[i];
@@ -406,10 +415,10 @@ bool FsdpImpl::frees_after_forward(const FlatUnit& u) const {
 void FsdpImpl::start_gather(FlatUnit& u) {
   if (u.state != FlatUnit::State::kSharded) return;
   torch::NoGradGuard no_grad;
-  resize_storage(u.full, static_cast<size_t>(u.shard_numel * shard_world * element_size(compute_dtype)));
+  attach_full(u);
   if (u.index != 0) max_gathered = std::max(max_gathered, ++gathered_units);
   at::Tensor input = u.shard.detach();
-  if (compute_dtype != at::kFloat) input = input.to(compute_dtype);
+  if (compute_dtype != at::kFloat) input = pool.take(u.shard_numel, compute_dtype).copy_(input);
   if (shard_world == 1) {
     u.full.copy_(input);
     u.state = FlatUnit::State::kGathered;
@@ -440,6 +449,21 @@ void FsdpImpl::point_params_at_full(FlatUnit& u) {
   for (auto& fp : u.params) fp.param.set_data(u.full.narrow(0, fp.offset, fp.numel).view(fp.shape));
 }
 
+// `full` keeps its own storage object for life; only the memory behind it comes and goes.
+void FsdpImpl::attach_full(FlatUnit& u) {
+  u.full_block = pool.take(u.shard_numel * shard_world, compute_dtype);
+  c10::StorageImpl* storage = u.full.storage().unsafeGetStorageImpl();
+  storage->set_data_ptr_noswap(at::DataPtr(u.full_block.data_ptr(), u.full_block.device()));  // not owning
+  storage->set_nbytes(static_cast<size_t>(u.full_block.nbytes()));
+}
+
+void FsdpImpl::detach_full(FlatUnit& u) {
+  c10::StorageImpl* storage = u.full.storage().unsafeGetStorageImpl();
+  storage->set_data_ptr_noswap(at::DataPtr(nullptr, c10::Device(c10::kCPU)));
+  storage->set_nbytes(0);
+  u.full_block = at::Tensor();
+}
+
 void FsdpImpl::prefetch(int unit) {
   if (unit <= 0) return;
   FlatUnit& u = units[unit];
@@ -457,7 +481,7 @@ void FsdpImpl::reshard(FlatUnit& u) {
     }
   }
   for (auto& fp : u.params) fp.param.set_data(at::empty({0}, compute_dtype));
-  resize_storage(u.full, 0);
+  detach_full(u);
   u.state = FlatUnit::State::kSharded;
   if (u.index != 0) --gathered_units;
 }
@@ -608,7 +632,7 @@ void FsdpImpl::param_grad_ready(int unit, int param) {
   at::Tensor& grad = fp.param.mutable_grad();
   if (!grad.defined() || fp.grad_in) return;
   torch::NoGradGuard no_grad;
-  if (!u.grad_flat.defined()) u.grad_flat = at::empty({u.shard_numel * shard_world}, reduce_dtype);
+  if (!u.grad_flat.defined()) u.grad_flat = pool.take(u.shard_numel * shard_world, reduce_dtype);
   u.grad_flat.narrow(0, fp.offset, fp.numel).copy_(grad.reshape({-1}));
   grad = at::Tensor();  // the unsharded gradient is not kept
   fp.grad_in = true;
@@ -631,7 +655,7 @@ void FsdpImpl::launch_reduce(FlatUnit& u) {
     if (!fp.grad_in) u.grad_flat.narrow(0, fp.offset, fp.numel).zero_();
   if (u.grad_flat.numel() > u.numel) u.grad_flat.narrow(0, u.numel, u.grad_flat.numel() - u.numel).zero_();
   const bool sharded = options.sharding_strategy() != ShardingStrategy::kNoShard;
-  if (sharded) u.grad_out = at::empty({u.shard_numel}, reduce_dtype);
+  if (sharded) u.grad_out = pool.take(u.shard_numel, reduce_dtype);
   if (hook) {
     u.reduce = hook(u.grad_flat, sharded ? u.grad_out : at::Tensor());
   } else if (sharded) {
@@ -639,7 +663,9 @@ void FsdpImpl::launch_reduce(FlatUnit& u) {
   } else {
     u.reduce = fsdp::allreduce_hook(*default_state, u.grad_flat);
   }
+  // The collective holds the flat gradient while it needs it; it returns to the pool after.
   if (!sharded) u.grad_out = u.grad_flat;
+  u.grad_flat = at::Tensor();
 }
 
 void FsdpImpl::finish_backward() {
