@@ -71,6 +71,7 @@ struct FlatUnit {
   bool used_in_backward = false;
   at::Tensor grad_flat;  // padded, reduce dtype
   at::Tensor grad_out;   // [S], reduce dtype
+  bool reduces_into_grad = false;  // grad_out becomes the shard's .grad
   FuturePtr reduce;
 };
 

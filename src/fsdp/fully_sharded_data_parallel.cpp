@@ -316,12 +316,17 @@ void FsdpImpl::shard_parameters() {
   torch::NoGradGuard no_grad;
   const bool sync = options.sync_module_states() && pg->size() > 1;
   for (auto& u : units) {
-    at::Tensor flat = at::zeros({u.shard_numel * shard_world}, at::kFloat);
-    for (const auto& fp : u.params) flat.narrow(0, fp.offset, fp.numel).copy_(fp.param.detach().reshape({-1}));
-    if (sync && u.numel > 0) ProcessGroup::wait(pg->broadcast(flat, 0));
-    u.shard = flat.narrow(0, shard_rank * u.shard_numel, u.shard_numel).clone();
+    // Parameter by parameter (rank 0's values), each rank keeping only its range of the flat
+    // layout: no unit is ever held whole twice.
+    u.shard = at::zeros({u.shard_numel}, at::kFloat);
+    const int64_t begin = shard_rank * u.shard_numel, end = begin + u.shard_numel;
+    for (const auto& fp : u.params) {
+      at::Tensor data = fp.param.detach();
+      if (sync) ProcessGroup::wait(pg->broadcast(data, 0));
+      const int64_t from = std::max(begin, fp.offset), to = std::min(end, fp.offset + fp.numel);
+      if (to > from) u.shard.narrow(0, from - begin, to - from).copy_(data.reshape({-1}).narrow(0, from - fp.offset, to - from));
+    }
     u.shard.set_requires_grad(u.trainable);
-    flat = at::Tensor();
     // Without sharding in fp32, or with nothing to gather, the parameters are views of the shard.
     u.aliases_shard = (shard_world == 1 && compute_dtype == at::kFloat) || u.numel == 0;
     if (u.aliases_shard) {
@@ -334,7 +339,7 @@ void FsdpImpl::shard_parameters() {
       FlatParam& fp = u.params[i];
       // The accumulator records the parameter's shape and dtype when made: make it as the
       // parameter will be in backward, and keep it (autograd holds it weakly).
-      fp.param.set_data(at::empty(fp.shape, compute_dtype));
+      if (fp.param.scalar_type() != compute_dtype) fp.param.set_data(at::empty(fp.shape, compute_dtype));
       if (u.trainable) {
         fp.accumulator = torch::autograd::impl::grad_accumulator(fp.param);
         const int unit = u.index, param = static_cast<int>(i);
@@ -655,7 +660,13 @@ void FsdpImpl::launch_reduce(FlatUnit& u) {
     if (!fp.grad_in) u.grad_flat.narrow(0, fp.offset, fp.numel).zero_();
   if (u.grad_flat.numel() > u.numel) u.grad_flat.narrow(0, u.numel, u.grad_flat.numel() - u.numel).zero_();
   const bool sharded = options.sharding_strategy() != ShardingStrategy::kNoShard;
-  if (sharded) u.grad_out = pool.take(u.shard_numel, reduce_dtype);
+  // Into the shard's gradient itself where there is none to add to (zero_grad(set_to_none)).
+  u.reduces_into_grad = sharded && reduce_dtype == at::kFloat && !u.shard.grad().defined();
+  if (u.reduces_into_grad) {
+    u.grad_out = at::empty({u.shard_numel}, at::kFloat);
+  } else if (sharded) {
+    u.grad_out = pool.take(u.shard_numel, reduce_dtype);
+  }
   if (hook) {
     u.reduce = hook(u.grad_flat, sharded ? u.grad_out : at::Tensor());
   } else if (sharded) {
@@ -677,6 +688,7 @@ void FsdpImpl::finish_backward() {
         u.grads_in = 0;
         u.used_in_backward = false;
         u.reduce_launched = false;
+        u.reduces_into_grad = false;
         u.reduce.reset();
         u.grad_flat = at::Tensor();
         u.grad_out = at::Tensor();
@@ -713,7 +725,9 @@ void FsdpImpl::finish_backward() {
     if (across[u.index]) ProcessGroup::wait(across[u.index]);
     at::Tensor result = u.grad_out.narrow(0, 0, u.shard_numel);
     at::Tensor& g = u.shard.mutable_grad();
-    if (!g.defined()) {
+    if (u.reduces_into_grad) {
+      g = u.grad_out;  // itself, not a view of it: zero_grad() detaches gradients in place
+    } else if (!g.defined()) {
       g = result.scalar_type() == at::kFloat ? result.clone() : result.to(at::kFloat);
     } else {
       g.add_(result);
