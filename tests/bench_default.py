@@ -23,13 +23,15 @@ with tempfile.TemporaryDirectory() as out:
         last = sum(r["loss"][-20:]) / 20
         assert first > 1.5 and last < 0.9, (r["hook"], first, last)  # it learns
         assert r["target_loss"] == 0.6 and 0 < r["time_to_target_s"] <= sum(r["step_ms"]) / 1000, r["hook"]
+        assert 50 * 2**20 < r["peak_rss_bytes"] < 8 * 2**30, r  # the largest trainer's memory, beside its time
 
     lines = p.stdout.splitlines()
     header = next(i for i, l in enumerate(lines) if l.startswith("hook"))
-    assert "to_target_s" in lines[header], lines[header]
+    assert "to_target_s" in lines[header] and lines[header].split()[5] == "peak_MB", lines[header]
     rows = {l.split()[0]: l.split() for l in lines[header + 1:header + 4]}
-    assert rows["allreduce"][5] == "-" and rows["int8"][5] == "-", rows  # no server for these hooks
-    assert float(rows["rpc"][5]) > 0, rows
+    assert all(float(row[5]) > 50 for row in rows.values()), rows  # peak MB per hook
+    assert rows["allreduce"][6] == "-" and rows["int8"][6] == "-", rows  # no server for these hooks
+    assert float(rows["rpc"][6]) > 0, rows
     assert all(re.fullmatch(r"[0-9.]+", rows[h][7]) for h in rows), rows
 
     html = open(f"{out}/report.html").read()

@@ -496,5 +496,34 @@ TEST(SharedMemory, OptionAndEnvironmentTurnItOff) {
   unsetenv("DDPKIT_SHM");
 }
 
+
+// Issue 31: inputs at the same offset of a shared buffer on every rank (FSDP's shards) are gathered
+// where they lie; at different offsets, or in private memory, they go through the slots. Each way the
+// result is Gloo's.
+TEST(SharedMemory, AllgatherReadsInputsWhereTheyLieInSharedBuffers) {
+  for (int world : {2, 3, 4}) {
+    testing::spawn_ranks(world, [&](int rank, std::shared_ptr<ProcessGroup> pg) {
+      ASSERT_TRUE(pg->uses_shared_memory());
+      const int64_t n = (3 << 20) / 4 + 5;  // over several slots, not a multiple of anything
+      at::Tensor buffer = pg->allreduce_buffer(2 * n + 64, at::kFloat);
+      ASSERT_TRUE(pg->sums_in_place(buffer));
+      at::Tensor mine = testing::seeded_randn({n}, 77 + rank);
+      at::Tensor want = at::empty({world * n});
+      for (int r = 0; r < world; ++r) want.narrow(0, r * n, n).copy_(testing::seeded_randn({n}, 77 + r));
+      for (int64_t offset : {int64_t{0}, int64_t{16} * rank}) {  // same offset everywhere, then not
+        at::Tensor input = buffer.narrow(0, offset, n);
+        input.copy_(mine);
+        at::Tensor out = at::empty({world * n});
+        ProcessGroup::wait(pg->allgather_into_tensor(out, input));
+        EXPECT_TRUE(out.equal(want)) << "offset " << offset;
+        EXPECT_TRUE(input.equal(mine));
+      }
+      at::Tensor out = at::empty({world * n});
+      ProcessGroup::wait(pg->allgather_into_tensor(out, mine.clone()));  // private memory
+      EXPECT_TRUE(out.equal(want));
+    });
+  }
+}
+
 }  // namespace
 }  // namespace ddpkit

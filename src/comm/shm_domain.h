@@ -42,8 +42,8 @@ struct Announcement {
   int32_t dtype = 0;
   int64_t size = 0;
   int32_t root = 0;
-  // Allreduce only: where the data live when they are in a SharedBuffer (its id, and the byte
-  // offset in it); -1 otherwise. Not part of the call: ranks that differ here copy as usual.
+  // Allreduce and allgather: where the data live when they are in a SharedBuffer (its id, and the
+  // byte offset in it); -1 otherwise. Not part of the call: ranks that differ here copy as usual.
   int64_t buffer = -1;
   int64_t offset = 0;
   // allreduce_parts: how many of this rank's parts lie in shared buffers, listed in its part
@@ -181,8 +181,9 @@ class Domain {
   // The parts peer p listed for step s, as this rank maps them (the buffers held in *held); a
   // buffer this rank does not map fails the collective.
   std::vector<PeerPart> map_peer_parts(int p, uint32_t s, int64_t elt, std::vector<std::shared_ptr<SharedBuffer>>* held);
-  // After the first arrive of an allreduce at step s: did every rank announce the same buffer
-  // and offset? Then each sums its slice in every rank's buffer, and the step ends.
+  // After the first arrive of an allreduce or allgather at step s: did every rank announce the
+  // same buffer and offset? Then each sums its slice in every rank's buffer (allreduce), or copies
+  // every rank's input from where it lies (allgather), and the step ends.
   bool in_place_everywhere(uint32_t s) const;
   // allreduce() and allreduce_parts(); `parts` null when the data are in `data`.
   void allreduce_impl(void* data, int64_t numel, c10::ScalarType dtype, double scale, const std::vector<Part>* parts);

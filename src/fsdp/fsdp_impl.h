@@ -133,6 +133,7 @@ class FsdpImpl {
   void build_units();
   void check_same_units_on_every_rank();
   void shard_parameters();
+  void place_shards_in_shared_memory();
   void make_groups();
   void wrap_sequential_children();
   void unwrap_sequential_children();

@@ -357,6 +357,7 @@ void FsdpImpl::shard_parameters() {
       for (auto& fp : u.params) fp.param.set_data(at::empty({0}, compute_dtype));
     }
   }
+  place_shards_in_shared_memory();
   // Buffers: rank 0's, in buffer_dtype while training.
   for (auto& b : module->named_buffers(/*recurse=*/true)) {
     at::Tensor t = b.value();
@@ -367,6 +368,29 @@ void FsdpImpl::shard_parameters() {
       buffer_dtypes.emplace_back(b.key(), t.scalar_type());
       t.set_data(t.detach().to(*bd));
     }
+  }
+}
+
+// Where this host's ranks share memory, the fp32 shards move into one buffer every local rank
+// maps, at the same offset on each: a unit's all-gather then reads each peer's shard where it lies
+// (two rendezvous) instead of passing it through the slots 1 MiB at a time.
+void FsdpImpl::place_shards_in_shared_memory() {
+  if (shard_world == 1 || compute_dtype != at::kFloat) return;
+  int64_t total = 0;
+  for (const auto& u : units) total += u.aliases_shard ? 0 : u.shard_numel;
+  if (total == 0) return;
+  at::Tensor flat = shard_pg->allreduce_buffer(total, at::kFloat);  // collective over the host
+  if (!shard_pg->sums_in_place(flat)) return;
+  int64_t offset = 0;
+  for (auto& u : units) {
+    if (u.aliases_shard) continue;
+    // A tensor of its own over the buffer (not a view): the shard stays a plain leaf.
+    at::Tensor shard = at::from_blob(flat.data_ptr<float>() + offset, {u.shard_numel}, [flat](void*) {},
+                                     flat.options());
+    shard.copy_(u.shard.detach());
+    shard.set_requires_grad(u.trainable);
+    u.shard = shard;
+    offset += u.shard_numel;
   }
 }
 

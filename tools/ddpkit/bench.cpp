@@ -7,6 +7,7 @@
 #include <ddpkit/ps/parameter_server.h>
 #include <ddpkit/ps/trainer_hooks.h>
 #include <ddpkit/runtime/divergence_guard.h>
+#include <ddpkit/runtime/runtime.h>
 
 #include <filesystem>
 #include <fstream>
@@ -414,6 +415,7 @@ int run_trainer_rank(const Setup& s, ProcessGroup& world, const std::string& hoo
                                 iterations;
 
   // ---- hand the metrics to trainer 0, which reports ----
+  store_put(*store, "bench/peak_rss/" + std::to_string(rank), std::to_string(process_resources().peak_rss_bytes));
   store_put(*store, "bench/series/" + std::to_string(rank), metrics::series_to_json(log->processed()));
   store_put(*store, "bench/events/" + std::to_string(rank), metrics::events_to_json(log->events()));
   if (lead) {
@@ -466,6 +468,10 @@ int run_trainer_rank(const Setup& s, ProcessGroup& world, const std::string& hoo
                     {"server_gradients_per_s", server_seconds > 0 ? gradients / server_seconds : 0.0},
                     {"server_MB_in_per_s", server_seconds > 0 ? bytes_in / server_seconds / 1e6 : 0.0},
                     {"final_loss", losses.empty() ? 0.0 : losses.back()}};
+    int64_t peak_rss = 0;  // the largest trainer's resident-memory high-water mark
+    for (int t = 0; t < s.ntrainer; ++t)
+      peak_rss = std::max<int64_t>(peak_rss, std::stoll(store_get(*store, "bench/peak_rss/" + std::to_string(t))));
+    summary["peak_rss_bytes"] = peak_rss;
     if (s.target_loss > 0) summary["target_loss"] = s.target_loss;
     summary["loss"] = losses;
     summary["step_ms"] = step_ms;

@@ -169,7 +169,8 @@ std::vector<double> elapsed_s(const nlohmann::json& run) {
 }
 
 // The table's cells: hook, then numbers, "-" where a column does not apply.
-const std::vector<std::string> kColumns{"hook", "step_ms", "p50_ms", "vs_first", "MB/step", "server_g/s", "final_loss", "to_target_s"};
+const std::vector<std::string> kColumns{"hook",     "step_ms",    "p50_ms",     "vs_first",   "MB/step",
+                                        "peak_MB",  "server_g/s", "final_loss", "to_target_s"};
 
 std::vector<std::vector<std::string>> table_rows(const std::vector<nlohmann::json>& runs) {
   std::vector<std::vector<std::string>> rows;
@@ -179,7 +180,9 @@ std::vector<std::vector<std::string>> table_rows(const std::vector<nlohmann::jso
     const bool served = num(r, "server_gradients_averaged") > 0;  // only rpc-style hooks use the servers
     const auto to_target = time_to_target_s(r);
     rows.push_back({r.value("hook", "?"), fmt(num(r, "step_ms_mean")), fmt(p50), base > 0 ? fmt(p50 / base, 2) : "-",
-                    fmt(num(r, "bytes_sent_per_step") / 1e6, 2), served ? fmt(num(r, "server_gradients_per_s")) : "-",
+                    fmt(num(r, "bytes_sent_per_step") / 1e6, 2),
+                    num(r, "peak_rss_bytes") > 0 ? fmt(num(r, "peak_rss_bytes") / 1048576.0) : "-",
+                    served ? fmt(num(r, "server_gradients_per_s")) : "-",
                     fmt(num(r, "final_loss"), 4), to_target ? fmt(*to_target, 2) : "-"});
   }
   return rows;
@@ -267,7 +270,7 @@ std::optional<double> time_to_target_s(const nlohmann::json& run) {
 }
 
 void write_comparison(std::ostream& os, const std::vector<nlohmann::json>& runs) {
-  const std::vector<int> widths{12, 10, 10, 9, 10, 12, 12, 13};
+  const std::vector<int> widths{12, 10, 10, 9, 10, 9, 12, 12, 13};
   for (size_t c = 0; c < kColumns.size(); ++c)
     os << (c == 0 ? std::left : std::right) << std::setw(widths[c]) << kColumns[c];
   os << "\n";
