@@ -4,6 +4,7 @@
     bench/fsdp_bench.py [--bin build/ddpkit] [--worlds 2,4] [--steps 6]
     bench/fsdp_bench.py --pytorch          # + PyTorch's own FSDP FULL_SHARD and DDP on the same MLP
                                            #   (bench/pytorch_fsdp.py, whichever torch python3 has)
+    bench/fsdp_bench.py --worlds "" --pytorch   # the PyTorch comparison alone
 
 Every row is `ddpkit train` on local processes: the synthetic-data MLP of about 100M parameters
 (1024-4096x6-1024, 92.3M) with Adam, batch 8 per rank, one compute thread per rank, glibc's
@@ -31,8 +32,12 @@ ISSUE_MLP = ["--dataset", "synthetic", "--mlp-dims", "1024,4096,1024,4096,1024,4
              "--synthetic-size", "2048", "--batch-size", "32", "--no-eval", "--quiet", "--fsdp-min-unit-params", "1000000"]
 
 
+MALLOC_MODE = "pinned"
+
+
 def run(binary, args):
-    env = dict(os.environ, **MALLOC)
+    # pinned: glibc's thresholds at 1 GiB (ddpkit's tuning); default: glibc's own on both sides.
+    env = dict(os.environ, **MALLOC) if MALLOC_MODE == "pinned" else dict(os.environ, DDPKIT_MALLOC_TUNING="0")
     out = subprocess.run([binary, "train"] + args, env=env, capture_output=True, text=True, timeout=1200)
     if out.returncode != 0:
         sys.exit(f"FAILED: ddpkit train {' '.join(args)}\n{out.stderr[-3000:]}")
@@ -45,12 +50,20 @@ def main():
     ap.add_argument("--worlds", default="2,4")
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--pytorch", action="store_true")
+    ap.add_argument("--malloc", choices=["pinned", "default"], default="pinned")
+    ap.add_argument("--configs", default="", help="comma-separated names to run (default: all)")
     a = ap.parse_args()
-    print("ddpkit train, MLP 1024-4096x6-1024 (92.3M parameters), Adam, batch 8/rank, 1 thread/rank, malloc pinned")
-    print(f"{'config':<20} {'W':>2} {'step ms':>9} {'peak MB':>9} {'vs DDP mem':>10} {'vs DDP time':>11} {'optim state MB':>14}")
-    for w in [int(x) for x in a.worlds.split(",")]:
+    global MALLOC_MODE
+    MALLOC_MODE = a.malloc
+    worlds = [int(x) for x in a.worlds.split(",") if x]
+    if worlds:
+        print(f"ddpkit train, MLP 1024-4096x6-1024 (92.3M parameters), Adam, batch 8/rank, 1 thread/rank, malloc {a.malloc}")
+        print(f"{'config':<20} {'W':>2} {'step ms':>9} {'peak MB':>9} {'vs DDP mem':>10} {'vs DDP time':>11} {'optim state MB':>14}")
+    for w in worlds:
         base = None
         for name, extra in CONFIGS:
+            if a.configs and name not in a.configs.split(","):
+                continue
             r = run(a.bin, BIG + extra + ["--nproc", str(w), "--steps", str(a.steps)])
             if base is None:
                 base = r
