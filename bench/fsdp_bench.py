@@ -11,7 +11,11 @@ Every row is `ddpkit train` on local processes: the synthetic-data MLP of about 
 thresholds pinned to 1 GiB on every side (MALLOC_MMAP_THRESHOLD_/MALLOC_TRIM_THRESHOLD_, which
 ddpkit's own tuning also sets). Memory is the largest rank's high-water mark (VmHWM, the
 `peak_rss_bytes` of the JSON line): the process floor (libtorch, the data) is in every row, so the
-ratios understate what sharding saves on the model state itself. Each FSDP layer is a unit.
+ratios understate what sharding saves on the model state itself. VmHWM also counts shared memory a
+rank only reads (FSDP's shards, DDP's gradient arena: every rank maps its peers'), so as root each
+rank runs in a memory cgroup of its own and "charged MB" is the largest rank's peak of memory the
+kernel charged it (a shared page counts once, for its first toucher): the per-rank figure to
+compare. Each FSDP layer is a unit.
 With --pytorch, the speed comparison runs the issue's MLP (4 blocks 1024-4096-1024, 33.6M
 parameters, SGD, batch 32) under ddpkit and under PyTorch, each Linear a unit on both sides.
 """
@@ -35,13 +39,26 @@ ISSUE_MLP = ["--dataset", "synthetic", "--mlp-dims", "1024,4096,1024,4096,1024,4
 MALLOC_MODE = "pinned"
 
 
-def run(binary, args):
+def run(binary, args, nproc=None):
     # pinned: glibc's thresholds at 1 GiB (ddpkit's tuning); default: glibc's own on both sides.
     env = dict(os.environ, **MALLOC) if MALLOC_MODE == "pinned" else dict(os.environ, DDPKIT_MALLOC_TUNING="0")
-    out = subprocess.run([binary, "train"] + args, env=env, capture_output=True, text=True, timeout=1200)
-    if out.returncode != 0:
-        sys.exit(f"FAILED: ddpkit train {' '.join(args)}\n{out.stderr[-3000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    groups = None
+    cmd = [binary, "train"] + args
+    if nproc and os.geteuid() == 0:
+        from fsdp_capacity import Cgroups  # bench/fsdp_capacity.py
+        groups = Cgroups(nproc, 1 << 40)
+        script = f"echo $$ > {groups.root}/rank$RANK/cgroup.procs && exec " + " ".join(cmd)
+        cmd = [binary, "launch", "--nproc", str(nproc), "/bin/sh", "-c", script]
+    try:
+        out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200)
+        if out.returncode != 0:
+            sys.exit(f"FAILED: ddpkit train {' '.join(args)}\n{out.stderr[-3000:]}")
+        r = json.loads(out.stdout.strip().splitlines()[-1])
+        r["charged_bytes"] = groups.peak_bytes() if groups else 0
+        return r
+    finally:
+        if groups:
+            groups.remove()
 
 
 def main():
@@ -58,18 +75,22 @@ def main():
     worlds = [int(x) for x in a.worlds.split(",") if x]
     if worlds:
         print(f"ddpkit train, MLP 1024-4096x6-1024 (92.3M parameters), Adam, batch 8/rank, 1 thread/rank, malloc {a.malloc}")
-        print(f"{'config':<20} {'W':>2} {'step ms':>9} {'peak MB':>9} {'vs DDP mem':>10} {'vs DDP time':>11} {'optim state MB':>14}")
+        print(f"{'config':<20} {'W':>2} {'step ms':>9} {'peak MB':>9} {'vs DDP mem':>10} {'charged MB':>10} "
+              f"{'vs DDP':>7} {'vs DDP time':>11} {'optim state MB':>14}")
     for w in worlds:
         base = None
         for name, extra in CONFIGS:
             if a.configs and name not in a.configs.split(","):
                 continue
-            r = run(a.bin, BIG + extra + ["--nproc", str(w), "--steps", str(a.steps)])
+            r = run(a.bin, BIG + extra + ["--nproc", str(w), "--steps", str(a.steps)], nproc=w)
             if base is None:
                 base = r
+            charged = (f"{r['charged_bytes'] / 2**20:>10.0f} {r['charged_bytes'] / base['charged_bytes']:>7.2f}"
+                       if base["charged_bytes"] else f"{'-':>10} {'-':>7}")
             print(f"{name:<20} {w:>2} {r['median_step_ms']:>9.1f} {r['peak_rss_bytes'] / 2**20:>9.0f} "
-                  f"{r['peak_rss_bytes'] / base['peak_rss_bytes']:>10.2f} {r['median_step_ms'] / base['median_step_ms']:>11.2f} "
-                  f"{r['optimizer_state_bytes'] / 2**20:>14.0f}", flush=True)
+                  f"{r['peak_rss_bytes'] / base['peak_rss_bytes']:>10.2f} {charged} "
+                  f"{r['median_step_ms'] / base['median_step_ms']:>11.2f} {r['optimizer_state_bytes'] / 2**20:>14.0f}",
+                  flush=True)
     if a.pytorch:
         print("\nSpeed against PyTorch (the issue's MLP: 4 blocks 1024-4096-1024, 33.6M parameters, SGD, batch 32/rank, "
               "W=2, 1 thread/rank, each Linear a unit, malloc pinned)")

@@ -58,6 +58,12 @@ class Cgroups:
                     hit.append(r)
         return hit
 
+    def peak_bytes(self):
+        """The largest rank's peak of memory charged to its cgroup (a shared page counts once, for
+        the rank that first touched it), since the cgroups were made."""
+        name = "memory.max_usage_in_bytes" if self.v1 else "memory.peak"
+        return max(int(open(os.path.join(d, name)).read()) for d in self.dirs)
+
     def reset(self):
         if self.v1:
             for d in self.dirs:

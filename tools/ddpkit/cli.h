@@ -52,8 +52,8 @@ bool in_distributed_env();
 std::string read_token(const std::string& path);
 
 struct Dataset {
-  at::Tensor inputs;   // [N, features] float32; a language model's: [N, T] int64 byte ids
-  at::Tensor labels;   // [N] int64; a language model's: [N, T], the next byte of each input
+  at::Tensor inputs;   // [N, features] float32; a language model's: [N, T] uint8 bytes (widen per batch)
+  at::Tensor labels;   // [N] int64; a language model's: [N, T] uint8, the next byte of each input
   int64_t num_classes = 0;
 };
 struct Split {

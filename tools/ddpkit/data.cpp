@@ -99,7 +99,6 @@ Split load_text_corpus(const std::string& dir, int64_t length, double test_fract
   if (windows < 2) throw UsageError(dir + " holds too little text for --seq-len " + std::to_string(length));
   at::Tensor bytes = at::empty({static_cast<int64_t>(text.size())}, at::kByte);
   std::memcpy(bytes.data_ptr(), text.data(), text.size());
-  bytes = bytes.to(at::kLong);
   auto split = [&](int64_t first, int64_t count) {
     Dataset d;
     d.inputs = bytes.narrow(0, first * length, count * length).view({count, length}).clone();

@@ -205,7 +205,12 @@ int run_attempt(int nproc, const std::vector<std::string>& argv, const std::stri
       if (code != 0 && exit_code == 0) {
         exit_code = code;
         if (!stopping) {
-          std::cerr << "ddpkit: a rank exited with status " << code << "; stopping the others\n";
+          std::cerr << "ddpkit: a rank exited with status " << code
+                    << (WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL
+                            ? " (killed by SIGKILL, which the kernel's out-of-memory killer sends when a process or its "
+                              "cgroup runs out of memory: see dmesg)"
+                            : "")
+                    << "; stopping the others\n";
           stopping = true;
           term_deadline = clock::now() + std::chrono::seconds(3);
         }

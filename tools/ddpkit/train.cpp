@@ -546,7 +546,9 @@ int run_train(const std::vector<std::string>& args, const std::vector<std::strin
     const auto epoch_start = std::chrono::steady_clock::now();
     for (int64_t i = epoch == start_epoch ? start_in_epoch : 0; i < steps_per_epoch && step < total_steps;) {
       at::Tensor idx = perm.slice(0, i * batch, (i + 1) * batch);
+      // Text is held as bytes (a tenth of int64's memory per rank) and widened per batch.
       at::Tensor x = data.train.inputs.index_select(0, idx), y = data.train.labels.index_select(0, idx);
+      if (model.language_model) x = x.to(at::kLong), y = y.to(at::kLong);
       using clock = std::chrono::steady_clock;
       auto ms_between = [](clock::time_point a, clock::time_point b) {
         return std::chrono::duration<double, std::milli>(b - a).count();
@@ -599,7 +601,8 @@ int run_train(const std::vector<std::string>& args, const std::vector<std::strin
         if (s >= n_test && !sharded_model) break;
         const bool counted = s < n_test;
         if (!counted) s = 0, e = 1;
-        const at::Tensor xs = data.test.inputs.slice(0, s, e), ys = data.test.labels.slice(0, s, e);
+        at::Tensor xs = data.test.inputs.slice(0, s, e), ys = data.test.labels.slice(0, s, e);
+        if (model.language_model) xs = xs.to(at::kLong), ys = ys.to(at::kLong);
         at::Tensor out = sharded_model ? sharded_model->forward_with([&] { return model.forward(sharded_model->cast_input(xs)); }) : model.forward(xs);
         if (!counted) continue;
         counts[0] += out.argmax(-1).eq(ys).sum().item<double>();
