@@ -1,7 +1,7 @@
 #!/usr/bin/python3
 """Memory and step time of DDP, ZeRO-1, ZeRO-2 and each FSDP strategy, side by side in one run (issue 31).
 
-    bench/fsdp_bench.py [--bin build/ddpkit] [--worlds 2,4] [--steps 6]
+    bench/fsdp_bench.py [--bin build/ddpkit] [--worlds 2,4] [--steps 6] [--reps 1] [--malloc pinned|default]
     bench/fsdp_bench.py --pytorch          # + PyTorch's own FSDP FULL_SHARD and DDP on the same MLP
                                            #   (bench/pytorch_fsdp.py, whichever torch python3 has)
     bench/fsdp_bench.py --worlds "" --pytorch   # the PyTorch comparison alone
@@ -22,6 +22,7 @@ parameters, SGD, batch 32) under ddpkit and under PyTorch, each Linear a unit on
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 
@@ -66,6 +67,7 @@ def main():
     ap.add_argument("--bin", default=os.path.join(HERE, "..", "build", "ddpkit"))
     ap.add_argument("--worlds", default="2,4")
     ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--reps", type=int, default=1, help="rounds over the configurations, interleaved; medians shown")
     ap.add_argument("--pytorch", action="store_true")
     ap.add_argument("--malloc", choices=["pinned", "default"], default="pinned")
     ap.add_argument("--configs", default="", help="comma-separated names to run (default: all)")
@@ -78,19 +80,22 @@ def main():
         print(f"{'config':<20} {'W':>2} {'step ms':>9} {'peak MB':>9} {'vs DDP mem':>10} {'charged MB':>10} "
               f"{'vs DDP':>7} {'vs DDP time':>11} {'optim state MB':>14}")
     for w in worlds:
-        base = None
-        for name, extra in CONFIGS:
-            if a.configs and name not in a.configs.split(","):
-                continue
-            r = run(a.bin, BIG + extra + ["--nproc", str(w), "--steps", str(a.steps)], nproc=w)
-            if base is None:
-                base = r
-            charged = (f"{r['charged_bytes'] / 2**20:>10.0f} {r['charged_bytes'] / base['charged_bytes']:>7.2f}"
-                       if base["charged_bytes"] else f"{'-':>10} {'-':>7}")
-            print(f"{name:<20} {w:>2} {r['median_step_ms']:>9.1f} {r['peak_rss_bytes'] / 2**20:>9.0f} "
-                  f"{r['peak_rss_bytes'] / base['peak_rss_bytes']:>10.2f} {charged} "
-                  f"{r['median_step_ms'] / base['median_step_ms']:>11.2f} {r['optimizer_state_bytes'] / 2**20:>14.0f}",
-                  flush=True)
+        # --reps rounds, the configurations interleaved within each; the median round per figure.
+        runs = {}
+        for _ in range(a.reps):
+            for name, extra in CONFIGS:
+                if a.configs and name not in a.configs.split(","):
+                    continue
+                runs.setdefault(name, []).append(run(a.bin, BIG + extra + ["--nproc", str(w), "--steps", str(a.steps)], nproc=w))
+        med = lambda name, key: statistics.median(r[key] for r in runs[name])
+        base = next(iter(runs))
+        for name in runs:
+            charged = (f"{med(name, 'charged_bytes') / 2**20:>10.0f} {med(name, 'charged_bytes') / med(base, 'charged_bytes'):>7.2f}"
+                       if med(base, "charged_bytes") else f"{'-':>10} {'-':>7}")
+            print(f"{name:<20} {w:>2} {med(name, 'median_step_ms'):>9.1f} {med(name, 'peak_rss_bytes') / 2**20:>9.0f} "
+                  f"{med(name, 'peak_rss_bytes') / med(base, 'peak_rss_bytes'):>10.2f} {charged} "
+                  f"{med(name, 'median_step_ms') / med(base, 'median_step_ms'):>11.2f} "
+                  f"{med(name, 'optimizer_state_bytes') / 2**20:>14.0f}", flush=True)
     if a.pytorch:
         print("\nSpeed against PyTorch (the issue's MLP: 4 blocks 1024-4096-1024, 33.6M parameters, SGD, batch 32/rank, "
               "W=2, 1 thread/rank, each Linear a unit, malloc pinned)")

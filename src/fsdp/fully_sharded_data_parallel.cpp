@@ -11,6 +11,9 @@
 #include <torch/nn/modules/container/sequential.h>
 
 #include <algorithm>
+#ifdef __GLIBC__
+#include <malloc.h>
+#endif
 #include <functional>
 #include <mutex>
 #include <set>
@@ -114,6 +117,13 @@ FsdpImpl::FsdpImpl(std::shared_ptr<torch::nn::Module> module_in, std::shared_ptr
   check_same_units_on_every_rank();
   shard_parameters();
   wrap_sequential_children();
+#ifdef __GLIBC__
+  // The module's full-size parameters were just freed. Under a raised trim threshold (ddpkit's
+  // allocator tuning) glibc keeps them, and the holes they leave are a little too small for the
+  // padded unit buffers that follow: hand their pages back (4 ranks, 92M-parameter MLP: 216 MB
+  // less resident per rank in training).
+  malloc_trim(0);
+#endif
   std::lock_guard<std::mutex> lock(registry_mutex());
   for (const auto& u : units)
     if (u.module) registry()[u.module] = u.name;
