@@ -141,46 +141,49 @@ def children_of(pid):
 
 def restart(tmp, trials=3):
     """A job whose ranks are SIGKILLed at random moments finishes, restarted by the launcher, with
-    the parameters of an undisturbed run (resume is bit-exact, so the accuracy is the same too)."""
+    the parameters of an undisturbed run (resume is bit-exact, so the accuracy is the same too).
+    DDP with int8 and error feedback (`trials` times), and FSDP FULL_SHARD with Adam (once)."""
     rng = random.Random(int(os.environ.get("DDPKIT_TEST_SEED", "16")))
-    # About 8 s of training, a checkpoint every ~0.25 s.
-    flags = ["--hook", "int8", "--int8-error-feedback", "--checkpoint-every", "50", "--epochs", "50", "--steps", "1500",
-             "--nproc", "3"]
-    ref = os.path.join(tmp, "undisturbed")
-    started = time.time()
-    undisturbed = last_json(train(flags + ["--checkpoint-dir", ref]))
-    # Kill moments are drawn within the undisturbed run's length, so a fast machine or a fast
-    # libtorch cannot finish the job before the first kill.
-    duration = time.time() - started
-    for t in range(trials):
-        d = os.path.join(tmp, f"killed{t}")
-        cmd = [BIN, "train"] + BASE + flags + ["--checkpoint-dir", d, "--max-restarts", "3"]
-        job = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        kills = 0
-        deadline = time.time() + 240
-        while kills < 2 and job.poll() is None and time.time() < deadline:
-            time.sleep(rng.uniform(0.3, 0.6) * duration)
-            ranks = children_of(job.pid)
-            while len(ranks) != 3 and job.poll() is None and time.time() < deadline:  # (re)starting
-                time.sleep(0.05)
+    variants = [("int8", ["--hook", "int8", "--int8-error-feedback"], trials),
+                ("fsdp_full_shard+adam", ["--fsdp", "full_shard", "--optimizer", "adam", "--fsdp-min-unit-params", "1000"], 1)]
+    for name, extra, count in variants:
+        # About 8 s of training, a checkpoint every ~0.25 s.
+        flags = extra + ["--checkpoint-every", "50", "--epochs", "50", "--steps", "1500", "--nproc", "3"]
+        ref = os.path.join(tmp, "undisturbed-" + name)
+        started = time.time()
+        undisturbed = last_json(train(flags + ["--checkpoint-dir", ref]))
+        # Kill moments are drawn within the undisturbed run's length, so a fast machine or a fast
+        # libtorch cannot finish the job before the first kill.
+        duration = time.time() - started
+        for t in range(count):
+            d = os.path.join(tmp, f"killed-{name}-{t}")
+            cmd = [BIN, "train"] + BASE + flags + ["--checkpoint-dir", d, "--max-restarts", "3"]
+            job = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            kills = 0
+            deadline = time.time() + 240
+            while kills < 2 and job.poll() is None and time.time() < deadline:
+                time.sleep(rng.uniform(0.3, 0.6) * duration)
                 ranks = children_of(job.pid)
-            if len(ranks) == 3:
-                victim = rng.choice(ranks)
-                os.kill(victim, signal.SIGKILL)
-                kills += 1
-                time.sleep(1.0)  # let the launcher notice before choosing again
-        out, err = job.communicate(timeout=300)
-        if job.returncode != 0:
-            sys.exit(f"FAILED: trial {t}: the job exited {job.returncode} after {kills} kills:\n{err[-3000:]}")
-        result = json.loads(out.strip().splitlines()[-1])
-        diffs = differences(ckpt(ref, 1500), ckpt(d, 1500))
-        restarts = err.count("restarting every rank")
-        print(f"trial {t}: {kills} ranks SIGKILLed, {restarts} restarts, resumed from step {result['resumed_from_step']}, "
-              f"final loss {result['final_loss']} (undisturbed {undisturbed['final_loss']}): "
-              f"{'bit-identical' if not diffs else 'DIFFERENT ' + ', '.join(diffs[:5])}")
-        if diffs or kills == 0 or restarts < kills:
-            sys.exit(f"FAILED: trial {t}")
-    print(f"{trials} trials: every killed job finished, bit-identical to the undisturbed run")
+                while len(ranks) != 3 and job.poll() is None and time.time() < deadline:  # (re)starting
+                    time.sleep(0.05)
+                    ranks = children_of(job.pid)
+                if len(ranks) == 3:
+                    victim = rng.choice(ranks)
+                    os.kill(victim, signal.SIGKILL)
+                    kills += 1
+                    time.sleep(1.0)  # let the launcher notice before choosing again
+            out, err = job.communicate(timeout=300)
+            if job.returncode != 0:
+                sys.exit(f"FAILED: {name} trial {t}: the job exited {job.returncode} after {kills} kills:\n{err[-3000:]}")
+            result = json.loads(out.strip().splitlines()[-1])
+            diffs = differences(ckpt(ref, 1500), ckpt(d, 1500))
+            restarts = err.count("restarting every rank")
+            print(f"{name} trial {t}: {kills} ranks SIGKILLed, {restarts} restarts, resumed from step "
+                  f"{result['resumed_from_step']}, final loss {result['final_loss']} (undisturbed "
+                  f"{undisturbed['final_loss']}): {'bit-identical' if not diffs else 'DIFFERENT ' + ', '.join(diffs[:5])}")
+            if diffs or kills == 0 or restarts < kills:
+                sys.exit(f"FAILED: {name} trial {t}")
+    print("every killed job finished, bit-identical to the undisturbed run")
 
 
 def skip_without_torchrun():
