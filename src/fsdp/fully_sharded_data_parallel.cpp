@@ -671,13 +671,16 @@ void FsdpImpl::param_grad_ready(int unit, int param) {
   at::Tensor& grad = fp.param.mutable_grad();
   if (!grad.defined() || fp.grad_in) return;
   torch::NoGradGuard no_grad;
+  // The unit's last gradient: its parameters are not needed again in this backward. Freed before
+  // the copy, their pool block can take the flat gradient.
+  const bool last = u.grads_in + 1 == u.trainable_params;
+  if (last && u.index != 0) reshard(u);
   if (!u.grad_flat.defined()) u.grad_flat = pool.take(u.shard_numel * shard_world, reduce_dtype);
   u.grad_flat.narrow(0, fp.offset, fp.numel).copy_(grad.reshape({-1}));
   grad = at::Tensor();  // the unsharded gradient is not kept
   fp.grad_in = true;
-  if (++u.grads_in < u.trainable_params) return;
-  // The unit's gradients are all in: it is not needed again in this backward.
-  if (u.index != 0) reshard(u);
+  ++u.grads_in;
+  if (!last) return;
   launch_reduce(u);
   if (options.backward_prefetch() == BackwardPrefetch::kBackwardPost) {
     const int pos = position_in_order[unit];
