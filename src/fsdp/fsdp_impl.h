@@ -37,7 +37,6 @@ class BufferPool {
  public:
   // Contiguous, uninitialized, [numel] of `dtype`.
   at::Tensor take(int64_t numel, at::ScalarType dtype);
-  int64_t bytes() const;  // held, in use or not
 
  private:
   std::map<int64_t, std::vector<at::Tensor>> blocks_;  // kByte tensors, by size
@@ -113,7 +112,6 @@ class FsdpImpl {
   std::vector<std::pair<std::string, at::ScalarType>> buffer_dtypes;  // original dtype of cast buffers
 
   FsdpCommHook hook;
-  bool hook_takes_output = true;
   std::string hook_name;
   std::unique_ptr<fsdp::DefaultState> default_state;
 

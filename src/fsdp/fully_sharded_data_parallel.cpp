@@ -57,11 +57,6 @@ at::Tensor BufferPool::take(int64_t numel, at::ScalarType dtype) {
   return blocks.back().view(dtype);
 }
 
-int64_t BufferPool::bytes() const {
-  int64_t total = 0;
-  for (const auto& kv : blocks_) total += kv.first * static_cast<int64_t>(kv.second.size());
-  return total;
-}
 
 namespace {
 
@@ -811,7 +806,6 @@ void FullyShardedDataParallelBase::register_comm_hook(FsdpCommHook hook, bool ta
                         : "a sharded strategy reduce-scatters: its hook takes (state, grad, output), e.g. "
                           "fsdp::reduce_scatter_hook");
   impl_->hook = std::move(hook);
-  impl_->hook_takes_output = takes_output;
   impl_->hook_name = name;
 }
 
@@ -823,15 +817,6 @@ const FullyShardedDataParallelOptions& FullyShardedDataParallelBase::options() c
 bool FullyShardedDataParallelBase::require_backward_grad_sync() const { return impl_->require_sync; }
 void FullyShardedDataParallelBase::set_require_backward_grad_sync(bool v) { impl_->require_sync = v; }
 int FullyShardedDataParallelBase::max_units_gathered() const { return impl_->max_gathered; }
-
-int64_t FullyShardedDataParallelBase::sharded_parameter_bytes() const {
-  int64_t bytes = 0;
-  for (const auto& u : impl_->units) {
-    bytes += u.shard.numel() * 4;
-    if (u.shard.grad().defined()) bytes += u.shard.grad().numel() * 4;
-  }
-  return bytes;
-}
 
 at::Tensor FullyShardedDataParallelBase::cast_input(const at::Tensor& t) const { return impl_->cast_input(t); }
 

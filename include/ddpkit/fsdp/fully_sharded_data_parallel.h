@@ -197,8 +197,6 @@ class FullyShardedDataParallelBase {
   ProcessGroup& process_group() const { return *process_group_ptr(); }
   const FullyShardedDataParallelOptions& options() const;
   bool require_backward_grad_sync() const;
-  // Bytes of parameters (fp32 shards), gradients and gathered units this rank holds now.
-  int64_t sharded_parameter_bytes() const;
   // The largest number of units gathered at once so far (limit_all_gathers keeps it at 2 + root).
   int max_units_gathered() const;
 
