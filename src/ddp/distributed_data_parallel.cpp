@@ -10,16 +10,6 @@
 
 namespace ddpkit {
 
-NoSyncGuard::NoSyncGuard(DistributedDataParallelBase& ddp) : ddp_(&ddp), previous_(ddp.require_backward_grad_sync_) {
-  ddp_->require_backward_grad_sync_ = false;
-}
-NoSyncGuard::~NoSyncGuard() {
-  if (ddp_) ddp_->require_backward_grad_sync_ = previous_;
-}
-NoSyncGuard::NoSyncGuard(NoSyncGuard&& other) noexcept : ddp_(other.ddp_), previous_(other.previous_) {
-  other.ddp_ = nullptr;
-}
-
 DistributedDataParallelBase::DistributedDataParallelBase(std::shared_ptr<torch::nn::Module> module,
                                                          std::shared_ptr<ProcessGroup> pg,
                                                          DistributedDataParallelOptions options)

@@ -815,7 +815,7 @@ std::shared_ptr<ProcessGroup> FullyShardedDataParallelBase::process_group_ptr() 
 
 const FullyShardedDataParallelOptions& FullyShardedDataParallelBase::options() const { return impl_->options; }
 bool FullyShardedDataParallelBase::require_backward_grad_sync() const { return impl_->require_sync; }
-void FullyShardedDataParallelBase::set_require_backward_grad_sync(bool v) { impl_->require_sync = v; }
+NoSyncGuard FullyShardedDataParallelBase::no_sync() { return NoSyncGuard(impl_->require_sync); }
 int FullyShardedDataParallelBase::max_units_gathered() const { return impl_->max_gathered; }
 
 at::Tensor FullyShardedDataParallelBase::cast_input(const at::Tensor& t) const { return impl_->cast_input(t); }
@@ -838,17 +838,6 @@ void FullyShardedDataParallelBase::forward_failed() {
     what = e.what();
   }
   DDPKIT_CHECK(false, impl_->describe_forward_failure(what));
-}
-
-FsdpNoSyncGuard::FsdpNoSyncGuard(FullyShardedDataParallelBase& fsdp)
-    : fsdp_(&fsdp), previous_(fsdp.require_backward_grad_sync()) {
-  fsdp.set_require_backward_grad_sync(false);
-}
-FsdpNoSyncGuard::~FsdpNoSyncGuard() {
-  if (fsdp_) fsdp_->set_require_backward_grad_sync(previous_);
-}
-FsdpNoSyncGuard::FsdpNoSyncGuard(FsdpNoSyncGuard&& other) noexcept : fsdp_(other.fsdp_), previous_(other.previous_) {
-  other.fsdp_ = nullptr;
 }
 
 namespace fsdp {

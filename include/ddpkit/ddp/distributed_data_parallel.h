@@ -79,19 +79,20 @@ std::shared_ptr<torch::nn::Module> module_ptr(const M& m) {
 }
 }  // namespace detail
 
-class DistributedDataParallelBase;
-
-// While alive, forward/backward accumulate gradients locally without communication.
+// While alive, forward/backward accumulate gradients locally without communication: what DDP's
+// and FSDP's no_sync() return. It clears the wrapper's sync flag and restores it when it ends.
 class NoSyncGuard {
  public:
-  explicit NoSyncGuard(DistributedDataParallelBase& ddp);
-  ~NoSyncGuard();
-  NoSyncGuard(NoSyncGuard&& other) noexcept;
+  explicit NoSyncGuard(bool& require_sync) : flag_(&require_sync), previous_(require_sync) { require_sync = false; }
+  ~NoSyncGuard() {
+    if (flag_) *flag_ = previous_;
+  }
+  NoSyncGuard(NoSyncGuard&& other) noexcept : flag_(other.flag_), previous_(other.previous_) { other.flag_ = nullptr; }
   NoSyncGuard(const NoSyncGuard&) = delete;
   NoSyncGuard& operator=(const NoSyncGuard&) = delete;
 
  private:
-  DistributedDataParallelBase* ddp_;
+  bool* flag_;
   bool previous_;
 };
 
@@ -104,7 +105,7 @@ class DistributedDataParallelBase {
   // Once per instance; `name` appears in errors. Without a hook, gradients are divided by the
   // world size while being copied into buckets and SUM-allreduced.
   void register_comm_hook(CommHook hook, std::string name = "user hook");
-  NoSyncGuard no_sync() { return NoSyncGuard(*this); }
+  NoSyncGuard no_sync() { return NoSyncGuard(require_backward_grad_sync_); }
   // Runs `train_loop` (this rank's iterations); when it returns, this rank shadows the others'
   // collectives until every rank has finished, then all ranks take the model of a rank that
   // trained longest. Uneven numbers of batches per rank thus finish instead of hanging.
@@ -137,7 +138,6 @@ class DistributedDataParallelBase {
   void post_forward(const std::vector<at::Tensor>& outputs);
 
  private:
-  friend class NoSyncGuard;
   void verify_parameter_shapes();
   void broadcast_coalesced(const std::vector<at::Tensor>& tensors, int root);
   std::vector<at::Tensor> buffers() const;

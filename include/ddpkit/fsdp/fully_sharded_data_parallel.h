@@ -124,21 +124,6 @@ using FsdpCommHook = std::function<FuturePtr(const at::Tensor& grad, const at::T
 namespace detail {
 class FsdpImpl;
 }
-class FullyShardedDataParallelBase;
-
-// While alive, backward accumulates unsharded gradients locally without communication.
-class FsdpNoSyncGuard {
- public:
-  explicit FsdpNoSyncGuard(FullyShardedDataParallelBase& fsdp);
-  ~FsdpNoSyncGuard();
-  FsdpNoSyncGuard(FsdpNoSyncGuard&& other) noexcept;
-  FsdpNoSyncGuard(const FsdpNoSyncGuard&) = delete;
-  FsdpNoSyncGuard& operator=(const FsdpNoSyncGuard&) = delete;
-
- private:
-  FullyShardedDataParallelBase* fsdp_;
-  bool previous_;
-};
 
 // A unit as FSDP laid it out (for tools and tests).
 struct FsdpUnitInfo {
@@ -171,7 +156,8 @@ class FullyShardedDataParallelBase {
   // The same with the state bound already; `takes_output` false for an allreduce-shaped hook.
   void register_comm_hook(FsdpCommHook hook, bool takes_output, const std::string& name = "user hook");
 
-  FsdpNoSyncGuard no_sync() { return FsdpNoSyncGuard(*this); }
+  // While the guard lives, backward keeps unsharded gradients in .grad and communicates nothing.
+  NoSyncGuard no_sync();
   // Scales every shard's gradient so that their global 2-norm (or `norm_type`, inf too) is at most
   // max_norm, and returns that norm before scaling. Collective; after backward.
   double clip_grad_norm_(double max_norm, double norm_type = 2.0);
@@ -231,8 +217,6 @@ class FullyShardedDataParallelBase {
   [[noreturn]] void forward_failed();
 
  private:
-  friend class FsdpNoSyncGuard;
-  void set_require_backward_grad_sync(bool value);
   std::unique_ptr<detail::FsdpImpl> impl_;
 };
 
