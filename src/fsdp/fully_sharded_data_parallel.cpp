@@ -663,19 +663,12 @@ void FsdpImpl::param_grad_ready(int unit, int param) {
   if (!require_sync) return;  // no_sync: the unsharded gradient stays in .grad
   FlatUnit& u = units[unit];
   FlatParam& fp = u.params[param];
-  at::Tensor& grad = fp.param.mutable_grad();
-  if (!grad.defined() || fp.grad_in) return;
-  torch::NoGradGuard no_grad;
-  // The unit's last gradient: its parameters are not needed again in this backward. Freed before
-  // the copy, their pool block can take the flat gradient.
-  const bool last = u.grads_in + 1 == u.trainable_params;
-  if (last && u.index != 0) reshard(u);
-  if (!u.grad_flat.defined()) u.grad_flat = pool.take(u.shard_numel * shard_world, reduce_dtype);
-  u.grad_flat.narrow(0, fp.offset, fp.numel).copy_(grad.reshape({-1}));
-  grad = at::Tensor();  // the unsharded gradient is not kept
+  if (!fp.param.grad().defined() || fp.grad_in) return;
+  // Gradients wait in .grad until the unit's last lands: the unit's parameters are then not needed
+  // again in this backward, and the flat gradient takes their freed pool block instead of a new one.
   fp.grad_in = true;
-  ++u.grads_in;
-  if (!last) return;
+  if (++u.grads_in < u.trainable_params) return;
+  if (u.index != 0) reshard(u);
   launch_reduce(u);
   if (options.backward_prefetch() == BackwardPrefetch::kBackwardPost) {
     const int pos = position_in_order[unit];
@@ -687,9 +680,18 @@ void FsdpImpl::launch_reduce(FlatUnit& u) {
   if (u.reduce_launched) return;
   u.reduce_launched = true;
   torch::NoGradGuard no_grad;
-  // Gradients that never came (parameters unused this step) and the padding are zeros.
-  for (auto& fp : u.params)
-    if (!fp.grad_in) u.grad_flat.narrow(0, fp.offset, fp.numel).zero_();
+  u.grad_flat = pool.take(u.shard_numel * shard_world, reduce_dtype);
+  // Gradients that never came (parameters unused this step) and the padding are zeros; the
+  // unsharded gradients are not kept.
+  for (auto& fp : u.params) {
+    at::Tensor flat = u.grad_flat.narrow(0, fp.offset, fp.numel);
+    if (fp.grad_in) {
+      flat.copy_(fp.param.grad().reshape({-1}));
+      fp.param.mutable_grad() = at::Tensor();
+    } else {
+      flat.zero_();
+    }
+  }
   if (u.grad_flat.numel() > u.numel) u.grad_flat.narrow(0, u.numel, u.grad_flat.numel() - u.numel).zero_();
   const bool sharded = options.sharding_strategy() != ShardingStrategy::kNoShard;
   // Into the shard's gradient itself where there is none to add to (zero_grad(set_to_none)).
