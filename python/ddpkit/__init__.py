@@ -20,11 +20,17 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from . import _C
-from ._C import CommError, HookState, ProcessGroup
+from ._build_info import TORCH_VERSION as _BUILT_FOR
+
+if torch.__version__.split("+")[0].split(".")[:2] != _BUILT_FOR.split(".")[:2]:
+    raise ImportError(f"ddpkit was built for torch {_BUILT_FOR}, but this Python has torch {torch.__version__}: "
+                      "rebuild it against this torch (pip install --no-build-isolation . in this environment)")
+
+from . import _C  # noqa: E402
+from ._C import CommError, HookState, ProcessGroup  # noqa: E402
 
 __all__ = [
-    "CommError", "HookState", "PeriodicModelAverager", "ProcessGroup", "average_parameters",
+    "BACKEND", "CommError", "HookState", "PeriodicModelAverager", "ProcessGroup", "average_parameters",
     "default_group", "hook_names", "new_group", "register_comm_hook",
 ]
 __version__ = "0.1.0"
@@ -150,3 +156,29 @@ class PeriodicModelAverager:
 def average_parameters(params, group=None):
     """Averages `params` in place across the group now (blocking)."""
     _C.average_parameters(_tensors(params), group if group is not None else default_group())
+
+
+# ---- torch.distributed backend -------------------------------------------------------------------
+
+BACKEND = "ddpkit"
+
+
+def _create_backend(store, rank, size, timeout):
+    """torch.distributed calls this once per group (init_process_group, new_group)."""
+    return _C._make_backend(store, rank, size, timeout.total_seconds(),
+                            int(os.environ.get("DDPKIT_GLOO_THREADS", "2")),
+                            os.environ.get("DDPKIT_SHM", "1") != "0")
+
+
+def _register_backend():
+    if BACKEND.upper() in dist.Backend._plugins:
+        return
+    import inspect
+    kwargs = {}
+    if "devices" in inspect.signature(dist.Backend.register_backend).parameters:
+        kwargs["devices"] = ["cpu"]  # 2.x: this backend serves CPU tensors only
+    dist.Backend.register_backend(BACKEND, _create_backend, **kwargs)
+
+
+if dist.is_available():
+    _register_backend()

@@ -2,6 +2,7 @@
 // plug into torch.nn.parallel.DistributedDataParallel. The public API is python/ddpkit/__init__.py;
 // this file converts arguments, releases the GIL around anything that waits, and turns ddpkit's
 // errors into Python exceptions that name what is wrong.
+#include "backend.h"
 #include "torch_ddp_hook.h"
 
 #include <ddpkit/comm/process_group.h>
@@ -286,6 +287,7 @@ PYBIND11_MODULE(_C, m) {
   using namespace ddpkit::python;
   m.doc() = "ddpkit's native communication hooks for torch.nn.parallel.DistributedDataParallel";
   py::register_exception<CommError>(m, "CommError", PyExc_RuntimeError);
+  bind_backend(m);
 
   py::class_<ProcessGroup, std::shared_ptr<ProcessGroup>>(m, "ProcessGroup",
       "A ddpkit process group (Gloo): ordered collectives with a timeout; see ddpkit.new_group")

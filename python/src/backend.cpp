@@ -1,0 +1,631 @@
+// ddpkit as a torch.distributed backend. Every collective maps onto one ddpkit::ProcessGroup call
+// (issued in program order on its sequencer, bounded by the group's timeout), so ranks on one host
+// exchange through shared memory and hosts through Gloo, hierarchically for allreduce. What
+// ddpkit's group does not do itself (reductions other than SUM/AVG, uneven all-to-all, send/recv)
+// runs on its Gloo backend, the first two on the sequencer so the order still holds.
+#include "backend.h"
+
+#include <ddpkit/comm/process_group.h>
+#include <ddpkit/compat.h>
+#include <ddpkit/error.h>
+
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <algorithm>
+#include <atomic>
+#include <mutex>
+#include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <thread>
+
+namespace py = pybind11;
+
+namespace ddpkit {
+namespace python {
+namespace {
+
+using WorkPtr = c10::intrusive_ptr<c10d::Work>;
+using c10d::OpType;
+using c10d::ReduceOp;
+
+// Runs the completions of work futures off ddpkit's own threads. A user's callback may issue a
+// collective and wait for it (PyTorch's PowerSGD hook does): on the shared-memory or Gloo thread
+// that completed the first, that wait would block the thread the second needs (the PowerSGD hang
+// on Gloo). A blocked callback here costs one thread: when every thread is busy, another starts.
+class CallbackRunner {
+ public:
+  static std::shared_ptr<CallbackRunner> make() { return std::shared_ptr<CallbackRunner>(new CallbackRunner()); }
+  void post(std::function<void()> fn, const std::shared_ptr<CallbackRunner>& self) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    queue_.push_back(std::move(fn));
+    if (static_cast<int>(queue_.size()) > idle_) {
+      std::thread([self] { self->loop(); }).detach();  // the state outlives the backend
+    } else {
+      wake_.notify_one();
+    }
+  }
+  void stop() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    stopping_ = true;
+    wake_.notify_all();
+  }
+
+ private:
+  CallbackRunner() = default;
+  void loop() {
+    std::unique_lock<std::mutex> lock(mutex_);
+    for (;;) {
+      ++idle_;
+      const bool got = wake_.wait_for(lock, std::chrono::seconds(10), [&] { return !queue_.empty() || stopping_; });
+      --idle_;
+      if (queue_.empty()) {
+        if (stopping_ || !got) return;  // idle threads go after a while
+        continue;
+      }
+      std::function<void()> fn = std::move(queue_.front());
+      queue_.pop_front();
+      lock.unlock();
+      fn();
+      lock.lock();
+    }
+  }
+  std::mutex mutex_;
+  std::condition_variable wake_;
+  std::deque<std::function<void()>> queue_;
+  int idle_ = 0;
+  bool stopping_ = false;
+};
+
+// A ddpkit future seen as c10d work. Its getFuture() holds the list of output tensors, which is
+// what PyTorch's DDP reducer and torch.futures expect.
+class FutureWork : public c10d::Work {
+ public:
+  FutureWork(int rank, OpType type, const FuturePtr& done, std::vector<at::Tensor> outputs,
+             const std::shared_ptr<CallbackRunner>& runner)
+      : c10d::Work(rank, type),
+        outputs_(std::move(outputs)),
+        future_(c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()))) {
+    auto future = future_;
+    auto outputs_copy = outputs_;
+    done->addCallback([future, outputs_copy, runner](c10::ivalue::Future& f) {
+      std::exception_ptr error = f.hasError() ? f.exception_ptr() : nullptr;
+      runner->post([future, outputs_copy, error] {
+        if (error) {
+          future->setError(error);
+        } else {
+          future->markCompleted(c10::IValue(outputs_copy));
+        }
+      }, runner);
+    });
+  }
+
+  bool isCompleted() override { return future_->completed(); }
+  bool isSuccess() const override { return future_->completed() && !future_->hasError(); }
+  std::exception_ptr exception() const override {
+    return future_->completed() && future_->hasError() ? future_->exception_ptr() : nullptr;
+  }
+  std::vector<at::Tensor> result() override { return outputs_; }
+  void synchronize() override {}
+  bool wait(std::chrono::milliseconds timeout) override {
+    if (timeout == std::chrono::milliseconds(0)) {
+      future_->wait();
+    } else {
+      // Collectives end within the group's timeout on their own; this bounds the caller's wait.
+      const auto deadline = std::chrono::steady_clock::now() + timeout;
+      while (!future_->completed()) {
+        if (std::chrono::steady_clock::now() > deadline)
+          throw std::runtime_error("ddpkit backend: " + c10d::opTypeToString(retrieveOpType()) +
+                                   " did not complete within the " + std::to_string(timeout.count()) +
+                                   " ms given to Work.wait");
+        std::this_thread::sleep_for(std::chrono::microseconds(200));
+      }
+    }
+    if (future_->hasError()) std::rethrow_exception(future_->exception_ptr());
+    return true;
+  }
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
+
+ private:
+  std::vector<at::Tensor> outputs_;
+  c10::intrusive_ptr<c10::ivalue::Future> future_;
+};
+
+// A future that completes when all of `parts` have, with the first error if any failed.
+FuturePtr all_of(const std::vector<FuturePtr>& parts) {
+  if (parts.size() == 1) return parts[0];
+  auto result = make_tensor_future();
+  if (parts.empty()) {
+    result->markCompleted(c10::IValue(at::Tensor()));
+    return result;
+  }
+  auto left = std::make_shared<std::atomic<int>>(static_cast<int>(parts.size()));
+  auto failed = std::make_shared<std::atomic<bool>>(false);
+  for (const auto& p : parts) {
+    p->addCallback([result, left, failed](c10::ivalue::Future& f) {
+      if (f.hasError() && !failed->exchange(true)) result->setError(f.exception_ptr());
+      if (left->fetch_sub(1) == 1 && !failed->load()) result->markCompleted(c10::IValue(at::Tensor()));
+    });
+  }
+  return result;
+}
+
+// `f`, then `after` (on the thread that completes f); errors in either reach the result.
+FuturePtr then(const FuturePtr& f, std::function<void()> after) {
+  auto result = make_tensor_future();
+  f->addCallback([result, after = std::move(after)](c10::ivalue::Future& done) {
+    if (done.hasError()) return result->setError(done.exception_ptr());
+    try {
+      after();
+      result->markCompleted(done.value());
+    } catch (...) {
+      result->setError(std::current_exception());
+    }
+  });
+  return result;
+}
+
+const char* op_name(const ReduceOp& op) {
+  switch (op) {
+    case ReduceOp::SUM: return "SUM";
+    case ReduceOp::AVG: return "AVG";
+    case ReduceOp::PRODUCT: return "PRODUCT";
+    case ReduceOp::MIN: return "MIN";
+    case ReduceOp::MAX: return "MAX";
+    case ReduceOp::BAND: return "BAND";
+    case ReduceOp::BOR: return "BOR";
+    case ReduceOp::BXOR: return "BXOR";
+    default: return "an unsupported op";
+  }
+}
+
+bool is_sum(const ReduceOp& op) { return op == ReduceOp::SUM || op == ReduceOp::AVG; }
+
+class DdpkitBackend : public compat::Backend {
+ public:
+  DdpkitBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size, std::chrono::milliseconds timeout,
+                int gloo_threads, bool shared_memory)
+      : compat::Backend(rank, size),
+        pg_(std::make_shared<ddpkit::ProcessGroup>(store, rank, size,
+                                           ProcessGroupOptions()
+                                               .timeout(timeout)
+                                               .gloo_threads(gloo_threads)
+                                               .shared_memory(shared_memory)
+                                               .group_name("ddpkit"))) {}
+
+  ~DdpkitBackend() override { runner_->stop(); }
+
+  const std::string getBackendName() const override { return "ddpkit"; }
+  ddpkit::ProcessGroup& group() { return *pg_; }
+
+  WorkPtr broadcast(std::vector<at::Tensor>& tensors, const c10d::BroadcastOptions& opts) override {
+    const at::Tensor& t = one(tensors, "broadcast");
+    check_root(opts.rootRank, "broadcast");
+    // As bytes: Gloo moves no bfloat16 or bool.
+    return in_place(OpType::BROADCAST, t, [&](const at::Tensor& c) { return pg_->broadcast(as_bytes(c), opts.rootRank); });
+  }
+
+  WorkPtr allreduce(std::vector<at::Tensor>& tensors, const c10d::AllreduceOptions& opts) override {
+    const at::Tensor& t = one(tensors, "allreduce");
+    return work(OpType::ALLREDUCE, reduce_in_place(t, opts.reduceOp, "allreduce"), {t});
+  }
+
+  WorkPtr allreduce_coalesced(std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) override {
+    std::vector<FuturePtr> parts;
+    for (const auto& t : tensors) parts.push_back(reduce_in_place(cpu(t, "allreduce_coalesced"), opts.reduceOp, "allreduce_coalesced"));
+    return work(OpType::ALLREDUCE_COALESCED, all_of(parts), tensors);
+  }
+
+  WorkPtr reduce(std::vector<at::Tensor>& tensors, const c10d::ReduceOptions& opts) override {
+    const at::Tensor& t = one(tensors, "reduce");
+    check_root(opts.rootRank, "reduce");
+    // An allreduce; other ranks reduce a copy, so only the root's tensor changes (as with Gloo).
+    at::Tensor target = getRank() == opts.rootRank ? t : t.clone();
+    return work(OpType::REDUCE, reduce_in_place(target, opts.reduceOp, "reduce"), {t});
+  }
+
+  WorkPtr allgather(std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
+                    const c10d::AllgatherOptions&) override {
+    const at::Tensor& in = one(inputs, "allgather");
+    DDPKIT_CHECK(outputs.size() == 1, "ddpkit backend: allgather takes one output list, got ", outputs.size());
+    return work(OpType::ALLGATHER, gather_list(outputs[0], in, "allgather"), outputs[0]);
+  }
+
+  WorkPtr _allgather_base(at::Tensor& output, at::Tensor& input, const c10d::AllgatherOptions&) override {
+    return work(OpType::_ALLGATHER_BASE, gather_flat(output, input, "all_gather_into_tensor"), {output});
+  }
+
+  WorkPtr allgather_coalesced(std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
+                              const c10d::AllgatherOptions&) override {
+    DDPKIT_CHECK(outputs.size() == inputs.size(), "ddpkit backend: allgather_coalesced has ", outputs.size(),
+                 " output lists for ", inputs.size(), " inputs");
+    std::vector<FuturePtr> parts;
+    std::vector<at::Tensor> all;
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      parts.push_back(gather_list(outputs[i], cpu(inputs[i], "allgather_coalesced"), "allgather_coalesced"));
+      all.insert(all.end(), outputs[i].begin(), outputs[i].end());
+    }
+    return work(OpType::ALLGATHER_COALESCED, all_of(parts), all);
+  }
+
+#if DDPKIT_TORCH_AT_LEAST(2, 1)
+  WorkPtr allgather_into_tensor_coalesced(std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+                                          const c10d::AllgatherOptions&) override {
+    DDPKIT_CHECK(outputs.size() == inputs.size(), "ddpkit backend: allgather_into_tensor_coalesced has ",
+                 outputs.size(), " outputs for ", inputs.size(), " inputs");
+    std::vector<FuturePtr> parts;
+    for (size_t i = 0; i < inputs.size(); ++i) parts.push_back(gather_flat(outputs[i], inputs[i], "all_gather_into_tensor"));
+    return work(OpType::COALESCED, all_of(parts), outputs);
+  }
+
+  WorkPtr reduce_scatter_tensor_coalesced(std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+                                          const c10d::ReduceScatterOptions& opts) override {
+    DDPKIT_CHECK(outputs.size() == inputs.size(), "ddpkit backend: reduce_scatter_tensor_coalesced has ",
+                 outputs.size(), " outputs for ", inputs.size(), " inputs");
+    std::vector<FuturePtr> parts;
+    for (size_t i = 0; i < inputs.size(); ++i)
+      parts.push_back(scatter_flat(outputs[i], inputs[i], opts.reduceOp, "reduce_scatter_tensor"));
+    return work(OpType::COALESCED, all_of(parts), outputs);
+  }
+#endif
+
+  WorkPtr gather(std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
+                 const c10d::GatherOptions& opts) override {
+    const at::Tensor& in = one(inputs, "gather");
+    check_root(opts.rootRank, "gather");
+    const bool root = getRank() == opts.rootRank;
+    DDPKIT_CHECK(root ? outputs.size() == 1 : outputs.empty() || (outputs.size() == 1 && outputs[0].empty()),
+                 "ddpkit backend: gather takes one output list on the root (rank ", opts.rootRank, ") and none elsewhere");
+    // An allgather whose result only the root keeps.
+    std::vector<at::Tensor> into;
+    if (root) {
+      into = outputs[0];
+    } else {
+      for (int r = 0; r < getSize(); ++r) into.push_back(at::empty_like(in));
+    }
+    return work(OpType::GATHER, gather_list(into, in, "gather"), root ? outputs[0] : std::vector<at::Tensor>{});
+  }
+
+  WorkPtr scatter(std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
+                  const c10d::ScatterOptions& opts) override {
+    const at::Tensor& out = one(outputs, "scatter");
+    check_root(opts.rootRank, "scatter");
+    const bool root = getRank() == opts.rootRank;
+    // The root's pieces go out as one broadcast; each rank keeps its own.
+    at::Tensor all;
+    if (root) {
+      DDPKIT_CHECK(inputs.size() == 1 && static_cast<int>(inputs[0].size()) == getSize(), "ddpkit backend: scatter ",
+                   "takes ", getSize(), " inputs on the root");
+      std::vector<at::Tensor> flat;
+      for (const auto& t : inputs[0]) {
+        check_same(t, out, "scatter");
+        flat.push_back(t.reshape({-1}));
+      }
+      all = at::cat(flat);
+    } else {
+      all = at::empty({out.numel() * getSize()}, out.options());
+    }
+    const int64_t n = out.numel(), rank = getRank();
+    at::Tensor target = out;
+    return work(OpType::SCATTER, then(pg_->broadcast(as_bytes(all), opts.rootRank), [all, target, n, rank] {
+                  at::Tensor t = target;
+                  t.copy_(all.narrow(0, rank * n, n).view(t.sizes()));
+                }),
+                {out});
+  }
+
+  WorkPtr reduce_scatter(std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
+                         const c10d::ReduceScatterOptions& opts) override {
+    const at::Tensor& out = one(outputs, "reduce_scatter");
+    DDPKIT_CHECK(inputs.size() == 1 && static_cast<int>(inputs[0].size()) == getSize(),
+                 "ddpkit backend: reduce_scatter takes a list of ", getSize(), " inputs (one per rank)");
+    std::vector<at::Tensor> flat;
+    for (const auto& t : inputs[0]) {
+      check_same(t, out, "reduce_scatter");
+      flat.push_back(t.reshape({-1}));
+    }
+    at::Tensor in = at::cat(flat);
+    return work(OpType::REDUCE_SCATTER, scatter_flat(out, in, opts.reduceOp, "reduce_scatter"), {out});
+  }
+
+  WorkPtr _reduce_scatter_base(at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) override {
+    return work(OpType::_REDUCE_SCATTER_BASE, scatter_flat(output, input, opts.reduceOp, "reduce_scatter_tensor"),
+                {output});
+  }
+
+  WorkPtr alltoall_base(at::Tensor& output, at::Tensor& input, std::vector<int64_t>& output_splits,
+                        std::vector<int64_t>& input_splits, const c10d::AllToAllOptions&) override {
+    return work(OpType::ALLTOALL_BASE, alltoall_flat(output, input, output_splits, input_splits), {output});
+  }
+
+  WorkPtr alltoall(std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+                   const c10d::AllToAllOptions&) override {
+    DDPKIT_CHECK(static_cast<int>(outputs.size()) == getSize() && static_cast<int>(inputs.size()) == getSize(),
+                 "ddpkit backend: all_to_all takes ", getSize(), " inputs and outputs, got ", inputs.size(), " and ",
+                 outputs.size());
+    std::vector<at::Tensor> flat_in;
+    std::vector<int64_t> in_splits, out_splits;
+    for (auto& t : inputs) {
+      cpu(t, "all_to_all");
+      flat_in.push_back(t.reshape({-1}));
+      in_splits.push_back(t.numel());
+    }
+    int64_t total_out = 0;
+    for (auto& t : outputs) {
+      cpu(t, "all_to_all");
+      DDPKIT_CHECK(t.scalar_type() == inputs[0].scalar_type(), "ddpkit backend: all_to_all: outputs and inputs must share a dtype");
+      out_splits.push_back(t.numel());
+      total_out += t.numel();
+    }
+    at::Tensor in = at::cat(flat_in);
+    at::Tensor out = at::empty({total_out}, in.options());
+    const bool even = std::all_of(in_splits.begin(), in_splits.end(), [&](int64_t s) { return s == in_splits[0]; }) &&
+                      std::all_of(out_splits.begin(), out_splits.end(), [&](int64_t s) { return s == in_splits[0]; });
+    std::vector<int64_t> none;
+    FuturePtr moved = even ? alltoall_flat(out, in, none, none) : alltoall_flat(out, in, out_splits, in_splits);
+    std::vector<at::Tensor> outs = outputs;
+    FuturePtr f = then(moved, [outs, out, out_splits] {
+      int64_t off = 0;
+      for (size_t i = 0; i < outs.size(); ++i) {
+        at::Tensor o = outs[i];
+        o.copy_(out.narrow(0, off, out_splits[i]).view(o.sizes()));
+        off += out_splits[i];
+      }
+    });
+    return work(OpType::ALLTOALL, f, outputs);
+  }
+
+  WorkPtr barrier(const c10d::BarrierOptions&) override { return work(OpType::BARRIER, pg_->barrier(), {}); }
+
+  // Point to point: Gloo's own (tags keep them apart from collectives).
+  WorkPtr send(std::vector<at::Tensor>& tensors, int dst, int tag) override {
+    one(tensors, "send");
+    check_root(dst, "send");
+    return pg_->backend().send(tensors, dst, tag);
+  }
+  WorkPtr recv(std::vector<at::Tensor>& tensors, int src, int tag) override {
+    one(tensors, "recv");
+    check_root(src, "recv");
+    return pg_->backend().recv(tensors, src, tag);
+  }
+  WorkPtr recvAnysource(std::vector<at::Tensor>& tensors, int tag) override {
+    one(tensors, "recv");
+    return pg_->backend().recvAnysource(tensors, tag);
+  }
+
+#if DDPKIT_TORCH_AT_LEAST(2, 0)
+  // Coalescing: the collectives between start and end run as issued; end's work waits for them.
+  void startCoalescing() override {
+    std::lock_guard<std::mutex> lock(coalescing_mutex_);
+    coalescing_ = true;
+    coalesced_.clear();
+  }
+  WorkPtr endCoalescing() override {
+    std::vector<FuturePtr> parts;
+    {
+      std::lock_guard<std::mutex> lock(coalescing_mutex_);
+      coalescing_ = false;
+      parts.swap(coalesced_);
+    }
+    return c10::make_intrusive<FutureWork>(getRank(), OpType::COALESCED, all_of(parts), std::vector<at::Tensor>{}, runner_);
+  }
+#endif
+
+ private:
+  static at::Tensor as_bytes(const at::Tensor& contiguous) { return contiguous.reshape({-1}).view(at::kByte); }
+
+  // ---- argument checks ----
+  const at::Tensor& cpu(const at::Tensor& t, const char* op) const {
+    DDPKIT_CHECK(t.defined(), "ddpkit backend: ", op, " got an undefined tensor");
+    DDPKIT_CHECK(t.device().is_cpu(), "ddpkit backend: ", op, " got a tensor on ", t.device(),
+                 "; this backend serves CPU tensors (use nccl for CUDA, or a device_id of cpu)");
+    DDPKIT_CHECK(t.layout() == c10::kStrided, "ddpkit backend: ", op, " takes dense tensors, got ", t.layout());
+    return t;
+  }
+  const at::Tensor& one(const std::vector<at::Tensor>& tensors, const char* op) const {
+    DDPKIT_CHECK(tensors.size() == 1, "ddpkit backend: ", op, " takes one tensor per rank, got ", tensors.size());
+    return cpu(tensors[0], op);
+  }
+  void check_root(int64_t root, const char* op) const {
+    DDPKIT_CHECK(root >= 0 && root < getSize(), "ddpkit backend: ", op, ": rank ", root, " is outside this group (size ",
+                 getSize(), ")");
+  }
+  void check_same(const at::Tensor& t, const at::Tensor& like, const char* op) const {
+    cpu(t, op);
+    DDPKIT_CHECK(t.numel() == like.numel() && t.scalar_type() == like.scalar_type(), "ddpkit backend: ", op,
+                 ": every tensor in the list must have ", like.numel(), " elements of ", like.scalar_type(), ", got ",
+                 t.numel(), " of ", t.scalar_type());
+  }
+
+  WorkPtr work(OpType type, const FuturePtr& f, std::vector<at::Tensor> outputs) {
+    {
+      std::lock_guard<std::mutex> lock(coalescing_mutex_);
+      if (coalescing_) coalesced_.push_back(f);
+    }
+    return c10::make_intrusive<FutureWork>(getRank(), type, f, std::move(outputs), runner_);
+  }
+
+  // Runs `op` on t, or on a contiguous copy that is written back.
+  template <class Op>
+  WorkPtr in_place(OpType type, const at::Tensor& t, Op&& op) {
+    return work(type, on_contiguous(t, std::forward<Op>(op)), {t});
+  }
+  template <class Op>
+  FuturePtr on_contiguous(const at::Tensor& t, Op&& op) {
+    if (t.is_contiguous()) return op(t);
+    at::Tensor c = t.contiguous(), target = t;
+    return then(op(c), [c, target] {
+      at::Tensor t2 = target;
+      t2.copy_(c);
+    });
+  }
+
+  // A reduction of t into itself on every rank, for every op and dtype torch.distributed names.
+  FuturePtr reduce_in_place(const at::Tensor& t, const ReduceOp& op, const char* what) {
+    DDPKIT_CHECK(is_sum(op) || op == ReduceOp::PRODUCT || op == ReduceOp::MIN || op == ReduceOp::MAX ||
+                     op == ReduceOp::BAND || op == ReduceOp::BOR || op == ReduceOp::BXOR,
+                 "ddpkit backend: ", what, " does not support ", op_name(op));
+    const at::ScalarType dtype = t.scalar_type();
+    const bool bitwise = op == ReduceOp::BAND || op == ReduceOp::BOR || op == ReduceOp::BXOR;
+    DDPKIT_CHECK(!bitwise || !at::isFloatingType(dtype), "ddpkit backend: ", what, " with ", op_name(op),
+                 " needs an integer or bool tensor, got ", dtype);
+    DDPKIT_CHECK(op != ReduceOp::AVG || at::isFloatingType(dtype), "ddpkit backend: ", what,
+                 " with AVG needs a floating-point tensor, got ", dtype);
+    if (dtype == at::kBool) {
+      // As uint8: any (SUM, MAX, BOR), all (MIN, PRODUCT, BAND), parity (BXOR).
+      const ReduceOp as = op == ReduceOp::BXOR ? ReduceOp::BXOR
+                          : (op == ReduceOp::MIN || op == ReduceOp::PRODUCT || op == ReduceOp::BAND) ? ReduceOp::MIN
+                                                                                                     : ReduceOp::MAX;
+      return via_copy(t, t.to(at::kByte).contiguous(), as);
+    }
+    if (is_sum(op)) return on_contiguous(t, [&](const at::Tensor& c) { return pg_->allreduce(c, op); });
+    // Gloo has no bfloat16 before 2.x's and no fp16 MIN/MAX on every version: in fp32, exact for
+    // MIN/MAX, one rounding for PRODUCT.
+    if (dtype == at::kBFloat16 || dtype == at::kHalf) return via_copy(t, t.to(at::kFloat).contiguous(), op);
+    return on_contiguous(t, [&](const at::Tensor& c) { return pg_->allreduce(c, op); });
+  }
+  FuturePtr via_copy(const at::Tensor& t, const at::Tensor& copy, const ReduceOp& op) {
+    at::Tensor target = t;
+    return then(pg_->allreduce(copy, op), [copy, target] {
+      at::Tensor t2 = target;
+      t2.copy_(copy);
+    });
+  }
+
+  FuturePtr gather_list(const std::vector<at::Tensor>& outputs, const at::Tensor& input, const char* what) {
+    DDPKIT_CHECK(static_cast<int>(outputs.size()) == getSize(), "ddpkit backend: ", what, " takes ", getSize(),
+                 " outputs (one per rank), got ", outputs.size());
+    bool contiguous = true;
+    for (const auto& o : outputs) {
+      check_same(o, input, what);
+      contiguous = contiguous && o.is_contiguous();
+    }
+    if (contiguous) {
+      std::vector<at::Tensor> bytes;
+      for (const auto& o : outputs) bytes.push_back(as_bytes(o));
+      return pg_->allgather(bytes, as_bytes(input.contiguous()));
+    }
+    at::Tensor flat = at::empty({input.numel() * getSize()}, input.options());
+    const int64_t n = input.numel();
+    return then(pg_->allgather_into_tensor(as_bytes(flat), as_bytes(input.contiguous())), [outputs, flat, n] {
+      for (size_t r = 0; r < outputs.size(); ++r) {
+        at::Tensor o = outputs[r];
+        o.copy_(flat.narrow(0, static_cast<int64_t>(r) * n, n).view(o.sizes()));
+      }
+    });
+  }
+
+  FuturePtr gather_flat(const at::Tensor& output, const at::Tensor& input, const char* what) {
+    cpu(output, what);
+    cpu(input, what);
+    DDPKIT_CHECK(output.numel() == input.numel() * getSize() && output.scalar_type() == input.scalar_type(),
+                 "ddpkit backend: ", what, ": the output must hold world size (", getSize(), ") x the input's ",
+                 input.numel(), " elements of ", input.scalar_type(), ", got ", output.numel(), " of ",
+                 output.scalar_type());
+    at::Tensor in = input.contiguous();
+    return on_contiguous(output, [&](const at::Tensor& o) { return pg_->allgather_into_tensor(as_bytes(o), as_bytes(in)); });
+  }
+
+  // output = chunk rank() of the reduction of every rank's input.
+  FuturePtr scatter_flat(const at::Tensor& output, const at::Tensor& input, const ReduceOp& op, const char* what) {
+    cpu(output, what);
+    cpu(input, what);
+    DDPKIT_CHECK(input.numel() == output.numel() * getSize() && output.scalar_type() == input.scalar_type(),
+                 "ddpkit backend: ", what, ": the input must hold world size (", getSize(), ") x the output's ",
+                 output.numel(), " elements of ", output.scalar_type(), ", got ", input.numel(), " of ",
+                 input.scalar_type());
+    const at::ScalarType dtype = input.scalar_type();
+    const int64_t n = output.numel(), rank = getRank();
+    at::Tensor target = output;
+    if (is_sum(op) && dtype != at::kBool && (op == ReduceOp::SUM || at::isFloatingType(dtype))) {
+      const double scale = op == ReduceOp::AVG ? 1.0 / getSize() : 1.0;
+      at::Tensor in = input.contiguous().view({-1});
+      return on_contiguous(output, [&](const at::Tensor& o) {
+        at::Tensor flat = o.view({-1});
+        FuturePtr f = pg_->reduce_scatter(flat, in);
+        if (scale == 1.0) return f;
+        return then(f, [flat, scale] { flat.mul_(scale); });
+      });
+    }
+    // Other ops: a reduction of the whole input, of which this rank keeps its chunk.
+    at::Tensor whole = input.reshape({-1}).clone();
+    return then(reduce_in_place(whole, op, what), [whole, target, n, rank] {
+      at::Tensor t = target;
+      t.copy_(whole.narrow(0, rank * n, n).view(t.sizes()));
+    });
+  }
+
+  FuturePtr alltoall_flat(const at::Tensor& output, const at::Tensor& input, const std::vector<int64_t>& output_splits,
+                          const std::vector<int64_t>& input_splits) {
+    cpu(output, "all_to_all_single");
+    cpu(input, "all_to_all_single");
+    DDPKIT_CHECK(output.scalar_type() == input.scalar_type(), "ddpkit backend: all_to_all_single: output is ",
+                 output.scalar_type(), ", input ", input.scalar_type());
+    if (output_splits.empty() && input_splits.empty()) {
+      DDPKIT_CHECK(input.dim() > 0 && input.size(0) % getSize() == 0, "ddpkit backend: all_to_all_single: dim 0 of ",
+                   "the input (", input.dim() ? input.size(0) : 0, ") must divide by the world size (", getSize(), ")");
+      at::Tensor in = input.contiguous();
+      // As bytes, rows of dim 0 kept whole.
+      const int64_t rows = input.size(0);
+      return on_contiguous(output, [&](const at::Tensor& o) {
+        return pg_->alltoall(o.reshape({rows, -1}).view(at::kByte), in.reshape({rows, -1}).view(at::kByte));
+      });
+    }
+    // Uneven splits: Gloo's, ordered with the other collectives, moving bytes (Gloo has no
+    // bfloat16 or bool). Splits count rows of dim 0.
+    DDPKIT_CHECK(output.is_contiguous(), "ddpkit backend: all_to_all_single with splits needs a contiguous output");
+    const int64_t elt = static_cast<int64_t>(c10::elementSize(input.scalar_type()));
+    const int64_t in_row = input.dim() && input.size(0) ? input.numel() / input.size(0) * elt : elt;
+    const int64_t out_row = output.dim() && output.size(0) ? output.numel() / output.size(0) * elt : elt;
+    at::Tensor out = output.reshape({-1}).view(at::kByte), in = input.contiguous().reshape({-1}).view(at::kByte);
+    std::vector<int64_t> os, is;
+    for (int64_t v : output_splits) os.push_back(v * out_row);
+    for (int64_t v : input_splits) is.push_back(v * in_row);
+    ddpkit::ProcessGroup* pg = pg_.get();
+    const std::chrono::milliseconds timeout = pg_->timeout();
+    const std::string what = "all_to_all with splits (" + std::string(c10::toString(input.scalar_type())) + ")";
+    at::Tensor result = output;
+    return pg_->run_ordered([pg, out, in, os, is, timeout, what, result]() mutable {
+      c10d::AllToAllOptions o;
+      o.timeout = timeout;
+      try {
+        pg->backend().alltoall_base(out, in, os, is, o)->wait();
+      } catch (const std::exception& e) {
+        throw std::runtime_error(what + ": " + e.what());
+      }
+      return result;
+    });
+  }
+
+  std::shared_ptr<ddpkit::ProcessGroup> pg_;
+  std::shared_ptr<CallbackRunner> runner_ = CallbackRunner::make();
+  std::mutex coalescing_mutex_;
+  bool coalescing_ = false;
+  std::vector<FuturePtr> coalesced_;
+};
+
+}  // namespace
+
+void bind_backend(py::module& m) {
+#if DDPKIT_TORCH_AT_LEAST(2, 0)
+  const char* base = "Backend";
+#else
+  const char* base = "ProcessGroup";
+#endif
+  py::object torch_base = py::module::import("torch._C._distributed_c10d").attr(base);
+  py::class_<DdpkitBackend, c10::intrusive_ptr<DdpkitBackend>>(m, "Backend", torch_base,
+                                                              "ddpkit's collectives as a torch.distributed backend");
+  m.def(
+      "_make_backend",
+      [](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size, double timeout_s, int gloo_threads,
+         bool shared_memory) {
+        DDPKIT_CHECK(timeout_s > 0, "ddpkit backend: the timeout must be positive, got ", timeout_s, " s");
+        const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000));
+        return c10::make_intrusive<DdpkitBackend>(store, rank, size, timeout, gloo_threads, shared_memory);
+      },
+      py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("timeout_s"), py::arg("gloo_threads"),
+      py::arg("shared_memory"), py::call_guard<py::gil_scoped_release>());
+}
+
+}  // namespace python
+}  // namespace ddpkit

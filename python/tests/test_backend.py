@@ -1,0 +1,304 @@
+"""ddpkit as a torch.distributed backend: every collective, op and dtype against the reduction
+computed locally from every rank's (deterministic) input and against Gloo's result where Gloo has
+the operation; async work and futures; subgroups; init methods; errors. Ranks are processes."""
+import os
+import tempfile
+from datetime import timedelta
+
+import pytest
+import torch
+
+from conftest import free_port, run_ranks
+
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64, torch.uint8,
+          torch.bool]
+SIZES = [1, 7, 1001, 300_001]  # the last spans several shared-memory slots
+
+
+def data(rank, n, dtype, salt, op=None):
+    """Rank `rank`'s input: every rank can make every other rank's."""
+    g = torch.Generator().manual_seed(1000 * rank + salt)
+    if dtype == torch.bool:
+        return torch.randint(0, 2, (n,), generator=g).bool()
+    if not dtype.is_floating_point:
+        high = 4 if op == "PRODUCT" else 100
+        return torch.randint(1, high, (n,), generator=g).to(dtype)
+    if op == "PRODUCT":
+        return (1 + (torch.rand(n, generator=g, dtype=torch.float64) - 0.5) / 8).to(dtype)
+    return torch.randn(n, generator=g, dtype=torch.float64).to(dtype)
+
+
+def reduce_local(tensors, op):
+    x = torch.stack(tensors)
+    dtype = x.dtype
+    if dtype == torch.bool:
+        y = x.to(torch.uint8)
+        r = {"SUM": y.amax(0), "MAX": y.amax(0), "BOR": y.amax(0), "MIN": y.amin(0), "PRODUCT": y.amin(0),
+             "BAND": y.amin(0), "BXOR": y.sum(0) % 2}[op]
+        return r.bool()
+    if op in ("BAND", "BOR", "BXOR"):
+        r = x[0].clone()
+        for t in x[1:]:
+            r = {"BAND": torch.bitwise_and, "BOR": torch.bitwise_or, "BXOR": torch.bitwise_xor}[op](r, t)
+        return r
+    wide = x.double() if dtype.is_floating_point else x.long()
+    r = {"SUM": wide.sum(0), "AVG": wide.mean(0) if dtype.is_floating_point else None, "MIN": wide.amin(0),
+         "MAX": wide.amax(0), "PRODUCT": wide.prod(0)}[op]
+    return r.to(dtype)
+
+
+def ops_for(dtype):
+    ops = ["SUM", "MIN", "MAX", "PRODUCT"]
+    if dtype.is_floating_point:
+        ops.append("AVG")
+    else:
+        ops += ["BAND", "BOR", "BXOR"]
+    return ops
+
+
+def close(actual, expected, what):
+    if actual.dtype.is_floating_point:
+        tol = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2}.get(actual.dtype, 1e-6)
+        torch.testing.assert_close(actual.double(), expected.double(), rtol=tol, atol=tol, msg=lambda m: f"{what}: {m}")
+    else:
+        assert torch.equal(actual, expected), f"{what}: {actual} != {expected}"
+
+
+def gloo_agrees(fn, actual, what, log):
+    """Runs fn on the Gloo default group; where Gloo has the operation, its result must match."""
+    try:
+        expected = fn()
+    except (RuntimeError, ValueError) as e:
+        log.append(f"gloo lacks {what}: {str(e).splitlines()[0][:80]}")
+        return
+    close(actual, expected, f"{what} against gloo")
+
+
+def all_collectives(rank, world):
+    import torch.distributed as dist
+    import ddpkit  # noqa: F401
+    dk = dist.new_group(backend="ddpkit")
+    assert dist.get_backend(dk) == "ddpkit"
+    R = dist.ReduceOp
+    log = []
+    salt = 0
+    for dtype in DTYPES:
+        for op in ops_for(dtype):
+            for n in SIZES if dtype == torch.float32 and op in ("SUM", "AVG") else SIZES[:3]:
+                salt += 1
+                mine = data(rank, n, dtype, salt, op)
+                expected = reduce_local([data(r, n, dtype, salt, op) for r in range(world)], op)
+                t = mine.clone()
+                dist.all_reduce(t, op=getattr(R, op), group=dk)
+                what = f"all_reduce {op} {dtype} n={n}"
+                close(t, expected, what)
+
+                def on_gloo():
+                    g = mine.clone()
+                    dist.all_reduce(g, op=getattr(R, op))
+                    return g
+                gloo_agrees(on_gloo, t, what, log)
+                # reduce: the root gets the result
+                root = salt % world
+                t = mine.clone()
+                dist.reduce(t, root, op=getattr(R, op), group=dk)
+                if rank == root:
+                    close(t, expected, f"reduce {op} {dtype} to {root}")
+    for dtype in DTYPES:
+        for n in SIZES[:3]:
+            salt += 1
+            inputs = [data(r, n, dtype, salt) for r in range(world)]
+            # broadcast from every root
+            for root in range(world):
+                t = inputs[rank].clone()
+                dist.broadcast(t, root, group=dk)
+                close(t, inputs[root], f"broadcast {dtype} n={n} from {root}")
+            # all_gather (list), all_gather_into_tensor
+            outs = [torch.empty_like(inputs[0]) for _ in range(world)]
+            dist.all_gather(outs, inputs[rank], group=dk)
+            for r in range(world):
+                close(outs[r], inputs[r], f"all_gather {dtype} n={n} block {r}")
+            flat = torch.empty(world * n, dtype=dtype)
+            dist.all_gather_into_tensor(flat, inputs[rank], group=dk) if hasattr(dist, "all_gather_into_tensor") \
+                else dist._all_gather_base(flat, inputs[rank], group=dk)
+            close(flat, torch.cat(inputs), f"all_gather_into_tensor {dtype} n={n}")
+            # gather and scatter
+            root = salt % world
+            gl = [torch.empty_like(inputs[0]) for _ in range(world)] if rank == root else None
+            dist.gather(inputs[rank], gl, dst=root, group=dk)
+            if rank == root:
+                for r in range(world):
+                    close(gl[r], inputs[r], f"gather {dtype} to {root} block {r}")
+            pieces = [data(root, n, dtype, salt * 100 + r) for r in range(world)]
+            out = torch.empty_like(inputs[0])
+            dist.scatter(out, pieces if rank == root else None, src=root, group=dk)
+            close(out, pieces[rank], f"scatter {dtype} from {root}")
+            # all_to_all_single (even) and all_to_all (uneven)
+            src = [data(r, world * n, dtype, salt + 7) for r in range(world)]
+            out = torch.empty(world * n, dtype=dtype)
+            dist.all_to_all_single(out, src[rank], group=dk)
+            close(out, torch.cat([src[r][rank * n:(rank + 1) * n] for r in range(world)]), f"all_to_all_single {dtype}")
+            ins = [data(rank, (rank + 1) * (j + 1), dtype, salt + j) for j in range(world)]
+            outs = [torch.empty((j + 1) * (rank + 1), dtype=dtype) for j in range(world)]
+            dist.all_to_all(outs, ins, group=dk)
+            for j in range(world):
+                close(outs[j], data(j, (j + 1) * (rank + 1), dtype, salt + rank), f"all_to_all {dtype} from {j}")
+    # reduce_scatter (list and tensor forms), every op
+    for dtype in DTYPES:
+        for op in ops_for(dtype):
+            for n in (1, 7, 1001):
+                salt += 1
+                ins = [data(r, world * n, dtype, salt, op) for r in range(world)]
+                expected = reduce_local(ins, op)[rank * n:(rank + 1) * n]
+                out = torch.empty(n, dtype=dtype)
+                what = f"reduce_scatter_tensor {op} {dtype} n={n}"
+                dist.reduce_scatter_tensor(out, ins[rank], op=getattr(R, op), group=dk) \
+                    if hasattr(dist, "reduce_scatter_tensor") \
+                    else dist._reduce_scatter_base(out, ins[rank], op=getattr(R, op), group=dk)
+                close(out, expected, what)
+                out2 = torch.empty(n, dtype=dtype)
+                dist.reduce_scatter(out2, list(ins[rank].chunk(world)), op=getattr(R, op), group=dk)
+                close(out2, expected, f"reduce_scatter {op} {dtype} n={n}")
+
+                def on_gloo():
+                    g = torch.empty(n, dtype=dtype)
+                    dist.reduce_scatter(g, list(ins[rank].chunk(world)), op=getattr(R, op))
+                    return g
+                gloo_agrees(on_gloo, out2, f"reduce_scatter {op} {dtype}", log)
+    # coalesced forms
+    ts = [data(rank, k + 3, torch.float32, 900 + k) for k in range(3)]
+    if hasattr(dist, "all_reduce_coalesced"):
+        cs = [t.clone() for t in ts]
+        dist.all_reduce_coalesced(cs, group=dk)
+        for k in range(3):
+            close(cs[k], reduce_local([data(r, k + 3, torch.float32, 900 + k) for r in range(world)], "SUM"),
+                  "all_reduce_coalesced")
+    # non-contiguous tensors are written back
+    base = data(rank, 40, torch.float32, 77).view(8, 5)
+    view = base.t()
+    dist.all_reduce(view, group=dk)
+    close(base, reduce_local([data(r, 40, torch.float32, 77).view(8, 5) for r in range(world)], "SUM"),
+          "all_reduce of a transposed view")
+    dist.barrier(group=dk)
+    return log
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_every_collective_op_and_dtype(world):
+    logs = run_ranks(all_collectives, world, timeout=400)
+    for line in sorted(set(logs[0]))[:5]:
+        print(line)
+
+
+def async_and_p2p(rank, world):
+    import torch.distributed as dist
+    import ddpkit  # noqa: F401
+    assert dist.get_backend() == "ddpkit"
+    works = []
+    tensors = []
+    for k in range(5):
+        t = torch.full((1000,), float(rank + k))
+        tensors.append(t)
+        works.append(dist.all_reduce(t, async_op=True))
+    futs = [w.get_future() for w in works]
+    chained = futs[-1].then(lambda f: f.value()[0] * 2)
+    for w in works:
+        w.wait()
+    total = sum(range(world))
+    for k, t in enumerate(tensors):
+        assert torch.all(t == total + world * k), (k, t[:3])
+    assert torch.all(chained.wait() == 2 * (total + world * 4))
+    assert all(w.is_completed() for w in works)
+    # send / recv / isend / irecv around a ring
+    nxt, prv = (rank + 1) % world, (rank - 1) % world
+    if world > 1:
+        out = torch.full((17,), float(rank))
+        into = torch.empty(17)
+        reqs = [dist.isend(out, nxt), dist.irecv(into, prv)]
+        for r in reqs:
+            r.wait()
+        assert torch.all(into == prv)
+        if rank == 0:
+            dist.send(torch.arange(4.), 1)
+        elif rank == 1:
+            x = torch.empty(4)
+            dist.recv(x, 0)
+            assert torch.equal(x, torch.arange(4.))
+    # subgroups: the even ranks, and a group of this rank alone
+    evens = dist.new_group([r for r in range(world) if r % 2 == 0])
+    alone = [dist.new_group([r]) for r in range(world)][rank]
+    if rank % 2 == 0:
+        t = torch.tensor([float(rank)])
+        dist.all_reduce(t, group=evens)
+        assert t.item() == sum(r for r in range(world) if r % 2 == 0)
+    t = torch.tensor([5.0])
+    dist.all_reduce(t, group=alone)
+    assert t.item() == 5.0
+    # all_gather_object goes through the backend too
+    objs = [None] * world
+    dist.all_gather_object(objs, {"rank": rank})
+    assert objs == [{"rank": r} for r in range(world)]
+    return True
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_async_work_futures_p2p_and_subgroups(world):
+    run_ranks(async_and_p2p, world, backend="ddpkit")
+
+
+def init_with(rank, world, method, where):
+    import torch.distributed as dist
+    import ddpkit
+    kwargs = dict(rank=rank, world_size=world, timeout=timedelta(seconds=30))
+    if method == "env":
+        dist.init_process_group(ddpkit.BACKEND, init_method="env://", **kwargs)
+    elif method == "tcp":
+        dist.init_process_group("ddpkit", init_method=f"tcp://127.0.0.1:{where}", **kwargs)
+    elif method == "file":
+        dist.init_process_group("ddpkit", init_method=f"file://{where}", **kwargs)
+    else:
+        store = dist.TCPStore("127.0.0.1", int(where), world, rank == 0, timedelta(seconds=30))
+        dist.init_process_group("ddpkit", store=store, **kwargs)
+    t = torch.ones(3)
+    dist.all_reduce(t)
+    dist.destroy_process_group()
+    return t.sum().item()
+
+
+@pytest.mark.parametrize("method", ["env", "tcp", "file", "store"])
+def test_init_methods(method):
+    with tempfile.TemporaryDirectory() as d:
+        where = os.path.join(d, "rendezvous") if method == "file" else str(free_port())
+        assert run_ranks(init_with, 2, method, where, backend=None) == [6.0, 6.0]
+
+
+def bad_input(rank, world):
+    import torch.distributed as dist
+    errors = {}
+    try:
+        dist.all_reduce(torch.ones(3, device="meta"))
+    except Exception as e:  # noqa: BLE001
+        errors["meta"] = str(e)
+    try:
+        dist.all_reduce(torch.ones(3), op=dist.ReduceOp.AVG) if False else dist.all_reduce(
+            torch.ones(3, dtype=torch.int64), op=dist.ReduceOp.AVG)
+    except Exception as e:  # noqa: BLE001
+        errors["avg_int"] = str(e)
+    try:
+        dist.all_reduce(torch.ones(3 + rank))  # sizes differ across ranks
+    except Exception as e:  # noqa: BLE001
+        errors["sizes"] = str(e)
+    return errors
+
+
+def test_bad_input_is_named_not_hung():
+    errors = run_ranks(bad_input, 2, backend="ddpkit", timeout=120)
+    for e in errors:
+        assert "meta" in e["meta"].lower(), e
+        assert "AVG needs a floating-point tensor" in e["avg_int"], e
+        assert "sizes" in e and ("allreduce" in e["sizes"] or "all_reduce" in e["sizes"]), e
+
+
+def test_every_collective_over_gloo_transport():
+    """DDPKIT_SHM=0: the paths ranks on different hosts take (Gloo, ddpkit's alltoall-based forms)."""
+    run_ranks(all_collectives, 3, timeout=400, env={"DDPKIT_SHM": "0"})
