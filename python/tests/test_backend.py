@@ -257,7 +257,10 @@ def init_with(rank, world, method, where):
     elif method == "file":
         dist.init_process_group("ddpkit", init_method=f"file://{where}", **kwargs)
     else:
-        store = dist.TCPStore("127.0.0.1", int(where), world, rank == 0, timedelta(seconds=30))
+        try:  # Debian's 2.6 has no libuv, which 2.4+ TCPStore uses by default
+            store = dist.TCPStore("127.0.0.1", int(where), world, rank == 0, timedelta(seconds=30), use_libuv=False)
+        except TypeError:
+            store = dist.TCPStore("127.0.0.1", int(where), world, rank == 0, timedelta(seconds=30))
         dist.init_process_group("ddpkit", store=store, **kwargs)
     t = torch.ones(3)
     dist.all_reduce(t)

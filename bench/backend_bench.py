@@ -1,0 +1,129 @@
+#!/usr/bin/python3
+"""torch.distributed collectives on the ddpkit backend against gloo, nccl-tests style (issue 32).
+
+    PYTHONPATH=build/python bench/backend_bench.py [--nproc 2,4] [--max-mb 256] [--ops all_reduce,...]
+
+Each rank is a process running the Python's own torch; both backends run side by side in one job
+(a gloo default group and a ddpkit group over the same ranks), one compute thread per rank, glibc's
+thresholds pinned on both sides. Per size: time (median of the iterations, the slowest rank's),
+algbw = bytes / time and busbw = algbw x the collective's factor: 2(n-1)/n for all_reduce, (n-1)/n
+for all_gather_into_tensor and reduce_scatter_tensor (what each rank must send, as nccl-tests).
+Where gloo lacks the operation (1.13: all_gather_into_tensor, reduce_scatter_tensor) its column
+shows the closest form it has: all_gather's list form; reduce_scatter as all_reduce + slice.
+"""
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather_into_tensor": lambda n: (n - 1) / n,
+          "reduce_scatter_tensor": lambda n: (n - 1) / n}
+
+
+def run_op(op, group, backend, buf, out, world):
+    if op == "all_reduce":
+        dist.all_reduce(buf, group=group)
+    elif op == "all_gather_into_tensor":
+        if backend == "gloo" and not hasattr(dist, "all_gather_into_tensor"):
+            dist.all_gather(list(out.chunk(world)), buf, group=group)
+        else:
+            try:
+                dist.all_gather_into_tensor(out, buf, group=group)
+            except RuntimeError:
+                dist.all_gather(list(out.chunk(world)), buf, group=group)
+    else:  # reduce_scatter_tensor: buf is the input, out the output
+        if backend == "gloo":
+            try:
+                dist.reduce_scatter_tensor(out, buf, group=group)
+            except (RuntimeError, AttributeError):
+                dist.all_reduce(buf, group=group)
+                out.copy_(buf.chunk(world)[dist.get_rank(group)])
+        else:
+            dist.reduce_scatter_tensor(out, buf, group=group) if hasattr(dist, "reduce_scatter_tensor") \
+                else dist._reduce_scatter_base(out, buf, group=group)
+
+
+def rank_main(rank, world, port, sizes, ops, results):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    import ddpkit  # noqa: F401
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    groups = {"gloo": dist.group.WORLD, "ddpkit": dist.new_group(backend="ddpkit")}
+    rows = []
+    for op in ops:
+        for size in sizes:
+            n = max(world, size // 4 // world * world)  # fp32 elements, divisible by the world
+            for backend in ("ddpkit", "gloo"):
+                g = groups[backend]
+                if op == "all_gather_into_tensor":
+                    buf, out = torch.ones(n // world), torch.empty(n)
+                elif op == "reduce_scatter_tensor":
+                    buf, out = torch.ones(n), torch.empty(n // world)
+                else:
+                    buf, out = torch.ones(n), None
+                iters = max(3, min(50, int(2e8 // max(size, 1))))
+                run_op(op, g, backend, buf, out, world)  # warm-up
+                times = []
+                for _ in range(iters):
+                    dist.barrier(group=groups["ddpkit"])
+                    t0 = time.perf_counter()
+                    run_op(op, g, backend, buf, out, world)
+                    times.append(time.perf_counter() - t0)
+                t = torch.tensor([statistics.median(times)], dtype=torch.float64)
+                dist.all_reduce(t, op=dist.ReduceOp.MAX, group=groups["ddpkit"])
+                rows.append((op, n * 4, backend, t.item()))
+    if rank == 0:
+        results.put(rows)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--nproc", default="2,4")
+    ap.add_argument("--min-kb", type=int, default=1)
+    ap.add_argument("--max-mb", type=int, default=256)
+    ap.add_argument("--ops", default="all_reduce,all_gather_into_tensor,reduce_scatter_tensor")
+    a = ap.parse_args()
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 30))
+    os.environ.setdefault("MALLOC_TRIM_THRESHOLD_", str(1 << 30))
+    sizes, s = [], a.min_kb * 1024
+    while s <= a.max_mb << 20:
+        sizes.append(s)
+        s *= 4
+    ops = a.ops.split(",")
+    print(f"torch {torch.__version__}; fp32; time = median over iterations of the slowest rank; "
+          "busbw factor 2(n-1)/n (all_reduce), (n-1)/n (gather/scatter)")
+    for world in [int(x) for x in a.nproc.split(",")]:
+        ctx = mp.get_context("spawn")
+        q = ctx.Queue()
+        import socket
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        procs = [ctx.Process(target=rank_main, args=(r, world, port, sizes, ops, q)) for r in range(world)]
+        for p in procs:
+            p.start()
+        rows = q.get(timeout=3600)
+        for p in procs:
+            p.join()
+        by = {(op, b, backend): t for op, b, backend, t in rows}
+        for op in ops:
+            print(f"\n{op}, {world} ranks")
+            print(f"{'size':>10} {'ddpkit us':>11} {'algbw GB/s':>10} {'busbw GB/s':>10} {'gloo us':>11} "
+                  f"{'busbw GB/s':>10} {'speedup':>8}")
+            for b in sorted({b for (o, b, _) in by if o == op}):
+                td, tg = by[(op, b, "ddpkit")], by[(op, b, "gloo")]
+                f = FACTOR[op](world)
+                print(f"{b:>10} {td * 1e6:>11.1f} {b / td / 1e9:>10.2f} {b / td / 1e9 * f:>10.2f} {tg * 1e6:>11.1f} "
+                      f"{b / tg / 1e9 * f:>10.2f} {tg / td:>8.2f}")
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
