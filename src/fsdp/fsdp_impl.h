@@ -68,7 +68,6 @@ struct FlatUnit {
   int trainable_params = 0;
   bool reduce_launched = false;
   bool used_in_backward = false;
-  at::Tensor grad_flat;  // padded, reduce dtype
   at::Tensor grad_out;   // [S], reduce dtype
   bool reduces_into_grad = false;  // grad_out becomes the shard's .grad
   FuturePtr reduce;

@@ -680,11 +680,11 @@ void FsdpImpl::launch_reduce(FlatUnit& u) {
   if (u.reduce_launched) return;
   u.reduce_launched = true;
   torch::NoGradGuard no_grad;
-  u.grad_flat = pool.take(u.shard_numel * shard_world, reduce_dtype);
+  at::Tensor grad_flat = pool.take(u.shard_numel * shard_world, reduce_dtype);
   // Gradients that never came (parameters unused this step) and the padding are zeros; the
   // unsharded gradients are not kept.
   for (auto& fp : u.params) {
-    at::Tensor flat = u.grad_flat.narrow(0, fp.offset, fp.numel);
+    at::Tensor flat = grad_flat.narrow(0, fp.offset, fp.numel);
     if (fp.grad_in) {
       flat.copy_(fp.param.grad().reshape({-1}));
       fp.param.mutable_grad() = at::Tensor();
@@ -692,7 +692,7 @@ void FsdpImpl::launch_reduce(FlatUnit& u) {
       flat.zero_();
     }
   }
-  if (u.grad_flat.numel() > u.numel) u.grad_flat.narrow(0, u.numel, u.grad_flat.numel() - u.numel).zero_();
+  if (grad_flat.numel() > u.numel) grad_flat.narrow(0, u.numel, grad_flat.numel() - u.numel).zero_();
   const bool sharded = options.sharding_strategy() != ShardingStrategy::kNoShard;
   // Into the shard's gradient itself where there is none to add to (zero_grad(set_to_none)).
   u.reduces_into_grad = sharded && reduce_dtype == at::kFloat && !u.shard.grad().defined();
@@ -702,15 +702,14 @@ void FsdpImpl::launch_reduce(FlatUnit& u) {
     u.grad_out = pool.take(u.shard_numel, reduce_dtype);
   }
   if (hook) {
-    u.reduce = hook(u.grad_flat, sharded ? u.grad_out : at::Tensor());
+    u.reduce = hook(grad_flat, sharded ? u.grad_out : at::Tensor());
   } else if (sharded) {
-    u.reduce = fsdp::reduce_scatter_hook(*default_state, u.grad_flat, u.grad_out);
+    u.reduce = fsdp::reduce_scatter_hook(*default_state, grad_flat, u.grad_out);
   } else {
-    u.reduce = fsdp::allreduce_hook(*default_state, u.grad_flat);
+    u.reduce = fsdp::allreduce_hook(*default_state, grad_flat);
   }
   // The collective holds the flat gradient while it needs it; it returns to the pool after.
-  if (!sharded) u.grad_out = u.grad_flat;
-  u.grad_flat = at::Tensor();
+  if (!sharded) u.grad_out = grad_flat;
 }
 
 void FsdpImpl::finish_backward() {
@@ -724,7 +723,6 @@ void FsdpImpl::finish_backward() {
         u.reduce_launched = false;
         u.reduces_into_grad = false;
         u.reduce.reset();
-        u.grad_flat = at::Tensor();
         u.grad_out = at::Tensor();
         for (auto& fp : u.params) fp.grad_in = false;
       }
