@@ -131,25 +131,6 @@ class FutureWork : public c10d::Work {
   c10::intrusive_ptr<c10::ivalue::Future> future_;
 };
 
-// A future that completes when all of `parts` have, with the first error if any failed.
-FuturePtr all_of(const std::vector<FuturePtr>& parts) {
-  if (parts.size() == 1) return parts[0];
-  auto result = make_tensor_future();
-  if (parts.empty()) {
-    result->markCompleted(c10::IValue(at::Tensor()));
-    return result;
-  }
-  auto left = std::make_shared<std::atomic<int>>(static_cast<int>(parts.size()));
-  auto failed = std::make_shared<std::atomic<bool>>(false);
-  for (const auto& p : parts) {
-    p->addCallback([result, left, failed](c10::ivalue::Future& f) {
-      if (f.hasError() && !failed->exchange(true)) result->setError(f.exception_ptr());
-      if (left->fetch_sub(1) == 1 && !failed->load()) result->markCompleted(c10::IValue(at::Tensor()));
-    });
-  }
-  return result;
-}
-
 // `f`, then `after` (on the thread that completes f); errors in either reach the result.
 FuturePtr then(const FuturePtr& f, std::function<void()> after) {
   auto result = make_tensor_future();
@@ -213,7 +194,7 @@ class DdpkitBackend : public compat::Backend {
   WorkPtr allreduce_coalesced(std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) override {
     std::vector<FuturePtr> parts;
     for (const auto& t : tensors) parts.push_back(reduce_in_place(cpu(t, "allreduce_coalesced"), opts.reduceOp, "allreduce_coalesced"));
-    return work(OpType::ALLREDUCE_COALESCED, all_of(parts), tensors);
+    return work(OpType::ALLREDUCE_COALESCED, when_all(parts, at::Tensor()), tensors);
   }
 
   WorkPtr reduce(std::vector<at::Tensor>& tensors, const c10d::ReduceOptions& opts) override {
@@ -245,7 +226,7 @@ class DdpkitBackend : public compat::Backend {
       parts.push_back(gather_list(outputs[i], cpu(inputs[i], "allgather_coalesced"), "allgather_coalesced"));
       all.insert(all.end(), outputs[i].begin(), outputs[i].end());
     }
-    return work(OpType::ALLGATHER_COALESCED, all_of(parts), all);
+    return work(OpType::ALLGATHER_COALESCED, when_all(parts, at::Tensor()), all);
   }
 
 #if DDPKIT_TORCH_AT_LEAST(2, 1)
@@ -255,7 +236,7 @@ class DdpkitBackend : public compat::Backend {
                  outputs.size(), " outputs for ", inputs.size(), " inputs");
     std::vector<FuturePtr> parts;
     for (size_t i = 0; i < inputs.size(); ++i) parts.push_back(gather_flat(outputs[i], inputs[i], "all_gather_into_tensor"));
-    return work(OpType::COALESCED, all_of(parts), outputs);
+    return work(OpType::COALESCED, when_all(parts, at::Tensor()), outputs);
   }
 
   WorkPtr reduce_scatter_tensor_coalesced(std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
@@ -265,7 +246,7 @@ class DdpkitBackend : public compat::Backend {
     std::vector<FuturePtr> parts;
     for (size_t i = 0; i < inputs.size(); ++i)
       parts.push_back(scatter_flat(outputs[i], inputs[i], opts.reduceOp, "reduce_scatter_tensor"));
-    return work(OpType::COALESCED, all_of(parts), outputs);
+    return work(OpType::COALESCED, when_all(parts, at::Tensor()), outputs);
   }
 #endif
 
@@ -407,7 +388,7 @@ class DdpkitBackend : public compat::Backend {
       coalescing_ = false;
       parts.swap(coalesced_);
     }
-    return c10::make_intrusive<FutureWork>(getRank(), OpType::COALESCED, all_of(parts), std::vector<at::Tensor>{}, runner_);
+    return c10::make_intrusive<FutureWork>(getRank(), OpType::COALESCED, when_all(parts, at::Tensor()), std::vector<at::Tensor>{}, runner_);
   }
 #endif
 
@@ -435,6 +416,17 @@ class DdpkitBackend : public compat::Backend {
     DDPKIT_CHECK(t.numel() == like.numel() && t.scalar_type() == like.scalar_type(), "ddpkit backend: ", op,
                  ": every tensor in the list must have ", like.numel(), " elements of ", like.scalar_type(), ", got ",
                  t.numel(), " of ", t.scalar_type());
+  }
+
+  // `whole` must hold world size x `part`'s elements, of its dtype.
+  void check_world_times(const at::Tensor& whole, const char* whole_name, const at::Tensor& part, const char* part_name,
+                         const char* op) const {
+    cpu(whole, op);
+    cpu(part, op);
+    DDPKIT_CHECK(whole.numel() == part.numel() * getSize() && whole.scalar_type() == part.scalar_type(),
+                 "ddpkit backend: ", op, ": the ", whole_name, " must hold world size (", getSize(), ") x the ",
+                 part_name, "'s ", part.numel(), " elements of ", part.scalar_type(), ", got ", whole.numel(), " of ",
+                 whole.scalar_type());
   }
 
   WorkPtr work(OpType type, const FuturePtr& f, std::vector<at::Tensor> outputs) {
@@ -478,10 +470,11 @@ class DdpkitBackend : public compat::Backend {
                                                                                                      : ReduceOp::MAX;
       return via_copy(t, t.to(at::kByte).contiguous(), as);
     }
-    if (is_sum(op)) return on_contiguous(t, [&](const at::Tensor& c) { return pg_->allreduce(c, op); });
-    // Gloo has no bfloat16 before 2.x's and no fp16 MIN/MAX on every version: in fp32, exact for
-    // MIN/MAX, one rounding for PRODUCT.
-    if (dtype == at::kBFloat16 || dtype == at::kHalf) return via_copy(t, t.to(at::kFloat).contiguous(), op);
+    // SUM/AVG of fp16/bf16 are ddpkit's own (summed in fp32). Other ops go to Gloo, which has no
+    // bfloat16 before 2.x's and no fp16 MIN/MAX on every version: in fp32, exact for MIN/MAX, one
+    // rounding for PRODUCT.
+    if (!is_sum(op) && (dtype == at::kBFloat16 || dtype == at::kHalf))
+      return via_copy(t, t.to(at::kFloat).contiguous(), op);
     return on_contiguous(t, [&](const at::Tensor& c) { return pg_->allreduce(c, op); });
   }
   FuturePtr via_copy(const at::Tensor& t, const at::Tensor& copy, const ReduceOp& op) {
@@ -516,24 +509,14 @@ class DdpkitBackend : public compat::Backend {
   }
 
   FuturePtr gather_flat(const at::Tensor& output, const at::Tensor& input, const char* what) {
-    cpu(output, what);
-    cpu(input, what);
-    DDPKIT_CHECK(output.numel() == input.numel() * getSize() && output.scalar_type() == input.scalar_type(),
-                 "ddpkit backend: ", what, ": the output must hold world size (", getSize(), ") x the input's ",
-                 input.numel(), " elements of ", input.scalar_type(), ", got ", output.numel(), " of ",
-                 output.scalar_type());
+    check_world_times(output, "output", input, "input", what);
     at::Tensor in = input.contiguous();
     return on_contiguous(output, [&](const at::Tensor& o) { return pg_->allgather_into_tensor(as_bytes(o), as_bytes(in)); });
   }
 
   // output = chunk rank() of the reduction of every rank's input.
   FuturePtr scatter_flat(const at::Tensor& output, const at::Tensor& input, const ReduceOp& op, const char* what) {
-    cpu(output, what);
-    cpu(input, what);
-    DDPKIT_CHECK(input.numel() == output.numel() * getSize() && output.scalar_type() == input.scalar_type(),
-                 "ddpkit backend: ", what, ": the input must hold world size (", getSize(), ") x the output's ",
-                 output.numel(), " elements of ", output.scalar_type(), ", got ", input.numel(), " of ",
-                 input.scalar_type());
+    check_world_times(input, "input", output, "output", what);
     const at::ScalarType dtype = input.scalar_type();
     const int64_t n = output.numel(), rank = getRank();
     at::Tensor target = output;

@@ -60,6 +60,23 @@ FuturePtr completed_future(const at::Tensor& value) {
   return f;
 }
 
+FuturePtr when_all(const std::vector<FuturePtr>& all, const at::Tensor& value) {
+  if (all.empty()) return completed_future(value);
+  auto result = make_tensor_future(value.defined() ? value.device() : c10::Device(c10::kCPU));
+  auto remaining = std::make_shared<std::atomic<size_t>>(all.size());
+  auto failed = std::make_shared<std::atomic<bool>>(false);
+  for (const auto& f : all) {
+    f->addCallback([result, remaining, failed, value](c10::ivalue::Future& done) {
+      if (done.hasError()) {
+        if (!failed->exchange(true)) result->setError(done.exception_ptr());
+      } else if (remaining->fetch_sub(1) == 1 && !failed->load()) {
+        result->markCompleted(c10::IValue(value));
+      }
+    });
+  }
+  return result;
+}
+
 namespace {
 
 // Runs fn on `t` if contiguous, else on a contiguous copy that is copied back (in-place collectives).

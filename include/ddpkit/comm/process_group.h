@@ -40,6 +40,8 @@ class GradientArena;  // ddpkit/comm/gradient_arena.h
 FuturePtr make_tensor_future(c10::Device device = c10::kCPU);
 // A future that is already complete with `value`.
 FuturePtr completed_future(const at::Tensor& value);
+// Completes with `value` once every future in `all` has completed, or with the first error.
+FuturePtr when_all(const std::vector<FuturePtr>& all, const at::Tensor& value);
 
 // Bytes this rank put on (and took off) the wire, by the bus-bandwidth model of nccl-tests: an
 // allreduce of B bytes over n ranks counts 2(n-1)/n*B each way, alltoall and broadcast (n-1)/n*B of
