@@ -2,6 +2,7 @@
 """torch.distributed collectives on the ddpkit backend against gloo, nccl-tests style (issue 32).
 
     PYTHONPATH=build/python bench/backend_bench.py [--nproc 2,4] [--max-mb 256] [--ops all_reduce,...]
+                                                   [--train ddp,fsdp] [--steps 10]
 
 Each rank is a process running the Python's own torch; both backends run side by side in one job
 (a gloo default group and a ddpkit group over the same ranks), one compute thread per rank, glibc's
@@ -10,6 +11,12 @@ algbw = bytes / time and busbw = algbw x the collective's factor: 2(n-1)/n for a
 for all_gather_into_tensor and reduce_scatter_tensor (what each rank must send, as nccl-tests).
 Where gloo lacks the operation (1.13: all_gather_into_tensor, reduce_scatter_tensor) its column
 shows the closest form it has: all_gather's list form; reduce_scatter as all_reduce + slice.
+
+--train times whole training steps of PyTorch's own wrappers on each group, side by side: ddp is
+DistributedDataParallel on the MLP of bench/ddp_vs_pytorch.py (1024-4096-4096-1024, batch 32 per
+rank, SGD with momentum); fsdp (torch 2.x) is FSDP FULL_SHARD, device_id=cpu, every Linear a unit,
+on the MLP of bench/pytorch_fsdp.py (1024-4096-1024 x4). Each is run twice per backend,
+alternating; the figure is the median step (first two steps of each run left out), slowest rank.
 """
 import argparse
 import os
@@ -48,7 +55,33 @@ def run_op(op, group, backend, buf, out, world):
                 else dist._reduce_scatter_base(out, buf, group=group)
 
 
-def rank_main(rank, world, port, sizes, ops, results):
+def train_steps(mode, group, rank, steps):
+    from pytorch_ddp import build
+    torch.manual_seed(1)
+    if mode == "ddp":
+        net = torch.nn.parallel.DistributedDataParallel(build([1024, 4096, 4096, 1024]), process_group=group)
+    else:
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, ShardingStrategy
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+        net = FSDP(build([1024, 4096, 1024] * 3 + [4096, 1024]), process_group=group,
+                   sharding_strategy=ShardingStrategy.FULL_SHARD,
+                   auto_wrap_policy=ModuleWrapPolicy({torch.nn.Linear}), device_id=torch.device("cpu"))
+    opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+    gen = torch.Generator().manual_seed(1234 + rank)
+    x = torch.randn(32, 1024, generator=gen)
+    y = torch.randint(0, 1024, (32,), generator=gen)
+    times = []
+    for _ in range(steps):
+        dist.barrier(group=group)
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        torch.nn.functional.cross_entropy(net(x), y).backward()
+        opt.step()
+        times.append(time.perf_counter() - t0)
+    return times[2:]
+
+
+def rank_main(rank, world, port, sizes, ops, results, train, steps):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     import ddpkit  # noqa: F401
@@ -77,6 +110,14 @@ def rank_main(rank, world, port, sizes, ops, results):
                 t = torch.tensor([statistics.median(times)], dtype=torch.float64)
                 dist.all_reduce(t, op=dist.ReduceOp.MAX, group=groups["ddpkit"])
                 rows.append((op, n * 4, backend, t.item()))
+    for mode in train:
+        times = {"ddpkit": [], "gloo": []}
+        for backend in ("ddpkit", "gloo") * 2:
+            times[backend] += train_steps(mode, groups[backend], rank, steps)
+        for backend in times:
+            t = torch.tensor([statistics.median(times[backend])], dtype=torch.float64)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=groups["gloo"])
+            rows.append(("train:" + mode, 0, backend, t.item()))
     if rank == 0:
         results.put(rows)
     dist.barrier()
@@ -89,14 +130,18 @@ def main():
     ap.add_argument("--min-kb", type=int, default=1)
     ap.add_argument("--max-mb", type=int, default=256)
     ap.add_argument("--ops", default="all_reduce,all_gather_into_tensor,reduce_scatter_tensor")
+    ap.add_argument("--train", default="", help="ddp,fsdp: training steps of PyTorch's wrappers on each group")
+    ap.add_argument("--steps", type=int, default=10)
     a = ap.parse_args()
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # pytorch_ddp's MLP
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 30))
     os.environ.setdefault("MALLOC_TRIM_THRESHOLD_", str(1 << 30))
     sizes, s = [], a.min_kb * 1024
     while s <= a.max_mb << 20:
         sizes.append(s)
         s *= 4
-    ops = a.ops.split(",")
+    ops = [o for o in a.ops.split(",") if o]
+    train = [t for t in a.train.split(",") if t]
     print(f"torch {torch.__version__}; fp32; time = median over iterations of the slowest rank; "
           "busbw factor 2(n-1)/n (all_reduce), (n-1)/n (gather/scatter)")
     for world in [int(x) for x in a.nproc.split(",")]:
@@ -106,7 +151,7 @@ def main():
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]
-        procs = [ctx.Process(target=rank_main, args=(r, world, port, sizes, ops, q)) for r in range(world)]
+        procs = [ctx.Process(target=rank_main, args=(r, world, port, sizes, ops, q, train, a.steps)) for r in range(world)]
         for p in procs:
             p.start()
         rows = q.get(timeout=3600)
@@ -122,6 +167,10 @@ def main():
                 f = FACTOR[op](world)
                 print(f"{b:>10} {td * 1e6:>11.1f} {b / td / 1e9:>10.2f} {b / td / 1e9 * f:>10.2f} {tg * 1e6:>11.1f} "
                       f"{b / tg / 1e9 * f:>10.2f} {tg / td:>8.2f}")
+        for mode in train:
+            td, tg = by[("train:" + mode, 0, "ddpkit")], by[("train:" + mode, 0, "gloo")]
+            print(f"\n{mode} step, {world} ranks: ddpkit {td * 1e3:.1f} ms, gloo {tg * 1e3:.1f} ms, "
+                  f"ddpkit/gloo {td / tg:.2f}x")
     sys.stdout.flush()
 
 

@@ -4,6 +4,7 @@
 // ddpkit's group does not do itself (reductions other than SUM/AVG, uneven all-to-all, send/recv)
 // runs on its Gloo backend, the first two on the sequencer so the order still holds.
 #include "backend.h"
+#include "backend_work.h"
 
 #include <ddpkit/comm/process_group.h>
 #include <ddpkit/compat.h>
@@ -28,108 +29,6 @@ namespace {
 using WorkPtr = c10::intrusive_ptr<c10d::Work>;
 using c10d::OpType;
 using c10d::ReduceOp;
-
-// Runs the completions of work futures off ddpkit's own threads. A user's callback may issue a
-// collective and wait for it (PyTorch's PowerSGD hook does): on the shared-memory or Gloo thread
-// that completed the first, that wait would block the thread the second needs (the PowerSGD hang
-// on Gloo). A blocked callback here costs one thread: when every thread is busy, another starts.
-class CallbackRunner {
- public:
-  static std::shared_ptr<CallbackRunner> make() { return std::shared_ptr<CallbackRunner>(new CallbackRunner()); }
-  void post(std::function<void()> fn, const std::shared_ptr<CallbackRunner>& self) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    queue_.push_back(std::move(fn));
-    if (static_cast<int>(queue_.size()) > idle_) {
-      std::thread([self] { self->loop(); }).detach();  // the state outlives the backend
-    } else {
-      wake_.notify_one();
-    }
-  }
-  void stop() {
-    std::lock_guard<std::mutex> lock(mutex_);
-    stopping_ = true;
-    wake_.notify_all();
-  }
-
- private:
-  CallbackRunner() = default;
-  void loop() {
-    std::unique_lock<std::mutex> lock(mutex_);
-    for (;;) {
-      ++idle_;
-      const bool got = wake_.wait_for(lock, std::chrono::seconds(10), [&] { return !queue_.empty() || stopping_; });
-      --idle_;
-      if (queue_.empty()) {
-        if (stopping_ || !got) return;  // idle threads go after a while
-        continue;
-      }
-      std::function<void()> fn = std::move(queue_.front());
-      queue_.pop_front();
-      lock.unlock();
-      fn();
-      lock.lock();
-    }
-  }
-  std::mutex mutex_;
-  std::condition_variable wake_;
-  std::deque<std::function<void()>> queue_;
-  int idle_ = 0;
-  bool stopping_ = false;
-};
-
-// A ddpkit future seen as c10d work. Its getFuture() holds the list of output tensors, which is
-// what PyTorch's DDP reducer and torch.futures expect.
-class FutureWork : public c10d::Work {
- public:
-  FutureWork(int rank, OpType type, const FuturePtr& done, std::vector<at::Tensor> outputs,
-             const std::shared_ptr<CallbackRunner>& runner)
-      : c10d::Work(rank, type),
-        outputs_(std::move(outputs)),
-        future_(c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()))) {
-    auto future = future_;
-    auto outputs_copy = outputs_;
-    done->addCallback([future, outputs_copy, runner](c10::ivalue::Future& f) {
-      std::exception_ptr error = f.hasError() ? f.exception_ptr() : nullptr;
-      runner->post([future, outputs_copy, error] {
-        if (error) {
-          future->setError(error);
-        } else {
-          future->markCompleted(c10::IValue(outputs_copy));
-        }
-      }, runner);
-    });
-  }
-
-  bool isCompleted() override { return future_->completed(); }
-  bool isSuccess() const override { return future_->completed() && !future_->hasError(); }
-  std::exception_ptr exception() const override {
-    return future_->completed() && future_->hasError() ? future_->exception_ptr() : nullptr;
-  }
-  std::vector<at::Tensor> result() override { return outputs_; }
-  void synchronize() override {}
-  bool wait(std::chrono::milliseconds timeout) override {
-    if (timeout == std::chrono::milliseconds(0)) {
-      future_->wait();
-    } else {
-      // Collectives end within the group's timeout on their own; this bounds the caller's wait.
-      const auto deadline = std::chrono::steady_clock::now() + timeout;
-      while (!future_->completed()) {
-        if (std::chrono::steady_clock::now() > deadline)
-          throw std::runtime_error("ddpkit backend: " + c10d::opTypeToString(retrieveOpType()) +
-                                   " did not complete within the " + std::to_string(timeout.count()) +
-                                   " ms given to Work.wait");
-        std::this_thread::sleep_for(std::chrono::microseconds(200));
-      }
-    }
-    if (future_->hasError()) std::rethrow_exception(future_->exception_ptr());
-    return true;
-  }
-  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
-
- private:
-  std::vector<at::Tensor> outputs_;
-  c10::intrusive_ptr<c10::ivalue::Future> future_;
-};
 
 // `f`, then `after` (on the thread that completes f); errors in either reach the result.
 FuturePtr then(const FuturePtr& f, std::function<void()> after) {
@@ -174,27 +73,39 @@ class DdpkitBackend : public compat::Backend {
                                                .shared_memory(shared_memory)
                                                .group_name("ddpkit"))) {}
 
-  ~DdpkitBackend() override { runner_->stop(); }
+  ~DdpkitBackend() override {
+    // A queued collective must not be issued on a group that is gone; each ends within the timeout.
+    order_->drain(pg_->timeout() * 2);
+    runner_->stop();
+  }
 
   const std::string getBackendName() const override { return "ddpkit"; }
   ddpkit::ProcessGroup& group() { return *pg_; }
 
   WorkPtr broadcast(std::vector<at::Tensor>& tensors, const c10d::BroadcastOptions& opts) override {
-    const at::Tensor& t = one(tensors, "broadcast");
+    const at::Tensor t = one(tensors, "broadcast");
     check_root(opts.rootRank, "broadcast");
+    const int root = static_cast<int>(opts.rootRank);
     // As bytes: Gloo moves no bfloat16 or bool.
-    return in_place(OpType::BROADCAST, t, [&](const at::Tensor& c) { return pg_->broadcast(as_bytes(c), opts.rootRank); });
+    return work(OpType::BROADCAST, {t}, [this, t, root] {
+      return on_contiguous(t, [&](const at::Tensor& c) { return pg_->broadcast(as_bytes(c), root); });
+    });
   }
 
   WorkPtr allreduce(std::vector<at::Tensor>& tensors, const c10d::AllreduceOptions& opts) override {
-    const at::Tensor& t = one(tensors, "allreduce");
-    return work(OpType::ALLREDUCE, reduce_in_place(t, opts.reduceOp, "allreduce"), {t});
+    const at::Tensor t = one(tensors, "allreduce");
+    const ReduceOp op = opts.reduceOp;
+    return work(OpType::ALLREDUCE, {t}, [this, t, op] { return reduce_in_place(t, op, "allreduce"); });
   }
 
   WorkPtr allreduce_coalesced(std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) override {
-    std::vector<FuturePtr> parts;
-    for (const auto& t : tensors) parts.push_back(reduce_in_place(cpu(t, "allreduce_coalesced"), opts.reduceOp, "allreduce_coalesced"));
-    return work(OpType::ALLREDUCE_COALESCED, when_all(parts, at::Tensor()), tensors);
+    for (const auto& t : tensors) cpu(t, "allreduce_coalesced");
+    const ReduceOp op = opts.reduceOp;
+    return work(OpType::ALLREDUCE_COALESCED, tensors, [this, tensors, op] {
+      std::vector<FuturePtr> parts;
+      for (const auto& t : tensors) parts.push_back(reduce_in_place(t, op, "allreduce_coalesced"));
+      return when_all(parts, at::Tensor());
+    });
   }
 
   WorkPtr reduce(std::vector<at::Tensor>& tensors, const c10d::ReduceOptions& opts) override {
@@ -202,31 +113,41 @@ class DdpkitBackend : public compat::Backend {
     check_root(opts.rootRank, "reduce");
     // An allreduce; other ranks reduce a copy, so only the root's tensor changes (as with Gloo).
     at::Tensor target = getRank() == opts.rootRank ? t : t.clone();
-    return work(OpType::REDUCE, reduce_in_place(target, opts.reduceOp, "reduce"), {t});
+    const ReduceOp op = opts.reduceOp;
+    return work(OpType::REDUCE, {t}, [this, target, op] { return reduce_in_place(target, op, "reduce"); });
   }
 
   WorkPtr allgather(std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
                     const c10d::AllgatherOptions&) override {
-    const at::Tensor& in = one(inputs, "allgather");
+    const at::Tensor in = one(inputs, "allgather");
     DDPKIT_CHECK(outputs.size() == 1, "ddpkit backend: allgather takes one output list, got ", outputs.size());
-    return work(OpType::ALLGATHER, gather_list(outputs[0], in, "allgather"), outputs[0]);
+    check_list(outputs[0], in, "allgather");
+    std::vector<at::Tensor> outs = outputs[0];
+    return work(OpType::ALLGATHER, outs, [this, outs, in] { return gather_list(outs, in); });
   }
 
   WorkPtr _allgather_base(at::Tensor& output, at::Tensor& input, const c10d::AllgatherOptions&) override {
-    return work(OpType::_ALLGATHER_BASE, gather_flat(output, input, "all_gather_into_tensor"), {output});
+    check_world_times(output, "output", input, "input", "all_gather_into_tensor");
+    const at::Tensor out = output, in = input;
+    return work(OpType::_ALLGATHER_BASE, {out}, [this, out, in] { return gather_flat(out, in); });
   }
 
   WorkPtr allgather_coalesced(std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
                               const c10d::AllgatherOptions&) override {
     DDPKIT_CHECK(outputs.size() == inputs.size(), "ddpkit backend: allgather_coalesced has ", outputs.size(),
                  " output lists for ", inputs.size(), " inputs");
-    std::vector<FuturePtr> parts;
     std::vector<at::Tensor> all;
     for (size_t i = 0; i < inputs.size(); ++i) {
-      parts.push_back(gather_list(outputs[i], cpu(inputs[i], "allgather_coalesced"), "allgather_coalesced"));
+      check_list(outputs[i], cpu(inputs[i], "allgather_coalesced"), "allgather_coalesced");
       all.insert(all.end(), outputs[i].begin(), outputs[i].end());
     }
-    return work(OpType::ALLGATHER_COALESCED, when_all(parts, at::Tensor()), all);
+    std::vector<std::vector<at::Tensor>> outs = outputs;
+    std::vector<at::Tensor> ins = inputs;
+    return work(OpType::ALLGATHER_COALESCED, all, [this, outs, ins] {
+      std::vector<FuturePtr> parts;
+      for (size_t i = 0; i < ins.size(); ++i) parts.push_back(gather_list(outs[i], ins[i]));
+      return when_all(parts, at::Tensor());
+    });
   }
 
 #if DDPKIT_TORCH_AT_LEAST(2, 1)
@@ -234,25 +155,35 @@ class DdpkitBackend : public compat::Backend {
                                           const c10d::AllgatherOptions&) override {
     DDPKIT_CHECK(outputs.size() == inputs.size(), "ddpkit backend: allgather_into_tensor_coalesced has ",
                  outputs.size(), " outputs for ", inputs.size(), " inputs");
-    std::vector<FuturePtr> parts;
-    for (size_t i = 0; i < inputs.size(); ++i) parts.push_back(gather_flat(outputs[i], inputs[i], "all_gather_into_tensor"));
-    return work(OpType::COALESCED, when_all(parts, at::Tensor()), outputs);
+    for (size_t i = 0; i < inputs.size(); ++i)
+      check_world_times(outputs[i], "output", inputs[i], "input", "all_gather_into_tensor");
+    std::vector<at::Tensor> outs = outputs, ins = inputs;
+    return work(OpType::COALESCED, outs, [this, outs, ins] {
+      std::vector<FuturePtr> parts;
+      for (size_t i = 0; i < ins.size(); ++i) parts.push_back(gather_flat(outs[i], ins[i]));
+      return when_all(parts, at::Tensor());
+    });
   }
 
   WorkPtr reduce_scatter_tensor_coalesced(std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
                                           const c10d::ReduceScatterOptions& opts) override {
     DDPKIT_CHECK(outputs.size() == inputs.size(), "ddpkit backend: reduce_scatter_tensor_coalesced has ",
                  outputs.size(), " outputs for ", inputs.size(), " inputs");
-    std::vector<FuturePtr> parts;
     for (size_t i = 0; i < inputs.size(); ++i)
-      parts.push_back(scatter_flat(outputs[i], inputs[i], opts.reduceOp, "reduce_scatter_tensor"));
-    return work(OpType::COALESCED, when_all(parts, at::Tensor()), outputs);
+      check_world_times(inputs[i], "input", outputs[i], "output", "reduce_scatter_tensor");
+    std::vector<at::Tensor> outs = outputs, ins = inputs;
+    const ReduceOp op = opts.reduceOp;
+    return work(OpType::COALESCED, outs, [this, outs, ins, op] {
+      std::vector<FuturePtr> parts;
+      for (size_t i = 0; i < ins.size(); ++i) parts.push_back(scatter_flat(outs[i], ins[i], op, "reduce_scatter_tensor"));
+      return when_all(parts, at::Tensor());
+    });
   }
 #endif
 
   WorkPtr gather(std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
                  const c10d::GatherOptions& opts) override {
-    const at::Tensor& in = one(inputs, "gather");
+    const at::Tensor in = one(inputs, "gather");
     check_root(opts.rootRank, "gather");
     const bool root = getRank() == opts.rootRank;
     DDPKIT_CHECK(root ? outputs.size() == 1 : outputs.empty() || (outputs.size() == 1 && outputs[0].empty()),
@@ -264,7 +195,8 @@ class DdpkitBackend : public compat::Backend {
     } else {
       for (int r = 0; r < getSize(); ++r) into.push_back(at::empty_like(in));
     }
-    return work(OpType::GATHER, gather_list(into, in, "gather"), root ? outputs[0] : std::vector<at::Tensor>{});
+    check_list(into, in, "gather");
+    return work(OpType::GATHER, root ? outputs[0] : std::vector<at::Tensor>{}, [this, into, in] { return gather_list(into, in); });
   }
 
   WorkPtr scatter(std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
@@ -287,12 +219,14 @@ class DdpkitBackend : public compat::Backend {
       all = at::empty({out.numel() * getSize()}, out.options());
     }
     const int64_t n = out.numel(), rank = getRank();
+    const int root_rank = static_cast<int>(opts.rootRank);
     at::Tensor target = out;
-    return work(OpType::SCATTER, then(pg_->broadcast(as_bytes(all), opts.rootRank), [all, target, n, rank] {
-                  at::Tensor t = target;
-                  t.copy_(all.narrow(0, rank * n, n).view(t.sizes()));
-                }),
-                {out});
+    return work(OpType::SCATTER, {out}, [this, all, target, n, rank, root_rank] {
+      return then(pg_->broadcast(as_bytes(all), root_rank), [all, target, n, rank] {
+        at::Tensor t = target;
+        t.copy_(all.narrow(0, rank * n, n).view(t.sizes()));
+      });
+    });
   }
 
   WorkPtr reduce_scatter(std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
@@ -305,18 +239,26 @@ class DdpkitBackend : public compat::Backend {
       check_same(t, out, "reduce_scatter");
       flat.push_back(t.reshape({-1}));
     }
-    at::Tensor in = at::cat(flat);
-    return work(OpType::REDUCE_SCATTER, scatter_flat(out, in, opts.reduceOp, "reduce_scatter"), {out});
+    at::Tensor in = at::cat(flat), target = out;
+    const ReduceOp op = opts.reduceOp;
+    return work(OpType::REDUCE_SCATTER, {out}, [this, target, in, op] { return scatter_flat(target, in, op, "reduce_scatter"); });
   }
 
   WorkPtr _reduce_scatter_base(at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) override {
-    return work(OpType::_REDUCE_SCATTER_BASE, scatter_flat(output, input, opts.reduceOp, "reduce_scatter_tensor"),
-                {output});
+    check_world_times(input, "input", output, "output", "reduce_scatter_tensor");
+    const at::Tensor out = output, in = input;
+    const ReduceOp op = opts.reduceOp;
+    return work(OpType::_REDUCE_SCATTER_BASE, {out}, [this, out, in, op] {
+      return scatter_flat(out, in, op, "reduce_scatter_tensor");
+    });
   }
 
   WorkPtr alltoall_base(at::Tensor& output, at::Tensor& input, std::vector<int64_t>& output_splits,
                         std::vector<int64_t>& input_splits, const c10d::AllToAllOptions&) override {
-    return work(OpType::ALLTOALL_BASE, alltoall_flat(output, input, output_splits, input_splits), {output});
+    check_alltoall(output, input, output_splits, input_splits);
+    const at::Tensor out = output, in = input;
+    std::vector<int64_t> os = output_splits, is = input_splits;
+    return work(OpType::ALLTOALL_BASE, {out}, [this, out, in, os, is] { return alltoall_flat(out, in, os, is); });
   }
 
   WorkPtr alltoall(std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
@@ -342,21 +284,24 @@ class DdpkitBackend : public compat::Backend {
     at::Tensor out = at::empty({total_out}, in.options());
     const bool even = std::all_of(in_splits.begin(), in_splits.end(), [&](int64_t s) { return s == in_splits[0]; }) &&
                       std::all_of(out_splits.begin(), out_splits.end(), [&](int64_t s) { return s == in_splits[0]; });
-    std::vector<int64_t> none;
-    FuturePtr moved = even ? alltoall_flat(out, in, none, none) : alltoall_flat(out, in, out_splits, in_splits);
     std::vector<at::Tensor> outs = outputs;
-    FuturePtr f = then(moved, [outs, out, out_splits] {
-      int64_t off = 0;
-      for (size_t i = 0; i < outs.size(); ++i) {
-        at::Tensor o = outs[i];
-        o.copy_(out.narrow(0, off, out_splits[i]).view(o.sizes()));
-        off += out_splits[i];
-      }
+    return work(OpType::ALLTOALL, outputs, [this, outs, out, in, even, out_splits, in_splits] {
+      const std::vector<int64_t> none;
+      FuturePtr moved = even ? alltoall_flat(out, in, none, none) : alltoall_flat(out, in, out_splits, in_splits);
+      return then(moved, [outs, out, out_splits] {
+        int64_t off = 0;
+        for (size_t i = 0; i < outs.size(); ++i) {
+          at::Tensor o = outs[i];
+          o.copy_(out.narrow(0, off, out_splits[i]).view(o.sizes()));
+          off += out_splits[i];
+        }
+      });
     });
-    return work(OpType::ALLTOALL, f, outputs);
   }
 
-  WorkPtr barrier(const c10d::BarrierOptions&) override { return work(OpType::BARRIER, pg_->barrier(), {}); }
+  WorkPtr barrier(const c10d::BarrierOptions&) override {
+    return work(OpType::BARRIER, {}, [this] { return pg_->barrier(); });
+  }
 
   // Point to point: Gloo's own (tags keep them apart from collectives).
   WorkPtr send(std::vector<at::Tensor>& tensors, int dst, int tag) override {
@@ -388,7 +333,9 @@ class DdpkitBackend : public compat::Backend {
       coalescing_ = false;
       parts.swap(coalesced_);
     }
-    return c10::make_intrusive<FutureWork>(getRank(), OpType::COALESCED, when_all(parts, at::Tensor()), std::vector<at::Tensor>{}, runner_);
+    auto result = c10::make_intrusive<FutureWork>(getRank(), OpType::COALESCED, std::vector<at::Tensor>{});
+    complete_on_runner(when_all(parts, at::Tensor()), result, runner_);
+    return result;
   }
 #endif
 
@@ -429,18 +376,18 @@ class DdpkitBackend : public compat::Backend {
                  whole.scalar_type());
   }
 
-  WorkPtr work(OpType type, const FuturePtr& f, std::vector<at::Tensor> outputs) {
+  // The work of the collective `start` issues, in the order IssueOrder keeps (backend_work.h).
+  // Arguments are checked before, so that bad input is named at the call.
+  WorkPtr work(OpType type, std::vector<at::Tensor> outputs, std::function<FuturePtr()> start) {
+    FuturePtr done;
     {
       std::lock_guard<std::mutex> lock(coalescing_mutex_);
-      if (coalescing_) coalesced_.push_back(f);
+      if (coalescing_) {
+        done = make_tensor_future();
+        coalesced_.push_back(done);
+      }
     }
-    return c10::make_intrusive<FutureWork>(getRank(), type, f, std::move(outputs), runner_);
-  }
-
-  // Runs `op` on t, or on a contiguous copy that is written back.
-  template <class Op>
-  WorkPtr in_place(OpType type, const at::Tensor& t, Op&& op) {
-    return work(type, on_contiguous(t, std::forward<Op>(op)), {t});
+    return order_->issue(getRank(), type, std::move(outputs), std::move(start), done);
   }
   template <class Op>
   FuturePtr on_contiguous(const at::Tensor& t, Op&& op) {
@@ -485,14 +432,13 @@ class DdpkitBackend : public compat::Backend {
     });
   }
 
-  FuturePtr gather_list(const std::vector<at::Tensor>& outputs, const at::Tensor& input, const char* what) {
+  void check_list(const std::vector<at::Tensor>& outputs, const at::Tensor& input, const char* what) const {
     DDPKIT_CHECK(static_cast<int>(outputs.size()) == getSize(), "ddpkit backend: ", what, " takes ", getSize(),
                  " outputs (one per rank), got ", outputs.size());
-    bool contiguous = true;
-    for (const auto& o : outputs) {
-      check_same(o, input, what);
-      contiguous = contiguous && o.is_contiguous();
-    }
+    for (const auto& o : outputs) check_same(o, input, what);
+  }
+  FuturePtr gather_list(const std::vector<at::Tensor>& outputs, const at::Tensor& input) {
+    const bool contiguous = std::all_of(outputs.begin(), outputs.end(), [](const at::Tensor& o) { return o.is_contiguous(); });
     if (contiguous) {
       std::vector<at::Tensor> bytes;
       for (const auto& o : outputs) bytes.push_back(as_bytes(o));
@@ -508,15 +454,13 @@ class DdpkitBackend : public compat::Backend {
     });
   }
 
-  FuturePtr gather_flat(const at::Tensor& output, const at::Tensor& input, const char* what) {
-    check_world_times(output, "output", input, "input", what);
+  FuturePtr gather_flat(const at::Tensor& output, const at::Tensor& input) {
     at::Tensor in = input.contiguous();
     return on_contiguous(output, [&](const at::Tensor& o) { return pg_->allgather_into_tensor(as_bytes(o), as_bytes(in)); });
   }
 
   // output = chunk rank() of the reduction of every rank's input.
   FuturePtr scatter_flat(const at::Tensor& output, const at::Tensor& input, const ReduceOp& op, const char* what) {
-    check_world_times(input, "input", output, "output", what);
     const at::ScalarType dtype = input.scalar_type();
     const int64_t n = output.numel(), rank = getRank();
     at::Tensor target = output;
@@ -538,8 +482,8 @@ class DdpkitBackend : public compat::Backend {
     });
   }
 
-  FuturePtr alltoall_flat(const at::Tensor& output, const at::Tensor& input, const std::vector<int64_t>& output_splits,
-                          const std::vector<int64_t>& input_splits) {
+  void check_alltoall(const at::Tensor& output, const at::Tensor& input, const std::vector<int64_t>& output_splits,
+                      const std::vector<int64_t>& input_splits) const {
     cpu(output, "all_to_all_single");
     cpu(input, "all_to_all_single");
     DDPKIT_CHECK(output.scalar_type() == input.scalar_type(), "ddpkit backend: all_to_all_single: output is ",
@@ -547,6 +491,13 @@ class DdpkitBackend : public compat::Backend {
     if (output_splits.empty() && input_splits.empty()) {
       DDPKIT_CHECK(input.dim() > 0 && input.size(0) % getSize() == 0, "ddpkit backend: all_to_all_single: dim 0 of ",
                    "the input (", input.dim() ? input.size(0) : 0, ") must divide by the world size (", getSize(), ")");
+    } else {
+      DDPKIT_CHECK(output.is_contiguous(), "ddpkit backend: all_to_all_single with splits needs a contiguous output");
+    }
+  }
+  FuturePtr alltoall_flat(const at::Tensor& output, const at::Tensor& input, const std::vector<int64_t>& output_splits,
+                          const std::vector<int64_t>& input_splits) {
+    if (output_splits.empty() && input_splits.empty()) {
       at::Tensor in = input.contiguous();
       // As bytes, rows of dim 0 kept whole.
       const int64_t rows = input.size(0);
@@ -556,7 +507,6 @@ class DdpkitBackend : public compat::Backend {
     }
     // Uneven splits: Gloo's, ordered with the other collectives, moving bytes (Gloo has no
     // bfloat16 or bool). Splits count rows of dim 0.
-    DDPKIT_CHECK(output.is_contiguous(), "ddpkit backend: all_to_all_single with splits needs a contiguous output");
     const int64_t elt = static_cast<int64_t>(c10::elementSize(input.scalar_type()));
     const int64_t in_row = input.dim() && input.size(0) ? input.numel() / input.size(0) * elt : elt;
     const int64_t out_row = output.dim() && output.size(0) ? output.numel() / output.size(0) * elt : elt;
@@ -582,6 +532,7 @@ class DdpkitBackend : public compat::Backend {
 
   std::shared_ptr<ddpkit::ProcessGroup> pg_;
   std::shared_ptr<CallbackRunner> runner_ = CallbackRunner::make();
+  std::shared_ptr<IssueOrder> order_ = std::make_shared<IssueOrder>(runner_);
   std::mutex coalescing_mutex_;
   bool coalescing_ = false;
   std::vector<FuturePtr> coalesced_;

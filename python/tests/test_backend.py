@@ -246,6 +246,56 @@ def test_async_work_futures_p2p_and_subgroups(world):
     run_ranks(async_and_p2p, world, backend="ddpkit")
 
 
+def callbacks_that_issue(rank, world):
+    """As PowerSGD does: each async all_reduce's callback issues another (and its callback a third)
+    and waits for it, while the program goes on issuing. The ranks are made to run their callbacks
+    at different moments; every pair must still meet its own partner (equal sizes, so a mismatch
+    shows as a wrong sum, not an error)."""
+    import time
+    import torch.distributed as dist
+    import ddpkit  # noqa: F401
+    K = 12
+    inner, innermost, futs = {}, {}, []
+
+    def grandchild(k):
+        def cb(fut):
+            time.sleep(0.003 * ((rank + k + 1) % 2))
+            t = torch.full((64,), float(1000 * rank + k))
+            dist.all_reduce(t)
+            innermost[k] = t
+            return fut.value()
+        return cb
+
+    def child(k):
+        def cb(fut):
+            time.sleep(0.003 * ((rank + k) % 2))
+            t = torch.full((64,), float(100 * rank + k))
+            dist.all_reduce(t, async_op=True).get_future().then(grandchild(k)).wait()
+            inner[k] = t
+            return fut.value()[0]
+        return cb
+
+    for k in range(K):
+        t = torch.full((64,), float(rank + k))
+        futs.append(dist.all_reduce(t, async_op=True).get_future().then(child(k)))
+        if (rank + k) % 3 == 0:
+            time.sleep(0.002)
+    for f in futs:
+        f.wait()
+    ranks = sum(range(world))
+    for k in range(K):
+        assert torch.all(futs[k].value() == ranks + world * k), k
+        assert torch.all(inner[k] == 100 * ranks + world * k), (k, inner[k][0].item())
+        assert torch.all(innermost[k] == 1000 * ranks + world * k), (k, innermost[k][0].item())
+    return True
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_collectives_issued_by_callbacks_keep_one_order(world):
+    for _ in range(3):
+        run_ranks(callbacks_that_issue, world, backend="ddpkit")
+
+
 def init_with(rank, world, method, where):
     import torch.distributed as dist
     import ddpkit
@@ -305,3 +355,9 @@ def test_bad_input_is_named_not_hung():
 def test_every_collective_over_gloo_transport():
     """DDPKIT_SHM=0: the paths ranks on different hosts take (Gloo, ddpkit's alltoall-based forms)."""
     run_ranks(all_collectives, 3, timeout=400, env={"DDPKIT_SHM": "0"})
+
+
+def test_every_collective_across_two_network_namespaces():
+    """Two "hosts" of two ranks each: shared memory within, Gloo between (hierarchical allreduce)."""
+    from netns import run_on_two_hosts
+    run_on_two_hosts("test_backend", "all_collectives", per_host=2, timeout=500)
