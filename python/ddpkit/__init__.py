@@ -89,7 +89,8 @@ def register_comm_hook(ddp_model, hook, *, group=None, dense_group=None, **optio
 
     Options are keyword arguments named as PyTorch names them (PowerSGDState's for powersgd and
     batched_powersgd, PostLocalSGDState's for post_local_sgd), plus wrapper="fp16"|"bf16" to run
-    any hook on a low-precision copy. group: a ddpkit ProcessGroup (default: default_group());
+    any hook on a low-precision copy. group: a ddpkit ProcessGroup (default: the model's own when
+    its process group is of the ddpkit backend, else default_group());
     dense_group: hybrid's group for dense buckets (default: group). Returns the HookState.
     Every rank must call it, like DDP's own register_comm_hook.
     """
@@ -110,8 +111,9 @@ def register_comm_hook(ddp_model, hook, *, group=None, dense_group=None, **optio
         if g is not None and not isinstance(g, ProcessGroup):
             raise TypeError(f"ddpkit.register_comm_hook: {name} must be a ddpkit.ProcessGroup (ddpkit.new_group()), "
                             f"got {type(g).__name__}")
-    group = group if group is not None else default_group()
     ddp_group = ddp_model.process_group
+    if group is None:
+        group = _ddpkit_group_of(ddp_group) or default_group()
     if ddp_group.size() != group.size() or ddp_group.rank() != group.rank():
         raise ValueError(f"ddpkit.register_comm_hook: the model's process group (rank {ddp_group.rank()} of "
                          f"{ddp_group.size()}) differs from ddpkit's group (rank {group.rank()} of {group.size()}); "
@@ -161,6 +163,17 @@ def average_parameters(params, group=None):
 # ---- torch.distributed backend -------------------------------------------------------------------
 
 BACKEND = "ddpkit"
+
+
+def _ddpkit_group_of(process_group):
+    """The ddpkit ProcessGroup under a torch.distributed group of the ddpkit backend, else None."""
+    backend = process_group
+    if hasattr(process_group, "_get_backend"):  # 2.x: a ProcessGroup holds a backend per device
+        try:
+            backend = process_group._get_backend(torch.device("cpu"))
+        except RuntimeError:
+            return None
+    return backend._ddpkit_group() if isinstance(backend, _C.Backend) else None
 
 
 def _create_backend(store, rank, size, timeout):

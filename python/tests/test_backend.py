@@ -333,8 +333,7 @@ def bad_input(rank, world):
     except Exception as e:  # noqa: BLE001
         errors["meta"] = str(e)
     try:
-        dist.all_reduce(torch.ones(3), op=dist.ReduceOp.AVG) if False else dist.all_reduce(
-            torch.ones(3, dtype=torch.int64), op=dist.ReduceOp.AVG)
+        dist.all_reduce(torch.ones(3, dtype=torch.int64), op=dist.ReduceOp.AVG)
     except Exception as e:  # noqa: BLE001
         errors["avg_int"] = str(e)
     try:
@@ -352,12 +351,45 @@ def test_bad_input_is_named_not_hung():
         assert "sizes" in e and ("allreduce" in e["sizes"] or "all_reduce" in e["sizes"]), e
 
 
+def test_mismatched_calls_over_gloo_are_named_with_the_check_on():
+    """Between hosts Gloo aborts the process on mismatched sizes; DDPKIT_CHECK_COLLECTIVES=1 compares
+    every call across the group first and names the difference on every rank."""
+    errors = run_ranks(bad_input, 2, backend="ddpkit", timeout=120,
+                       env={"DDPKIT_SHM": "0", "DDPKIT_CHECK_COLLECTIVES": "1"})
+    for e in errors:
+        assert "ranks called different collectives" in e["sizes"] and "element count over 3..4" in e["sizes"], e
+
+
 def test_every_collective_over_gloo_transport():
-    """DDPKIT_SHM=0: the paths ranks on different hosts take (Gloo, ddpkit's alltoall-based forms)."""
-    run_ranks(all_collectives, 3, timeout=400, env={"DDPKIT_SHM": "0"})
+    """DDPKIT_SHM=0: the paths ranks on different hosts take (Gloo, ddpkit's alltoall-based forms), with
+    the cross-rank call check on (it must pass every legitimate call, uneven all-to-all included)."""
+    run_ranks(all_collectives, 3, timeout=400, env={"DDPKIT_SHM": "0", "DDPKIT_CHECK_COLLECTIVES": "1"})
 
 
 def test_every_collective_across_two_network_namespaces():
     """Two "hosts" of two ranks each: shared memory within, Gloo between (hierarchical allreduce)."""
     from netns import run_on_two_hosts
     run_on_two_hosts("test_backend", "all_collectives", per_host=2, timeout=500)
+
+
+def test_torchrun_elastic_restart(tmp_path):
+    """torchrun (PyTorch's elastic agent) with --max-restarts: a rank dies, every survivor gets a
+    named error within the group's timeout, the agent restarts the group, the second attempt runs.
+    The flags are what each Debian's torchrun needs (docs/python.md, "torchrun on Debian")."""
+    import subprocess
+    import sys
+    env = dict(os.environ, OMP_NUM_THREADS="1", USE_LIBUV="0", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--max_restarts", "1",
+           "--redirects", "1", "--tee", "1"]
+    if int(torch.__version__.split(".")[0]) >= 2:
+        cmd += ["--rdzv_backend", "c10d", "--rdzv_endpoint", str(tmp_path / "rdzv"), "--rdzv_conf", "store_type=file"]
+    else:
+        cmd += ["--standalone"]
+    cmd.append(os.path.join(os.path.dirname(os.path.abspath(__file__)), "elastic_worker.py"))
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    text = out.stdout + out.stderr
+    assert out.returncode == 0, text[-4000:]
+    assert "rank 1 dies on attempt 0" in text, text[-4000:]
+    assert "rank 0 attempt 0: survivor error: ddpkit:" in text and "rank 1" in text, text[-4000:]
+    for rank in (0, 1):
+        assert f"rank {rank}/2 attempt 1: ok" in text, text[-4000:]

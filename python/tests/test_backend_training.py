@@ -105,6 +105,37 @@ def test_zero_redundancy_optimizer_matches_gloo():
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
 
 
+def ddpkit_hooks_parity(rank, world, hooks):
+    import torch.distributed as dist
+    import ddpkit
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    dk = dist.new_group(backend="ddpkit")
+    own = ddpkit._ddpkit_group_of(dk)
+    assert own is not None and ddpkit._ddpkit_group_of(dist.group.WORLD) is None
+    out = {}
+    for hook in hooks:
+        runs = []
+        for group in (dk, None):  # the model's own ddpkit group; ddpkit's default group beside Gloo
+            ddp = DDP(make_model(), process_group=group, bucket_cap_mb=0.01)
+            ddpkit.register_comm_hook(ddp, hook)
+            before = own.stats()["collectives"]
+            runs.append(train(ddp, torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9), rank))
+            # the hook ran on the backend's own group, and only there
+            assert (own.stats()["collectives"] > before) == (group is dk), (hook, group is dk)
+        out[hook] = runs
+    return out
+
+
+def test_ddpkit_hooks_on_a_ddpkit_backend_group():
+    hooks = ["allreduce", "fp16", "int8", "powersgd"]
+    results = run_ranks(ddpkit_hooks_parity, 2, hooks, timeout=300)
+    for rank in range(2):
+        for hook in hooks:
+            mine, theirs = results[rank][hook]
+            for a, b in zip(mine, theirs):
+                assert torch.equal(a, b), f"{hook}: on the ddpkit backend's group differs from ddpkit's default group"
+
+
 def fsdp_parity(rank, world):
     import torch.distributed as dist
     import ddpkit  # noqa: F401
