@@ -15,8 +15,9 @@ shows the closest form it has: all_gather's list form; reduce_scatter as all_red
 --train times whole training steps of PyTorch's own wrappers on each group, side by side: ddp is
 DistributedDataParallel on the MLP of bench/ddp_vs_pytorch.py (1024-4096-4096-1024, batch 32 per
 rank, SGD with momentum); fsdp (torch 2.x) is FSDP FULL_SHARD, device_id=cpu, every Linear a unit,
-on the MLP of bench/pytorch_fsdp.py (1024-4096-1024 x4). Each is run twice per backend,
-alternating; the figure is the median step (first two steps of each run left out), slowest rank.
+on the MLP of bench/pytorch_fsdp.py (1024-4096-1024 x4). After a short warm-up run on each
+backend, each runs twice (ddpkit, gloo, gloo, ddpkit); the figure is the median step (first two
+steps of each run left out), slowest rank.
 """
 import argparse
 import os
@@ -33,6 +34,7 @@ FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather_into_tensor": lam
 
 
 def run_op(op, group, backend, buf, out, world):
+    """One collective; `buf` is the input (all_reduce: in place), `out` the output."""
     if op == "all_reduce":
         dist.all_reduce(buf, group=group)
     elif op == "all_gather_into_tensor":
@@ -91,28 +93,33 @@ def rank_main(rank, world, port, sizes, ops, results, train, steps):
     for op in ops:
         for size in sizes:
             n = max(world, size // 4 // world * world)  # fp32 elements, divisible by the world
+            bufs = {}
             for backend in ("ddpkit", "gloo"):
-                g = groups[backend]
                 if op == "all_gather_into_tensor":
-                    buf, out = torch.ones(n // world), torch.empty(n)
+                    bufs[backend] = (torch.ones(n // world), torch.empty(n))
                 elif op == "reduce_scatter_tensor":
-                    buf, out = torch.ones(n), torch.empty(n // world)
+                    bufs[backend] = (torch.ones(n), torch.empty(n // world))
                 else:
-                    buf, out = torch.ones(n), None
-                iters = max(3, min(50, int(2e8 // max(size, 1))))
-                run_op(op, g, backend, buf, out, world)  # warm-up
-                times = []
-                for _ in range(iters):
+                    bufs[backend] = (torch.ones(n), None)
+                run_op(op, groups[backend], backend, *bufs[backend], world)  # warm-up
+            # The two backends' iterations alternate, so both see the same moments of this machine.
+            iters = max(3, min(50, int(2e8 // max(size, 1))))
+            times = {"ddpkit": [], "gloo": []}
+            for _ in range(iters):
+                for backend in ("ddpkit", "gloo"):
                     dist.barrier(group=groups["ddpkit"])
                     t0 = time.perf_counter()
-                    run_op(op, g, backend, buf, out, world)
-                    times.append(time.perf_counter() - t0)
-                t = torch.tensor([statistics.median(times)], dtype=torch.float64)
+                    run_op(op, groups[backend], backend, *bufs[backend], world)
+                    times[backend].append(time.perf_counter() - t0)
+            for backend in ("ddpkit", "gloo"):
+                t = torch.tensor([statistics.median(times[backend])], dtype=torch.float64)
                 dist.all_reduce(t, op=dist.ReduceOp.MAX, group=groups["ddpkit"])
                 rows.append((op, n * 4, backend, t.item()))
     for mode in train:
         times = {"ddpkit": [], "gloo": []}
-        for backend in ("ddpkit", "gloo") * 2:
+        for backend in ("gloo", "ddpkit"):  # warm-up: a process's first model pays its heap's page faults
+            train_steps(mode, groups[backend], rank, 3)
+        for backend in ("ddpkit", "gloo", "gloo", "ddpkit"):
             times[backend] += train_steps(mode, groups[backend], rank, steps)
         for backend in times:
             t = torch.tensor([statistics.median(times[backend])], dtype=torch.float64)
