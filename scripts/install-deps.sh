@@ -11,6 +11,7 @@ packages=(
   fortunes                         # English text (/usr/share/games/fortunes): the transformer LM's corpus
   python3-torch                    # PyTorch's own Python DDP: side-by-side benchmarks, the Python package
   python3-dev pybind11-dev python3-pytest   # the Python package's extension and its tests
+  python3-venv python3-setuptools  # `pip install .` into a venv (the README's Python section)
   zlib1g-dev                       # the CLI gunzips the dataset itself
   libgrpc++-dev protobuf-compiler-grpc protobuf-compiler libprotobuf-dev  # the parameter server's RPC
   openssl                          # the TLS test makes a throwaway certificate

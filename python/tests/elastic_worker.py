@@ -1,6 +1,6 @@
-"""One rank of test_torchrun_elastic_restart: on the first attempt rank 1 dies after one all_reduce
-and the survivors must get an error naming it (not hang); torchrun then restarts every rank, and
-the second attempt must train through."""
+"""One rank of test_torchrun_elastic_restart: on the first attempt rank 1 dies after one all_reduce,
+and a survivor that gets that far must get an error naming it (not hang); torchrun then restarts
+every rank, and the second attempt must run through."""
 import os, sys, datetime, torch, torch.distributed as dist
 import ddpkit  # noqa
 restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))

@@ -28,10 +28,13 @@ def train(model, optimizer, rank):
     return [p.detach().clone() for p in model.parameters()]
 
 
-def ddp_run(group, hook, rank):
+TORCH2 = int(torch.__version__.split(".")[0]) >= 2
+
+
+def ddp_run(group, hook, rank, bucket_cap_mb=0.01):
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
     from torch.nn.parallel import DistributedDataParallel as DDP
-    ddp = DDP(make_model(), process_group=group, bucket_cap_mb=0.01)
+    ddp = DDP(make_model(), process_group=group, bucket_cap_mb=bucket_cap_mb)
     if hook == "fp16":
         ddp.register_comm_hook(group, default_hooks.fp16_compress_hook)
     elif hook == "bf16":
@@ -52,7 +55,12 @@ def ddp_parity(rank, world, hooks):
     dk = dist.new_group(backend="ddpkit")
     out = {}
     for hook in hooks:
-        out[hook] = (ddp_run(dk, hook, rank), ddp_run(None, hook, rank))
+        # PowerSGD over several buckets hangs on 2.x's Gloo (its callbacks block Gloo's threads): there
+        # ddpkit's multi-bucket run is checked for identical ranks, and one bucket against Gloo.
+        gloo_hangs = hook == "powersgd" and TORCH2
+        out[hook] = (ddp_run(dk, hook, rank), None if gloo_hangs else ddp_run(None, hook, rank))
+        if gloo_hangs:
+            out["powersgd, one bucket"] = (ddp_run(dk, hook, rank, 25), ddp_run(None, hook, rank, 25))
     return out
 
 
@@ -60,20 +68,20 @@ def ddp_parity(rank, world, hooks):
 def test_ddp_with_builtin_hooks_matches_gloo(world):
     # bf16_compress_hook: PyTorch's DDP refuses it without CUDA 11+ and NCCL 2.10+, whatever the backend.
     # PowerSGD's callbacks issue collectives and wait for them: the backend must keep ranks issuing
-    # them in one order (backend_work.h). batched_powerSGD_hook fails its own shape assertion in
-    # 1.13 on any backend, so it runs from 2.x on.
+    # them in one order (backend_work.h). batched_powerSGD_hook fails its own shape assertion on CPU
+    # (1.13 and 2.6, any backend).
     hooks = ["none", "allreduce", "fp16", "powersgd"]
-    if int(torch.__version__.split(".")[0]) >= 2:
-        hooks.append("batched_powersgd")
-    results = run_ranks(ddp_parity, world, hooks, timeout=150)
-    for hook in hooks:
+    results = run_ranks(ddp_parity, world, hooks, timeout=240)
+    for hook in results[0]:
         for rank in range(world):
             mine, theirs = results[rank][hook]
             # ranks identical on ddpkit
             for a, b in zip(mine, results[0][hook][0]):
                 assert torch.equal(a, b), f"{hook}: rank {rank} differs from rank 0"
+            if theirs is None:
+                continue
             for a, b in zip(mine, theirs):
-                if world == 2 and hook in ("none", "allreduce", "powersgd", "batched_powersgd"):
+                if world == 2 and hook != "fp16":
                     assert torch.equal(a, b), f"{hook}: not bit-identical to gloo at world 2"
                 else:
                     tol = 2e-3 if hook == "fp16" else 1e-6
@@ -116,7 +124,7 @@ def ddpkit_hooks_parity(rank, world, hooks):
     for hook in hooks:
         runs = []
         for group in (dk, None):  # the model's own ddpkit group; ddpkit's default group beside Gloo
-            ddp = DDP(make_model(), process_group=group, bucket_cap_mb=0.01)
+            ddp = DDP(make_model(), process_group=group, bucket_cap_mb=bucket_cap_mb)
             ddpkit.register_comm_hook(ddp, hook)
             before = own.stats()["collectives"]
             runs.append(train(ddp, torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9), rank))
