@@ -124,7 +124,7 @@ def ddpkit_hooks_parity(rank, world, hooks):
     for hook in hooks:
         runs = []
         for group in (dk, None):  # the model's own ddpkit group; ddpkit's default group beside Gloo
-            ddp = DDP(make_model(), process_group=group, bucket_cap_mb=bucket_cap_mb)
+            ddp = DDP(make_model(), process_group=group, bucket_cap_mb=0.01)
             ddpkit.register_comm_hook(ddp, hook)
             before = own.stats()["collectives"]
             runs.append(train(ddp, torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9), rank))
