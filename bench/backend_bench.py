@@ -21,6 +21,7 @@ steps of each run left out), slowest rank.
 """
 import argparse
 import os
+import queue
 import statistics
 import sys
 import time
@@ -84,7 +85,8 @@ def train_steps(mode, group, rank, steps):
 
 
 def rank_main(rank, world, port, sizes, ops, results, train, steps):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    # USE_LIBUV=0: Debian's torch 2.x is built without libuv, which its TCPStore asks for by default.
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), USE_LIBUV="0")
     torch.set_num_threads(1)
     import ddpkit  # noqa: F401
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -141,6 +143,9 @@ def main():
     ap.add_argument("--steps", type=int, default=10)
     a = ap.parse_args()
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # pytorch_ddp's MLP
+    # One compute thread per rank, BLAS included (the ranks inherit this before importing torch).
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 30))
     os.environ.setdefault("MALLOC_TRIM_THRESHOLD_", str(1 << 30))
     sizes, s = [], a.min_kb * 1024
@@ -161,7 +166,13 @@ def main():
         procs = [ctx.Process(target=rank_main, args=(r, world, port, sizes, ops, q, train, a.steps)) for r in range(world)]
         for p in procs:
             p.start()
-        rows = q.get(timeout=3600)
+        rows = None
+        while rows is None:  # a rank that dies ends the bench instead of leaving it waiting
+            try:
+                rows = q.get(timeout=5)
+            except queue.Empty:
+                if any(p.exitcode not in (None, 0) for p in procs):
+                    sys.exit(f"backend_bench: a rank failed (exit codes {[p.exitcode for p in procs]})")
         for p in procs:
             p.join()
         by = {(op, b, backend): t for op, b, backend, t in rows}

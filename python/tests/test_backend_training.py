@@ -199,3 +199,31 @@ def test_fsdp2_fully_shard_averages_gradients():
     for pairs in run_ranks(fsdp2_averages, 2, backend="ddpkit", timeout=300):
         for got, want in pairs:
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def dtensor_basics(rank, world):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    assert dist.get_backend() == "ddpkit"
+    mesh = init_device_mesh("cpu", (world,))
+    full = torch.arange(world * 2 * world * 4, dtype=torch.float32).view(world * 2, world * 4)
+    d = distribute_tensor(full, mesh, [Shard(0)])
+    assert torch.equal(d.to_local(), full.chunk(world)[rank])
+    assert torch.equal(d.full_tensor(), full)  # all_gather
+    assert torch.equal(d.redistribute(mesh, [Shard(1)]).to_local(), full.chunk(world, dim=1)[rank])  # all_to_all
+    assert torch.equal(d.redistribute(mesh, [Replicate()]).to_local(), full)
+    # A contraction over the sharded dimension leaves partial sums: reduced to the whole, or scattered.
+    left = torch.ones(3, world * 2)
+    product = distribute_tensor(left, mesh, [Shard(1)]) @ d
+    torch.testing.assert_close(product.full_tensor(), left @ full)  # all_reduce
+    torch.testing.assert_close(product.redistribute(mesh, [Shard(1)]).to_local(),
+                               (left @ full).chunk(world, dim=1)[rank])  # reduce_scatter
+    return True
+
+
+@pytest.mark.skipif(tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 4),
+                    reason="torch.distributed.tensor is public from torch 2.4 on")
+@pytest.mark.parametrize("world", [2, 3])
+def test_device_mesh_and_dtensor_basics(world):
+    run_ranks(dtensor_basics, world, backend="ddpkit", timeout=120)
