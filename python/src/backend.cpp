@@ -13,13 +13,9 @@
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include <algorithm>
-#include <cstdlib>
-#include <atomic>
-#include <mutex>
 #include <chrono>
-#include <condition_variable>
-#include <deque>
-#include <thread>
+#include <cstdlib>
+#include <mutex>
 
 namespace py = pybind11;
 

@@ -106,12 +106,17 @@ class FutureWork : public c10d::Work {
     if (on_handout_) on_handout_();
     return future_;
   }
-  // The future without telling anyone it was handed out (for completing it).
-  const ListFuturePtr& getFutureQuietly() const { return future_; }
+  // Completes the future with the outputs, or with `error`; its callbacks run here.
+  void complete(std::exception_ptr error) {
+    if (error) {
+      future_->setError(error);
+    } else {
+      future_->markCompleted(c10::IValue(outputs_));
+    }
+  }
   void wait_completed() { future_->wait(); }
   // Called whenever getFuture() hands the future out (callbacks may follow).
   void on_handout(std::function<void()> fn) { on_handout_ = std::move(fn); }
-  const std::vector<at::Tensor>& outputs() const { return outputs_; }
 
  private:
   std::vector<at::Tensor> outputs_;
@@ -124,13 +129,7 @@ inline void complete_on_runner(const FuturePtr& done, const c10::intrusive_ptr<F
                                const std::shared_ptr<CallbackRunner>& runner) {
   done->addCallback([work, runner](c10::ivalue::Future& f) {
     std::exception_ptr error = f.hasError() ? f.exception_ptr() : nullptr;
-    runner->post([work, error] {
-      if (error) {
-        work->getFutureQuietly()->setError(error);
-      } else {
-        work->getFutureQuietly()->markCompleted(c10::IValue(work->outputs()));
-      }
-    }, runner);
+    runner->post([work, error] { work->complete(error); }, runner);
   });
 }
 
@@ -191,7 +190,7 @@ class IssueOrder : public std::enable_shared_from_this<IssueOrder> {
   // one is not issued on a group that is gone.
   void drain(std::chrono::milliseconds limit) {
     std::unique_lock<std::mutex> lock(mutex_);
-    idle_.wait_for(lock, limit, [&] { return root_.held == 0 && !root_.draining && root_.waiting.empty(); });
+    idle_.wait_for(lock, limit, [&] { return program_idle(); });
   }
 
  private:
@@ -220,6 +219,8 @@ class IssueOrder : public std::enable_shared_from_this<IssueOrder> {
     return scope;
   }
   Op* scope_of(const Op& op) { return op.parent ? op.parent.get() : &root_; }
+  // Nothing at top level is queued or holding later collectives back (under mutex_).
+  bool program_idle() const { return root_.held == 0 && !root_.draining && root_.waiting.empty(); }
 
   void handed_out(const OpPtr& op) {
     std::unique_lock<std::mutex> lock(mutex_);
@@ -267,12 +268,7 @@ class IssueOrder : public std::enable_shared_from_this<IssueOrder> {
   }
 
   void finish(const OpPtr& op, std::exception_ptr error) {
-    auto future = op->work->getFutureQuietly();
-    if (error) {
-      future->setError(error);
-    } else {
-      future->markCompleted(c10::IValue(op->work->outputs()));
-    }
+    op->work->complete(error);
     Scope saved = current();
     current() = Scope{};
     release(op);
@@ -297,7 +293,7 @@ class IssueOrder : public std::enable_shared_from_this<IssueOrder> {
         }
         op = op->parent;  // which counted this op
       }
-      if (root_.held == 0 && !root_.draining && root_.waiting.empty()) idle_.notify_all();
+      if (program_idle()) idle_.notify_all();
     }
     for (size_t i = 0; i < to_drain.size(); ++i) {
       auto self = shared_from_this();
@@ -315,7 +311,7 @@ class IssueOrder : public std::enable_shared_from_this<IssueOrder> {
         std::lock_guard<std::mutex> lock(mutex_);
         if (scope->held > 0 || scope->waiting.empty()) {
           scope->draining = false;
-          if (root_.held == 0 && !root_.draining && root_.waiting.empty()) idle_.notify_all();
+          if (program_idle()) idle_.notify_all();
           return;
         }
         next = scope->waiting.front();
