@@ -60,13 +60,14 @@ def run_op(op, group, backend, buf, out, world):
 
 def train_steps(mode, group, rank, steps):
     from pytorch_ddp import build
+    from pytorch_fsdp import DIMS as FSDP_DIMS
     torch.manual_seed(1)
     if mode == "ddp":
         net = torch.nn.parallel.DistributedDataParallel(build([1024, 4096, 4096, 1024]), process_group=group)
     else:
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, ShardingStrategy
         from torch.distributed.fsdp.wrap import ModuleWrapPolicy
-        net = FSDP(build([1024, 4096, 1024] * 3 + [4096, 1024]), process_group=group,
+        net = FSDP(build(FSDP_DIMS), process_group=group,
                    sharding_strategy=ShardingStrategy.FULL_SHARD,
                    auto_wrap_policy=ModuleWrapPolicy({torch.nn.Linear}), device_id=torch.device("cpu"))
     opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
@@ -142,7 +143,7 @@ def main():
     ap.add_argument("--train", default="", help="ddp,fsdp: training steps of PyTorch's wrappers on each group")
     ap.add_argument("--steps", type=int, default=10)
     a = ap.parse_args()
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # pytorch_ddp's MLP
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # pytorch_ddp's and pytorch_fsdp's MLPs
     # One compute thread per rank, BLAS included (the ranks inherit this before importing torch).
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
