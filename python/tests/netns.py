@@ -14,40 +14,29 @@ import time
 import pytest
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
-
-
-def _ip(*args):
-    subprocess.run(["ip", *args], check=True, capture_output=True, timeout=30)
+sys.path.insert(0, os.path.join(TESTS, "..", "..", "tests"))  # two_hosts: the namespaces themselves
+import two_hosts  # noqa: E402
 
 
 def run_on_two_hosts(module, function, per_host=2, timeout=400):
     if os.geteuid() != 0 or shutil.which("ip") is None:
         pytest.skip("network namespaces need root and ip")
     tag = f"dkb{os.getpid() % 100000}"
-    a, b = f"{tag}a", f"{tag}b"
     net = f"10.78.{os.getpid() % 200}"
-    addr = {a: f"{net}.1", b: f"{net}.2"}
-    dev = {a: f"{tag}x", b: f"{tag}y"}
+    master = f"{net}.1"
     procs = []
     try:
         try:
-            _ip("netns", "add", a)
+            hosts = two_hosts.create(tag, master, f"{net}.2")
         except subprocess.CalledProcessError:
             pytest.skip("cannot create network namespaces here")
-        _ip("netns", "add", b)
-        _ip("link", "add", dev[a], "type", "veth", "peer", "name", dev[b])
-        for ns in (a, b):
-            _ip("link", "set", dev[ns], "netns", ns)
-            _ip("-n", ns, "addr", "add", addr[ns] + "/24", "dev", dev[ns])
-            _ip("-n", ns, "link", "set", "lo", "up")
-            _ip("-n", ns, "link", "set", dev[ns], "up")
         world = 2 * per_host
         port = 29700 + os.getpid() % 200
         for rank in range(world):
-            ns = a if rank < per_host else b
+            ns, dev = hosts[rank // per_host]
             env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank % per_host),
-                       LOCAL_WORLD_SIZE=str(per_host), MASTER_ADDR=addr[a], MASTER_PORT=str(port),
-                       GLOO_SOCKET_IFNAME=dev[ns], OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", USE_LIBUV="0")
+                       LOCAL_WORLD_SIZE=str(per_host), MASTER_ADDR=master, MASTER_PORT=str(port),
+                       GLOO_SOCKET_IFNAME=dev, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", USE_LIBUV="0")
             procs.append(subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, os.path.join(TESTS, "netns.py"),
                                            module, function], env=env, stdout=subprocess.PIPE,
                                           stderr=subprocess.STDOUT, text=True))
@@ -67,8 +56,7 @@ def run_on_two_hosts(module, function, per_host=2, timeout=400):
             if p.poll() is None:
                 p.kill()
                 p.wait()
-        for ns in (a, b):
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
+        two_hosts.remove(tag)
 
 
 if __name__ == "__main__":
