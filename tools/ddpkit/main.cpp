@@ -17,6 +17,8 @@ namespace ddpkit {
 namespace cli {
 extern const char* kTrainUsage;
 int run_train(const std::vector<std::string>& args, const std::vector<std::string>& argv);
+extern const char* kPlanUsage;
+int run_plan(const std::vector<std::string>& args);
 #ifdef DDPKIT_WITH_PS
 extern const char* kPsServerUsage;
 extern const char* kBenchUsage;
@@ -31,6 +33,7 @@ const char* kUsage = R"(usage: ddpkit <command> [flags]
 
 commands:
   train     data-parallel training (ddpkit train --help)
+  plan      predicted step time and memory per rank of each strategy and hook (ddpkit plan --help)
   launch    run N local ranks of any program, torchrun-style (ddpkit launch --help)
   bench     the parameter-server benchmark: trainers + gRPC servers (ddpkit bench --help)
   ps-server a gradient-averaging parameter server (ddpkit ps-server --help)
@@ -92,6 +95,15 @@ int main(int argc, char** argv) {
       return cmd == "bench" ? run_bench(args, all) : run_ps_server(args);
     }
 #endif
+    if (cmd == "plan") {
+      usage = kPlanUsage;
+      for (const auto& a : args)
+        if (a == "--help" || a == "-h") {
+          std::cout << kPlanUsage;
+          return 0;
+        }
+      return run_plan(args);
+    }
     if (cmd == "launch") {
       usage = kLaunchUsage;
       if (!args.empty() && (args[0] == "--help" || args[0] == "-h")) {

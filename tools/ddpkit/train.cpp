@@ -144,6 +144,62 @@ std::string divergence_message(const Flags& f, const Divergence& d, int64_t powe
 
 }  // namespace
 
+std::string checked_dataset(const Flags& f, const std::string& model_name) {
+  if (model_name != "mlp" && model_name != "cnn" && model_name != "transformer")
+    throw UsageError("--model must be mlp, cnn or transformer, got '" + model_name + "'");
+  const std::string dataset = !f.str("dataset").empty() ? f.str("dataset") : model_name == "transformer" ? "text" : "fashion-mnist";
+  if (dataset != "fashion-mnist" && dataset != "synthetic" && dataset != "text")
+    throw UsageError("--dataset must be fashion-mnist, synthetic or text, got '" + dataset + "'");
+  if ((dataset == "text") != (model_name == "transformer"))
+    throw UsageError("--dataset text goes with --model transformer, and only it");
+  if (model_name != "mlp" && !f.str("mlp-dims").empty()) throw UsageError("--mlp-dims applies to --model mlp only");
+  for (const char* flag : {"layers", "d-model", "heads", "seq-len"})
+    if (f.integer(flag) < 1) throw UsageError(std::string("--") + flag + " must be >= 1");
+  return dataset;
+}
+
+RunData load_run_data(const Flags& f, const std::string& model_name, const std::string& dataset) {
+  RunData r;
+  if (dataset == "text") {
+    r.data = load_text_corpus(f.str("text-dir"), f.integer("seq-len"));
+  } else if (dataset == "fashion-mnist") {
+    r.data = load_fashion_mnist(f.str("data-dir"));
+    r.dims = f.str("mlp-dims").empty() ? std::vector<int64_t>{784, 512, 256, 10} : f.int_list("mlp-dims");
+    if (r.dims.front() != 784 || r.dims.back() != 10)
+      throw UsageError("--mlp-dims for fashion-mnist must start with 784 and end with 10");
+  } else {
+    r.dims = f.str("mlp-dims").empty() ? std::vector<int64_t>{1024, 4096, 4096, 1024} : f.int_list("mlp-dims");
+    if (model_name == "cnn") r.dims = {784, 10};
+    if (r.dims.size() < 2) throw UsageError("--mlp-dims needs at least two sizes");
+    const int64_t n = f.integer("synthetic-size");
+    if (n < 1) throw UsageError("--synthetic-size must be >= 1");
+    r.data = make_synthetic(r.dims.front(), r.dims.back(), n, std::max<int64_t>(n / 4, 1), 1234);
+  }
+  return r;
+}
+
+Model build_model(const Flags& f, const std::string& model_name, const std::vector<int64_t>& dims, int64_t num_classes) {
+  Model model;
+  if (model_name == "mlp") {
+    auto m = std::make_shared<MlpImpl>(dims);
+    model.module = m;
+    model.forward = [m](const at::Tensor& x) { return m->forward(x); };
+    for (auto& l : m->layers) model.units.push_back(l.ptr());
+  } else if (model_name == "cnn") {
+    auto m = std::make_shared<CnnImpl>(num_classes);
+    model.module = m;
+    model.forward = [m](const at::Tensor& x) { return m->forward(x); };
+    model.units = {m->conv1.ptr(), m->conv2.ptr(), m->fc1.ptr(), m->fc2.ptr()};
+  } else {
+    auto m = std::make_shared<GptImpl>(256, f.integer("d-model"), f.integer("heads"), f.integer("layers"), f.integer("seq-len"));
+    model.module = m;
+    model.forward = [m](const at::Tensor& x) { return m->forward(x); };
+    for (const auto& b : *m->blocks) model.units.push_back(b);
+    model.language_model = true;
+  }
+  return model;
+}
+
 int run_train(const std::vector<std::string>& args, const std::vector<std::string>& argv) {
   Flags f(args,
           {{"nproc", "2"}, {"model", "mlp"}, {"dataset", ""}, {"text-dir", "/usr/share/games/fortunes"},
@@ -163,13 +219,7 @@ int run_train(const std::vector<std::string>& args, const std::vector<std::strin
            "powersgd-batch-same-shape", "no-error-feedback", "no-warm-start", "int8-error-feedback",
            "optimizer-in-hook", "zero-shard-buckets", "zero-bucket-view", "no-divergence-guard", "resume"});
   const std::string model_name = f.str("model"), hook_name = f.str("hook");
-  if (model_name != "mlp" && model_name != "cnn" && model_name != "transformer")
-    throw UsageError("--model must be mlp, cnn or transformer, got '" + model_name + "'");
-  const std::string dataset = !f.str("dataset").empty() ? f.str("dataset") : model_name == "transformer" ? "text" : "fashion-mnist";
-  if (dataset != "fashion-mnist" && dataset != "synthetic" && dataset != "text")
-    throw UsageError("--dataset must be fashion-mnist, synthetic or text, got '" + dataset + "'");
-  if ((dataset == "text") != (model_name == "transformer"))
-    throw UsageError("--dataset text goes with --model transformer, and only it");
+  const std::string dataset = checked_dataset(f, model_name);
   const std::string fsdp_name = f.str("fsdp");
   const bool use_fsdp = fsdp_name != "off";
   ShardingStrategy fsdp_strategy = ShardingStrategy::kFullShard;
@@ -225,9 +275,6 @@ int run_train(const std::vector<std::string>& args, const std::vector<std::strin
   if (f.integer("local-sgd-period") < 1) throw UsageError("--local-sgd-period must be >= 1");
   if (f.integer("local-sgd-group-size") < 0) throw UsageError("--local-sgd-group-size must be >= 0");
   const bool use_ddp = !f.on("no-ddp");
-  if (model_name != "mlp" && !f.str("mlp-dims").empty()) throw UsageError("--mlp-dims applies to --model mlp only");
-  for (const char* flag : {"layers", "d-model", "heads", "seq-len"})
-    if (f.integer(flag) < 1) throw UsageError(std::string("--") + flag + " must be >= 1");
 
   const std::string checkpoint_dir = f.str("checkpoint-dir");
   const int checkpoint_every = f.integer("checkpoint-every"), max_restarts = f.integer("max-restarts");
@@ -268,42 +315,9 @@ int run_train(const std::vector<std::string>& args, const std::vector<std::strin
   const bool lead = rank == 0;
   torch::manual_seed(f.integer("seed"));
 
-  Split data;
-  std::vector<int64_t> dims;
-  if (dataset == "text") {
-    data = load_text_corpus(f.str("text-dir"), f.integer("seq-len"));
-  } else if (dataset == "fashion-mnist") {
-    data = load_fashion_mnist(f.str("data-dir"));
-    dims = f.str("mlp-dims").empty() ? std::vector<int64_t>{784, 512, 256, 10} : f.int_list("mlp-dims");
-    if (dims.front() != 784 || dims.back() != 10)
-      throw UsageError("--mlp-dims for fashion-mnist must start with 784 and end with 10");
-  } else {
-    dims = f.str("mlp-dims").empty() ? std::vector<int64_t>{1024, 4096, 4096, 1024} : f.int_list("mlp-dims");
-    if (model_name == "cnn") dims = {784, 10};
-    if (dims.size() < 2) throw UsageError("--mlp-dims needs at least two sizes");
-    const int64_t n = f.integer("synthetic-size");
-    if (n < 1) throw UsageError("--synthetic-size must be >= 1");
-    data = make_synthetic(dims.front(), dims.back(), n, std::max<int64_t>(n / 4, 1), 1234);
-  }
-
-  Model model;
-  if (model_name == "mlp") {
-    auto m = std::make_shared<MlpImpl>(dims);
-    model.module = m;
-    model.forward = [m](const at::Tensor& x) { return m->forward(x); };
-    for (auto& l : m->layers) model.units.push_back(l.ptr());
-  } else if (model_name == "cnn") {
-    auto m = std::make_shared<CnnImpl>(data.train.num_classes);
-    model.module = m;
-    model.forward = [m](const at::Tensor& x) { return m->forward(x); };
-    model.units = {m->conv1.ptr(), m->conv2.ptr(), m->fc1.ptr(), m->fc2.ptr()};
-  } else {
-    auto m = std::make_shared<GptImpl>(256, f.integer("d-model"), f.integer("heads"), f.integer("layers"), f.integer("seq-len"));
-    model.module = m;
-    model.forward = [m](const at::Tensor& x) { return m->forward(x); };
-    for (const auto& b : *m->blocks) model.units.push_back(b);
-    model.language_model = true;
-  }
+  RunData run_data = load_run_data(f, model_name, dataset);
+  Split& data = run_data.data;
+  Model model = build_model(f, model_name, run_data.dims, data.train.num_classes);
   // FSDP: each listed submodule of at least --fsdp-min-unit-params parameters is a unit.
   std::unique_ptr<FullyShardedDataParallelBase> sharded_model;
   if (use_fsdp) {
@@ -523,11 +537,7 @@ int run_train(const std::vector<std::string>& args, const std::vector<std::strin
     ++checkpoints_written;
   };
 
-  // Classification, or next-byte prediction over [B, T] (in fp32 under mixed precision).
-  auto loss_of = [&](const at::Tensor& out, const at::Tensor& y) {
-    if (model.language_model) return torch::cross_entropy_loss(out.reshape({-1, out.size(-1)}).to(at::kFloat), y.reshape({-1}));
-    return torch::cross_entropy_loss(out.to(at::kFloat), y);
-  };
+  auto loss_of = [&](const at::Tensor& out, const at::Tensor& y) { return model_loss(model, out, y); };
   Progress progress(lead && !f.on("quiet"));
   // Every rank checks the loss every 20 steps, together: a diverged run stops with advice.
   std::unique_ptr<DivergenceGuard> guard;

@@ -1,6 +1,8 @@
 // Models and the progress bar shared by `ddpkit train` and `ddpkit bench`.
 #pragma once
 
+#include "cli.h"
+
 #include <ddpkit/fsdp/fully_sharded_data_parallel.h>
 #include <torch/torch.h>
 
@@ -156,6 +158,22 @@ struct TransformerLMImpl : torch::nn::Module {
   torch::nn::TransformerEncoder encoder{nullptr};
   torch::nn::Linear head{nullptr};
 };
+
+// Classification, or next-byte prediction over [B, T] (in fp32 under mixed precision).
+inline at::Tensor model_loss(const Model& model, const at::Tensor& out, const at::Tensor& y) {
+  if (model.language_model) return torch::cross_entropy_loss(out.reshape({-1, out.size(-1)}).to(at::kFloat), y.reshape({-1}));
+  return torch::cross_entropy_loss(out.to(at::kFloat), y);
+}
+
+// What `ddpkit train` and `ddpkit plan` read from the same flags (--model, --dataset, --mlp-dims,
+// the transformer's sizes): the data set, checked, and the model built on it.
+std::string checked_dataset(const Flags& f, const std::string& model_name);
+struct RunData {
+  Split data;
+  std::vector<int64_t> dims;  // the MLP's layer sizes (synthetic, fashion-mnist)
+};
+RunData load_run_data(const Flags& f, const std::string& model_name, const std::string& dataset);
+Model build_model(const Flags& f, const std::string& model_name, const std::vector<int64_t>& dims, int64_t num_classes);
 
 class Progress {
  public:

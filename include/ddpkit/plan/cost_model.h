@@ -1,0 +1,125 @@
+// The cost model behind `ddpkit plan` (docs/plan.md): per-rank peak memory and step time of a
+// data-parallel job under DDP (any hook), ZeRO-1/2 and each FSDP strategy, from a measured profile
+// of the model (compute, gradient-ready times, activations) and measured constants of the machine
+// (collectives through shared memory, codecs, a training process's own memory). Network links are
+// not measured here: they are the job's inputs (hosts, Gbit/s), see MachineConstants.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+namespace ddpkit {
+namespace plan {
+
+// What one rank's model looks like and costs, run alone (ProfileOptions, plan/profile.h).
+struct ParamProfile {
+  int64_t numel = 0;
+  std::vector<int64_t> shape;
+  int unit = -1;              // FSDP unit (index into ModelProfile::unit_numel), -1: the root's
+  double grad_ready_ms = 0;   // when backward produced its gradient, from the start of backward
+};
+struct ModelProfile {
+  std::string name;
+  std::vector<ParamProfile> params;  // in the module's parameters() order (DDP buckets them reversed)
+  std::vector<int64_t> unit_numel;   // FSDP units, in forward order
+  double forward_ms = 0, backward_ms = 0;
+  double optimizer_ms = 0;           // the optimizer's step over every parameter
+  int64_t activation_bytes = 0;      // heap the forward leaves alive for backward
+  int64_t data_bytes = 0;            // the data set every rank holds
+  int batch = 0, threads = 1;
+  int concurrent = 1;                // copies that ran at once while compute was timed (contention)
+  int64_t param_bytes() const;
+};
+
+// time = latency + bus bytes / bandwidth; bus bytes as nccl-tests counts them (2(n-1)/n of the
+// buffer for allreduce, (n-1)/n for the others), so one constant serves every world size.
+struct PathCost {
+  double latency_us = 0;
+  double gbyte_per_s = 1;
+  double ms(double bus_bytes) const { return latency_us * 1e-3 + bus_bytes / (gbyte_per_s * 1e6); }
+};
+
+// Measured by `ddpkit plan --calibrate` (plan::calibrate), stored as JSON.
+struct MachineConstants {
+  int cores = 1;
+  // Shared memory between the ranks of one host, one core per rank. allreduce_in_place: DDP's
+  // buckets summed where they lie (its default); allreduce: through the shared slots (hooks).
+  PathCost shm_allreduce_in_place, shm_allreduce, shm_allreduce_16bit, shm_reduce_scatter, shm_allgather,
+      shm_broadcast, shm_alltoall;
+  // Gloo over TCP: its per-collective latency on loopback; a link's bandwidth is the job's input
+  // (JobSpec::link_gbit), of which TCP carries tcp_efficiency as payload.
+  double tcp_latency_us = 100;
+  double tcp_efficiency = 0.94;
+  double copy_gbyte_per_s = 5;      // memcpy of large buffers
+  double cast_gbyte_per_s = 5;      // fp32 -> fp16/bf16 and back, per fp32 byte
+  double int8_gbyte_per_s = 2;      // int8 block quantize + dequantize-and-sum, per fp32 byte
+  double matmul_gflop_per_s = 10;   // PowerSGD's products
+  double optimizer_gbyte_per_s = 5; // unused when the profile times the optimizer itself
+  int64_t process_bytes = 0;        // a training process before its model, data and activations
+  // What each strategy/hook ("zero1/none", "ddp/fp16") holds beyond the model's own accounting
+  // (staging copies, flat views, allocator slack), per byte of parameters: measured by
+  // --calibrate as a 2-rank job's peak less the prediction without it.
+  std::map<std::string, double> extra_bytes_per_param_byte;
+  std::string measured_on;          // host and date, for the record
+};
+
+// The job, beyond the model.
+struct JobSpec {
+  int world_size = 2;
+  int hosts = 1;
+  double link_gbit = 10;           // between hosts
+  int threads = 1;                 // intra-op threads per rank
+  int cores_per_host = 0;          // 0: this machine's (network namespaces on one machine share it)
+  std::string optimizer = "sgd";   // sgd (momentum), adam, adamw
+  int64_t memory_limit_bytes = 0;  // per rank; 0: no limit
+  int ranks_per_host() const { return (world_size + hosts - 1) / hosts; }
+};
+
+// One way to run it. strategy: ddp, zero1, zero2, full_shard, shard_grad_op, no_shard, hybrid_shard.
+// hook: none (DDP's built-in allreduce), allreduce, fp16, bf16, int8, powersgd, noop (DDP); none,
+// fp16, bf16 (FSDP); none (ZeRO).
+struct Candidate {
+  std::string strategy = "ddp";
+  std::string hook = "none";
+  double bucket_cap_mb = 0;        // 0: the CLI's default for the hook
+  int powersgd_rank = 4;
+};
+
+struct MemoryBreakdown {
+  int64_t process = 0, data = 0, parameters = 0, gradients = 0, optimizer_state = 0, communication = 0,
+          activations = 0, measured_extra = 0;
+  int64_t total() const {
+    return process + data + parameters + gradients + optimizer_state + communication + activations + measured_extra;
+  }
+};
+
+struct Prediction {
+  Candidate candidate;
+  double step_ms = 0;
+  double compute_ms = 0;            // forward + backward + optimizer under this job's core sharing
+  double exposed_comm_ms = 0;       // what communication adds to the step
+  double wire_bytes_per_step = 0;   // bytes each rank sends between hosts
+  MemoryBreakdown memory;
+  bool fits = true;
+  std::string note;                 // why it does not apply, when it does not
+};
+
+// Strategies and the hooks each takes, as the CLI names them.
+std::vector<Candidate> candidates(const JobSpec& job);
+// The bucket cap `ddpkit train` uses for a hook when none is given (hooks::default_bucket_cap_mb).
+double default_bucket_cap_mb(const std::string& hook);
+Prediction predict(const ModelProfile& model, const JobSpec& job, const MachineConstants& machine,
+                   const Candidate& candidate);
+// Every candidate, best first: those that fit before those that do not, then by step time.
+std::vector<Prediction> rank_candidates(const ModelProfile& model, const JobSpec& job, const MachineConstants& machine,
+                                        const std::vector<Candidate>& list);
+
+// JSON, for --calibrate's file and for --json.
+std::string to_json(const MachineConstants& m);
+MachineConstants machine_constants_from_json(const std::string& text);
+std::string to_json(const std::vector<Prediction>& rows);
+
+}  // namespace plan
+}  // namespace ddpkit

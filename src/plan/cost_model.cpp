@@ -1,0 +1,556 @@
+// The cost model (include/ddpkit/plan/cost_model.h; the reasoning is in docs/plan.md).
+//
+// Time: a rank runs its step as a program of compute segments and collectives. Collectives go one
+// at a time, in issue order, as ddpkit's sequencer runs them; each has a CPU part (copies, codecs,
+// sums through shared memory) and a wire part (bytes over a link between hosts). When the ranks of
+// a host use every core, a collective's CPU part is taken from the rank's compute; with a core to
+// spare it runs beside it. Compute (forward, backward, the optimizer) is the profile's, stretched
+// when a host has more busy threads than cores.
+//
+// Memory: what the job holds by design (parameters, gradients, optimizer state, shards and units,
+// activations, the data set) plus each strategy's communication buffers, from the same reasoning.
+#include <ddpkit/plan/cost_model.h>
+
+#include <ddpkit/error.h>
+
+#include <algorithm>
+#include <cmath>
+#include <map>
+#include <sstream>
+
+#include <nlohmann/json.hpp>
+
+namespace ddpkit {
+namespace plan {
+
+int64_t ModelProfile::param_bytes() const {
+  int64_t n = 0;
+  for (const auto& p : params) n += p.numel * 4;
+  return n;
+}
+
+double default_bucket_cap_mb(const std::string& hook) {
+  for (const char* codec : {"fp16", "bf16", "int8"})
+    if (hook == codec) return 6;
+  return 25;
+}
+
+std::vector<Candidate> candidates(const JobSpec& job) {
+  std::vector<Candidate> out;
+  auto add = [&](const std::string& s, const std::string& h) {
+    Candidate c;
+    c.strategy = s;
+    c.hook = h;
+    out.push_back(c);
+  };
+  for (const char* h : {"none", "allreduce", "fp16", "bf16", "int8", "powersgd"}) add("ddp", h);
+  add("zero1", "none");
+  add("zero2", "none");
+  for (const char* s : {"full_shard", "shard_grad_op", "no_shard"})
+    for (const char* h : {"none", "bf16"}) add(s, h);
+  if (job.hosts > 1)
+    for (const char* h : {"none", "bf16"}) add("hybrid_shard", h);
+  return out;
+}
+
+namespace {
+
+// ---- the step as a program ------------------------------------------------------------------
+
+struct Comm {
+  double cpu_ms = 0, wire_ms = 0, wire_bytes = 0;
+  Comm& operator+=(const Comm& o) {
+    cpu_ms += o.cpu_ms;
+    wire_ms += o.wire_ms;
+    wire_bytes += o.wire_bytes;
+    return *this;
+  }
+};
+
+// Runs compute segments and collectives on two clocks: the rank's compute, and the sequencer's.
+class Timeline {
+ public:
+  explicit Timeline(bool cpu_steals) : steals_(cpu_steals) {}
+  void compute(double ms) { compute_ += ms; }
+  // Issues a collective now; returns when the sequencer finishes it.
+  double issue(const Comm& c) {
+    const double start = std::max(compute_, comm_);
+    comm_ = start + c.cpu_ms + c.wire_ms;
+    if (steals_) compute_ += c.cpu_ms;  // the rank's own core does the copies and sums
+    exposed_cpu_ += c.cpu_ms;
+    wire_bytes_ += c.wire_bytes;
+    return comm_;
+  }
+  void wait_until(double t) { compute_ = std::max(compute_, t); }
+  void wait_all() { compute_ = std::max(compute_, comm_); }
+  double now() const { return compute_; }
+  double wire_bytes() const { return wire_bytes_; }
+
+ private:
+  bool steals_;
+  double compute_ = 0, comm_ = 0, exposed_cpu_ = 0, wire_bytes_ = 0;
+};
+
+// ---- collectives in this job's topology -------------------------------------------------------
+
+enum class Op { kAllreduce, kAllreduceInPlace, kAllreduce16, kReduceScatter, kAllgather, kBroadcast, kAlltoall };
+
+class Network {
+ public:
+  Network(const JobSpec& job, const MachineConstants& m, double cpu_scale)
+      : job_(job), m_(m), scale_(cpu_scale), rph_(job.ranks_per_host()), hosts_(job.hosts) {}
+
+  // `bytes`: the buffer each rank contributes (allreduce, reduce-scatter input, alltoall input) or
+  // receives in all (allgather output, broadcast), as nccl-tests sizes them.
+  Comm collective(Op op, double bytes) const {
+    Comm c;
+    if (job_.world_size <= 1 || bytes <= 0) return c;
+    const bool reduce = op == Op::kAllreduce || op == Op::kAllreduceInPlace || op == Op::kAllreduce16;
+    if (rph_ > 1) {
+      // Within the host: one shared-memory collective (a hierarchical allreduce's local
+      // reduce and broadcast cost about what a local allreduce does).
+      const double n = rph_;
+      const double factor = reduce ? 2 * (n - 1) / n : (n - 1) / n;
+      const PathCost& p = shm(hosts_ > 1 && op == Op::kAllreduceInPlace ? Op::kAllreduce : op);
+      c.cpu_ms += scale_ * p.ms(factor * bytes);
+    }
+    if (hosts_ > 1) {
+      // Between hosts: Gloo's ring (allreduce: one leader per host; the rest: every rank's part).
+      const double h = hosts_;
+      const double factor = reduce ? 2 * (h - 1) / h : (h - 1) / h;
+      const double wire = reduce ? factor * bytes : factor * bytes;
+      c.wire_bytes += wire;
+      c.wire_ms += m_.tcp_latency_us * 1e-3 * (reduce ? 2 * (h - 1) : (h - 1)) + wire / link_bytes_per_ms();
+      c.cpu_ms += scale_ * 2 * wire / (m_.copy_gbyte_per_s * 1e6);  // into and out of the socket
+    }
+    return c;
+  }
+  double copy_ms(double bytes) const { return scale_ * bytes / (m_.copy_gbyte_per_s * 1e6); }
+  double cast_ms(double fp32_bytes) const { return scale_ * fp32_bytes / (m_.cast_gbyte_per_s * 1e6); }
+  double int8_ms(double fp32_bytes) const { return scale_ * fp32_bytes / (m_.int8_gbyte_per_s * 1e6); }
+  double flops_ms(double flops) const { return scale_ * flops / (m_.matmul_gflop_per_s * 1e6); }
+  bool one_host() const { return hosts_ == 1; }
+
+ private:
+  const PathCost& shm(Op op) const {
+    switch (op) {
+      case Op::kAllreduce: return m_.shm_allreduce;
+      case Op::kAllreduceInPlace: return m_.shm_allreduce_in_place;
+      case Op::kAllreduce16: return m_.shm_allreduce_16bit;
+      case Op::kReduceScatter: return m_.shm_reduce_scatter;
+      case Op::kAllgather: return m_.shm_allgather;
+      case Op::kBroadcast: return m_.shm_broadcast;
+      case Op::kAlltoall: return m_.shm_alltoall;
+    }
+    return m_.shm_allreduce;
+  }
+  double link_bytes_per_ms() const { return job_.link_gbit * 1e9 / 8 * m_.tcp_efficiency / 1e3; }
+  const JobSpec& job_;
+  const MachineConstants& m_;
+  double scale_;
+  int rph_, hosts_;
+};
+
+// ---- DDP buckets ----------------------------------------------------------------------------
+
+struct Bucket {
+  std::vector<size_t> params;
+  int64_t numel = 0;
+  double ready_ms = 0;  // the last of its gradients, from the start of backward
+};
+
+// c10d's assignment: parameters in reverse order, the first bucket capped at 1 MiB, the rest at
+// the cap; a bucket closes once it reaches its cap.
+std::vector<Bucket> ddp_buckets(const ModelProfile& model, double cap_mb, double time_scale) {
+  std::vector<Bucket> out;
+  Bucket cur;
+  const double first_cap = 1.0 * (1 << 20), cap = cap_mb * (1 << 20);
+  for (size_t k = model.params.size(); k-- > 0;) {
+    const auto& p = model.params[k];
+    cur.params.push_back(k);
+    cur.numel += p.numel;
+    cur.ready_ms = std::max(cur.ready_ms, p.grad_ready_ms * time_scale);
+    if (static_cast<double>(cur.numel) * 4 >= (out.empty() ? first_cap : cap)) {
+      out.push_back(cur);
+      cur = Bucket();
+    }
+  }
+  if (!cur.params.empty()) out.push_back(cur);
+  std::stable_sort(out.begin(), out.end(), [](const Bucket& a, const Bucket& b) { return a.ready_ms < b.ready_ms; });
+  return out;
+}
+
+// PowerSGD on one bucket: its matrices worth compressing travel as P (n x r) and Q (m x r); the
+// rest (vectors, small matrices) as one plain allreduce.
+Comm powersgd_bucket(const ModelProfile& model, const Bucket& b, int r, const Network& net) {
+  Comm total;
+  double plain = 0, p_bytes = 0, q_bytes = 0, flops = 0, compressed = 0;
+  for (size_t k : b.params) {
+    const auto& shape = model.params[k].shape;
+    int64_t n = shape.empty() ? 1 : shape[0], m = 1;
+    for (size_t d = 1; d < shape.size(); ++d) m *= shape[d];
+    if (shape.size() >= 2 && static_cast<double>((n + m) * r) * 2 < static_cast<double>(n * m)) {
+      p_bytes += 4.0 * n * r;
+      q_bytes += 4.0 * m * r;
+      // P = M Q, Q = M^T P, M ~ P Q^T, and P's orthogonalization.
+      flops += 6.0 * n * m * r + 2.0 * n * r * r;
+      compressed += 4.0 * n * m;
+    } else {
+      plain += 4.0 * model.params[k].numel;
+    }
+  }
+  // Error feedback: the bucket plus last step's error, and the new error: three passes.
+  total.cpu_ms += net.flops_ms(flops) + net.copy_ms(3 * compressed) + net.copy_ms(2 * 4.0 * b.numel);
+  if (plain > 0) total += net.collective(Op::kAllreduce, plain);
+  if (p_bytes > 0) total += net.collective(Op::kAllreduce, p_bytes);
+  if (q_bytes > 0) total += net.collective(Op::kAllreduce, q_bytes);
+  return total;
+}
+
+Comm ddp_bucket(const ModelProfile& model, const JobSpec& job, const Candidate& c, const Bucket& b,
+                const Network& net) {
+  const double bytes = 4.0 * b.numel;
+  Comm comm;
+  const std::string& h = c.hook;
+  if (h == "noop") return comm;
+  if (h == "none") {
+    if (job.world_size > 1 && net.one_host()) return net.collective(Op::kAllreduceInPlace, bytes);
+    comm.cpu_ms += net.copy_ms(2 * bytes);  // gradients into the bucket and back
+    comm += net.collective(Op::kAllreduce, bytes);
+    return comm;
+  }
+  comm.cpu_ms += net.copy_ms(2 * bytes);
+  if (h == "allreduce") {
+    comm += net.collective(Op::kAllreduce, bytes);
+  } else if (h == "fp16" || h == "bf16") {
+    comm.cpu_ms += net.cast_ms(bytes);
+    comm += net.collective(Op::kAllreduce16, bytes / 2);
+  } else if (h == "int8") {
+    comm.cpu_ms += net.int8_ms(bytes);
+    // Two alltoalls of one byte per element plus a 4-byte scale per 512.
+    const double payload = bytes / 4 * (1 + 4.0 / 512);
+    comm += net.collective(Op::kAlltoall, payload);
+    comm += net.collective(Op::kAlltoall, payload);
+  } else if (h == "powersgd") {
+    comm += powersgd_bucket(model, b, c.powersgd_rank, net);
+  } else {
+    DDPKIT_CHECK(false, "the cost model has no hook '", h, "'");
+  }
+  return comm;
+}
+
+// ---- FSDP units ----------------------------------------------------------------------------
+
+struct Unit {
+  int64_t numel = 0;
+  double forward_ms = 0, backward_ms = 0;
+};
+
+// The profile's units plus, when parameters are left outside them, the root's; compute split in
+// proportion to each unit's share of backward (measured from its gradients' ready times).
+std::vector<Unit> fsdp_units(const ModelProfile& model, double forward_ms, double backward_ms) {
+  std::vector<Unit> units(model.unit_numel.size());
+  for (size_t u = 0; u < units.size(); ++u) units[u].numel = model.unit_numel[u];
+  Unit root;
+  std::vector<double> done(units.size(), 0);
+  double root_done = 0;
+  for (const auto& p : model.params) {
+    if (p.unit < 0) {
+      root.numel += p.numel;
+      root_done = std::max(root_done, p.grad_ready_ms);
+    } else {
+      done[p.unit] = std::max(done[p.unit], p.grad_ready_ms);
+    }
+  }
+  // Backward runs the units last to first: unit u's share is its ready time minus the one after's.
+  const double total = std::max(model.backward_ms, 1e-9);
+  double previous = 0;
+  for (size_t u = units.size(); u-- > 0;) {
+    const double share = std::max(0.0, done[u] - previous) / total;
+    units[u].backward_ms = share * backward_ms;
+    units[u].forward_ms = share * forward_ms;
+    previous = std::max(previous, done[u]);
+  }
+  double assigned_f = 0, assigned_b = 0;
+  for (const auto& u : units) assigned_f += u.forward_ms, assigned_b += u.backward_ms;
+  root.forward_ms = std::max(0.0, forward_ms - assigned_f);
+  root.backward_ms = std::max(0.0, backward_ms - assigned_b);
+  if (root.numel > 0 || units.empty()) units.insert(units.begin(), root);
+  else if (!units.empty()) units.front().forward_ms += root.forward_ms, units.front().backward_ms += root.backward_ms;
+  return units;
+}
+
+double state_per_param(const std::string& optimizer) {
+  if (optimizer == "sgd") return 1;  // momentum
+  if (optimizer == "adam" || optimizer == "adamw") return 2;
+  DDPKIT_CHECK(false, "the cost model knows optimizers sgd, adam and adamw, got '", optimizer, "'");
+  return 0;
+}
+
+}  // namespace
+
+Prediction predict(const ModelProfile& model, const JobSpec& job, const MachineConstants& machine,
+                   const Candidate& candidate) {
+  DDPKIT_CHECK(job.world_size >= 1 && job.hosts >= 1 && job.hosts <= job.world_size,
+               "plan: need 1 <= hosts (", job.hosts, ") <= world size (", job.world_size, ")");
+  DDPKIT_CHECK(job.world_size % job.hosts == 0, "plan: the world size (", job.world_size,
+               ") must be a multiple of the host count (", job.hosts, ")");
+  DDPKIT_CHECK(!model.params.empty(), "plan: the model profile has no parameters");
+  Prediction out;
+  out.candidate = candidate;
+  Candidate& c = out.candidate;
+  if (c.bucket_cap_mb <= 0) c.bucket_cap_mb = default_bucket_cap_mb(c.hook);
+  const std::string& s = c.strategy;
+  const bool fsdp = s == "full_shard" || s == "shard_grad_op" || s == "no_shard" || s == "hybrid_shard";
+  const bool ddp = s == "ddp" || s == "zero1" || s == "zero2";
+  DDPKIT_CHECK(fsdp || ddp, "plan: unknown strategy '", s, "' (ddp, zero1, zero2, full_shard, shard_grad_op, ",
+               "no_shard, hybrid_shard)");
+  DDPKIT_CHECK(!fsdp || c.hook == "none" || c.hook == "fp16" || c.hook == "bf16",
+               "plan: FSDP takes hook none, fp16 or bf16, got '", c.hook, "'");
+  DDPKIT_CHECK(s == "ddp" || fsdp || c.hook == "none", "plan: ", s, " takes no hook, got '", c.hook, "'");
+
+  const int world = job.world_size, rph = job.ranks_per_host();
+  // Cores: busy threads beyond them stretch everything that runs on the CPU.
+  const int cores = std::max(1, job.cores_per_host > 0 ? job.cores_per_host : machine.cores);
+  const double busy = static_cast<double>(rph) * job.threads;
+  const double measured_busy = static_cast<double>(model.concurrent) * model.threads;
+  // The profile timed `concurrent` replicas on this machine's cores: contention up to there is in
+  // its figures, time-sharing beyond it is not.
+  const double scale = std::max(1.0, busy / cores) / std::max(1.0, measured_busy / std::max(1, machine.cores));
+  const bool steals = busy >= cores;
+  const Network net(job, machine, std::max(1.0, busy / cores));
+  const double F = model.forward_ms * scale, B = model.backward_ms * scale, O = model.optimizer_ms * scale;
+  const double P = static_cast<double>(model.param_bytes());
+  const double shard = 1.0 / world;
+
+  Timeline t(steals);
+  MemoryBreakdown& mem = out.memory;
+  mem.process = machine.process_bytes;
+  mem.data = model.data_bytes;
+  mem.activations = model.activation_bytes;
+  mem.parameters = static_cast<int64_t>(P);
+  const double state = state_per_param(job.optimizer) * P;
+  // Adam's step makes two temporaries the size of the parameter it updates (the bias-corrected
+  // square root and the update), the largest parameter's at the peak.
+  int64_t largest_param = 0;
+  for (const auto& p : model.params) largest_param = std::max(largest_param, 4 * p.numel);
+  const double step_temporaries = job.optimizer == "sgd" ? 0 : 2.0 * largest_param;
+
+  if (ddp) {
+    const auto buckets = ddp_buckets(model, c.bucket_cap_mb, scale);
+    double largest = 0;
+    t.compute(F);
+    double at = 0;
+    for (const auto& b : buckets) {
+      largest = std::max(largest, 4.0 * b.numel);
+      t.compute(std::max(0.0, b.ready_ms - at));
+      at = std::max(at, b.ready_ms);
+      if (s == "zero2") {
+        Comm rs;
+        rs.cpu_ms = net.copy_ms(4.0 * b.numel);
+        rs += net.collective(Op::kReduceScatter, 4.0 * b.numel);
+        t.issue(rs);
+      } else {
+        t.issue(ddp_bucket(model, job, c, b, net));
+      }
+    }
+    t.compute(std::max(0.0, B - at));
+    t.wait_all();
+    mem.gradients = static_cast<int64_t>(P);
+    if (s == "ddp") {
+      t.compute(O);
+      mem.optimizer_state = static_cast<int64_t>(state + step_temporaries);
+      // Buckets: summed in place in shared memory, each rank writes its peers' shares there;
+      // else every bucket is a copy of the gradients, plus what the hook encodes into.
+      const bool in_place = c.hook == "none" && world > 1 && job.hosts == 1;
+      double comm = in_place ? P * (world - 1) / world : P;
+      if (c.hook == "fp16" || c.hook == "bf16") comm += largest / 2 * 2;
+      if (c.hook == "int8") comm += largest / 4 * 2;
+      if (c.hook == "powersgd") comm += P;  // error feedback
+      if (c.hook == "noop") comm = P;
+      mem.communication = static_cast<int64_t>(comm);
+    } else {
+      // The shard's step, then every rank's updated shard to the others.
+      t.compute(O * shard);
+      Comm sync = net.collective(s == "zero1" ? Op::kBroadcast : Op::kAllgather, P);
+      sync.cpu_ms += net.copy_ms(P * shard);
+      t.issue(sync);
+      t.wait_all();
+      mem.optimizer_state = static_cast<int64_t>(state * shard + step_temporaries);  // whole parameters per rank
+      // zero1: the flat copies every broadcast fills; zero2: the padded gradient buckets and
+      // the shards of the gradients, beside DDP's buckets.
+      mem.communication = static_cast<int64_t>(s == "zero1" ? P * (world - 1) / world + P : 2 * P + P * shard);
+    }
+  } else {
+    const auto units = fsdp_units(model, F, B);
+    const bool reshard_after_forward = s == "full_shard" || s == "hybrid_shard";
+    const bool sharded = s != "no_shard";
+    const bool low = c.hook == "fp16" || c.hook == "bf16";
+    // hybrid_shard shards within a host and allreduces the shard between hosts.
+    JobSpec shard_job = job;
+    if (s == "hybrid_shard") {
+      shard_job.world_size = rph;
+      shard_job.hosts = 1;
+    }
+    const Network shard_net(shard_job, machine, std::max(1.0, busy / cores));
+    const int shard_world = shard_job.world_size;
+    auto gather = [&](const Unit& u) { return shard_net.collective(Op::kAllgather, 4.0 * u.numel); };
+    auto reduce = [&](const Unit& u) {
+      const double bytes = 4.0 * u.numel;
+      Comm r;
+      r.cpu_ms = net.copy_ms(bytes);  // gradients into the flat gradient
+      if (!sharded) {
+        r += net.collective(Op::kAllreduce, bytes);
+        return r;
+      }
+      if (low) r.cpu_ms += net.cast_ms(bytes);
+      r += shard_net.collective(Op::kReduceScatter, low ? bytes / 2 : bytes);
+      if (s == "hybrid_shard" && job.hosts > 1) {
+        JobSpec across = job;
+        across.world_size = job.hosts;
+        const Network between(across, machine, std::max(1.0, busy / cores));
+        r += between.collective(Op::kAllreduce, bytes / shard_world);
+      }
+      return r;
+    };
+    // Forward: each unit gathered as it starts (no forward prefetch).
+    for (const auto& u : units) {
+      if (sharded) t.wait_until(t.issue(gather(u)));
+      t.compute(u.forward_ms);
+    }
+    // Backward, last unit first: the next unit's gather goes out before this one computes
+    // (BACKWARD_PRE), its reduction once its gradients are in.
+    double next_gathered = t.now();
+    for (size_t k = units.size(); k-- > 0;) {
+      if (reshard_after_forward && k + 1 == units.size()) next_gathered = t.issue(gather(units[k]));
+      t.wait_until(next_gathered);
+      if (reshard_after_forward && k > 0) next_gathered = t.issue(gather(units[k - 1]));
+      t.compute(units[k].backward_ms);
+      t.issue(reduce(units[k]));
+    }
+    t.wait_all();
+    t.compute(sharded ? O / shard_world : O);
+    int64_t largest = 0;
+    for (const auto& u : units) largest = std::max(largest, u.numel);
+    const double L = 4.0 * largest;
+    const double held = sharded ? P / shard_world : P;
+    mem.parameters = static_cast<int64_t>(held);
+    mem.gradients = static_cast<int64_t>(held);
+    mem.optimizer_state = static_cast<int64_t>(state_per_param(job.optimizer) * held +
+                                               (sharded ? step_temporaries / shard_world : step_temporaries));
+    // Gathered units: full_shard holds the unit computing and the one prefetched, and the flat
+    // gradient; shard_grad_op keeps every gathered unit from forward to the end of backward;
+    // no_shard's flat gradient per unit.
+    if (!sharded) mem.communication = static_cast<int64_t>(P + L);
+    else if (reshard_after_forward) mem.communication = static_cast<int64_t>(3 * L);
+    else mem.communication = static_cast<int64_t>(P + L);
+  }
+  const auto extra = machine.extra_bytes_per_param_byte.find(s + "/" + c.hook);
+  if (extra != machine.extra_bytes_per_param_byte.end()) mem.measured_extra = static_cast<int64_t>(extra->second * P);
+  out.step_ms = t.now();
+  out.compute_ms = F + B + (fsdp ? (s == "no_shard" ? O : O / std::max(1, world / (s == "hybrid_shard" ? job.hosts : 1)))
+                                 : s == "ddp" ? O : O * shard);
+  out.exposed_comm_ms = std::max(0.0, out.step_ms - out.compute_ms);
+  out.wire_bytes_per_step = t.wire_bytes();
+  out.fits = job.memory_limit_bytes <= 0 || mem.total() <= job.memory_limit_bytes;
+  return out;
+}
+
+std::vector<Prediction> rank_candidates(const ModelProfile& model, const JobSpec& job, const MachineConstants& machine,
+                                        const std::vector<Candidate>& list) {
+  std::vector<Prediction> rows;
+  for (const auto& c : list) rows.push_back(predict(model, job, machine, c));
+  std::stable_sort(rows.begin(), rows.end(), [](const Prediction& a, const Prediction& b) {
+    if (a.fits != b.fits) return a.fits;
+    return a.step_ms < b.step_ms;
+  });
+  return rows;
+}
+
+// ---- JSON -------------------------------------------------------------------------------------
+
+namespace {
+using nlohmann::json;
+json path_json(const PathCost& p) { return {{"latency_us", p.latency_us}, {"gbyte_per_s", p.gbyte_per_s}}; }
+PathCost path_of(const json& j, const char* name) {
+  DDPKIT_CHECK(j.contains(name), "machine constants: no '", name, "' (rerun ddpkit plan --calibrate)");
+  PathCost p;
+  p.latency_us = j.at(name).at("latency_us").get<double>();
+  p.gbyte_per_s = j.at(name).at("gbyte_per_s").get<double>();
+  DDPKIT_CHECK(p.gbyte_per_s > 0, "machine constants: '", name, "' has a bandwidth of ", p.gbyte_per_s);
+  return p;
+}
+const std::vector<std::pair<const char*, PathCost MachineConstants::*>> kPaths = {
+    {"shm_allreduce_in_place", &MachineConstants::shm_allreduce_in_place},
+    {"shm_allreduce", &MachineConstants::shm_allreduce},
+    {"shm_allreduce_16bit", &MachineConstants::shm_allreduce_16bit},
+    {"shm_reduce_scatter", &MachineConstants::shm_reduce_scatter},
+    {"shm_allgather", &MachineConstants::shm_allgather},
+    {"shm_broadcast", &MachineConstants::shm_broadcast},
+    {"shm_alltoall", &MachineConstants::shm_alltoall}};
+const std::vector<std::pair<const char*, double MachineConstants::*>> kRates = {
+    {"tcp_latency_us", &MachineConstants::tcp_latency_us},
+    {"tcp_efficiency", &MachineConstants::tcp_efficiency},
+    {"copy_gbyte_per_s", &MachineConstants::copy_gbyte_per_s},
+    {"cast_gbyte_per_s", &MachineConstants::cast_gbyte_per_s},
+    {"int8_gbyte_per_s", &MachineConstants::int8_gbyte_per_s},
+    {"matmul_gflop_per_s", &MachineConstants::matmul_gflop_per_s}};
+}  // namespace
+
+std::string to_json(const MachineConstants& m) {
+  json j;
+  j["cores"] = m.cores;
+  for (const auto& p : kPaths) j[p.first] = path_json(m.*(p.second));
+  for (const auto& r : kRates) j[r.first] = m.*(r.second);
+  j["process_bytes"] = m.process_bytes;
+  j["extra_bytes_per_param_byte"] = m.extra_bytes_per_param_byte;
+  j["measured_on"] = m.measured_on;
+  return j.dump(1);
+}
+
+MachineConstants machine_constants_from_json(const std::string& text) {
+  json j;
+  try {
+    j = json::parse(text);
+  } catch (const std::exception& e) {
+    DDPKIT_CHECK(false, "machine constants: not JSON (", e.what(), ")");
+  }
+  MachineConstants m;
+  try {
+    m.cores = j.at("cores").get<int>();
+    for (const auto& p : kPaths) m.*(p.second) = path_of(j, p.first);
+    for (const auto& r : kRates) m.*(r.second) = j.at(r.first).get<double>();
+    m.process_bytes = j.at("process_bytes").get<int64_t>();
+    if (j.contains("extra_bytes_per_param_byte"))
+      m.extra_bytes_per_param_byte = j.at("extra_bytes_per_param_byte").get<std::map<std::string, double>>();
+    m.measured_on = j.value("measured_on", "");
+  } catch (const json::exception& e) {
+    DDPKIT_CHECK(false, "machine constants: ", e.what(), " (rerun ddpkit plan --calibrate)");
+  }
+  DDPKIT_CHECK(m.cores >= 1, "machine constants: cores must be >= 1, got ", m.cores);
+  return m;
+}
+
+std::string to_json(const std::vector<Prediction>& rows) {
+  json out = json::array();
+  for (const auto& r : rows) {
+    const auto& m = r.memory;
+    out.push_back({{"strategy", r.candidate.strategy},
+                   {"hook", r.candidate.hook},
+                   {"bucket_cap_mb", r.candidate.bucket_cap_mb},
+                   {"predicted_step_ms", r.step_ms},
+                   {"compute_ms", r.compute_ms},
+                   {"exposed_comm_ms", r.exposed_comm_ms},
+                   {"wire_bytes_per_step", r.wire_bytes_per_step},
+                   {"memory_per_rank_bytes", m.total()},
+                   {"memory", {{"process", m.process}, {"data", m.data}, {"parameters", m.parameters},
+                               {"gradients", m.gradients}, {"optimizer_state", m.optimizer_state},
+                               {"communication", m.communication}, {"activations", m.activations},
+                               {"measured_extra", m.measured_extra}}},
+                   {"fits", r.fits}});
+  }
+  return out.dump(1);
+}
+
+}  // namespace plan
+}  // namespace ddpkit

@@ -1,0 +1,323 @@
+// Measurements for the cost model (include/ddpkit/plan/profile.h).
+#include <ddpkit/plan/profile.h>
+
+#include <ddpkit/codecs/quantize.h>
+#include <ddpkit/comm/gradient_arena.h>
+#include <ddpkit/comm/process_group.h>
+#include <ddpkit/error.h>
+#include <ddpkit/runtime/runtime.h>
+
+#include <ATen/Parallel.h>
+#include <torch/version.h>
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
+
+#include <malloc.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <map>
+#include <ctime>
+#include <mutex>
+#include <thread>
+
+namespace ddpkit {
+namespace plan {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+double ms_since(Clock::time_point t0) { return std::chrono::duration<double, std::milli>(Clock::now() - t0).count(); }
+
+double median(std::vector<double> v) {
+  DDPKIT_CHECK(!v.empty(), "plan: nothing was timed");
+  std::sort(v.begin(), v.end());
+  return v.size() % 2 ? v[v.size() / 2] : 0.5 * (v[v.size() / 2 - 1] + v[v.size() / 2]);
+}
+
+// Bytes malloc has handed out and not had back, every arena and mmapped block included.
+int64_t heap_in_use() {
+  const struct mallinfo2 m = mallinfo2();
+  return static_cast<int64_t>(m.uordblks + m.hblkhd);
+}
+
+void clear_grads(torch::nn::Module& m) {
+  for (auto& p : m.parameters()) p.mutable_grad().reset();
+}
+
+struct StepTimes {
+  std::vector<double> forward, backward, optimizer;
+  std::vector<std::vector<double>> ready;  // per step, per parameter
+};
+
+StepTimes run_steps(ProfileTarget& t, int warmup, int steps, bool record_ready) {
+  StepTimes out;
+  auto params = t.module->parameters();
+  std::vector<double> ready(params.size(), 0);
+  Clock::time_point backward_start;
+  std::mutex mu;
+  std::vector<std::function<void()>> removers;
+  if (record_ready) {
+    for (size_t k = 0; k < params.size(); ++k) {
+      if (!params[k].requires_grad()) continue;
+      // The gradient of parameter k is computed: backward has reached it.
+      params[k].register_hook([&ready, &backward_start, &mu, k](const at::Tensor&) {
+        std::lock_guard<std::mutex> lock(mu);
+        ready[k] = ms_since(backward_start);
+      });
+    }
+  }
+  for (int i = 0; i < warmup + steps; ++i) {
+    clear_grads(*t.module);
+    const auto t0 = Clock::now();
+    at::Tensor loss = t.loss();
+    const auto t1 = Clock::now();
+    backward_start = t1;
+    loss.backward();
+    const auto t2 = Clock::now();
+    t.optimizer_step();
+    const auto t3 = Clock::now();
+    if (i < warmup) continue;
+    out.forward.push_back(std::chrono::duration<double, std::milli>(t1 - t0).count());
+    out.backward.push_back(std::chrono::duration<double, std::milli>(t2 - t1).count());
+    out.optimizer.push_back(std::chrono::duration<double, std::milli>(t3 - t2).count());
+    if (record_ready) out.ready.push_back(ready);
+  }
+  return out;
+}
+
+}  // namespace
+
+ModelProfile profile_model(const std::function<ProfileTarget()>& make, const ProfileOptions& o) {
+  DDPKIT_CHECK(o.steps >= 1 && o.warmup >= 0 && o.busy_replicas >= 1 && o.threads >= 1,
+               "plan: profile needs steps >= 1, warmup >= 0, concurrent >= 1, threads >= 1");
+  ModelProfile prof;
+  prof.threads = o.threads;
+  prof.concurrent = o.busy_replicas;
+  const int saved_threads = at::get_num_threads();
+  set_compute_threads(o.threads);  // OpenBLAS's pool too: replicas must not share one
+
+  // Alone: the shapes, units and the heap one forward keeps for backward.
+  {
+    ProfileTarget t = make();
+    const auto params = t.module->parameters();
+    std::map<const void*, int> unit_of;
+    for (size_t u = 0; u < t.units.size(); ++u) {
+      int64_t n = 0;
+      for (const auto& p : t.units[u]->parameters()) {
+        unit_of[p.unsafeGetTensorImpl()] = static_cast<int>(u);
+        n += p.numel();
+      }
+      prof.unit_numel.push_back(n);
+    }
+    for (const auto& p : params) {
+      ParamProfile pp;
+      pp.numel = p.numel();
+      pp.shape = p.sizes().vec();
+      auto it = unit_of.find(p.unsafeGetTensorImpl());
+      pp.unit = it == unit_of.end() ? -1 : it->second;
+      prof.params.push_back(pp);
+    }
+    run_steps(t, 2, 0, false);  // optimizer state exists, workspaces are warm
+    clear_grads(*t.module);
+    const int64_t before = heap_in_use();
+    at::Tensor loss = t.loss();
+    prof.activation_bytes = std::max<int64_t>(0, heap_in_use() - before);
+    loss.backward();
+  }
+
+  // Timed on a replica of its own, while the caller keeps the other cores as busy as the job will.
+  ProfileTarget t = make();
+  const StepTimes times = run_steps(t, o.warmup, o.steps, true);
+  at::set_num_threads(saved_threads);
+  prof.forward_ms = median(times.forward);
+  prof.backward_ms = median(times.backward);
+  prof.optimizer_ms = median(times.optimizer);
+  for (size_t k = 0; k < prof.params.size(); ++k) {
+    std::vector<double> r;
+    for (const auto& step : times.ready) r.push_back(step[k]);
+    prof.params[k].grad_ready_ms = median(r);
+  }
+  return prof;
+}
+
+void step_until(const std::function<ProfileTarget()>& make, int threads, const std::atomic<bool>& stop,
+                const std::function<void()>& started) {
+  set_compute_threads(threads);
+  ProfileTarget t = make();
+  run_steps(t, 1, 0, false);
+  started();
+  while (!stop.load()) run_steps(t, 1, 0, false);
+}
+
+// ---- machine constants -----------------------------------------------------------------------
+
+namespace {
+
+// Least squares of ms = latency + bus_bytes / bandwidth over the sizes timed.
+PathCost fit(const std::vector<std::pair<double, double>>& bus_bytes_ms) {
+  double n = static_cast<double>(bus_bytes_ms.size()), sx = 0, sy = 0, sxx = 0, sxy = 0;
+  for (const auto& p : bus_bytes_ms) {
+    sx += p.first;
+    sy += p.second;
+    sxx += p.first * p.first;
+    sxy += p.first * p.second;
+  }
+  const double slope = (n * sxy - sx * sy) / std::max(1e-30, n * sxx - sx * sx);  // ms per byte
+  const double intercept = (sy - slope * sx) / n;
+  PathCost c;
+  c.latency_us = std::max(0.0, intercept) * 1e3;
+  c.gbyte_per_s = slope > 0 ? 1.0 / (slope * 1e6) : 1e3;
+  return c;
+}
+
+double timed_ms(int reps, const std::function<void()>& op) {
+  op();
+  std::vector<double> ms;
+  for (int i = 0; i < reps; ++i) {
+    const auto t0 = Clock::now();
+    op();
+    ms.push_back(ms_since(t0));
+  }
+  return median(ms);
+}
+
+}  // namespace
+
+MachineConstants calibrate_machine(int world) {
+  DDPKIT_CHECK(world >= 2, "plan: calibrate needs at least 2 ranks, got ", world);
+  MachineConstants m;
+  m.cores = static_cast<int>(std::max(1L, sysconf(_SC_NPROCESSORS_ONLN)));
+  {
+    char host[256] = {0};
+    gethostname(host, sizeof host - 1);
+    char date[32];
+    const std::time_t now = std::time(nullptr);
+    std::strftime(date, sizeof date, "%Y-%m-%d %H:%M", std::localtime(&now));
+    m.measured_on = std::string(host) + ", " + date + ", libtorch " + TORCH_VERSION;
+  }
+  const int saved_threads = at::get_num_threads();
+  at::set_num_threads(1);
+
+  // Collectives: ranks as threads over one store, through shared memory, and Gloo's loopback
+  // latency with shared memory off.
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  std::vector<std::vector<std::pair<double, double>>> samples(8);
+  double tcp_ms = 0;
+  std::vector<std::exception_ptr> errors(world);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < world; ++r) {
+    threads.emplace_back([&, r] {
+      try {
+        at::set_num_threads(1);
+        const auto options = ProcessGroupOptions().gloo_hostname("127.0.0.1").timeout(std::chrono::seconds(120));
+        auto shm = std::make_shared<ProcessGroup>(store, r, world, ProcessGroupOptions(options).group_name("plan_shm"));
+        auto tcp = std::make_shared<ProcessGroup>(store, r, world,
+                                                  ProcessGroupOptions(options).group_name("plan_tcp").shared_memory(false));
+        DDPKIT_CHECK(shm->uses_shared_memory(), "plan --calibrate: shared memory is off (DDPKIT_SHM=0?); the model ",
+                     "needs its costs");
+        auto sync = [&] { ProcessGroup::wait(tcp->barrier()); };
+        {
+          // Copies, codecs and products, every rank at once: in a step the other ranks are busy
+          // too, and share the memory bandwidth.
+          double copy_rate, cast_rate, int8_rate, matmul_rate;
+          sync();
+          const int64_t n = 16 << 20;  // 64 MB of fp32
+          at::Tensor a = at::rand({n}), b = at::empty({n});
+          const double bytes = 4.0 * n;
+          copy_rate = bytes / (timed_ms(5, [&] { b.copy_(a); }) * 1e6);
+          at::Tensor h = at::empty({n}, at::kHalf);
+          cast_rate = bytes / (timed_ms(5, [&] {
+                                          h.copy_(a);
+                                          b.copy_(h);
+                                        }) * 1e6);
+          const int64_t block = 512;
+          at::Tensor enc = at::empty({codecs::int8_encoded_bytes(n, block)}, at::kByte);
+          int8_rate = bytes / (timed_ms(5, [&] {
+                                          codecs::int8_encode(a, n, n, block, enc);
+                                          codecs::int8_decode(enc, n, block, b, n, 1.0f, true);
+                                        }) * 1e6);
+          // PowerSGD's products: a 4096 x 4096 matrix against 4 columns, and back.
+          at::Tensor mat = at::rand({4096, 4096}), q = at::rand({4096, 4});
+          const double ms = timed_ms(5, [&] {
+            at::Tensor p = at::mm(mat, q);
+            at::Tensor back = at::mm(mat.t(), p);
+          });
+          matmul_rate = 2 * 2.0 * 4096 * 4096 * 4 / (ms * 1e6);
+          if (r == 0) {
+            m.copy_gbyte_per_s = copy_rate;
+            m.cast_gbyte_per_s = cast_rate;
+            m.int8_gbyte_per_s = int8_rate;
+            m.matmul_gflop_per_s = matmul_rate;
+          }
+        }
+        auto time_op = [&](int reps, const std::function<void()>& op) {
+          op();
+          std::vector<double> ms;
+          for (int i = 0; i < reps; ++i) {
+            sync();
+            const auto t0 = Clock::now();
+            op();
+            ms.push_back(ms_since(t0));
+          }
+          return median(ms);
+        };
+        const double w = world, all = 2 * (w - 1) / w, part = (w - 1) / w;
+        for (int64_t bytes : {int64_t(1) << 20, int64_t(4) << 20, int64_t(16) << 20, int64_t(32) << 20}) {
+          const int64_t elems = bytes / 4 / world * world;
+          const double b = 4.0 * elems;
+          at::Tensor f = at::ones({elems}), out = at::empty({elems}), shard = at::empty({elems / world});
+          at::Tensor h = at::ones({elems}, at::kHalf);
+          at::Tensor bucket = shm->allreduce_buffer(elems, at::kFloat).fill_(1);
+          std::vector<at::Tensor> grads;
+          std::vector<int64_t> sizes;
+          for (int64_t at = 0, k = 0; k < 4; ++k) {
+            const int64_t n = k < 3 ? elems / 4 : elems - at;
+            sizes.push_back(n * 4);
+            at += n;
+          }
+          std::shared_ptr<GradientArena> arena = shm->gradient_arena(sizes);
+          GradientArena::use(arena);
+          for (int64_t s : sizes) grads.push_back(at::ones({s / 4}));
+          GradientArena::use(nullptr);
+          at::Tensor gathered = at::empty({elems});
+          const int reps = bytes >= (16 << 20) ? 5 : 9;
+          auto add = [&](int which, double bus, const std::function<void()>& op) {
+            const double ms = time_op(reps, op);
+            if (r == 0) samples[which].push_back({bus, ms});
+          };
+          add(0, all * b, [&] { ProcessGroup::wait(shm->allreduce_parts(bucket, grads)); });
+          add(1, all * b, [&] { ProcessGroup::wait(shm->allreduce(f)); });
+          add(2, all * b / 2, [&] { ProcessGroup::wait(shm->allreduce(h)); });
+          add(3, part * b, [&] { ProcessGroup::wait(shm->reduce_scatter(shard, f)); });
+          add(4, part * b, [&] { ProcessGroup::wait(shm->allgather_into_tensor(gathered, shard)); });
+          add(5, part * b, [&] { ProcessGroup::wait(shm->broadcast(f, 0)); });
+          add(6, part * b, [&] { ProcessGroup::wait(shm->alltoall(out, f)); });
+        }
+        at::Tensor small = at::ones({1024});
+        const double ms = time_op(21, [&] { ProcessGroup::wait(tcp->allreduce(small)); });
+        if (r == 0) tcp_ms = ms;
+        sync();
+      } catch (...) {
+        errors[r] = std::current_exception();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  at::set_num_threads(saved_threads);
+  for (auto& e : errors)
+    if (e) std::rethrow_exception(e);
+  m.shm_allreduce_in_place = fit(samples[0]);
+  m.shm_allreduce = fit(samples[1]);
+  m.shm_allreduce_16bit = fit(samples[2]);
+  m.shm_reduce_scatter = fit(samples[3]);
+  m.shm_allgather = fit(samples[4]);
+  m.shm_broadcast = fit(samples[5]);
+  m.shm_alltoall = fit(samples[6]);
+  // A ring allreduce of 4 KB over 2 ranks is 2(n-1) = 2 latencies.
+  m.tcp_latency_us = tcp_ms * 1e3 / (2 * (world - 1));
+  return m;
+}
+
+}  // namespace plan
+}  // namespace ddpkit

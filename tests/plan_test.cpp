@@ -1,0 +1,190 @@
+// The cost model's arithmetic on a profile and constants given here (no measurement): the
+// schedule, the topology, memory accounting and the file format. How well it predicts this
+// machine is bench/plan_validation.py's (ctest -L plan).
+#include <ddpkit/plan/cost_model.h>
+
+#include <c10/util/Exception.h>
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+using namespace ddpkit::plan;
+using ::testing::HasSubstr;
+
+namespace {
+
+// Four 1024x1024 layers (4 MiB each), gradients ready evenly through a 40 ms backward.
+ModelProfile four_layers() {
+  ModelProfile m;
+  m.forward_ms = 20;
+  m.backward_ms = 40;
+  m.optimizer_ms = 8;
+  m.activation_bytes = 1 << 20;
+  m.data_bytes = 10 << 20;
+  m.batch = 32;
+  for (int l = 0; l < 4; ++l) {
+    ParamProfile p;
+    p.numel = 1024 * 1024;
+    p.shape = {1024, 1024};
+    p.unit = l;
+    p.grad_ready_ms = 10.0 * (4 - l);  // the last layer's gradient first
+    m.params.push_back(p);
+    m.unit_numel.push_back(p.numel);
+  }
+  return m;
+}
+
+MachineConstants machine(int cores) {
+  MachineConstants c;
+  c.cores = cores;
+  for (PathCost* p : {&c.shm_allreduce_in_place, &c.shm_allreduce, &c.shm_allreduce_16bit, &c.shm_reduce_scatter,
+                      &c.shm_allgather, &c.shm_broadcast, &c.shm_alltoall})
+    *p = PathCost{0, 1.0};  // 1 GB/s: 1 ms per MB of bus bytes
+  c.copy_gbyte_per_s = 1e6;  // copies and codecs free, to read the transfers alone
+  c.cast_gbyte_per_s = 1e6;
+  c.int8_gbyte_per_s = 1e6;
+  c.matmul_gflop_per_s = 1e6;
+  c.tcp_latency_us = 0;
+  c.tcp_efficiency = 1;
+  c.process_bytes = 100 << 20;
+  return c;
+}
+
+Candidate with(const std::string& strategy, const std::string& hook, double cap_mb = 0) {
+  Candidate c;
+  c.strategy = strategy;
+  c.hook = hook;
+  c.bucket_cap_mb = cap_mb;
+  return c;
+}
+
+}  // namespace
+
+TEST(Plan, RanksThatFillTheCoresPayForTheirSumsInTheStep) {
+  JobSpec job;
+  job.world_size = 2;
+  // Two ranks on two cores: every shared-memory sum comes out of compute.
+  const Prediction p = predict(four_layers(), job, machine(2), with("ddp", "none", 4));
+  // 16 MiB allreduced at 2(n-1)/n = 1: 16.8 ms at 1 GB/s, on top of 68 ms of compute.
+  const double sums = 16.0 * (1 << 20) / 1e6;
+  EXPECT_NEAR(p.step_ms, 68 + sums, 1e-6);
+  EXPECT_NEAR(p.exposed_comm_ms, sums, 1e-6);
+}
+
+TEST(Plan, ASpareCoreHidesSumsBehindBackward) {
+  JobSpec job;
+  job.world_size = 2;
+  // Four cores: each bucket's 4.2 ms sum runs beside the next 10 ms of backward; only the last
+  // bucket's (the first layer's, ready at the end) is exposed.
+  const Prediction p = predict(four_layers(), job, machine(4), with("ddp", "none", 4));
+  const double bucket = 4.0 * (1 << 20) / 1e6;
+  EXPECT_NEAR(p.step_ms, 68 + bucket, 1e-6);
+}
+
+TEST(Plan, ALinkCarriesWhatEachHookSends) {
+  JobSpec job;
+  job.world_size = 2;
+  job.hosts = 2;
+  job.link_gbit = 1;
+  const auto m = machine(4);
+  const Prediction fp32 = predict(four_layers(), job, m, with("ddp", "allreduce"));
+  const Prediction fp16 = predict(four_layers(), job, m, with("ddp", "fp16"));
+  const Prediction int8 = predict(four_layers(), job, m, with("ddp", "int8"));
+  // One rank per host: a 2-rank ring sends the whole buffer once.
+  EXPECT_NEAR(fp32.wire_bytes_per_step, 16.0 * (1 << 20), 1);
+  EXPECT_NEAR(fp16.wire_bytes_per_step, 8.0 * (1 << 20), 1);
+  EXPECT_NEAR(int8.wire_bytes_per_step, 2 * 0.5 * 4.0 * (1 << 20) * (1 + 4.0 / 512), 1);  // two alltoalls
+  // 16 MiB at 1 Gbit/s is 134 ms: the step is bound by the link.
+  EXPECT_GT(fp32.step_ms, 134);
+  EXPECT_LT(fp16.step_ms, fp32.step_ms);
+  job.link_gbit = 100;
+  EXPECT_LT(predict(four_layers(), job, m, with("ddp", "allreduce")).step_ms, fp32.step_ms / 2);
+}
+
+TEST(Plan, ShardingDividesWhatEachRankHolds) {
+  JobSpec job;
+  job.world_size = 4;
+  job.cores_per_host = 4;
+  const auto model = four_layers();
+  const int64_t P = model.param_bytes();
+  const Prediction ddp = predict(model, job, machine(4), with("ddp", "none"));
+  const Prediction zero1 = predict(model, job, machine(4), with("zero1", "none"));
+  const Prediction fsdp = predict(model, job, machine(4), with("full_shard", "none"));
+  EXPECT_EQ(ddp.memory.parameters, P);
+  EXPECT_EQ(ddp.memory.optimizer_state, P);  // SGD's momentum
+  EXPECT_EQ(zero1.memory.optimizer_state, P / 4);
+  EXPECT_EQ(fsdp.memory.parameters, P / 4);
+  EXPECT_EQ(fsdp.memory.gradients, P / 4);
+  EXPECT_LT(fsdp.memory.total(), ddp.memory.total());
+  job.optimizer = "adam";
+  // Two moments, and the step's two temporaries of the largest parameter (4 MiB).
+  EXPECT_EQ(predict(model, job, machine(4), with("ddp", "none")).memory.optimizer_state, 2 * P + 2 * (4 << 20));
+  // FSDP gathers each unit in forward and again in backward, and reduce-scatters it.
+  EXPECT_GT(fsdp.step_ms, ddp.step_ms);
+}
+
+TEST(Plan, WhatFitsRanksFirst) {
+  JobSpec job;
+  job.world_size = 4;
+  const auto model = four_layers();
+  const auto m = machine(4);
+  const int64_t ddp_bytes = predict(model, job, m, with("ddp", "none")).memory.total();
+  job.memory_limit_bytes = ddp_bytes - 1;
+  const auto rows = rank_candidates(model, job, m, candidates(job));
+  ASSERT_FALSE(rows.empty());
+  EXPECT_TRUE(rows.front().fits);
+  bool seen_unfit = false;
+  for (const auto& r : rows) {
+    if (!r.fits) seen_unfit = true;
+    else EXPECT_FALSE(seen_unfit) << r.candidate.strategy << "/" << r.candidate.hook << " fits but ranks after one that does not";
+    if (r.candidate.strategy == "ddp" && r.candidate.hook == "none") EXPECT_FALSE(r.fits);
+  }
+}
+
+TEST(Plan, MeasuredExtrasAddPerParameterByte) {
+  JobSpec job;
+  auto m = machine(2);
+  const auto model = four_layers();
+  const int64_t before = predict(model, job, m, with("zero1", "none")).memory.total();
+  m.extra_bytes_per_param_byte["zero1/none"] = 0.5;
+  const Prediction p = predict(model, job, m, with("zero1", "none"));
+  EXPECT_EQ(p.memory.measured_extra, model.param_bytes() / 2);
+  EXPECT_EQ(p.memory.total(), before + model.param_bytes() / 2);
+}
+
+TEST(Plan, ConstantsRoundTripAndNameWhatIsMissing) {
+  auto m = machine(3);
+  m.extra_bytes_per_param_byte["ddp/fp16"] = 1.25;
+  m.measured_on = "test";
+  const MachineConstants back = machine_constants_from_json(to_json(m));
+  EXPECT_EQ(back.cores, 3);
+  EXPECT_EQ(back.process_bytes, m.process_bytes);
+  EXPECT_DOUBLE_EQ(back.shm_allgather.gbyte_per_s, 1.0);
+  EXPECT_DOUBLE_EQ(back.extra_bytes_per_param_byte.at("ddp/fp16"), 1.25);
+  try {
+    machine_constants_from_json("{\"cores\": 2}");
+    FAIL() << "constants without the paths were accepted";
+  } catch (const c10::Error& e) {
+    EXPECT_THAT(e.what(), HasSubstr("shm_allreduce_in_place"));
+  }
+  EXPECT_THROW(machine_constants_from_json("not json"), c10::Error);
+}
+
+TEST(Plan, BadJobsAreNamed) {
+  JobSpec job;
+  job.world_size = 3;
+  job.hosts = 2;
+  try {
+    predict(four_layers(), job, machine(2), with("ddp", "none"));
+    FAIL() << "3 ranks on 2 hosts were accepted";
+  } catch (const c10::Error& e) {
+    EXPECT_THAT(e.what(), HasSubstr("multiple of the host count"));
+  }
+  job.hosts = 1;
+  try {
+    predict(four_layers(), job, machine(2), with("zero3", "none"));
+    FAIL() << "an unknown strategy was accepted";
+  } catch (const c10::Error& e) {
+    EXPECT_THAT(e.what(), HasSubstr("unknown strategy 'zero3'"));
+  }
+  EXPECT_THROW(predict(four_layers(), job, machine(2), with("full_shard", "int8")), c10::Error);
+}

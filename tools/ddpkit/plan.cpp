@@ -1,0 +1,378 @@
+// `ddpkit plan`: ranks strategies and hooks for a job by the cost model (include/ddpkit/plan/).
+#include "cli.h"
+#include "training.h"
+
+#include <ddpkit/plan/profile.h>
+#include <ddpkit/runtime/runtime.h>
+
+#include <torch/torch.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <iomanip>
+#include <iostream>
+#include <set>
+#include <sstream>
+#include <csignal>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+namespace ddpkit {
+namespace cli {
+
+const char* kPlanUsage = R"(usage: ddpkit plan [flags]
+
+Predicts, for each strategy and hook, the step time and peak memory per rank of a training job,
+and ranks them: those that fit --memory-limit-gb first, then the fastest. The model is the one
+`ddpkit train` would build from the same flags; it is profiled here (a few steps alone, with as
+many replicas at once as the job puts on a host's cores), and the machine's constants come from
+--calibrate. docs/plan.md has the model, its inputs and how well it predicts.
+
+  --world-size N          ranks in all (default 2)
+  --hosts H               hosts they are spread over, evenly (default 1)
+  --link-gbit X           bandwidth between hosts (default 10)
+  --cores-per-host N      cores per host (default: this machine's)
+  --memory-limit-gb X     per rank (default 0: no limit)
+  --strategy S            only this one: ddp, zero1, zero2, full_shard, shard_grad_op, no_shard,
+                          hybrid_shard (default: all)
+  --hook H                only this hook (default: all each strategy takes)
+  --bucket-cap-mb X       DDP bucket cap (default: ddpkit train's for the hook)
+  --powersgd-rank N       (default 4)
+  --json                  one JSON array, best first: strategy, hook, predicted_step_ms,
+                          memory_per_rank_bytes, fits, and the breakdowns
+  --calibrate             measure this machine's constants (about a minute), store them, print them
+  --constants FILE        where they are kept (default $XDG_CACHE_HOME/ddpkit/plan-constants.json,
+                          or ~/.cache/...); measured on first use when missing
+  --profile-steps N       timed steps of the profile (default 8)
+
+The model and data flags of `ddpkit train` (--model, --dataset, --mlp-dims, --layers, --d-model,
+--heads, --seq-len, --batch-size, --optimizer, --threads, --fsdp-min-unit-params,
+--synthetic-size, --data-dir, --text-dir) mean what they mean there.
+)";
+
+namespace {
+
+std::string default_constants_path() {
+  const char* xdg = std::getenv("XDG_CACHE_HOME");
+  const char* home = std::getenv("HOME");
+  std::string dir = xdg && *xdg ? std::string(xdg) : std::string(home && *home ? home : "/tmp") + "/.cache";
+  return dir + "/ddpkit/plan-constants.json";
+}
+
+void make_parent_dirs(const std::string& path) {
+  for (size_t at = path.find('/', 1); at != std::string::npos; at = path.find('/', at + 1))
+    ::mkdir(path.substr(0, at).c_str(), 0755);
+}
+
+std::string mb(int64_t bytes) {
+  std::ostringstream os;
+  os << std::fixed << std::setprecision(0) << static_cast<double>(bytes) / (1 << 20);
+  return os.str();
+}
+
+Flags plan_flags(const std::vector<std::string>& args) {
+  return Flags(args,
+          {{"world-size", "2"}, {"hosts", "1"}, {"link-gbit", "10"}, {"cores-per-host", "0"}, {"memory-limit-gb", "0"},
+           {"strategy", ""}, {"hook", ""}, {"bucket-cap-mb", "0"}, {"powersgd-rank", "4"}, {"constants", ""},
+           {"profile-steps", "8"}, {"model", "mlp"}, {"dataset", ""}, {"mlp-dims", ""}, {"layers", "4"},
+           {"d-model", "256"}, {"heads", "4"}, {"seq-len", "64"}, {"batch-size", "64"}, {"optimizer", "sgd"},
+           {"threads", "1"}, {"fsdp-min-unit-params", "100000"}, {"synthetic-size", "8192"},
+           {"data-dir", "/usr/share/datasets/fashion-mnist"}, {"text-dir", "/usr/share/games/fortunes"}},
+          {"json", "calibrate", "busy-replica"});
+}
+
+// The `ddpkit train` flags that run a candidate.
+std::vector<std::string> train_flags(const plan::Candidate& c) {
+  std::vector<std::string> out;
+  if (c.strategy == "zero1" || c.strategy == "zero2") out = {"--zero", c.strategy.substr(4)};
+  else if (c.strategy != "ddp") out = {"--fsdp", c.strategy};
+  if (c.hook != "none") out.insert(out.end(), {"--hook", c.hook});
+  if (c.strategy == "ddp" && c.bucket_cap_mb > 0 && c.bucket_cap_mb != plan::default_bucket_cap_mb(c.hook)) {
+    std::ostringstream os;
+    os << c.bucket_cap_mb;
+    out.insert(out.end(), {"--bucket-cap-mb", os.str()});
+  }
+  if (c.hook == "powersgd" && c.powersgd_rank != 4) out.insert(out.end(), {"--powersgd-rank", std::to_string(c.powersgd_rank)});
+  return out;
+}
+
+std::string self_path() {
+  char self[4096] = {0};
+  DDPKIT_CHECK(::readlink("/proc/self/exe", self, sizeof self - 1) > 0, "plan: cannot find this program");
+  return self;
+}
+
+// Runs `ddpkit train` with these flags; returns the value of one field of its JSON line.
+double train_field(const std::vector<std::string>& flags, const std::string& field) {
+  std::string cmd = "'" + self_path() + "' train --quiet --no-eval";
+  for (const auto& a : flags) cmd += " '" + a + "'";
+  cmd += " 2>&1";
+  FILE* pipe = ::popen(cmd.c_str(), "r");
+  DDPKIT_CHECK(pipe, "plan --calibrate: cannot start ", cmd);
+  std::string out;
+  char buf[4096];
+  for (size_t n; (n = std::fread(buf, 1, sizeof buf, pipe)) > 0;) out.append(buf, n);
+  const int rc = ::pclose(pipe);
+  const std::string key = "\"" + field + "\": ";
+  const auto at = out.rfind(key);
+  DDPKIT_CHECK(rc == 0 && at != std::string::npos, "plan --calibrate: ", cmd, " failed: ", out);
+  return std::stod(out.substr(at + key.size()));
+}
+
+std::atomic<bool> g_stop_busy{false};
+void stop_busy(int) { g_stop_busy = true; }
+
+// Replicas that keep the other cores of a host as busy as the job's other ranks will, each a
+// process of its own (`ddpkit plan ... --busy-replica`) as ranks are.
+class BusyReplicas {
+ public:
+  BusyReplicas(int n, const std::vector<std::string>& args) {
+    char self[4096] = {0};
+    DDPKIT_CHECK(::readlink("/proc/self/exe", self, sizeof self - 1) > 0, "plan: cannot find this program");
+    for (int i = 0; i < n; ++i) {
+      int fds[2];
+      DDPKIT_CHECK(::pipe(fds) == 0, "plan: pipe failed");
+      const pid_t pid = ::fork();
+      DDPKIT_CHECK(pid >= 0, "plan: fork failed");
+      if (pid == 0) {
+        ::dup2(fds[1], STDOUT_FILENO);
+        ::close(fds[0]);
+        std::vector<std::string> all{self, "plan"};
+        all.insert(all.end(), args.begin(), args.end());
+        all.push_back("--busy-replica");
+        std::vector<char*> argv;
+        for (auto& a : all) argv.push_back(const_cast<char*>(a.c_str()));
+        argv.push_back(nullptr);
+        ::execv(self, argv.data());
+        ::_exit(127);
+      }
+      ::close(fds[1]);
+      pids_.push_back(pid);
+      char c = 0;
+      const bool ready = ::read(fds[0], &c, 1) == 1;
+      ::close(fds[0]);
+      if (!ready) {
+        stop();
+        throw std::runtime_error("plan: a busy replica (ddpkit plan --busy-replica) failed to start");
+      }
+    }
+  }
+  ~BusyReplicas() { stop(); }
+  void stop() {
+    for (pid_t p : pids_) ::kill(p, SIGTERM);
+    for (pid_t p : pids_) ::waitpid(p, nullptr, 0);
+    pids_.clear();
+  }
+
+ private:
+  std::vector<pid_t> pids_;
+};
+
+plan::JobSpec job_of(const Flags& f) {
+  plan::JobSpec job;
+  job.world_size = f.integer("world-size");
+  job.hosts = f.integer("hosts");
+  job.link_gbit = f.real("link-gbit");
+  job.cores_per_host = f.integer("cores-per-host");
+  job.threads = f.integer("threads");
+  job.optimizer = f.str("optimizer");
+  job.memory_limit_bytes = static_cast<int64_t>(f.real("memory-limit-gb") * (1LL << 30));
+  if (job.world_size < 1) throw UsageError("--world-size must be >= 1");
+  if (job.hosts < 1 || job.world_size % job.hosts) throw UsageError("--hosts must be >= 1 and divide --world-size");
+  if (!(job.link_gbit > 0)) throw UsageError("--link-gbit must be positive");
+  if (job.cores_per_host < 0) throw UsageError("--cores-per-host must be >= 0");
+  if (job.threads < 1) throw UsageError("--threads must be >= 1");
+  if (job.optimizer != "sgd" && job.optimizer != "adam" && job.optimizer != "adamw")
+    throw UsageError("--optimizer must be sgd, adam or adamw, got '" + job.optimizer + "'");
+  if (f.integer("batch-size") < 1) throw UsageError("--batch-size must be >= 1");
+  if (f.integer("fsdp-min-unit-params") < 1) throw UsageError("--fsdp-min-unit-params must be >= 1");
+  if (f.integer("profile-steps") < 1) throw UsageError("--profile-steps must be >= 1");
+  return job;
+}
+
+// Profiles the model the flags name, with the job's other ranks on this host as busy replicas
+// (`args` are the flags they get); with `busy` set, this process is such a replica.
+plan::ModelProfile profile_job(const Flags& f, const std::vector<std::string>& args, const plan::JobSpec& job,
+                               int machine_cores, bool busy) {
+  const int batch = f.integer("batch-size"), min_unit = f.integer("fsdp-min-unit-params");
+  // The data every rank holds: what loading it adds to this process.
+  const std::string model_name = f.str("model");
+  const std::string dataset = checked_dataset(f, model_name);
+  const int64_t rss_before = process_resources().rss_bytes;
+  RunData run_data = load_run_data(f, model_name, dataset);
+  const int64_t data_bytes = std::max<int64_t>(0, process_resources().rss_bytes - rss_before);
+  const Split& data = run_data.data;
+  DDPKIT_CHECK(data.train.inputs.size(0) >= batch, "plan: --batch-size ", batch, " is larger than the data set");
+
+  const std::string optimizer = job.optimizer;
+  auto make = [&]() {
+    Model model = build_model(f, model_name, run_data.dims, data.train.num_classes);
+    plan::ProfileTarget t;
+    t.module = model.module;
+    for (const auto& u : model.units) {
+      int64_t n = 0;
+      for (const auto& p : u->parameters()) n += p.numel();
+      if (n >= min_unit) t.units.push_back(u);
+    }
+    at::Tensor x = data.train.inputs.slice(0, 0, batch), y = data.train.labels.slice(0, 0, batch);
+    if (model.language_model) x = x.to(at::kLong), y = y.to(at::kLong);
+    t.loss = [model, x, y] { return model_loss(model, model.forward(x), y); };
+    std::shared_ptr<torch::optim::Optimizer> opt;
+    const auto params = model.module->parameters();
+    if (optimizer == "sgd") opt = std::make_shared<torch::optim::SGD>(params, torch::optim::SGDOptions(0.01).momentum(0.9));
+    else if (optimizer == "adam") opt = std::make_shared<torch::optim::Adam>(params, torch::optim::AdamOptions(1e-3));
+    else opt = std::make_shared<torch::optim::AdamW>(params, torch::optim::AdamWOptions(1e-3));
+    t.optimizer_step = [opt] { opt->step(); };
+    return t;
+  };
+  if (busy) {
+    std::signal(SIGTERM, stop_busy);
+    plan::step_until(make, job.threads, g_stop_busy, [] {
+      const char c = 'r';
+      if (::write(STDOUT_FILENO, &c, 1) != 1) std::_Exit(1);
+    });
+    std::exit(0);
+  }
+  plan::ProfileOptions po;
+  po.steps = f.integer("profile-steps");
+  po.threads = job.threads;
+  // As many replicas at once as the job's ranks of one host can run on its cores (more would
+  // only time-share, which the model scales for).
+  const int cores = job.cores_per_host > 0 ? job.cores_per_host : machine_cores;
+  po.busy_replicas = std::max(1, std::min(job.ranks_per_host(), std::max(1, std::min(cores, machine_cores) / job.threads)));
+  plan::ModelProfile profile;
+  {
+    BusyReplicas others(po.busy_replicas - 1, args);
+    profile = plan::profile_model(make, po);
+  }
+  profile.name = model_name;
+  profile.batch = batch;
+  profile.data_bytes = data_bytes;
+  return profile;
+}
+
+// The calibration job: a 3-layer MLP of 12.6M parameters (none of validation's models), 2 ranks.
+const std::vector<std::string> kCalibrationModel = {"--dataset", "synthetic", "--mlp-dims", "1024,3072,3072,1024",
+                                                    "--synthetic-size", "2048", "--fsdp-min-unit-params", "1000"};
+
+plan::MachineConstants calibrate(const std::string& path) {
+  std::cerr << "ddpkit plan: measuring collectives, copies and codecs\n";
+  plan::MachineConstants m = plan::calibrate_machine(2);
+  m.process_bytes = static_cast<int64_t>(train_field({"--nproc", "2", "--dataset", "synthetic", "--mlp-dims", "16,16",
+                                                      "--synthetic-size", "256", "--batch-size", "16", "--steps", "3"},
+                                                     "peak_rss_bytes"));
+  // What each strategy holds beyond the model's accounting, from a real 2-rank job's peak.
+  const Flags f = plan_flags(kCalibrationModel);
+  const plan::JobSpec job = job_of(f);
+  const plan::ModelProfile profile = profile_job(f, kCalibrationModel, job, m.cores, false);
+  const double P = static_cast<double>(profile.param_bytes());
+  for (const auto& c : plan::candidates(job)) {
+    std::cerr << "ddpkit plan: measuring " << c.strategy << " / " << c.hook << "\n";
+    std::vector<std::string> flags = kCalibrationModel;
+    flags.insert(flags.end(), {"--nproc", "2", "--steps", "5", "--powersgd-start-iter", "2"});
+    for (const auto& a : train_flags(c)) flags.push_back(a);
+    const double peak = train_field(flags, "peak_rss_bytes");
+    const plan::Prediction pred = plan::predict(profile, job, m, c);
+    m.extra_bytes_per_param_byte[c.strategy + "/" + c.hook] = (peak - static_cast<double>(pred.memory.total())) / P;
+  }
+  make_parent_dirs(path);
+  std::ofstream out(path);
+  DDPKIT_CHECK(out, "plan: cannot write ", path);
+  out << plan::to_json(m) << "\n";
+  return m;
+}
+
+plan::MachineConstants load_or_calibrate(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) {
+    std::cerr << "ddpkit plan: no machine constants at " << path << "; measuring them (ddpkit plan --calibrate)\n";
+    return calibrate(path);
+  }
+  std::stringstream ss;
+  ss << in.rdbuf();
+  try {
+    return plan::machine_constants_from_json(ss.str());
+  } catch (const c10::Error& e) {
+    throw std::runtime_error(path + ": " + e.what_without_backtrace());
+  }
+}
+
+}  // namespace
+
+int run_plan(const std::vector<std::string>& args) {
+  const Flags f = plan_flags(args);
+  const std::string path = f.str("constants").empty() ? default_constants_path() : f.str("constants");
+  if (f.on("calibrate")) {
+    const plan::MachineConstants m = calibrate(path);
+    std::cout << plan::to_json(m) << "\n";
+    std::cerr << "stored in " << path << "\n";
+    return 0;
+  }
+  const plan::JobSpec job = job_of(f);
+  if (f.on("busy-replica")) profile_job(f, args, job, 1, true);
+
+  std::vector<plan::Candidate> list;
+  for (auto c : plan::candidates(job)) {
+    if (!f.str("strategy").empty() && c.strategy != f.str("strategy")) continue;
+    if (!f.str("hook").empty() && c.hook != f.str("hook")) continue;
+    c.bucket_cap_mb = f.real("bucket-cap-mb");
+    c.powersgd_rank = f.integer("powersgd-rank");
+    list.push_back(c);
+  }
+  if (list.empty())
+    throw UsageError("no strategy and hook match --strategy '" + f.str("strategy") + "' --hook '" + f.str("hook") +
+                     "' (ddpkit plan --help lists them)");
+  const plan::MachineConstants machine = load_or_calibrate(path);
+  const plan::ModelProfile profile = profile_job(f, args, job, machine.cores, false);
+  const int batch = f.integer("batch-size");
+  const std::string model_name = f.str("model"), optimizer = job.optimizer;
+  const auto rows = plan::rank_candidates(profile, job, machine, list);
+  if (f.on("json")) {
+    std::cout << plan::to_json(rows) << "\n";
+    return 0;
+  }
+  std::cout << "# " << model_name << ": " << profile.params.size() << " tensors, " << std::fixed << std::setprecision(1)
+            << static_cast<double>(profile.param_bytes()) / 4e6 << "M parameters; " << job.world_size << " ranks on "
+            << job.hosts << " host(s)" << (job.hosts > 1 ? " at " + std::to_string(job.link_gbit) + " Gbit/s" : "")
+            << "; batch " << batch << " per rank; " << optimizer << "\n";
+  std::cout << "# measured alone: forward " << std::setprecision(1) << profile.forward_ms << " ms, backward "
+            << profile.backward_ms << " ms, optimizer " << profile.optimizer_ms << " ms (" << profile.concurrent
+            << " replica(s) at once); constants: " << path << "\n";
+  std::cout << std::left << std::setw(15) << "strategy" << std::setw(11) << "hook" << std::right << std::setw(10)
+            << "step_ms" << std::setw(10) << "comm_ms" << std::setw(12) << "memory_MB" << std::setw(12) << "wire_MB"
+            << "  fits\n";
+  for (const auto& r : rows) {
+    std::cout << std::left << std::setw(15) << r.candidate.strategy << std::setw(11) << r.candidate.hook << std::right
+              << std::setw(10) << std::setprecision(1) << r.step_ms << std::setw(10) << r.exposed_comm_ms << std::setw(12)
+              << mb(r.memory.total()) << std::setw(12) << std::setprecision(1) << r.wire_bytes_per_step / (1 << 20)
+              << "  " << (r.fits ? "yes" : "no") << "\n";
+  }
+  if (rows.front().fits) {
+    // The first row as a command: the model and data flags given here, then the candidate's.
+    const std::set<std::string> plan_only = {"--world-size", "--hosts", "--link-gbit", "--cores-per-host",
+                                             "--memory-limit-gb", "--strategy", "--hook", "--bucket-cap-mb",
+                                             "--powersgd-rank", "--constants", "--profile-steps"};
+    std::string cmd = "ddpkit train --nproc " + std::to_string(job.world_size / job.hosts);
+    for (size_t i = 0; i < args.size(); ++i) {
+      const std::string name = args[i].substr(0, args[i].find('='));
+      if (name == "--json" || name == "--calibrate" || name == "--busy-replica") continue;
+      if (plan_only.count(name)) {
+        if (args[i].find('=') == std::string::npos) ++i;  // its value
+        continue;
+      }
+      cmd += " " + args[i];
+    }
+    if (job.optimizer != "sgd" && cmd.find("--optimizer") == std::string::npos) cmd += " --optimizer " + job.optimizer;
+    for (const auto& a : train_flags(rows.front().candidate)) cmd += " " + a;
+    std::cout << "# run the first" << (job.hosts > 1 ? " (on each host, torchrun-style variables set)" : "") << ": " << cmd
+              << "\n";
+  } else {
+    std::cout << "# nothing fits --memory-limit-gb " << f.str("memory-limit-gb") << "\n";
+  }
+  return 0;
+}
+
+}  // namespace cli
+}  // namespace ddpkit
