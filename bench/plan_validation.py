@@ -21,6 +21,8 @@ import subprocess
 import sys
 import time
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+
 MLP25 = ["--dataset", "synthetic"]                                     # 1024,4096,4096,1024: 25.2M
 MLP8 = ["--dataset", "synthetic", "--mlp-dims", "1024,2048,2048,1024"]  # 8.4M
 MLP_FASHION = ["--model", "mlp"]                                         # 784,512,256,10: 0.5M
@@ -57,6 +59,19 @@ CONFIGS = {
     "cnn-w2-ddp": (2, CNN),
     "fashion-w2-ddp": (2, MLP_FASHION),
 }
+# Two hosts: network namespaces joined by a veth pair, each side limited by tc tbf to the rate.
+# name: (ranks per host, rate, Gbit/s, train flags). Both "hosts" share this machine's cores, so the
+# plan is told one core per host.
+NETNS_CONFIGS = {
+    "mlp8-h2-1g-ddp": (1, "1gbit", 1, MLP8),
+    "mlp8-h2-1g-fp16": (1, "1gbit", 1, MLP8 + ["--hook", "fp16"]),
+    "mlp8-h2-1g-int8": (1, "1gbit", 1, MLP8 + ["--hook", "int8"]),
+    "mlp8-h2-1g-powersgd": (1, "1gbit", 1, MLP8 + ["--hook", "powersgd", "--powersgd-start-iter", "2"]),
+    "mlp8-h2-1g-full_shard": (1, "1gbit", 1, MLP8 + ["--fsdp", "full_shard"] + FSDP_UNITS),
+    "mlp8-h2-100m-fp16": (1, "100mbit", 0.1, MLP8 + ["--hook", "fp16"]),
+    "mlp8-h2-10g-ddp": (1, "10gbit", 10, MLP8),
+    "mlp8-h2x2-1g-ddp": (2, "1gbit", 1, MLP8),
+}
 SUBSET = ["mlp8-w2-ddp", "mlp8-w2-bf16", "mlp8-w4-full_shard", "mlp8-w4-zero1"]
 
 
@@ -91,8 +106,49 @@ def plan_flags(flags):
     return out + ["--strategy", strategy, "--hook", hook]
 
 
-def predict(ddpkit, world, flags, constants):
-    cmd = [ddpkit, "plan", "--json", "--world-size", str(world)] + plan_flags(flags)
+class TwoHosts:
+    """Namespaces TAGa/TAGb at 10.78.0.1/.2, made once, rate set per configuration."""
+    TAG, A, B = "ddpkplan", "10.78.0.1", "10.78.0.2"
+
+    def __enter__(self):
+        import two_hosts
+        self.mod = two_hosts
+        two_hosts.remove(self.TAG)
+        self.hosts = two_hosts.create(self.TAG, self.A, self.B)
+        self.rate = None
+        self.port = 29700
+        return self
+
+    def __exit__(self, *exc):
+        self.mod.remove(self.TAG)
+
+    def set_rate(self, rate):
+        for ns, dev in self.hosts:
+            verb = "change" if self.rate else "add"
+            subprocess.run(["tc", "-n", ns, "qdisc", verb, "dev", dev, "root", "tbf", "rate", rate, "burst", "2mb",
+                            "latency", "50ms"], check=True)
+        self.rate = rate
+
+    def train(self, ddpkit, per_host, flags, steps):
+        self.port += 1
+        world = 2 * per_host
+        procs = []
+        for h, (ns, dev) in enumerate(self.hosts):
+            for local in range(per_host):
+                rank = h * per_host + local
+                env = ["env", f"RANK={rank}", f"WORLD_SIZE={world}", f"LOCAL_RANK={local}", f"MASTER_ADDR={self.A}",
+                       f"MASTER_PORT={self.port}", f"GLOO_SOCKET_IFNAME={dev}", "OMP_NUM_THREADS=1"]
+                cmd = ["ip", "netns", "exec", ns] + env + ["timeout", "600", ddpkit, "train", "--quiet", "--no-eval",
+                                                           "--steps", str(steps), "--timeout-s", "300"] + flags
+                procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        outs = [p.communicate() for p in procs]
+        if any(p.returncode for p in procs):
+            raise RuntimeError(f"two-host train {flags} failed: {[o[1][-1500:] for o in outs]}")
+        return json.loads(outs[0][0].strip().splitlines()[-1])
+
+
+def predict(ddpkit, world, flags, constants, extra=()):
+    cmd = [ddpkit, "plan", "--json", "--world-size", str(world)] + list(extra) + plan_flags(flags)
     if constants:
         cmd += ["--constants", constants]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
@@ -104,6 +160,29 @@ def predict(ddpkit, world, flags, constants):
     return rows[0]
 
 
+def score(n, world, flags, pred, meas, seconds, a, failed):
+    row = {"name": n, "world": world, "flags": flags, "measured_step_ms": meas["median_step_ms"],
+           "measured_peak_rss_bytes": meas["peak_rss_bytes"], "measured_forward_ms": meas["median_forward_ms"],
+           "measured_backward_ms": meas["median_backward_ms"], "measured_optimizer_ms": meas["median_optimizer_ms"],
+           "measured_bytes_sent_per_step": meas["bytes_sent_per_step"], "seconds": round(seconds, 1)}
+    line = f"{n:24} "
+    if pred:
+        row.update(predicted_step_ms=pred["predicted_step_ms"], predicted_memory_bytes=pred["memory_per_rank_bytes"],
+                   predicted_wire_bytes=pred["wire_bytes_per_step"])
+        step_err = pred["predicted_step_ms"] / meas["median_step_ms"] - 1
+        mem_err = pred["memory_per_rank_bytes"] / meas["peak_rss_bytes"] - 1
+        row.update(step_error=step_err, memory_error=mem_err)
+        line += f"{pred['predicted_step_ms']:8.1f} {meas['median_step_ms']:8.1f} {step_err:+6.1%}  "
+        line += f"{pred['memory_per_rank_bytes'] / 2**20:8.0f} {meas['peak_rss_bytes'] / 2**20:8.0f} {mem_err:+6.1%}"
+        if abs(step_err) > a.max_step_error or abs(mem_err) > a.max_memory_error:
+            failed.append(n)
+            line += "  <- beyond the limits"
+    else:
+        line += f"{'':8} {meas['median_step_ms']:8.1f} {'':6}  {'':8} {meas['peak_rss_bytes'] / 2**20:8.0f}"
+    print(line, flush=True)
+    return row
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("ddpkit")
@@ -112,40 +191,38 @@ def main():
     ap.add_argument("--out", default="")
     ap.add_argument("--constants", default="")
     ap.add_argument("--measure-only", action="store_true")
+    ap.add_argument("--netns", action="store_true", help="also the two-host configurations (root, ip, tc)")
     ap.add_argument("--max-step-error", type=float, default=0.20)
     ap.add_argument("--max-memory-error", type=float, default=0.10)
     a = ap.parse_args()
-    names = list(CONFIGS) if not a.only else SUBSET if a.only == "subset" else a.only.split(",")
+    known = dict(CONFIGS, **NETNS_CONFIGS)
+    names = (list(CONFIGS) + (list(NETNS_CONFIGS) if a.netns else [])) if not a.only else \
+        SUBSET if a.only == "subset" else a.only.split(",")
     for n in names:
-        if n not in CONFIGS:
-            sys.exit(f"unknown configuration {n!r}; known: {', '.join(CONFIGS)}")
+        if n not in known:
+            sys.exit(f"unknown configuration {n!r}; known: {', '.join(known)}")
     train(a.ddpkit, 2, MLP8, 10)  # warm-up: page cache, first-run costs; not scored
     print(f"{'configuration':24} {'pred_ms':>8} {'meas_ms':>8} {'err':>6}  {'pred_MB':>8} {'meas_MB':>8} {'err':>6}")
     rows, failed = [], []
-    for n in names:
-        world, flags = CONFIGS[n]
-        pred = None if a.measure_only else predict(a.ddpkit, world, flags, a.constants)
-        t0 = time.time()
-        meas = train(a.ddpkit, world, flags, a.steps)
-        row = {"name": n, "world": world, "flags": flags, "measured_step_ms": meas["median_step_ms"],
-               "measured_peak_rss_bytes": meas["peak_rss_bytes"], "measured_forward_ms": meas["median_forward_ms"],
-               "measured_backward_ms": meas["median_backward_ms"], "measured_optimizer_ms": meas["median_optimizer_ms"],
-               "seconds": round(time.time() - t0, 1)}
-        line = f"{n:24} "
-        if pred:
-            row.update(predicted_step_ms=pred["predicted_step_ms"], predicted_memory_bytes=pred["memory_per_rank_bytes"])
-            step_err = pred["predicted_step_ms"] / meas["median_step_ms"] - 1
-            mem_err = pred["memory_per_rank_bytes"] / meas["peak_rss_bytes"] - 1
-            row.update(step_error=step_err, memory_error=mem_err)
-            line += f"{pred['predicted_step_ms']:8.1f} {meas['median_step_ms']:8.1f} {step_err:+6.1%}  "
-            line += f"{pred['memory_per_rank_bytes'] / 2**20:8.0f} {meas['peak_rss_bytes'] / 2**20:8.0f} {mem_err:+6.1%}"
-            if abs(step_err) > a.max_step_error or abs(mem_err) > a.max_memory_error:
-                failed.append(n)
-                line += "  <- beyond the limits"
-        else:
-            line += f"{'':8} {meas['median_step_ms']:8.1f} {'':6}  {'':8} {meas['peak_rss_bytes'] / 2**20:8.0f}"
-        print(line, flush=True)
-        rows.append(row)
+    net = TwoHosts().__enter__() if any(n in NETNS_CONFIGS for n in names) else None
+    try:
+        for n in names:
+            t0 = time.time()
+            if n in NETNS_CONFIGS:
+                per_host, rate, gbit, flags = NETNS_CONFIGS[n]
+                world = 2 * per_host
+                extra = ["--hosts", "2", "--link-gbit", str(gbit), "--cores-per-host", "1"]
+                pred = None if a.measure_only else predict(a.ddpkit, world, flags, a.constants, extra)
+                net.set_rate(rate)
+                meas = net.train(a.ddpkit, per_host, flags, a.steps)
+            else:
+                world, flags = CONFIGS[n]
+                pred = None if a.measure_only else predict(a.ddpkit, world, flags, a.constants)
+                meas = train(a.ddpkit, world, flags, a.steps)
+            rows.append(score(n, world, flags, pred, meas, time.time() - t0, a, failed))
+    finally:
+        if net:
+            net.__exit__(None, None, None)
     if a.out:
         with open(a.out, "w") as f:
             json.dump(rows, f, indent=1)

@@ -327,6 +327,7 @@ Prediction predict(const ModelProfile& model, const JobSpec& job, const MachineC
   MemoryBreakdown& mem = out.memory;
   mem.process = machine.process_bytes;
   mem.data = model.data_bytes;
+  mem.loading = machine.process_bytes + model.data_load_bytes;
   mem.activations = model.activation_bytes;
   mem.parameters = static_cast<int64_t>(P);
   const double state = state_per_param(job.optimizer) * P;
@@ -546,7 +547,7 @@ std::string to_json(const std::vector<Prediction>& rows) {
                    {"memory", {{"process", m.process}, {"data", m.data}, {"parameters", m.parameters},
                                {"gradients", m.gradients}, {"optimizer_state", m.optimizer_state},
                                {"communication", m.communication}, {"activations", m.activations},
-                               {"measured_extra", m.measured_extra}}},
+                               {"measured_extra", m.measured_extra}, {"while_loading", m.loading}}},
                    {"fits", r.fits}});
   }
   return out.dump(1);

@@ -35,11 +35,6 @@ double median(std::vector<double> v) {
   return v.size() % 2 ? v[v.size() / 2] : 0.5 * (v[v.size() / 2 - 1] + v[v.size() / 2]);
 }
 
-// Bytes malloc has handed out and not had back, every arena and mmapped block included.
-int64_t heap_in_use() {
-  const struct mallinfo2 m = mallinfo2();
-  return static_cast<int64_t>(m.uordblks + m.hblkhd);
-}
 
 void clear_grads(torch::nn::Module& m) {
   for (auto& p : m.parameters()) p.mutable_grad().reset();
@@ -56,7 +51,6 @@ StepTimes run_steps(ProfileTarget& t, int warmup, int steps, bool record_ready) 
   std::vector<double> ready(params.size(), 0);
   Clock::time_point backward_start;
   std::mutex mu;
-  std::vector<std::function<void()>> removers;
   if (record_ready) {
     for (size_t k = 0; k < params.size(); ++k) {
       if (!params[k].requires_grad()) continue;
@@ -88,6 +82,11 @@ StepTimes run_steps(ProfileTarget& t, int warmup, int steps, bool record_ready) 
 
 }  // namespace
 
+int64_t heap_in_use() {
+  const struct mallinfo2 m = mallinfo2();
+  return static_cast<int64_t>(m.uordblks + m.hblkhd);
+}
+
 ModelProfile profile_model(const std::function<ProfileTarget()>& make, const ProfileOptions& o) {
   DDPKIT_CHECK(o.steps >= 1 && o.warmup >= 0 && o.busy_replicas >= 1 && o.threads >= 1,
                "plan: profile needs steps >= 1, warmup >= 0, concurrent >= 1, threads >= 1");
@@ -97,7 +96,7 @@ ModelProfile profile_model(const std::function<ProfileTarget()>& make, const Pro
   const int saved_threads = at::get_num_threads();
   set_compute_threads(o.threads);  // OpenBLAS's pool too: replicas must not share one
 
-  // Alone: the shapes, units and the heap one forward keeps for backward.
+  // Alone: the shapes, units and the heap a step needs for activations.
   {
     ProfileTarget t = make();
     const auto params = t.module->parameters();
@@ -119,11 +118,20 @@ ModelProfile profile_model(const std::function<ProfileTarget()>& make, const Pro
       prof.params.push_back(pp);
     }
     run_steps(t, 2, 0, false);  // optimizer state exists, workspaces are warm
+    // What forward leaves for backward, and what backward holds beyond the gradients it has made
+    // so far, looked at as each gradient is born (attention's backward, for one, needs more).
+    int64_t before = 0, grads_so_far = 0, backward_extra = 0;
+    for (auto& p : params)
+      p.register_hook([&](const at::Tensor& g) {
+        grads_so_far += g.numel() * static_cast<int64_t>(g.element_size());
+        backward_extra = std::max(backward_extra, heap_in_use() - before - grads_so_far);
+      });
     clear_grads(*t.module);
-    const int64_t before = heap_in_use();
+    before = heap_in_use();
     at::Tensor loss = t.loss();
-    prof.activation_bytes = std::max<int64_t>(0, heap_in_use() - before);
+    const int64_t forward_extra = heap_in_use() - before;
     loss.backward();
+    prof.activation_bytes = std::max<int64_t>(0, std::max(forward_extra, backward_extra));
   }
 
   // Timed on a replica of its own, while the caller keeps the other cores as busy as the job will.
@@ -220,7 +228,7 @@ MachineConstants calibrate_machine(int world) {
         {
           // Copies, codecs and products, every rank at once: in a step the other ranks are busy
           // too, and share the memory bandwidth.
-          double copy_rate, cast_rate, int8_rate, matmul_rate;
+          double copy_rate, cast_rate, int8_rate, matmul_rate = 0;
           sync();
           const int64_t n = 16 << 20;  // 64 MB of fp32
           at::Tensor a = at::rand({n}), b = at::empty({n});
@@ -237,13 +245,20 @@ MachineConstants calibrate_machine(int world) {
                                           codecs::int8_encode(a, n, n, block, enc);
                                           codecs::int8_decode(enc, n, block, b, n, 1.0f, true);
                                         }) * 1e6);
-          // PowerSGD's products: a 4096 x 4096 matrix against 4 columns, and back.
-          at::Tensor mat = at::rand({4096, 4096}), q = at::rand({4096, 4});
-          const double ms = timed_ms(5, [&] {
-            at::Tensor p = at::mm(mat, q);
-            at::Tensor back = at::mm(mat.t(), p);
-          });
-          matmul_rate = 2 * 2.0 * 4096 * 4096 * 4 / (ms * 1e6);
+          // PowerSGD's products (a 4096 x 4096 matrix against 4 columns, and its transpose back),
+          // rank 0 alone: they stream the matrix, and in a step the other ranks are mostly
+          // computing meanwhile, not streaming. (Timed with every rank at once, the rate was
+          // 5 GFLOP/s and PowerSGD's step came out 36 % over the measured one.)
+          sync();
+          if (r == 0) {
+            at::Tensor mat = at::rand({4096, 4096}), q = at::rand({4096, 4});
+            const double ms = timed_ms(5, [&] {
+              at::Tensor p = at::mm(mat, q);
+              at::Tensor back = at::mm(mat.t(), p);
+            });
+            matmul_rate = 2 * 2.0 * 4096 * 4096 * 4 / (ms * 1e6);
+          }
+          sync();
           if (r == 0) {
             m.copy_gbyte_per_s = copy_rate;
             m.cast_gbyte_per_s = cast_rate;

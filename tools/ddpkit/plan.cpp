@@ -197,12 +197,14 @@ plan::JobSpec job_of(const Flags& f) {
 plan::ModelProfile profile_job(const Flags& f, const std::vector<std::string>& args, const plan::JobSpec& job,
                                int machine_cores, bool busy) {
   const int batch = f.integer("batch-size"), min_unit = f.integer("fsdp-min-unit-params");
-  // The data every rank holds: what loading it adds to this process.
+  // The data every rank holds: the heap loading it leaves in use; and the resident memory loading
+  // adds, whose transient part (a gunzipped file, say) training reuses but which may be the peak.
   const std::string model_name = f.str("model");
   const std::string dataset = checked_dataset(f, model_name);
-  const int64_t rss_before = process_resources().rss_bytes;
+  const int64_t heap_before = plan::heap_in_use(), rss_before = process_resources().rss_bytes;
   RunData run_data = load_run_data(f, model_name, dataset);
-  const int64_t data_bytes = std::max<int64_t>(0, process_resources().rss_bytes - rss_before);
+  const int64_t data_bytes = std::max<int64_t>(0, plan::heap_in_use() - heap_before);
+  const int64_t data_load_bytes = std::max<int64_t>(0, process_resources().rss_bytes - rss_before);
   const Split& data = run_data.data;
   DDPKIT_CHECK(data.train.inputs.size(0) >= batch, "plan: --batch-size ", batch, " is larger than the data set");
 
@@ -238,10 +240,12 @@ plan::ModelProfile profile_job(const Flags& f, const std::vector<std::string>& a
   plan::ProfileOptions po;
   po.steps = f.integer("profile-steps");
   po.threads = job.threads;
-  // As many replicas at once as the job's ranks of one host can run on its cores (more would
-  // only time-share, which the model scales for).
+  // As many replicas at once as the job puts on a host (up to 8): time-sharing more ranks than
+  // cores costs more than their ratio (caches, switches), so it is measured rather than scaled.
+  // A host with more cores than this machine: only as many as its cores are busy.
   const int cores = job.cores_per_host > 0 ? job.cores_per_host : machine_cores;
-  po.busy_replicas = std::max(1, std::min(job.ranks_per_host(), std::max(1, std::min(cores, machine_cores) / job.threads)));
+  const int fill = cores > machine_cores ? std::max(1, machine_cores / job.threads) : job.ranks_per_host();
+  po.busy_replicas = std::max(1, std::min({job.ranks_per_host(), fill, 8}));
   plan::ModelProfile profile;
   {
     BusyReplicas others(po.busy_replicas - 1, args);
@@ -250,6 +254,7 @@ plan::ModelProfile profile_job(const Flags& f, const std::vector<std::string>& a
   profile.name = model_name;
   profile.batch = batch;
   profile.data_bytes = data_bytes;
+  profile.data_load_bytes = data_load_bytes;
   return profile;
 }
 

@@ -27,7 +27,8 @@ struct ModelProfile {
   double forward_ms = 0, backward_ms = 0;
   double optimizer_ms = 0;           // the optimizer's step over every parameter
   int64_t activation_bytes = 0;      // heap the forward leaves alive for backward
-  int64_t data_bytes = 0;            // the data set every rank holds
+  int64_t data_bytes = 0;            // the data set every rank holds (heap in use)
+  int64_t data_load_bytes = 0;       // resident memory loading it added (its transient peak)
   int batch = 0, threads = 1;
   int concurrent = 1;                // copies that ran at once while compute was timed (contention)
   int64_t param_bytes() const;
@@ -90,8 +91,11 @@ struct Candidate {
 struct MemoryBreakdown {
   int64_t process = 0, data = 0, parameters = 0, gradients = 0, optimizer_state = 0, communication = 0,
           activations = 0, measured_extra = 0;
+  int64_t loading = 0;  // the process while it loads the data (what loading frees, training reuses)
   int64_t total() const {
-    return process + data + parameters + gradients + optimizer_state + communication + activations + measured_extra;
+    const int64_t training =
+        process + data + parameters + gradients + optimizer_state + communication + activations + measured_extra;
+    return training > loading ? training : loading;
   }
 };
 

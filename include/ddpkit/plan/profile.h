@@ -37,6 +37,9 @@ struct ProfileOptions {
 // batch and data_bytes are the caller's.
 ModelProfile profile_model(const std::function<ProfileTarget()>& make, const ProfileOptions& options);
 
+// Bytes malloc has handed out and not had back, every arena and mmapped block included.
+int64_t heap_in_use();
+
 // Times shared-memory collectives (ranks as threads), Gloo's loopback latency, copies, codecs
 // and PowerSGD-shaped products on this machine. process_bytes is left 0: the CLI measures a
 // training process (it knows how to start one).
