@@ -19,6 +19,8 @@ extern const char* kTrainUsage;
 int run_train(const std::vector<std::string>& args, const std::vector<std::string>& argv);
 extern const char* kPlanUsage;
 int run_plan(const std::vector<std::string>& args);
+extern const char* kTuneUsage;
+int run_tune(const std::vector<std::string>& args);
 #ifdef DDPKIT_WITH_PS
 extern const char* kPsServerUsage;
 extern const char* kBenchUsage;
@@ -34,6 +36,7 @@ const char* kUsage = R"(usage: ddpkit <command> [flags]
 commands:
   train     data-parallel training (ddpkit train --help)
   plan      predicted step time and memory per rank of each strategy and hook (ddpkit plan --help)
+  tune      short trials of the plan's best configurations; prints the fastest (ddpkit tune --help)
   launch    run N local ranks of any program, torchrun-style (ddpkit launch --help)
   bench     the parameter-server benchmark: trainers + gRPC servers (ddpkit bench --help)
   ps-server a gradient-averaging parameter server (ddpkit ps-server --help)
@@ -95,14 +98,14 @@ int main(int argc, char** argv) {
       return cmd == "bench" ? run_bench(args, all) : run_ps_server(args);
     }
 #endif
-    if (cmd == "plan") {
-      usage = kPlanUsage;
+    if (cmd == "plan" || cmd == "tune") {
+      usage = cmd == "plan" ? kPlanUsage : kTuneUsage;
       for (const auto& a : args)
         if (a == "--help" || a == "-h") {
-          std::cout << kPlanUsage;
+          std::cout << usage;
           return 0;
         }
-      return run_plan(args);
+      return cmd == "plan" ? run_plan(args) : run_tune(args);
     }
     if (cmd == "launch") {
       usage = kLaunchUsage;

@@ -104,21 +104,32 @@ std::string self_path() {
   return self;
 }
 
-// Runs `ddpkit train` with these flags; returns the value of one field of its JSON line.
-double train_field(const std::vector<std::string>& flags, const std::string& field) {
+struct TrainResult {
+  double median_step_ms = 0;
+  int64_t peak_rss_bytes = 0;
+};
+
+// Runs `ddpkit train --quiet --no-eval` with these flags and reads its JSON line.
+TrainResult train_result(const std::vector<std::string>& flags) {
   std::string cmd = "'" + self_path() + "' train --quiet --no-eval";
   for (const auto& a : flags) cmd += " '" + a + "'";
   cmd += " 2>&1";
   FILE* pipe = ::popen(cmd.c_str(), "r");
-  DDPKIT_CHECK(pipe, "plan --calibrate: cannot start ", cmd);
+  DDPKIT_CHECK(pipe, "plan: cannot start ", cmd);
   std::string out;
   char buf[4096];
   for (size_t n; (n = std::fread(buf, 1, sizeof buf, pipe)) > 0;) out.append(buf, n);
   const int rc = ::pclose(pipe);
-  const std::string key = "\"" + field + "\": ";
-  const auto at = out.rfind(key);
-  DDPKIT_CHECK(rc == 0 && at != std::string::npos, "plan --calibrate: ", cmd, " failed: ", out);
-  return std::stod(out.substr(at + key.size()));
+  auto field = [&](const std::string& name) {
+    const std::string key = "\"" + name + "\": ";
+    const auto at = out.rfind(key);
+    DDPKIT_CHECK(rc == 0 && at != std::string::npos, "plan: ", cmd, " failed: ", out);
+    return std::stod(out.substr(at + key.size()));
+  };
+  TrainResult r;
+  r.median_step_ms = field("median_step_ms");
+  r.peak_rss_bytes = static_cast<int64_t>(field("peak_rss_bytes"));
+  return r;
 }
 
 std::atomic<bool> g_stop_busy{false};
@@ -265,9 +276,9 @@ const std::vector<std::string> kCalibrationModel = {"--dataset", "synthetic", "-
 plan::MachineConstants calibrate(const std::string& path) {
   std::cerr << "ddpkit plan: measuring collectives, copies and codecs\n";
   plan::MachineConstants m = plan::calibrate_machine(2);
-  m.process_bytes = static_cast<int64_t>(train_field({"--nproc", "2", "--dataset", "synthetic", "--mlp-dims", "16,16",
-                                                      "--synthetic-size", "256", "--batch-size", "16", "--steps", "3"},
-                                                     "peak_rss_bytes"));
+  m.process_bytes = train_result({"--nproc", "2", "--dataset", "synthetic", "--mlp-dims", "16,16", "--synthetic-size",
+                                  "256", "--batch-size", "16", "--steps", "3"})
+                        .peak_rss_bytes;
   // What each strategy holds beyond the model's accounting, from a real 2-rank job's peak.
   const Flags f = plan_flags(kCalibrationModel);
   const plan::JobSpec job = job_of(f);
@@ -278,7 +289,7 @@ plan::MachineConstants calibrate(const std::string& path) {
     std::vector<std::string> flags = kCalibrationModel;
     flags.insert(flags.end(), {"--nproc", "2", "--steps", "5", "--powersgd-start-iter", "2"});
     for (const auto& a : train_flags(c)) flags.push_back(a);
-    const double peak = train_field(flags, "peak_rss_bytes");
+    const double peak = static_cast<double>(train_result(flags).peak_rss_bytes);
     const plan::Prediction pred = plan::predict(profile, job, m, c);
     m.extra_bytes_per_param_byte[c.strategy + "/" + c.hook] = (peak - static_cast<double>(pred.memory.total())) / P;
   }
@@ -304,22 +315,47 @@ plan::MachineConstants load_or_calibrate(const std::string& path) {
   }
 }
 
-}  // namespace
-
-int run_plan(const std::vector<std::string>& args) {
-  const Flags f = plan_flags(args);
-  const std::string path = f.str("constants").empty() ? default_constants_path() : f.str("constants");
-  if (f.on("calibrate")) {
-    const plan::MachineConstants m = calibrate(path);
-    std::cout << plan::to_json(m) << "\n";
-    std::cerr << "stored in " << path << "\n";
-    return 0;
+// The `ddpkit train` arguments that run `c` on this host: the model and data flags given to plan
+// (`args`), then the candidate's.
+std::vector<std::string> train_args(const std::vector<std::string>& args, const plan::JobSpec& job,
+                                    const plan::Candidate& c) {
+  const std::set<std::string> plan_only = {"--world-size", "--hosts", "--link-gbit", "--cores-per-host",
+                                           "--memory-limit-gb", "--strategy", "--hook", "--bucket-cap-mb",
+                                           "--powersgd-rank", "--constants", "--profile-steps"};
+  std::vector<std::string> out = {"--nproc", std::to_string(job.ranks_per_host())};
+  for (size_t i = 0; i < args.size(); ++i) {
+    const std::string name = args[i].substr(0, args[i].find('='));
+    if (name == "--json" || name == "--calibrate" || name == "--busy-replica") continue;
+    if (plan_only.count(name)) {
+      if (args[i].find('=') == std::string::npos) ++i;  // its value
+      continue;
+    }
+    out.push_back(args[i]);
   }
-  const plan::JobSpec job = job_of(f);
-  if (f.on("busy-replica")) profile_job(f, args, job, 1, true);
+  for (const auto& a : train_flags(c)) out.push_back(a);
+  return out;
+}
 
+std::string joined(const std::vector<std::string>& words) {
+  std::string s;
+  for (const auto& w : words) s += (s.empty() ? "" : " ") + w;
+  return s;
+}
+
+struct Planned {
+  plan::JobSpec job;
+  plan::ModelProfile profile;
+  std::vector<plan::Prediction> rows;  // best first
+  std::string constants_path;
+};
+
+Planned make_plan(const Flags& f, const std::vector<std::string>& args) {
+  Planned out;
+  out.constants_path = f.str("constants").empty() ? default_constants_path() : f.str("constants");
+  out.job = job_of(f);
+  if (f.on("busy-replica")) profile_job(f, args, out.job, 1, true);
   std::vector<plan::Candidate> list;
-  for (auto c : plan::candidates(job)) {
+  for (auto c : plan::candidates(out.job)) {
     if (!f.str("strategy").empty() && c.strategy != f.str("strategy")) continue;
     if (!f.str("hook").empty() && c.hook != f.str("hook")) continue;
     c.bucket_cap_mb = f.real("bucket-cap-mb");
@@ -329,22 +365,38 @@ int run_plan(const std::vector<std::string>& args) {
   if (list.empty())
     throw UsageError("no strategy and hook match --strategy '" + f.str("strategy") + "' --hook '" + f.str("hook") +
                      "' (ddpkit plan --help lists them)");
-  const plan::MachineConstants machine = load_or_calibrate(path);
-  const plan::ModelProfile profile = profile_job(f, args, job, machine.cores, false);
-  const int batch = f.integer("batch-size");
-  const std::string model_name = f.str("model"), optimizer = job.optimizer;
-  const auto rows = plan::rank_candidates(profile, job, machine, list);
+  const plan::MachineConstants machine = load_or_calibrate(out.constants_path);
+  out.profile = profile_job(f, args, out.job, machine.cores, false);
+  out.rows = plan::rank_candidates(out.profile, out.job, machine, list);
+  return out;
+}
+
+}  // namespace
+
+int run_plan(const std::vector<std::string>& args) {
+  const Flags f = plan_flags(args);
+  if (f.on("calibrate")) {
+    const std::string path = f.str("constants").empty() ? default_constants_path() : f.str("constants");
+    const plan::MachineConstants m = calibrate(path);
+    std::cout << plan::to_json(m) << "\n";
+    std::cerr << "stored in " << path << "\n";
+    return 0;
+  }
+  const Planned p = make_plan(f, args);
+  const plan::JobSpec& job = p.job;
+  const plan::ModelProfile& profile = p.profile;
+  const auto& rows = p.rows;
   if (f.on("json")) {
     std::cout << plan::to_json(rows) << "\n";
     return 0;
   }
-  std::cout << "# " << model_name << ": " << profile.params.size() << " tensors, " << std::fixed << std::setprecision(1)
+  std::cout << "# " << f.str("model") << ": " << profile.params.size() << " tensors, " << std::fixed << std::setprecision(1)
             << static_cast<double>(profile.param_bytes()) / 4e6 << "M parameters; " << job.world_size << " ranks on "
             << job.hosts << " host(s)" << (job.hosts > 1 ? " at " + std::to_string(job.link_gbit) + " Gbit/s" : "")
-            << "; batch " << batch << " per rank; " << optimizer << "\n";
+            << "; batch " << profile.batch << " per rank; " << job.optimizer << "\n";
   std::cout << "# measured alone: forward " << std::setprecision(1) << profile.forward_ms << " ms, backward "
             << profile.backward_ms << " ms, optimizer " << profile.optimizer_ms << " ms (" << profile.concurrent
-            << " replica(s) at once); constants: " << path << "\n";
+            << " replica(s) at once); constants: " << p.constants_path << "\n";
   std::cout << std::left << std::setw(15) << "strategy" << std::setw(11) << "hook" << std::right << std::setw(10)
             << "step_ms" << std::setw(10) << "comm_ms" << std::setw(12) << "memory_MB" << std::setw(12) << "wire_MB"
             << "  fits\n";
@@ -355,27 +407,88 @@ int run_plan(const std::vector<std::string>& args) {
               << "  " << (r.fits ? "yes" : "no") << "\n";
   }
   if (rows.front().fits) {
-    // The first row as a command: the model and data flags given here, then the candidate's.
-    const std::set<std::string> plan_only = {"--world-size", "--hosts", "--link-gbit", "--cores-per-host",
-                                             "--memory-limit-gb", "--strategy", "--hook", "--bucket-cap-mb",
-                                             "--powersgd-rank", "--constants", "--profile-steps"};
-    std::string cmd = "ddpkit train --nproc " + std::to_string(job.world_size / job.hosts);
-    for (size_t i = 0; i < args.size(); ++i) {
-      const std::string name = args[i].substr(0, args[i].find('='));
-      if (name == "--json" || name == "--calibrate" || name == "--busy-replica") continue;
-      if (plan_only.count(name)) {
-        if (args[i].find('=') == std::string::npos) ++i;  // its value
-        continue;
-      }
-      cmd += " " + args[i];
-    }
-    if (job.optimizer != "sgd" && cmd.find("--optimizer") == std::string::npos) cmd += " --optimizer " + job.optimizer;
-    for (const auto& a : train_flags(rows.front().candidate)) cmd += " " + a;
-    std::cout << "# run the first" << (job.hosts > 1 ? " (on each host, torchrun-style variables set)" : "") << ": " << cmd
-              << "\n";
+    std::cout << "# run the first" << (job.hosts > 1 ? " (on each host, torchrun-style variables set)" : "")
+              << ": ddpkit train " << joined(train_args(args, job, rows.front().candidate)) << "\n";
   } else {
     std::cout << "# nothing fits --memory-limit-gb " << f.str("memory-limit-gb") << "\n";
   }
+  return 0;
+}
+
+const char* kTuneUsage = R"(usage: ddpkit tune [--top 4] [--trial-steps 30] [ddpkit plan's flags]
+
+Runs short `ddpkit train` trials of the configurations `ddpkit plan` ranks best among those that
+fit (--top of them), on this host, and prints each one's measured step and peak memory next to the
+prediction, then the fastest with the command line that runs it. Lossy hooks train with the
+divergence guard on: a trial that diverges or fails is reported and left out. The job must run on
+this host (--hosts 1).
+
+  --top K                 trials to run (default 4)
+  --trial-steps N         steps per trial; its median step is what is compared (default 30)
+)";
+
+int run_tune(const std::vector<std::string>& all_args) {
+  int top = 4, trial_steps = 30;
+  std::vector<std::string> args;
+  for (size_t i = 0; i < all_args.size(); ++i) {
+    const std::string& a = all_args[i];
+    auto value = [&](const std::string& name) {
+      if (a.rfind(name + "=", 0) == 0) return a.substr(name.size() + 1);
+      if (i + 1 >= all_args.size()) throw UsageError(name + " needs a value");
+      return all_args[++i];
+    };
+    auto number = [&](const std::string& name) {
+      const std::string v = value(name);
+      try {
+        size_t used = 0;
+        const int n = std::stoi(v, &used);
+        if (used == v.size()) return n;
+      } catch (const std::exception&) {
+      }
+      throw UsageError(name + " must be an integer, got '" + v + "'");
+    };
+    if (a == "--top" || a.rfind("--top=", 0) == 0) top = number("--top");
+    else if (a == "--trial-steps" || a.rfind("--trial-steps=", 0) == 0) trial_steps = number("--trial-steps");
+    else args.push_back(a);
+  }
+  if (top < 1) throw UsageError("--top must be >= 1");
+  if (trial_steps < 10) throw UsageError("--trial-steps must be >= 10 (a median of fewer steps is mostly warm-up)");
+  const Flags f = plan_flags(args);
+  if (f.on("json") || f.on("calibrate")) throw UsageError("tune takes neither --json nor --calibrate (ddpkit plan does)");
+  if (f.integer("hosts") != 1) throw UsageError("tune runs its trials on this host: --hosts must be 1");
+  const Planned p = make_plan(f, args);
+  std::cout << std::left << std::setw(15) << "strategy" << std::setw(11) << "hook" << std::right << std::setw(12)
+            << "predicted_ms" << std::setw(12) << "measured_ms" << std::setw(12) << "memory_MB" << "  trial\n";
+  double best_ms = 0;
+  std::vector<std::string> best;
+  int tried = 0;
+  for (const auto& r : p.rows) {
+    if (!r.fits || tried == top) break;
+    ++tried;
+    std::vector<std::string> train = train_args(args, p.job, r.candidate);
+    train.insert(train.end(), {"--steps", std::to_string(trial_steps)});
+    if (r.candidate.hook == "powersgd") train.insert(train.end(), {"--powersgd-start-iter", "2"});
+    std::cout << std::left << std::setw(15) << r.candidate.strategy << std::setw(11) << r.candidate.hook << std::right
+              << std::fixed << std::setprecision(1) << std::setw(12) << r.step_ms << std::flush;
+    try {
+      const TrainResult t = train_result(train);
+      std::cout << std::setw(12) << t.median_step_ms << std::setw(12) << mb(t.peak_rss_bytes) << "  ok\n";
+      if (best.empty() || t.median_step_ms < best_ms) {
+        best_ms = t.median_step_ms;
+        best = train_args(args, p.job, r.candidate);
+      }
+    } catch (const std::exception& e) {
+      std::string why = e.what();
+      const auto diverged = why.find("training diverged");
+      why = diverged != std::string::npos ? "diverged" : "failed";
+      std::cout << std::setw(12) << "-" << std::setw(12) << "-" << "  " << why << "\n";
+    }
+  }
+  if (best.empty()) {
+    std::cout << "# no trial completed\n";
+    return 1;
+  }
+  std::cout << "# fastest: ddpkit train " << joined(best) << "\n";
   return 0;
 }
 
