@@ -347,8 +347,10 @@ Prediction predict(const ModelProfile& model, const JobSpec& job, const MachineC
       t.compute(std::max(0.0, b.ready_ms - at));
       at = std::max(at, b.ready_ms);
       if (s == "zero2") {
+        // zero2_hook: gradients into the bucket, the bucket into its padded copy, the bucket
+        // zeroed around the shard, and back into the gradients: four passes over it.
         Comm rs;
-        rs.cpu_ms = net.copy_ms(4.0 * b.numel);
+        rs.cpu_ms = net.copy_ms(4 * 4.0 * b.numel);
         rs += net.collective(Op::kReduceScatter, 4.0 * b.numel);
         t.issue(rs);
       } else {
