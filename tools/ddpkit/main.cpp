@@ -6,6 +6,7 @@
 #include <ddpkit/runtime/runtime.h>
 #include <torch/version.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <iostream>
@@ -78,33 +79,32 @@ int main(int argc, char** argv) {
   std::vector<std::string> args(all.begin() + 2, all.end());
   const char* usage = kUsage;
   try {
+    // --help anywhere among a subcommand's flags prints its usage.
+    const bool help = std::any_of(args.begin(), args.end(), [](const std::string& a) { return a == "--help" || a == "-h"; });
     if (cmd == "train") {
       usage = kTrainUsage;
-      for (const auto& a : args)
-        if (a == "--help" || a == "-h") {
-          std::cout << kTrainUsage;
-          return 0;
-        }
+      if (help) {
+        std::cout << usage;
+        return 0;
+      }
       return run_train(args, all);
     }
 #ifdef DDPKIT_WITH_PS
     if (cmd == "ps-server" || cmd == "bench") {
       usage = cmd == "bench" ? kBenchUsage : kPsServerUsage;
-      for (const auto& a : args)
-        if (a == "--help" || a == "-h") {
-          std::cout << usage;
-          return 0;
-        }
+      if (help) {
+        std::cout << usage;
+        return 0;
+      }
       return cmd == "bench" ? run_bench(args, all) : run_ps_server(args);
     }
 #endif
     if (cmd == "plan" || cmd == "tune") {
       usage = cmd == "plan" ? kPlanUsage : kTuneUsage;
-      for (const auto& a : args)
-        if (a == "--help" || a == "-h") {
-          std::cout << usage;
-          return 0;
-        }
+      if (help) {
+        std::cout << usage;
+        return 0;
+      }
       return cmd == "plan" ? run_plan(args) : run_tune(args);
     }
     if (cmd == "launch") {
