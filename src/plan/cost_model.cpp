@@ -11,12 +11,12 @@
 // activations, the data set) plus each strategy's communication buffers, from the same reasoning.
 #include <ddpkit/plan/cost_model.h>
 
+#include <ddpkit/ddp/distributed_data_parallel.h>
 #include <ddpkit/error.h>
+#include <ddpkit/hooks/default_hooks.h>
+#include <ddpkit/reducer/bucket_assignment.h>
 
 #include <algorithm>
-#include <cmath>
-#include <map>
-#include <sstream>
 
 #include <nlohmann/json.hpp>
 
@@ -27,12 +27,6 @@ int64_t ModelProfile::param_bytes() const {
   int64_t n = 0;
   for (const auto& p : params) n += p.numel * 4;
   return n;
-}
-
-double default_bucket_cap_mb(const std::string& hook) {
-  for (const char* codec : {"fp16", "bf16", "int8"})
-    if (hook == codec) return 6;
-  return 25;
 }
 
 std::vector<Candidate> candidates(const JobSpec& job) {
@@ -77,7 +71,6 @@ class Timeline {
     const double start = std::max(compute_, comm_);
     comm_ = start + c.cpu_ms + c.wire_ms;
     if (steals_) compute_ += c.cpu_ms;  // the rank's own core does the copies and sums
-    exposed_cpu_ += c.cpu_ms;
     wire_bytes_ += c.wire_bytes;
     return comm_;
   }
@@ -88,7 +81,7 @@ class Timeline {
 
  private:
   bool steals_;
-  double compute_ = 0, comm_ = 0, exposed_cpu_ = 0, wire_bytes_ = 0;
+  double compute_ = 0, comm_ = 0, wire_bytes_ = 0;
 };
 
 // ---- collectives in this job's topology -------------------------------------------------------
@@ -118,7 +111,7 @@ class Network {
       // Between hosts: Gloo's ring (allreduce: one leader per host; the rest: every rank's part).
       const double h = hosts_;
       const double factor = reduce ? 2 * (h - 1) / h : (h - 1) / h;
-      const double wire = reduce ? factor * bytes : factor * bytes;
+      const double wire = factor * bytes;
       c.wire_bytes += wire;
       c.wire_ms += m_.tcp_latency_us * 1e-3 * (reduce ? 2 * (h - 1) : (h - 1)) + wire / link_bytes_per_ms();
       c.cpu_ms += scale_ * 2 * wire / (m_.copy_gbyte_per_s * 1e6);  // into and out of the socket
@@ -159,23 +152,28 @@ struct Bucket {
   double ready_ms = 0;  // the last of its gradients, from the start of backward
 };
 
-// c10d's assignment: parameters in reverse order, the first bucket capped at 1 MiB, the rest at
-// the cap; a bucket closes once it reaches its cap.
+// The Reducer's own assignment (compute_bucket_assignment_by_size over shape-only tensors, in
+// reverse registration order, DDP's first-bucket cap then the cap), ordered by readiness.
 std::vector<Bucket> ddp_buckets(const ModelProfile& model, double cap_mb, double time_scale) {
-  std::vector<Bucket> out;
-  Bucket cur;
-  const double first_cap = 1.0 * (1 << 20), cap = cap_mb * (1 << 20);
-  for (size_t k = model.params.size(); k-- > 0;) {
-    const auto& p = model.params[k];
-    cur.params.push_back(k);
-    cur.numel += p.numel;
-    cur.ready_ms = std::max(cur.ready_ms, p.grad_ready_ms * time_scale);
-    if (static_cast<double>(cur.numel) * 4 >= (out.empty() ? first_cap : cap)) {
-      out.push_back(cur);
-      cur = Bucket();
-    }
+  std::vector<at::Tensor> shapes;
+  std::vector<size_t> reversed;
+  for (size_t k = 0; k < model.params.size(); ++k) {
+    shapes.push_back(at::empty(model.params[k].shape, at::TensorOptions().dtype(at::kFloat).device(at::kMeta)));
+    reversed.push_back(model.params.size() - 1 - k);
   }
-  if (!cur.params.empty()) out.push_back(cur);
+  const auto mib = [](double mb) { return static_cast<size_t>(mb * 1024 * 1024); };
+  const BucketAssignment assignment = compute_bucket_assignment_by_size(
+      shapes, {mib(DistributedDataParallelOptions().first_bucket_cap_mb()), mib(cap_mb)}, {}, reversed);
+  std::vector<Bucket> out;
+  for (const auto& indices : assignment.buckets) {
+    Bucket b;
+    b.params = indices;
+    for (size_t k : indices) {
+      b.numel += model.params[k].numel;
+      b.ready_ms = std::max(b.ready_ms, model.params[k].grad_ready_ms * time_scale);
+    }
+    out.push_back(b);
+  }
   std::stable_sort(out.begin(), out.end(), [](const Bucket& a, const Bucket& b) { return a.ready_ms < b.ready_ms; });
   return out;
 }
@@ -253,14 +251,9 @@ std::vector<Unit> fsdp_units(const ModelProfile& model, double forward_ms, doubl
   for (size_t u = 0; u < units.size(); ++u) units[u].numel = model.unit_numel[u];
   Unit root;
   std::vector<double> done(units.size(), 0);
-  double root_done = 0;
   for (const auto& p : model.params) {
-    if (p.unit < 0) {
-      root.numel += p.numel;
-      root_done = std::max(root_done, p.grad_ready_ms);
-    } else {
-      done[p.unit] = std::max(done[p.unit], p.grad_ready_ms);
-    }
+    if (p.unit < 0) root.numel += p.numel;
+    else done[p.unit] = std::max(done[p.unit], p.grad_ready_ms);
   }
   // Backward runs the units last to first: unit u's share is its ready time minus the one after's.
   const double total = std::max(model.backward_ms, 1e-9);
@@ -276,7 +269,7 @@ std::vector<Unit> fsdp_units(const ModelProfile& model, double forward_ms, doubl
   root.forward_ms = std::max(0.0, forward_ms - assigned_f);
   root.backward_ms = std::max(0.0, backward_ms - assigned_b);
   if (root.numel > 0 || units.empty()) units.insert(units.begin(), root);
-  else if (!units.empty()) units.front().forward_ms += root.forward_ms, units.front().backward_ms += root.backward_ms;
+  else units.front().forward_ms += root.forward_ms, units.front().backward_ms += root.backward_ms;
   return units;
 }
 
@@ -299,7 +292,7 @@ Prediction predict(const ModelProfile& model, const JobSpec& job, const MachineC
   Prediction out;
   out.candidate = candidate;
   Candidate& c = out.candidate;
-  if (c.bucket_cap_mb <= 0) c.bucket_cap_mb = default_bucket_cap_mb(c.hook);
+  if (c.bucket_cap_mb <= 0) c.bucket_cap_mb = hooks::default_bucket_cap_mb(c.hook);
   const std::string& s = c.strategy;
   const bool fsdp = s == "full_shard" || s == "shard_grad_op" || s == "no_shard" || s == "hybrid_shard";
   const bool ddp = s == "ddp" || s == "zero1" || s == "zero2";
@@ -318,10 +311,12 @@ Prediction predict(const ModelProfile& model, const JobSpec& job, const MachineC
   // its figures, time-sharing beyond it is not.
   const double scale = std::max(1.0, busy / cores) / std::max(1.0, measured_busy / std::max(1, machine.cores));
   const bool steals = busy >= cores;
-  const Network net(job, machine, std::max(1.0, busy / cores));
+  const double cpu_scale = std::max(1.0, busy / cores);
+  const Network net(job, machine, cpu_scale);
   const double F = model.forward_ms * scale, B = model.backward_ms * scale, O = model.optimizer_ms * scale;
   const double P = static_cast<double>(model.param_bytes());
   const double shard = 1.0 / world;
+  double optimizer_ms = O;  // the step over what this rank updates
 
   Timeline t(steals);
   MemoryBreakdown& mem = out.memory;
@@ -361,7 +356,7 @@ Prediction predict(const ModelProfile& model, const JobSpec& job, const MachineC
     t.wait_all();
     mem.gradients = static_cast<int64_t>(P);
     if (s == "ddp") {
-      t.compute(O);
+      t.compute(optimizer_ms);
       mem.optimizer_state = static_cast<int64_t>(state + step_temporaries);
       // Buckets: summed in place in shared memory, each rank writes its peers' shares there;
       // else every bucket is a copy of the gradients, plus what the hook encodes into.
@@ -374,7 +369,8 @@ Prediction predict(const ModelProfile& model, const JobSpec& job, const MachineC
       mem.communication = static_cast<int64_t>(comm);
     } else {
       // The shard's step, then every rank's updated shard to the others.
-      t.compute(O * shard);
+      optimizer_ms = O * shard;
+      t.compute(optimizer_ms);
       Comm sync = net.collective(s == "zero1" ? Op::kBroadcast : Op::kAllgather, P);
       sync.cpu_ms += net.copy_ms(P * shard);
       t.issue(sync);
@@ -395,7 +391,10 @@ Prediction predict(const ModelProfile& model, const JobSpec& job, const MachineC
       shard_job.world_size = rph;
       shard_job.hosts = 1;
     }
-    const Network shard_net(shard_job, machine, std::max(1.0, busy / cores));
+    const Network shard_net(shard_job, machine, cpu_scale);
+    JobSpec across = job;  // hybrid_shard: the shard's allreduce among the hosts
+    across.world_size = job.hosts;
+    const Network between(across, machine, cpu_scale);
     const int shard_world = shard_job.world_size;
     auto gather = [&](const Unit& u) { return shard_net.collective(Op::kAllgather, 4.0 * u.numel); };
     auto reduce = [&](const Unit& u) {
@@ -408,12 +407,7 @@ Prediction predict(const ModelProfile& model, const JobSpec& job, const MachineC
       }
       if (low) r.cpu_ms += net.cast_ms(bytes);
       r += shard_net.collective(Op::kReduceScatter, low ? bytes / 2 : bytes);
-      if (s == "hybrid_shard" && job.hosts > 1) {
-        JobSpec across = job;
-        across.world_size = job.hosts;
-        const Network between(across, machine, std::max(1.0, busy / cores));
-        r += between.collective(Op::kAllreduce, bytes / shard_world);
-      }
+      if (s == "hybrid_shard" && job.hosts > 1) r += between.collective(Op::kAllreduce, bytes / shard_world);
       return r;
     };
     // Forward: each unit gathered as it starts (no forward prefetch).
@@ -432,7 +426,8 @@ Prediction predict(const ModelProfile& model, const JobSpec& job, const MachineC
       t.issue(reduce(units[k]));
     }
     t.wait_all();
-    t.compute(sharded ? O / shard_world : O);
+    if (sharded) optimizer_ms = O / shard_world;
+    t.compute(optimizer_ms);
     int64_t largest = 0;
     for (const auto& u : units) largest = std::max(largest, u.numel);
     const double L = 4.0 * largest;
@@ -444,15 +439,12 @@ Prediction predict(const ModelProfile& model, const JobSpec& job, const MachineC
     // Gathered units: full_shard holds the unit computing and the one prefetched, and the flat
     // gradient; shard_grad_op keeps every gathered unit from forward to the end of backward;
     // no_shard's flat gradient per unit.
-    if (!sharded) mem.communication = static_cast<int64_t>(P + L);
-    else if (reshard_after_forward) mem.communication = static_cast<int64_t>(3 * L);
-    else mem.communication = static_cast<int64_t>(P + L);
+    mem.communication = static_cast<int64_t>(reshard_after_forward ? 3 * L : P + L);
   }
   const auto extra = machine.extra_bytes_per_param_byte.find(s + "/" + c.hook);
   if (extra != machine.extra_bytes_per_param_byte.end()) mem.measured_extra = static_cast<int64_t>(extra->second * P);
   out.step_ms = t.now();
-  out.compute_ms = F + B + (fsdp ? (s == "no_shard" ? O : O / std::max(1, world / (s == "hybrid_shard" ? job.hosts : 1)))
-                                 : s == "ddp" ? O : O * shard);
+  out.compute_ms = F + B + optimizer_ms;
   out.exposed_comm_ms = std::max(0.0, out.step_ms - out.compute_ms);
   out.wire_bytes_per_step = t.wire_bytes();
   out.fits = job.memory_limit_bytes <= 0 || mem.total() <= job.memory_limit_bytes;

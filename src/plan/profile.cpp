@@ -216,7 +216,7 @@ MachineConstants calibrate_machine(int world) {
   // Collectives: ranks as threads over one store, through shared memory, and Gloo's loopback
   // latency with shared memory off.
   auto store = c10::make_intrusive<c10d::HashStore>();
-  std::vector<std::vector<std::pair<double, double>>> samples(8);
+  std::vector<std::vector<std::pair<double, double>>> samples(7);
   double tcp_ms = 0;
   std::vector<std::exception_ptr> errors(world);
   std::vector<std::thread> threads;

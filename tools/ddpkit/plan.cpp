@@ -2,6 +2,7 @@
 #include "cli.h"
 #include "training.h"
 
+#include <ddpkit/hooks/default_hooks.h>
 #include <ddpkit/plan/profile.h>
 #include <ddpkit/runtime/runtime.h>
 
@@ -74,12 +75,9 @@ std::string mb(int64_t bytes) {
 
 Flags plan_flags(const std::vector<std::string>& args) {
   return Flags(args,
-          {{"world-size", "2"}, {"hosts", "1"}, {"link-gbit", "10"}, {"cores-per-host", "0"}, {"memory-limit-gb", "0"},
-           {"strategy", ""}, {"hook", ""}, {"bucket-cap-mb", "0"}, {"powersgd-rank", "4"}, {"constants", ""},
-           {"profile-steps", "8"}, {"model", "mlp"}, {"dataset", ""}, {"mlp-dims", ""}, {"layers", "4"},
-           {"d-model", "256"}, {"heads", "4"}, {"seq-len", "64"}, {"batch-size", "64"}, {"optimizer", "sgd"},
-           {"threads", "1"}, {"fsdp-min-unit-params", "100000"}, {"synthetic-size", "8192"},
-           {"data-dir", "/usr/share/datasets/fashion-mnist"}, {"text-dir", "/usr/share/games/fortunes"}},
+          with_model_flag_defaults({{"world-size", "2"}, {"hosts", "1"}, {"link-gbit", "10"}, {"cores-per-host", "0"},
+                                    {"memory-limit-gb", "0"}, {"strategy", ""}, {"hook", ""}, {"bucket-cap-mb", "0"},
+                                    {"powersgd-rank", "4"}, {"constants", ""}, {"profile-steps", "8"}}),
           {"json", "calibrate", "busy-replica"});
 }
 
@@ -89,7 +87,7 @@ std::vector<std::string> train_flags(const plan::Candidate& c) {
   if (c.strategy == "zero1" || c.strategy == "zero2") out = {"--zero", c.strategy.substr(4)};
   else if (c.strategy != "ddp") out = {"--fsdp", c.strategy};
   if (c.hook != "none") out.insert(out.end(), {"--hook", c.hook});
-  if (c.strategy == "ddp" && c.bucket_cap_mb > 0 && c.bucket_cap_mb != plan::default_bucket_cap_mb(c.hook)) {
+  if (c.strategy == "ddp" && c.bucket_cap_mb > 0 && c.bucket_cap_mb != hooks::default_bucket_cap_mb(c.hook)) {
     std::ostringstream os;
     os << c.bucket_cap_mb;
     out.insert(out.end(), {"--bucket-cap-mb", os.str()});
@@ -140,8 +138,7 @@ void stop_busy(int) { g_stop_busy = true; }
 class BusyReplicas {
  public:
   BusyReplicas(int n, const std::vector<std::string>& args) {
-    char self[4096] = {0};
-    DDPKIT_CHECK(::readlink("/proc/self/exe", self, sizeof self - 1) > 0, "plan: cannot find this program");
+    const std::string self = self_path();
     for (int i = 0; i < n; ++i) {
       int fds[2];
       DDPKIT_CHECK(::pipe(fds) == 0, "plan: pipe failed");
@@ -156,7 +153,7 @@ class BusyReplicas {
         std::vector<char*> argv;
         for (auto& a : all) argv.push_back(const_cast<char*>(a.c_str()));
         argv.push_back(nullptr);
-        ::execv(self, argv.data());
+        ::execv(self.c_str(), argv.data());
         ::_exit(127);
       }
       ::close(fds[1]);

@@ -5,6 +5,14 @@
 namespace ddpkit {
 namespace cli {
 
+std::map<std::string, std::string> with_model_flag_defaults(std::map<std::string, std::string> own) {
+  own.insert({{"model", "mlp"}, {"dataset", ""}, {"mlp-dims", ""}, {"layers", "4"}, {"d-model", "256"}, {"heads", "4"},
+              {"seq-len", "64"}, {"batch-size", "64"}, {"optimizer", "sgd"}, {"threads", "1"},
+              {"fsdp-min-unit-params", "100000"}, {"synthetic-size", "8192"},
+              {"data-dir", "/usr/share/datasets/fashion-mnist"}, {"text-dir", "/usr/share/games/fortunes"}});
+  return own;
+}
+
 std::string checked_dataset(const Flags& f, const std::string& model_name) {
   if (model_name != "mlp" && model_name != "cnn" && model_name != "transformer")
     throw UsageError("--model must be mlp, cnn or transformer, got '" + model_name + "'");

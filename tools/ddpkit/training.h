@@ -167,6 +167,9 @@ inline at::Tensor model_loss(const Model& model, const at::Tensor& out, const at
 
 // What `ddpkit train` and `ddpkit plan` read from the same flags (--model, --dataset, --mlp-dims,
 // the transformer's sizes): the data set, checked, and the model built on it.
+// `own` plus the defaults of the flags that name the model and its data (--model, --dataset,
+// --mlp-dims, the transformer's sizes, --batch-size, --optimizer, --threads, ...).
+std::map<std::string, std::string> with_model_flag_defaults(std::map<std::string, std::string> own);
 std::string checked_dataset(const Flags& f, const std::string& model_name);
 struct RunData {
   Split data;

@@ -84,7 +84,7 @@ struct JobSpec {
 struct Candidate {
   std::string strategy = "ddp";
   std::string hook = "none";
-  double bucket_cap_mb = 0;        // 0: the CLI's default for the hook
+  double bucket_cap_mb = 0;        // 0: the hook's default (hooks::default_bucket_cap_mb)
   int powersgd_rank = 4;
 };
 
@@ -112,8 +112,6 @@ struct Prediction {
 
 // Strategies and the hooks each takes, as the CLI names them.
 std::vector<Candidate> candidates(const JobSpec& job);
-// The bucket cap `ddpkit train` uses for a hook when none is given (hooks::default_bucket_cap_mb).
-double default_bucket_cap_mb(const std::string& hook);
 Prediction predict(const ModelProfile& model, const JobSpec& job, const MachineConstants& machine,
                    const Candidate& candidate);
 // Every candidate, best first: those that fit before those that do not, then by step time.
