@@ -422,10 +422,13 @@ TEST(PowerSGD, BatchedConverges) {
     auto state = std::make_shared<hooks::PowerSGDState>(pg, hooks::PowerSGDOptions().matrix_approximation_rank(8).start_powerSGD_iter(5));
     ddp.register_comm_hook(hooks::batched_powerSGD_hook(state), "batched_powerSGD");
     at::Tensor teacher = randn({32, 8}, 99);
-    torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
-    // Mean loss over the first 5 steps (plain allreduce) and the last 20, averaged over ranks.
+    torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.02).momentum(0.9));
+    // Mean loss over the first 5 steps (plain allreduce) and the last 20, averaged over ranks. At
+    // lr 0.05 this task sat at the edge of stability: loss spikes put the ratio above 0.3 with two
+    // of four OpenBLAS kernels (OPENBLAS_CORETYPE SkylakeX, Sandybridge); at 0.02 all four
+    // (with Haswell, Prescott) reach about 0.01 or less.
     at::Tensor sums = at::zeros({2}, at::kDouble);
-    const int steps = 200;
+    const int steps = 200, tail = 20;
     for (int s = 0; s < steps; ++s) {
       at::Tensor x = randn({16, 32}, 1000 * rank + s);
       opt.zero_grad();
@@ -433,7 +436,7 @@ TEST(PowerSGD, BatchedConverges) {
       loss.backward();
       opt.step();
       if (s < 5) sums[0] += loss.item<double>() / 5;
-      if (s >= steps - 20) sums[1] += loss.item<double>() / 20;
+      if (s >= steps - tail) sums[1] += loss.item<double>() / tail;
     }
     ProcessGroup::wait(pg->allreduce(sums));
     const double first = sums[0].item<double>(), last = sums[1].item<double>();

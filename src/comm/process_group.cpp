@@ -109,7 +109,11 @@ std::shared_ptr<::gloo::transport::Device> make_gloo_device(const ProcessGroupOp
 
 ProcessGroup::ProcessGroup(c10::intrusive_ptr<c10d::Store> store, int rank, int world_size,
                            ProcessGroupOptions options)
-    : store_(std::move(store)), rank_(rank), world_size_(world_size), options_(std::move(options)) {
+    : store_(std::move(store)),
+      rank_(rank),
+      world_size_(world_size),
+      options_(std::move(options)),
+      piece_bytes_(options_.piece_bytes()) {
   DDPKIT_CHECK(store_, "ProcessGroup needs a store");
   DDPKIT_CHECK(world_size_ >= 1, "world_size must be >= 1, got ", world_size_);
   DDPKIT_CHECK(rank_ >= 0 && rank_ < world_size_, "rank must be in [0, ", world_size_, "), got ", rank_);

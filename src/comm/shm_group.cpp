@@ -66,6 +66,12 @@ void ProcessGroup::setup_shared_memory(const c10::intrusive_ptr<c10d::Store>& gr
 bool ProcessGroup::uses_shared_memory() const { return shm_ != nullptr; }
 bool ProcessGroup::hierarchical() const { return shm_ && shm_->across; }
 
+void ProcessGroup::set_piece_bytes(int64_t bytes) {
+  DDPKIT_CHECK(bytes >= 1, "piece_bytes must be >= 1, got ", bytes);
+  piece_bytes_.store(bytes, std::memory_order_relaxed);
+  if (shm_ && shm_->across) shm_->across->set_piece_bytes(bytes);
+}
+
 std::shared_ptr<shm::SharedBuffer> ProcessGroup::Shm::allocate(size_t bytes, const std::string& what, int rank,
                                                                 int world, const std::string& instead) {
   std::lock_guard<std::mutex> lock(allocate_mutex);
@@ -229,7 +235,7 @@ void ProcessGroup::hierarchical_allreduce(const at::Tensor& data, double scale) 
     rows.narrow(0, numel, m * L - numel).zero_();
   }
   at::Tensor shard = take_workspace(dtype, std::max<int64_t>(m, 1));
-  const int64_t piece = std::max<int64_t>(1, std::max<int64_t>(options_.piece_bytes(), 1 << 20) / elt);
+  const int64_t piece = std::max<int64_t>(1, std::max<int64_t>(piece_bytes(), 1 << 20) / elt);
   auto* rows_ptr = static_cast<uint8_t*>(rows.data_ptr());
   std::vector<std::pair<int64_t, FuturePtr>> across;
   for (int64_t off = 0; off < m; off += piece) {

@@ -97,7 +97,7 @@ void ProcessGroup::two_phase_allreduce(const at::Tensor& tensor, const FuturePtr
 
 int64_t ProcessGroup::pieces_for(uint64_t bytes_per_rank) const {
   const uint64_t per_peer = bytes_per_rank / std::max(1, world_size_ - 1);
-  const uint64_t piece = static_cast<uint64_t>(options_.piece_bytes());  // >= 1: checked at construction
+  const uint64_t piece = static_cast<uint64_t>(piece_bytes());  // >= 1: checked when set
   return static_cast<int64_t>(std::max<uint64_t>(1, (per_peer + piece - 1) / piece));
 }
 

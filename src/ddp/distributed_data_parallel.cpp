@@ -73,6 +73,7 @@ DistributedDataParallelBase::DistributedDataParallelBase(std::shared_ptr<torch::
   ro.static_graph = options_.static_graph();
   ro.gradients_in_shared_memory = options_.gradients_in_shared_memory();
   reducer_ = std::make_unique<Reducer>(params_, names_, expect_sparse, pg_, ro);
+  tuner_ = std::make_unique<OnlineTuner>(options_.online_tuning(), *reducer_, *pg_);
 }
 
 DistributedDataParallelBase::~DistributedDataParallelBase() = default;
@@ -179,6 +180,10 @@ void DistributedDataParallelBase::pre_forward() {
     if (!join_options_.divide_by_initial_world_size()) reducer_->set_divisor(active);
   }
   reducer_->prepare_for_forward(source);
+  if (!join_mode_) {
+    const bool training = at::GradMode::is_enabled();
+    tuner_->step(training, training && require_backward_grad_sync_);
+  }
   if (options_.broadcast_buffers()) {
     at::NoGradGuard no_grad;
     broadcast_coalesced(buffers(), source);
@@ -194,6 +199,9 @@ void DistributedDataParallelBase::post_forward(const std::vector<at::Tensor>& ou
 
 void DistributedDataParallelBase::join(const std::function<void()>& train_loop, JoinOptions options) {
   DDPKIT_CHECK(!join_mode_, "join: already inside join");
+  // Trials switch layouts at agreed steps, which ranks that run out of data would not reach.
+  DDPKIT_CHECK(tuner_->done(), "join: online tuning has not finished (",
+               tuner_->result().steps, " trial steps so far); run the tuning steps before join() or turn it off");
   join_mode_ = true;
   join_options_ = options;
   const int64_t steps_before = active_steps_;

@@ -102,11 +102,13 @@ std::vector<std::string> hook_names() {
           "quantize_per_channel", "powersgd", "batched_powersgd"};
 }
 
-double default_bucket_cap_mb(const std::string& hook) {
+bool moves_pieces(const std::string& hook) {
   for (const char* codec : {"fp16", "bf16", "fp16_wrapper", "bf16_wrapper", "int8", "quantize_per_tensor", "quantize_per_channel"})
-    if (hook == codec) return 6;
-  return 25;
+    if (hook == codec) return true;
+  return false;
 }
+
+double default_bucket_cap_mb(const std::string& hook) { return moves_pieces(hook) ? 6 : 25; }
 
 BuiltHook build_hook(const std::string& name, std::shared_ptr<ProcessGroup> pg, const HookOptions& options) {
   if (name == "allreduce") return {allreduce_hook(pg), nullptr};

@@ -284,6 +284,7 @@ std::vector<size_t> Reducer::unused_parameters() const {
 void Reducer::freeze_bucket_layout() {
   std::lock_guard<std::mutex> lock(mutex_);
   DDPKIT_CHECK(!backward_started_, "freeze_bucket_layout during a backward pass");
+  layout_fixed_ = true;
   rebuilt_ = true;
   rebuild_pending_ = false;
   ready_order_.clear();
@@ -312,9 +313,44 @@ void Reducer::restore_bucket_layout(const std::vector<std::vector<size_t>>& buck
   for (size_t v = 0; v < params_.size(); ++v)
     DDPKIT_CHECK(seen[v], "restore_bucket_layout: parameter ", names_[v], " is in no bucket");
   build_buckets(assignment);
+  layout_fixed_ = true;
   rebuilt_ = true;
   rebuild_pending_ = false;
   ready_order_.clear();
+}
+
+void Reducer::set_bucket_cap(size_t bucket_bytes_cap) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  DDPKIT_CHECK(bucket_bytes_cap > 0, "set_bucket_cap: the cap must be positive");
+  DDPKIT_CHECK(!backward_started_, "set_bucket_cap during a backward pass");
+  DDPKIT_CHECK(!layout_fixed_, "set_bucket_cap: the bucket layout was frozen or restored (ZeRO, a checkpoint's "
+                               "layout) and cannot change");
+  DDPKIT_CHECK(rebuilt_, "set_bucket_cap before the buckets were rebuilt in gradient-ready order (after the "
+                         "first synchronized iteration)");
+  build_buckets(assignment_for_cap(bucket_bytes_cap));
+  options_.bucket_bytes_cap = bucket_bytes_cap;
+}
+
+BucketAssignment Reducer::assignment_for_cap(size_t bucket_bytes_cap) const {
+  std::vector<size_t> order;
+  for (const auto& b : buckets_) order.insert(order.end(), b.vars.begin(), b.vars.end());
+  return compute_bucket_assignment_by_size(params_, {options_.first_bucket_bytes, bucket_bytes_cap}, expect_sparse_,
+                                           order);
+}
+
+std::vector<std::vector<size_t>> Reducer::bucket_indices_for_cap(size_t bucket_bytes_cap) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return assignment_for_cap(bucket_bytes_cap).buckets;
+}
+
+size_t Reducer::bucket_cap() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return options_.bucket_bytes_cap;
+}
+
+bool Reducer::layout_fixed() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return layout_fixed_;
 }
 
 void Reducer::prepare_for_forward(int source_rank) {

@@ -73,7 +73,8 @@ accuracy, and a last line that is one JSON object.
   --fsdp-min-unit-params N            (default 100000)
   --fsdp-param-dtype fp32|bf16        FSDP mixed precision: compute dtype (default fp32)
   --fsdp-reduce-dtype fp32|bf16       gradient reduction dtype (default: the compute dtype)
-  --bucket-cap-mb X       bucket cap in MiB (default: 6 for fp16/bf16/int8/quantize hooks, else 25)
+  --bucket-cap-mb X|auto  bucket cap in MiB (default: 6 for fp16/bf16/int8/quantize hooks, else 25);
+                          auto: trial caps of 1-64 MiB in the first steps, keep the fastest
   --epochs N              (default 3)
   --steps N               stop after N steps (default 0: run all epochs)
   --batch-size N          per rank (default 64)
@@ -87,8 +88,8 @@ accuracy, and a last line that is one JSON object.
   --gloo-connections N    TCP connections per peer pair; large allreduces are split over them
   --two-phase-min-mb X    fp32 allreduces of at least X MiB use two alltoalls instead of Gloo's
                           ring (default 0: off; fp16/bf16 always do)
-  --piece-kb N            two-phase collectives (fp16/bf16, int8) move N KiB per peer per
-                          message, pipelined (default 1024)
+  --piece-kb N|auto       two-phase collectives (fp16/bf16, int8) move N KiB per peer per
+                          message, pipelined (default 1024); auto: trial 256, 1024 and 4096
   --gradient-as-bucket-view
   --find-unused-parameters
   --no-ddp                train locally in one process, without DistributedDataParallel
@@ -119,6 +120,22 @@ double median(std::vector<double> v) {
 }
 
 // What stopped the run, and which flag of the hook in use is the likely cure.
+// --bucket-cap-mb/--piece-kb auto: what rank 0 timed, the choice marked.
+std::string tuning_table(const OnlineTuningResult& r) {
+  std::ostringstream os;
+  os << "online tuning (" << r.steps << " steps)\n   cap MiB  piece KiB  buckets  median step ms\n";
+  size_t kept = r.trials.size();  // the last trial run with the final choice
+  for (size_t i = 0; i < r.trials.size(); ++i)
+    if (r.trials[i].bucket_cap_mb == r.bucket_cap_mb && r.trials[i].piece_bytes == r.piece_bytes) kept = i;
+  for (size_t i = 0; i < r.trials.size(); ++i) {
+    const TuningTrial& t = r.trials[i];
+    os << std::fixed << std::setprecision(1) << std::setw(10) << t.bucket_cap_mb << std::setw(11)
+       << t.piece_bytes / 1024 << std::setw(9) << t.buckets << std::setw(16) << std::setprecision(2)
+       << t.median_step_ms << (i == kept ? "  <- kept" : "") << "\n";
+  }
+  return os.str();
+}
+
 std::string divergence_message(const Flags& f, const Divergence& d, int64_t powersgd_rank, double lr) {
   const std::string hook = f.str("hook");
   std::ostringstream os;
@@ -198,7 +215,11 @@ int run_train(const std::vector<std::string>& args, const std::vector<std::strin
   const int nproc = f.integer("nproc"), epochs = f.integer("epochs"), max_steps = f.integer("steps");
   const int batch = f.integer("batch-size"), threads = f.integer("threads");
   const double lr = !f.str("lr").empty() ? f.real("lr") : optimizer_name == "sgd" ? 0.05 : 1e-3;
-  const double cap = f.str("bucket-cap-mb").empty() ? hooks::default_bucket_cap_mb(hook_name) : f.real("bucket-cap-mb");
+  // auto: start from the default, then trial others during the first steps (online_tuning.h).
+  const bool tune_caps = f.str("bucket-cap-mb") == "auto", tune_pieces = f.str("piece-kb") == "auto";
+  const double cap = f.str("bucket-cap-mb").empty() || tune_caps ? hooks::default_bucket_cap_mb(hook_name)
+                                                                  : f.real("bucket-cap-mb");
+  const int piece_kb = tune_pieces ? 1024 : f.integer("piece-kb");
   if (nproc < 1) throw UsageError("--nproc must be >= 1");
   if (epochs < 1) throw UsageError("--epochs must be >= 1");
   if (max_steps < 0) throw UsageError("--steps must be >= 0");
@@ -243,14 +264,14 @@ int run_train(const std::vector<std::string>& args, const std::vector<std::strin
     if (f.integer("gloo-threads") < 1) throw UsageError("--gloo-threads must be >= 1");
     if (f.integer("gloo-connections") < 1) throw UsageError("--gloo-connections must be >= 1");
     if (f.real("two-phase-min-mb") < 0) throw UsageError("--two-phase-min-mb must be >= 0");
-    if (f.integer("piece-kb") < 1) throw UsageError("--piece-kb must be >= 1");
+    if (piece_kb < 1) throw UsageError("--piece-kb must be >= 1");
     pg = init_process_group(InitOptions()
                                 .backend(f.str("backend"))
                                 .timeout(std::chrono::seconds(f.integer("timeout-s")))
                                 .gloo_threads(f.integer("gloo-threads"))
                                 .gloo_connections(f.integer("gloo-connections"))
                                 .two_phase_min_bytes(static_cast<int64_t>(f.real("two-phase-min-mb") * 1024 * 1024))
-                                .piece_bytes(f.integer("piece-kb") * 1024));
+                                .piece_bytes(int64_t{piece_kb} * 1024));
   }
   const int rank = pg ? pg->rank() : 0, world = pg ? pg->size() : 1;
   const bool lead = rank == 0;
@@ -343,10 +364,17 @@ int run_train(const std::vector<std::string>& args, const std::vector<std::strin
       return d->forward_with([&] { return fwd(d->cast_input(x)); });
     };
   } else if (use_ddp) {
+    if ((tune_caps || tune_pieces) && (zero_level == "2" || zero_overlap != ZeroOverlap::kNone))
+      throw UsageError("--bucket-cap-mb/--piece-kb auto: --zero 2 and --zero-overlap lay their buckets out once; "
+                       "give numbers");
+    if (tune_pieces && !hooks::moves_pieces(hook_name) && f.real("two-phase-min-mb") <= 0)
+      throw UsageError("--piece-kb auto: --hook " + hook_name +
+                       " moves no two-phase pieces (fp16, bf16, int8 and quantize hooks do, or --two-phase-min-mb)");
     ddp = std::make_unique<DistributedDataParallelBase>(
         model.module, pg,
         DistributedDataParallelOptions()
             .bucket_cap_mb(cap)
+            .online_tuning(default_online_tuning(tune_caps, tune_pieces))
             .gradient_as_bucket_view(f.on("gradient-as-bucket-view"))
             .find_unused_parameters(f.on("find-unused-parameters")));
     CommHook hook;
@@ -484,6 +512,7 @@ int run_train(const std::vector<std::string>& args, const std::vector<std::strin
   std::unique_ptr<DivergenceGuard> guard;
   if (!f.on("no-divergence-guard")) guard = std::make_unique<DivergenceGuard>(pg);
   std::vector<double> step_ms, forward_ms, backward_ms, optimizer_ms;
+  int64_t tuned_from = -1;  // first step after online tuning (-1: none, or not finished)
   double accuracy = -1, test_loss = -1, last_loss = 0;
   const int64_t first_step = step;
   double train_seconds = 0;
@@ -524,6 +553,9 @@ int run_train(const std::vector<std::string>& args, const std::vector<std::strin
       optimizer_ms.push_back(ms_between(t2, t3));
       const double ms = ms_between(t0, t3);
       step_ms.push_back(ms);
+      // This step ran with the choice online tuning made at its forward: steady state from here.
+      if (tuned_from < 0 && ddp && ddp->online_tuning().done && ddp->online_tuning().steps > 0)
+        tuned_from = static_cast<int64_t>(step_ms.size()) - 1;
       last_loss = loss.item<double>();
       if (guard) {
         if (auto d = guard->observe(last_loss)) throw std::runtime_error(divergence_message(f, *d, powersgd_rank, lr));
@@ -611,6 +643,7 @@ int run_train(const std::vector<std::string>& args, const std::vector<std::strin
     }
     compression_ratio = sent ? static_cast<double>(allreduce_bytes) / static_cast<double>(sent) : 0.0;
     if (lead && !f.on("quiet")) std::cerr << table.str();
+    if (lead && !ddp->online_tuning().trials.empty()) std::cerr << tuning_table(ddp->online_tuning());
   }
   if (lead) {
     std::ostringstream js;
@@ -625,7 +658,12 @@ int run_train(const std::vector<std::string>& args, const std::vector<std::strin
        << ", \"bytes_received_per_step\": " << (steps_run ? traffic.bytes_received / steps_run : 0)
        << ", \"shm_bytes_sent_per_step\": " << (steps_run ? traffic.shm_bytes_sent / steps_run : 0)
        << ", \"shared_memory\": " << (pg && pg->uses_shared_memory() ? (pg->hierarchical() ? "\"hierarchical\"" : "\"host\"") : "false")
-       << ", \"compression_ratio\": " << std::setprecision(3) << compression_ratio
+       << ", \"compression_ratio\": " << std::setprecision(3) << compression_ratio << ", \"bucket_cap_mb\": ";
+    if (ddp) js << static_cast<double>(ddp->reducer().bucket_cap()) / (1 << 20); else js << "null";
+    js << ", \"piece_kb\": " << (pg ? pg->piece_bytes() / 1024 : 0)
+       << ", \"tuning_steps\": " << (ddp ? ddp->online_tuning().steps : 0) << ", \"tuned_median_step_ms\": ";
+    if (tuned_from >= 0) js << median(std::vector<double>(step_ms.begin() + tuned_from, step_ms.end())); else js << "null";
+    js
        << ", \"test_accuracy\": ";
     if (accuracy >= 0) js << std::setprecision(4) << accuracy; else js << "null";
     js << ", \"test_perplexity\": ";

@@ -135,7 +135,12 @@ class ProcessGroup {
   const std::string& backend_name() const { return options_.backend(); }
   std::chrono::milliseconds timeout() const { return options_.timeout(); }
   const c10::intrusive_ptr<c10d::Store>& store() const { return store_; }
+  // The options it was made with (piece_bytes: see piece_bytes() for the current value).
   const ProcessGroupOptions& options() const { return options_; }
+  // Piece size of two-phase collectives, per peer. set_piece_bytes changes it for collectives
+  // issued afterwards, here and in the between-hosts group (online tuning sets it between steps).
+  int64_t piece_bytes() const { return piece_bytes_.load(std::memory_order_relaxed); }
+  void set_piece_bytes(int64_t bytes);
   // Which of this group's ranks share a host (same machine id, boot id, network and PID namespace),
   // found through the store when the group was made.
   const HostTopology& topology() const { return topology_; }
@@ -193,7 +198,7 @@ class ProcessGroup {
   // rank sends (n-1)/n of each phase's block, counted like alltoall.
   FuturePtr two_phase(std::shared_ptr<TwoPhaseJob> job, const at::Tensor& value, const std::string& what);
   // How many pieces two_phase should cut `bytes_per_rank` (what one rank sends to all peers in
-  // one phase) into, by options().piece_bytes(): at least 1.
+  // one phase) into, by piece_bytes(): at least 1.
   int64_t pieces_for(uint64_t bytes_per_rank) const;
 
   // Runs `fn` on the sequencer: collectives it issues (through this group) are ordered with all
@@ -251,6 +256,7 @@ class ProcessGroup {
   int rank_;
   int world_size_;
   ProcessGroupOptions options_;
+  std::atomic<int64_t> piece_bytes_;
   c10::intrusive_ptr<compat::Backend> backend_;
   HostTopology topology_;
   std::unique_ptr<Shm> shm_;  // null: no shared memory

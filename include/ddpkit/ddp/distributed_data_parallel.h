@@ -12,6 +12,7 @@
 #pragma once
 
 #include <ddpkit/comm/process_group.h>
+#include <ddpkit/ddp/online_tuning.h>
 #include <ddpkit/reducer/reducer.h>
 
 #include <torch/arg.h>
@@ -44,6 +45,9 @@ struct DistributedDataParallelOptions {
   // Per parameter (in named_parameters order): produces a sparse gradient. Empty: detected from
   // Embedding/EmbeddingBag modules constructed with sparse(true).
   TORCH_ARG(std::vector<bool>, expect_sparse_gradients) = {};
+  // Trials of other bucket caps (and piece sizes) during the first steps; the fastest stays
+  // (ddpkit/ddp/online_tuning.h). Default: none, bucket_cap_mb is used as given.
+  TORCH_ARG(OnlineTuningOptions, online_tuning) = {};
 };
 
 struct JoinOptions {
@@ -120,6 +124,8 @@ class DistributedDataParallelBase {
   // Per bucket: bytes sent/received by its hook and the compression ratio against allreduce.
   std::vector<BucketTraffic> bucket_traffic() const { return reducer_->bucket_traffic(); }
   bool require_backward_grad_sync() const { return require_backward_grad_sync_; }
+  // What online tuning tried and chose (done: the choice is in force).
+  const OnlineTuningResult& online_tuning() const { return tuner_->result(); }
 
   // Runs `forward` (any callable returning the module's output) between DDP's pre- and
   // post-forward steps: for modules whose forward is not reachable through the template below.
@@ -148,6 +154,7 @@ class DistributedDataParallelBase {
   std::vector<at::Tensor> params_;
   std::vector<std::string> names_;
   std::unique_ptr<Reducer> reducer_;
+  std::unique_ptr<OnlineTuner> tuner_;
   bool require_backward_grad_sync_ = true;
   bool join_mode_ = false;
   JoinOptions join_options_;

@@ -81,6 +81,15 @@ class Reducer {
   // rebuild follows), so bucket-indexed hook state lines up with the same buckets. Between steps
   // only; every rank must pass the same one.
   void restore_bucket_layout(const std::vector<std::vector<size_t>>& buckets);
+  // Rebuckets the current order (the gradient-ready order once rebuilt) under another cap; the
+  // first bucket keeps its own. For online tuning: between steps, after the rebuild, every rank at
+  // the same point, and not once a layout was frozen or restored (code laid out by bucket).
+  void set_bucket_cap(size_t bucket_bytes_cap);
+  size_t bucket_cap() const;
+  // The buckets set_bucket_cap(cap) would make, without making them.
+  std::vector<std::vector<size_t>> bucket_indices_for_cap(size_t bucket_bytes_cap) const;
+  // A layout was frozen or restored: the buckets never change again.
+  bool layout_fixed() const;
   int64_t iterations() const { return iterations_; }
   bool buckets_rebuilt() const { return rebuilt_; }
   // Parameters found globally unused in the last synchronized iteration (find_unused/static_graph).
@@ -109,6 +118,7 @@ class Reducer {
   };
 
   void build_buckets(const BucketAssignment& assignment);
+  BucketAssignment assignment_for_cap(size_t bucket_bytes_cap) const;  // mutex_ held
   void autograd_hook(size_t var);
   void on_backward_start();
   void mark_var_ready(size_t var, bool unused);
@@ -152,6 +162,7 @@ class Reducer {
   int64_t iterations_ = 0;
   bool rebuilt_ = false;
   bool rebuild_pending_ = false;
+  bool layout_fixed_ = false;
   std::vector<size_t> ready_order_;
   std::vector<bool> globally_unused_;   // from the last used-map allreduce
   bool static_unused_known_ = false;
