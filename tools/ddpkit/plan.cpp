@@ -229,11 +229,9 @@ plan::ModelProfile profile_job(const Flags& f, const std::vector<std::string>& a
     at::Tensor x = data.train.inputs.slice(0, 0, batch), y = data.train.labels.slice(0, 0, batch);
     if (model.language_model) x = x.to(at::kLong), y = y.to(at::kLong);
     t.loss = [model, x, y] { return model_loss(model, model.forward(x), y); };
-    std::shared_ptr<torch::optim::Optimizer> opt;
-    const auto params = model.module->parameters();
-    if (optimizer == "sgd") opt = std::make_shared<torch::optim::SGD>(params, torch::optim::SGDOptions(0.01).momentum(0.9));
-    else if (optimizer == "adam") opt = std::make_shared<torch::optim::Adam>(params, torch::optim::AdamOptions(1e-3));
-    else opt = std::make_shared<torch::optim::AdamW>(params, torch::optim::AdamWOptions(1e-3));
+    // The optimizer train steps (the rate does not change its time).
+    std::shared_ptr<torch::optim::Optimizer> opt = choose_optimizer(optimizer, 1e-3).factory.create(
+        {torch::optim::OptimizerParamGroup(model.module->parameters())});
     t.optimizer_step = [opt] { opt->step(); };
     return t;
   };

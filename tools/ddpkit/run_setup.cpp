@@ -2,6 +2,8 @@
 #include "cli.h"
 #include "training.h"
 
+#include <ddpkit/optim/sgd.h>
+
 namespace ddpkit {
 namespace cli {
 
@@ -67,6 +69,22 @@ Model build_model(const Flags& f, const std::string& model_name, const std::vect
     model.language_model = true;
   }
   return model;
+}
+
+OptimizerChoice choose_optimizer(const std::string& name, double lr) {
+  if (name == "sgd") {
+    const auto o = torch::optim::SGDOptions(lr).momentum(0.9);
+    return {optimizer_factory<optim::SGD>(o), hooks::functional_sgd(o)};  // torch::optim::SGD's results in one pass
+  }
+  if (name == "adam") {
+    const auto o = torch::optim::AdamOptions(lr);
+    return {optimizer_factory<torch::optim::Adam>(o), hooks::functional_adam(o)};
+  }
+  if (name == "adamw") {
+    const auto o = torch::optim::AdamWOptions(lr);
+    return {optimizer_factory<torch::optim::AdamW>(o), hooks::functional_adamw(o)};
+  }
+  throw UsageError("--optimizer must be sgd, adam or adamw, got '" + name + "'");
 }
 
 }  // namespace cli

@@ -220,6 +220,13 @@ int run_train(const std::vector<std::string>& args, const std::vector<std::strin
   const double cap = f.str("bucket-cap-mb").empty() || tune_caps ? hooks::default_bucket_cap_mb(hook_name)
                                                                   : f.real("bucket-cap-mb");
   const int piece_kb = tune_pieces ? 1024 : f.integer("piece-kb");
+  if ((tune_caps || tune_pieces) && (f.str("zero") == "2" || f.str("zero-overlap") != "none" || f.str("fsdp") != "off" ||
+                                     f.on("no-ddp")))
+    throw UsageError("--bucket-cap-mb/--piece-kb auto tune DDP's buckets: not with --fsdp, --no-ddp, --zero 2 or "
+                     "--zero-overlap (which lay their buckets out once); give numbers");
+  if (tune_pieces && !hooks::moves_pieces(hook_name) && f.real("two-phase-min-mb") <= 0)
+    throw UsageError("--piece-kb auto: --hook " + hook_name +
+                     " moves no two-phase pieces (fp16, bf16, int8 and quantize hooks do, or --two-phase-min-mb)");
   if (nproc < 1) throw UsageError("--nproc must be >= 1");
   if (epochs < 1) throw UsageError("--epochs must be >= 1");
   if (max_steps < 0) throw UsageError("--steps must be >= 0");
@@ -307,23 +314,11 @@ int run_train(const std::vector<std::string>& args, const std::vector<std::strin
 
   // One options object per optimizer feeds the plain optimizer, ZeRO's factory and the
   // per-parameter twin for --optimizer-in-hook.
-  OptimizerFactory factory;
-  std::shared_ptr<hooks::FunctionalOptimizer> functional;
+  const OptimizerChoice optimizer_choice = choose_optimizer(optimizer_name, lr);
+  const OptimizerFactory& factory = optimizer_choice.factory;
+  const std::shared_ptr<hooks::FunctionalOptimizer>& functional = optimizer_choice.functional;
   // What the optimizer steps: the parameters, or FSDP's shards of them.
   const auto params = sharded_model ? sharded_model->parameters() : model.module->parameters();
-  if (optimizer_name == "sgd") {
-    const auto o = torch::optim::SGDOptions(lr).momentum(0.9);
-    factory = optimizer_factory<optim::SGD>(o);  // torch::optim::SGD's results in one pass
-    functional = hooks::functional_sgd(o);
-  } else if (optimizer_name == "adam") {
-    const auto o = torch::optim::AdamOptions(lr);
-    factory = optimizer_factory<torch::optim::Adam>(o);
-    functional = hooks::functional_adam(o);
-  } else {
-    const auto o = torch::optim::AdamWOptions(lr);
-    factory = optimizer_factory<torch::optim::AdamW>(o);
-    functional = hooks::functional_adamw(o);
-  }
   std::unique_ptr<torch::optim::Optimizer> optimizer = factory.create({torch::optim::OptimizerParamGroup(params)});
 
   std::unique_ptr<DistributedDataParallelBase> ddp;
@@ -364,12 +359,6 @@ int run_train(const std::vector<std::string>& args, const std::vector<std::strin
       return d->forward_with([&] { return fwd(d->cast_input(x)); });
     };
   } else if (use_ddp) {
-    if ((tune_caps || tune_pieces) && (zero_level == "2" || zero_overlap != ZeroOverlap::kNone))
-      throw UsageError("--bucket-cap-mb/--piece-kb auto: --zero 2 and --zero-overlap lay their buckets out once; "
-                       "give numbers");
-    if (tune_pieces && !hooks::moves_pieces(hook_name) && f.real("two-phase-min-mb") <= 0)
-      throw UsageError("--piece-kb auto: --hook " + hook_name +
-                       " moves no two-phase pieces (fp16, bf16, int8 and quantize hooks do, or --two-phase-min-mb)");
     ddp = std::make_unique<DistributedDataParallelBase>(
         model.module, pg,
         DistributedDataParallelOptions()
@@ -663,7 +652,13 @@ int run_train(const std::vector<std::string>& args, const std::vector<std::strin
     js << ", \"piece_kb\": " << (pg ? pg->piece_bytes() / 1024 : 0)
        << ", \"tuning_steps\": " << (ddp ? ddp->online_tuning().steps : 0) << ", \"tuned_median_step_ms\": ";
     if (tuned_from >= 0) js << median(std::vector<double>(step_ms.begin() + tuned_from, step_ms.end())); else js << "null";
-    js
+    js << ", \"tuning_trials\": [";
+    if (ddp)
+      for (const auto& t : ddp->online_tuning().trials)
+        js << (&t == &ddp->online_tuning().trials.front() ? "" : ", ") << "{\"bucket_cap_mb\": " << t.bucket_cap_mb
+           << ", \"piece_kb\": " << t.piece_bytes / 1024 << ", \"buckets\": " << t.buckets
+           << ", \"median_step_ms\": " << t.median_step_ms << "}";
+    js << "]"
        << ", \"test_accuracy\": ";
     if (accuracy >= 0) js << std::setprecision(4) << accuracy; else js << "null";
     js << ", \"test_perplexity\": ";

@@ -4,6 +4,8 @@
 #include "cli.h"
 
 #include <ddpkit/fsdp/fully_sharded_data_parallel.h>
+#include <ddpkit/hooks/optimizer_hook.h>
+#include <ddpkit/zero/zero_redundancy_optimizer.h>
 #include <torch/torch.h>
 
 #include <unistd.h>
@@ -177,6 +179,13 @@ struct RunData {
 };
 RunData load_run_data(const Flags& f, const std::string& model_name, const std::string& dataset);
 Model build_model(const Flags& f, const std::string& model_name, const std::vector<int64_t>& dims, int64_t num_classes);
+// --optimizer sgd|adam|adamw at `lr`, as train steps it (SGD: momentum 0.9, ddpkit's one-pass
+// optim::SGD): the factory (plain and ZeRO) and the per-parameter twin for --optimizer-in-hook.
+struct OptimizerChoice {
+  OptimizerFactory factory;
+  std::shared_ptr<hooks::FunctionalOptimizer> functional;
+};
+OptimizerChoice choose_optimizer(const std::string& name, double lr);
 
 class Progress {
  public:
