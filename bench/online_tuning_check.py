@@ -44,6 +44,7 @@ NETNS_CONFIGS = {
     "mlp25-h2-1g-ddp": (1, "1gbit", MLP25, CAP),
     "mlp8-h2-10g-ddp": (1, "10gbit", MLP8, CAP),
     "mlp25-h2-10g-ddp": (1, "10gbit", MLP25, CAP),
+    "gpt-h2-10g-ddp": (1, "10gbit", GPT, CAP),
     "fashion-h2-1g-ddp": (1, "1gbit", MLP_FASHION, CAP),
     "mlp8-h2-100m-fp16": (1, "100mbit", MLP8 + ["--hook", "fp16"], CAP_PIECE),
 }

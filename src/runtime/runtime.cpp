@@ -41,6 +41,18 @@ bool set_compute_threads(int n) {
   return openblas != nullptr;
 }
 
+std::string blas_kernel_advice() {
+  using CoreName = char* (*)();
+  auto corename = reinterpret_cast<CoreName>(dlsym(RTLD_DEFAULT, "openblas_get_corename"));
+  if (!corename || !corename() || std::strcmp(corename(), "Prescott") != 0) return "";
+  const char* better = __builtin_cpu_supports("avx512f") ? "SkylakeX" : __builtin_cpu_supports("avx2") ? "Haswell" : nullptr;
+  if (!better) return "";
+  return std::string("OpenBLAS did not recognise this CPU and runs its generic Prescott kernels, which multiply "
+                     "matrices several times slower than its ") +
+         (std::strcmp(better, "SkylakeX") == 0 ? "AVX-512" : "AVX2") + " ones; set OPENBLAS_CORETYPE=" + better +
+         " in the environment of every rank (and of any PyTorch run compared with it)";
+}
+
 ProcessResources process_resources() {
   ProcessResources r;
   if (FILE* f = std::fopen("/proc/self/statm", "r")) {

@@ -140,7 +140,7 @@ int run_attempt(int nproc, const std::vector<std::string>& argv, const std::stri
   std::vector<std::vector<char*>> envps(nproc);
   const std::vector<std::string> ours{"MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE",
                                       "LOCAL_WORLD_SIZE", "TORCHELASTIC_USE_AGENT_STORE",
-                                      "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS"};
+                                      "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "DDPKIT_LAUNCHED"};
   for (int r = 0; r < nproc; ++r) {
     for (char** e = environ; *e; ++e) {
       const std::string entry(*e);
@@ -156,6 +156,7 @@ int run_attempt(int nproc, const std::vector<std::string>& argv, const std::stri
     envs[r].push_back("TORCHELASTIC_RESTART_COUNT=" + std::to_string(restart_count));
     envs[r].push_back("TORCHELASTIC_MAX_RESTARTS=" + std::to_string(max_restarts));
     if (store) envs[r].push_back("TORCHELASTIC_USE_AGENT_STORE=True");
+    envs[r].push_back("DDPKIT_LAUNCHED=1");  // what the launcher said once, its ranks need not repeat
     for (auto& e : envs[r]) envps[r].push_back(e.data());
     envps[r].push_back(nullptr);
   }

@@ -69,6 +69,12 @@ void print_error(const std::string& text) {
 int main(int argc, char** argv) {
   using namespace ddpkit::cli;
   tune_allocator(argc, argv);
+  // Once per job: by ddpkit's launcher (or a lone process), or by rank 0 of another launcher's job.
+  const char* rank = std::getenv("RANK");
+  if (!std::getenv("DDPKIT_LAUNCHED") && (!rank || std::strcmp(rank, "0") == 0)) {
+    const std::string blas = ddpkit::blas_kernel_advice();
+    if (!blas.empty()) print_error("ddpkit: " + blas + "\n");
+  }
   std::vector<std::string> all(argv, argv + argc);
   all[0] = "ddpkit";
   if (argc < 2 || all[1] == "--help" || all[1] == "-h" || all[1] == "help") {

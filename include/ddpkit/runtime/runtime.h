@@ -13,6 +13,7 @@
 #pragma once
 
 #include <cstddef>
+#include <string>
 
 namespace ddpkit {
 
@@ -33,6 +34,13 @@ AllocatorTuning tune_allocator_for_training(std::size_t threshold_bytes = std::s
 // 2.5x slower (351 vs 142 ms, MLP 1024-4096-4096-1024). Use this instead of at::set_num_threads.
 // Returns true when OpenBLAS was found and limited too.
 bool set_compute_threads(int n);
+
+// Empty, or advice when the OpenBLAS behind libtorch did not recognise this CPU and fell back to its
+// generic Prescott (SSE3) kernels although the CPU has AVX2/AVX-512: Debian 12's OpenBLAS 0.3.21 on
+// a family 6 model 207 Xeon did, and its matrix products ran 2.6x slower than with
+// OPENBLAS_CORETYPE=SkylakeX (forward of an MLP 1024-4096-4096-1024 at batch 64: 124 vs 36 ms).
+// OpenBLAS reads that variable when it loads, so only a new process can take it.
+std::string blas_kernel_advice();
 
 // This process's resident memory, its high-water mark (VmHWM: shared memory this process touched
 // counts, as the kernel charges it), and open file descriptors (from /proc/self), for spotting
