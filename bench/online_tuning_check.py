@@ -19,14 +19,12 @@ default (same configuration), tuned/def is that spread alone.
 The target: tuned/def <= 1.03 everywhere, <= 0.90 somewhere real (two hosts at 1 Gbit/s).
 """
 import argparse
-import json
 import os
 import statistics
-import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from plan_validation import MLP8, MLP25, MLP_FASHION, GPT, TwoHosts  # noqa: E402
+from plan_validation import MLP8, MLP25, MLP_FASHION, GPT, TwoHosts, train as local_train  # noqa: E402
 
 # name: (world or ranks per host, rate (None: one host), flags, auto flags)
 CAP = ["--bucket-cap-mb", "auto"]
@@ -48,14 +46,6 @@ NETNS_CONFIGS = {
     "fashion-h2-1g-ddp": (1, "1gbit", MLP_FASHION, CAP),
     "mlp8-h2-100m-fp16": (1, "100mbit", MLP8 + ["--hook", "fp16"], CAP_PIECE),
 }
-
-
-def local_train(ddpkit, world, flags, steps):
-    cmd = [ddpkit, "train", "--quiet", "--no-eval", "--nproc", str(world), "--steps", str(steps)] + flags
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=dict(os.environ, OMP_NUM_THREADS="1"))
-    if out.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed ({out.returncode}): {out.stderr[-2000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def main():

@@ -100,6 +100,28 @@ TEST(Plan, ALinkCarriesWhatEachHookSends) {
   EXPECT_LT(predict(four_layers(), job, m, with("ddp", "allreduce")).step_ms, fp32.step_ms / 2);
 }
 
+// Two ranks per host: DDP's allreduce is hierarchical, each local rank carrying half the host's
+// between-host ring; ZeRO-2's reduce-scatter and allgather go flat, each rank sending half its
+// buffer to the other host over the one link the host's ranks share.
+TEST(Plan, OnlyAllreduceSharesTheLinkHierarchically) {
+  JobSpec one_per_host, two_per_host;
+  one_per_host.world_size = 2;
+  two_per_host.world_size = 4;
+  for (JobSpec* j : {&one_per_host, &two_per_host}) {
+    j->hosts = 2;
+    j->link_gbit = 1;
+  }
+  const auto m = machine(4);
+  const Prediction ddp1 = predict(four_layers(), one_per_host, m, with("ddp", "allreduce"));
+  const Prediction ddp2 = predict(four_layers(), two_per_host, m, with("ddp", "allreduce"));
+  EXPECT_NEAR(ddp2.wire_bytes_per_step, ddp1.wire_bytes_per_step / 2, 1);
+  EXPECT_NEAR(ddp2.step_ms, ddp1.step_ms, 0.1 * ddp1.step_ms);  // the host's link carries the same
+  const Prediction zero1 = predict(four_layers(), one_per_host, m, with("zero2", "none"));
+  const Prediction zero2 = predict(four_layers(), two_per_host, m, with("zero2", "none"));
+  EXPECT_NEAR(zero2.wire_bytes_per_step, zero1.wire_bytes_per_step, 1);
+  EXPECT_GT(zero2.step_ms, 1.6 * zero1.step_ms);  // twice the bytes on the link
+}
+
 TEST(Plan, ShardingDividesWhatEachRankHolds) {
   JobSpec job;
   job.world_size = 4;

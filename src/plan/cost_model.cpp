@@ -99,7 +99,10 @@ class Network {
     Comm c;
     if (job_.world_size <= 1 || bytes <= 0) return c;
     const bool reduce = op == Op::kAllreduce || op == Op::kAllreduceInPlace || op == Op::kAllreduce16;
-    if (rph_ > 1) {
+    // ddpkit's hierarchy (shared memory within a host, Gloo between hosts) serves allreduce only;
+    // with several hosts every other collective goes flat over Gloo among all ranks.
+    const bool flat = hosts_ > 1 && !reduce;
+    if (rph_ > 1 && !flat) {
       // Within the host: one shared-memory collective (a hierarchical allreduce's local
       // reduce and broadcast cost about what a local allreduce does).
       const double n = rph_;
@@ -107,14 +110,22 @@ class Network {
       const PathCost& p = shm(hosts_ > 1 && op == Op::kAllreduceInPlace ? Op::kAllreduce : op);
       c.cpu_ms += scale_ * p.ms(factor * bytes);
     }
-    if (hosts_ > 1) {
-      // Between hosts: Gloo's ring (allreduce: one leader per host; the rest: every rank's part).
+    if (flat) {
+      // Each rank sends (n-1)/n of the buffer: to the other hosts' ranks over the link, which the
+      // host's ranks share, and to its own host's over loopback TCP.
+      const double n = job_.world_size;
+      const double remote = (n - rph_) / n * bytes, loopback = (rph_ - 1) / n * bytes;
+      c.wire_bytes += remote;
+      c.wire_ms += m_.tcp_latency_us * 1e-3 * (hosts_ - 1) + remote * rph_ / link_bytes_per_ms();
+      c.cpu_ms += scale_ * 2 * (remote + loopback) / (m_.copy_gbyte_per_s * 1e6);  // into and out of sockets
+    } else if (hosts_ > 1) {
+      // Allreduce between hosts: a ring of 2(h-1)/h of the buffer per host, split among the host's
+      // ranks (each carries the slice it reduced locally).
       const double h = hosts_;
-      const double factor = reduce ? 2 * (h - 1) / h : (h - 1) / h;
-      const double wire = factor * bytes;
-      c.wire_bytes += wire;
-      c.wire_ms += m_.tcp_latency_us * 1e-3 * (reduce ? 2 * (h - 1) : (h - 1)) + wire / link_bytes_per_ms();
-      c.cpu_ms += scale_ * 2 * wire / (m_.copy_gbyte_per_s * 1e6);  // into and out of the socket
+      const double host_wire = 2 * (h - 1) / h * bytes;
+      c.wire_bytes += host_wire / rph_;
+      c.wire_ms += m_.tcp_latency_us * 1e-3 * 2 * (h - 1) + host_wire / link_bytes_per_ms();
+      c.cpu_ms += scale_ * 2 * host_wire / rph_ / (m_.copy_gbyte_per_s * 1e6);  // into and out of the socket
     }
     return c;
   }

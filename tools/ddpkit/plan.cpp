@@ -16,9 +16,12 @@
 #include <set>
 #include <sstream>
 #include <csignal>
+#include <cstring>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
+
+extern char** environ;
 
 namespace ddpkit {
 namespace cli {
@@ -139,6 +142,18 @@ class BusyReplicas {
  public:
   BusyReplicas(int n, const std::vector<std::string>& args) {
     const std::string self = self_path();
+    // Built before fork: the child may only exec (this process has threads).
+    std::vector<std::string> all{self, "plan"};
+    all.insert(all.end(), args.begin(), args.end());
+    all.push_back("--busy-replica");
+    std::vector<char*> argv;
+    for (auto& a : all) argv.push_back(const_cast<char*>(a.c_str()));
+    argv.push_back(nullptr);
+    std::string launched = "DDPKIT_LAUNCHED=1";  // main's once-per-job messages are this job's
+    std::vector<char*> envp{launched.data()};
+    for (char** e = environ; *e; ++e)
+      if (std::strncmp(*e, "DDPKIT_LAUNCHED=", 16) != 0) envp.push_back(*e);
+    envp.push_back(nullptr);
     for (int i = 0; i < n; ++i) {
       int fds[2];
       DDPKIT_CHECK(::pipe(fds) == 0, "plan: pipe failed");
@@ -147,13 +162,7 @@ class BusyReplicas {
       if (pid == 0) {
         ::dup2(fds[1], STDOUT_FILENO);
         ::close(fds[0]);
-        std::vector<std::string> all{self, "plan"};
-        all.insert(all.end(), args.begin(), args.end());
-        all.push_back("--busy-replica");
-        std::vector<char*> argv;
-        for (auto& a : all) argv.push_back(const_cast<char*>(a.c_str()));
-        argv.push_back(nullptr);
-        ::execv(self.c_str(), argv.data());
+        ::execve(self.c_str(), argv.data(), envp.data());
         ::_exit(127);
       }
       ::close(fds[1]);
