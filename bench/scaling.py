@@ -2,7 +2,7 @@
 """Scaling figures (issue 33, docs/performance.md): step time and bytes per step against world size
 and host count, measured here, next to `ddpkit plan`'s projection to 8-1024 ranks.
 
-  bench/scaling.py DDPKIT [--steps N] [--netns] [--no-projection] [--constants FILE]
+  bench/scaling.py DDPKIT [--steps N] [--netns] [--no-projection | --projection-only] [--constants FILE]
 
 Model: the 8.4M-parameter MLP (1024,2048,2048,1024, synthetic data, batch 64 per rank, SGD).
 1. Measured on one host, 1-8 ranks (processes sharing this machine's cores), and with --netns on two
@@ -59,6 +59,7 @@ def main():
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--netns", action="store_true", help="also two hosts at 1 and 10 Gbit/s (root, ip, tc)")
     ap.add_argument("--no-projection", action="store_true")
+    ap.add_argument("--projection-only", action="store_true")
     ap.add_argument("--constants", default="")
     a = ap.parse_args()
 
@@ -66,8 +67,8 @@ def main():
     print("# through shared memory (MB), and the plan's step and between-host bytes for the same job")
     print(f"{'config':15} {'ranks':>5} {'hosts':>5} {'link':>5} {'step_ms':>8} {'plan_ms':>8} {'net_MB':>9} "
           f"{'plan_net_MB':>11} {'shm_MB':>9}")
-    setups = [(w, 1, 0, None) for w in (1, 2, 4, 8)]
-    if a.netns:
+    setups = [] if a.projection_only else [(w, 1, 0, None) for w in (1, 2, 4, 8)]
+    if a.netns and not a.projection_only:
         setups += [(2, 2, 1, "1gbit"), (4, 2, 1, "1gbit"), (2, 2, 10, "10gbit")]
     hosts_env = TwoHosts().__enter__() if a.netns else None
     try:
