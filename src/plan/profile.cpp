@@ -51,14 +51,26 @@ StepTimes run_steps(ProfileTarget& t, int warmup, int steps, bool record_ready) 
   std::vector<double> ready(params.size(), 0);
   Clock::time_point backward_start;
   std::mutex mu;
+  // The hooks capture this frame's locals: removed however run_steps leaves.
+  struct Hooks {
+    std::vector<std::pair<at::Tensor, unsigned>> added;
+    ~Hooks() {
+      for (auto& h : added) {
+        try {
+          h.first.remove_hook(h.second);
+        } catch (...) {
+        }
+      }
+    }
+  } hooks;
   if (record_ready) {
     for (size_t k = 0; k < params.size(); ++k) {
       if (!params[k].requires_grad()) continue;
       // The gradient of parameter k is computed: backward has reached it.
-      params[k].register_hook([&ready, &backward_start, &mu, k](const at::Tensor&) {
+      hooks.added.emplace_back(params[k], params[k].register_hook([&ready, &backward_start, &mu, k](const at::Tensor&) {
         std::lock_guard<std::mutex> lock(mu);
         ready[k] = ms_since(backward_start);
-      });
+      }));
     }
   }
   for (int i = 0; i < warmup + steps; ++i) {
