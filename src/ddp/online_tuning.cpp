@@ -2,6 +2,7 @@
 
 #include <ddpkit/comm/process_group.h>
 #include <ddpkit/reducer/reducer.h>
+#include <ddpkit/runtime/runtime.h>
 
 #include <algorithm>
 #include <cmath>
@@ -12,13 +13,6 @@ namespace {
 constexpr double kMiB = 1024.0 * 1024.0;
 
 size_t cap_bytes(double mb) { return static_cast<size_t>(std::llround(mb * kMiB)); }
-
-double median(std::vector<double> v) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
-}
 }  // namespace
 
 OnlineTuningOptions default_online_tuning(bool bucket_caps, bool pieces) {
@@ -127,10 +121,14 @@ void OnlineTuner::start_pieces_stage() {
   samples_.resize(result_.trials.size());
 }
 
-void OnlineTuner::begin_trial() {
-  const TuningTrial& t = result_.trials[trial_];
-  if (!tuning_pieces_ && cap_bytes(t.bucket_cap_mb) != reducer_.bucket_cap()) reducer_.set_bucket_cap(cap_bytes(t.bucket_cap_mb));
+void OnlineTuner::apply(const TuningTrial& t) {
+  // Piece trials carry the cap in force, so a fixed layout is never asked to change.
+  if (cap_bytes(t.bucket_cap_mb) != reducer_.bucket_cap()) reducer_.set_bucket_cap(cap_bytes(t.bucket_cap_mb));
   if (t.piece_bytes != pg_.piece_bytes()) pg_.set_piece_bytes(t.piece_bytes);
+}
+
+void OnlineTuner::begin_trial() {
+  apply(result_.trials[trial_]);
   steps_in_trial_ = 0;
 }
 
@@ -159,12 +157,9 @@ size_t OnlineTuner::agree_on_best() {
 
 void OnlineTuner::finish_stage() {
   const TuningTrial chosen = result_.trials[agree_on_best()];
-  if (!tuning_pieces_) {
-    result_.bucket_cap_mb = chosen.bucket_cap_mb;
-    if (cap_bytes(chosen.bucket_cap_mb) != reducer_.bucket_cap()) reducer_.set_bucket_cap(cap_bytes(chosen.bucket_cap_mb));
-  }
+  apply(chosen);
+  result_.bucket_cap_mb = chosen.bucket_cap_mb;
   result_.piece_bytes = chosen.piece_bytes;
-  if (chosen.piece_bytes != pg_.piece_bytes()) pg_.set_piece_bytes(chosen.piece_bytes);
   if (!tuning_pieces_) {
     start_pieces_stage();
     if (!result_.done) begin_trial();

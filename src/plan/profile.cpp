@@ -29,10 +29,9 @@ namespace {
 using Clock = std::chrono::steady_clock;
 double ms_since(Clock::time_point t0) { return std::chrono::duration<double, std::milli>(Clock::now() - t0).count(); }
 
-double median(std::vector<double> v) {
+double timed_median(const std::vector<double>& v) {
   DDPKIT_CHECK(!v.empty(), "plan: nothing was timed");
-  std::sort(v.begin(), v.end());
-  return v.size() % 2 ? v[v.size() / 2] : 0.5 * (v[v.size() / 2 - 1] + v[v.size() / 2]);
+  return median(v);
 }
 
 
@@ -156,13 +155,13 @@ ModelProfile profile_model(const std::function<ProfileTarget()>& make, const Pro
   ProfileTarget t = make();
   const StepTimes times = run_steps(t, o.warmup, o.steps, true);
   at::set_num_threads(saved_threads);
-  prof.forward_ms = median(times.forward);
-  prof.backward_ms = median(times.backward);
-  prof.optimizer_ms = median(times.optimizer);
+  prof.forward_ms = timed_median(times.forward);
+  prof.backward_ms = timed_median(times.backward);
+  prof.optimizer_ms = timed_median(times.optimizer);
   for (size_t k = 0; k < prof.params.size(); ++k) {
     std::vector<double> r;
     for (const auto& step : times.ready) r.push_back(step[k]);
-    prof.params[k].grad_ready_ms = median(r);
+    prof.params[k].grad_ready_ms = timed_median(r);
   }
   return prof;
 }
@@ -205,7 +204,7 @@ double timed_ms(int reps, const std::function<void()>& op) {
     op();
     ms.push_back(ms_since(t0));
   }
-  return median(ms);
+  return timed_median(ms);
 }
 
 }  // namespace
@@ -293,7 +292,7 @@ MachineConstants calibrate_machine(int world) {
             op();
             ms.push_back(ms_since(t0));
           }
-          return median(ms);
+          return timed_median(ms);
         };
         const double w = world, all = 2 * (w - 1) / w, part = (w - 1) / w;
         for (int64_t bytes : {int64_t(1) << 20, int64_t(4) << 20, int64_t(16) << 20, int64_t(32) << 20}) {

@@ -7,6 +7,7 @@
 #include <dlfcn.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <climits>
 #include <cstdlib>
 #include <cstring>
@@ -44,13 +45,21 @@ bool set_compute_threads(int n) {
 std::string blas_kernel_advice() {
   using CoreName = char* (*)();
   auto corename = reinterpret_cast<CoreName>(dlsym(RTLD_DEFAULT, "openblas_get_corename"));
-  if (!corename || !corename() || std::strcmp(corename(), "Prescott") != 0) return "";
+  const char* core = corename ? corename() : nullptr;
+  if (!core || std::strcmp(core, "Prescott") != 0) return "";
   const char* better = __builtin_cpu_supports("avx512f") ? "SkylakeX" : __builtin_cpu_supports("avx2") ? "Haswell" : nullptr;
   if (!better) return "";
   return std::string("OpenBLAS did not recognise this CPU and runs its generic Prescott kernels, which multiply "
                      "matrices several times slower than its ") +
          (std::strcmp(better, "SkylakeX") == 0 ? "AVX-512" : "AVX2") + " ones; set OPENBLAS_CORETYPE=" + better +
          " in the environment of every rank (and of any PyTorch run compared with it)";
+}
+
+double median(std::vector<double> values) {
+  if (values.empty()) return 0;
+  const size_t n = values.size();
+  std::sort(values.begin(), values.end());
+  return n % 2 ? values[n / 2] : 0.5 * (values[n / 2 - 1] + values[n / 2]);
 }
 
 ProcessResources process_resources() {

@@ -113,12 +113,6 @@ Checkpoints and restarts (docs/fault_tolerance.md):
 
 namespace {
 
-double median(std::vector<double> v) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  return v.size() % 2 ? v[v.size() / 2] : 0.5 * (v[v.size() / 2 - 1] + v[v.size() / 2]);
-}
-
 // What stopped the run, and which flag of the hook in use is the likely cure.
 // --bucket-cap-mb/--piece-kb auto: what rank 0 timed, the choice marked.
 std::string tuning_table(const OnlineTuningResult& r) {

@@ -70,6 +70,7 @@ class OnlineTuner {
  private:
   void start();
   void start_pieces_stage();
+  void apply(const TuningTrial& t);  // its cap and piece size, where they differ from those in force
   void begin_trial();
   void finish_stage();
   size_t agree_on_best();

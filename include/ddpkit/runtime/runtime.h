@@ -14,6 +14,7 @@
 
 #include <cstddef>
 #include <string>
+#include <vector>
 
 namespace ddpkit {
 
@@ -41,6 +42,9 @@ bool set_compute_threads(int n);
 // OPENBLAS_CORETYPE=SkylakeX (forward of an MLP 1024-4096-4096-1024 at batch 64: 124 vs 36 ms).
 // OpenBLAS reads that variable when it loads, so only a new process can take it.
 std::string blas_kernel_advice();
+
+// The median of `values` (the mean of the middle two for an even count); 0 when there are none.
+double median(std::vector<double> values);
 
 // This process's resident memory, its high-water mark (VmHWM: shared memory this process touched
 // counts, as the kernel charges it), and open file descriptors (from /proc/self), for spotting
