@@ -38,9 +38,12 @@ CommHook slowed(std::shared_ptr<ProcessGroup> pg, std::function<std::chrono::mil
   };
 }
 
-void train(Model& ddp, torch::nn::Sequential& model, int rank, int steps) {
+// `pause` is spent inside every timed step (between one forward and the next).
+void train(Model& ddp, torch::nn::Sequential& model, int rank, int steps,
+           std::chrono::milliseconds pause = std::chrono::milliseconds(0)) {
   torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.05));
   for (int s = 0; s < steps; ++s) {
+    std::this_thread::sleep_for(pause);
     opt.zero_grad();
     ddp.forward(batch(s, rank)).pow(2).mean().backward();
     opt.step();
@@ -73,10 +76,12 @@ TEST(OnlineTuning, KeepsTheFewestBucketsWhenEachBucketCostsTime) {
 TEST(OnlineTuning, KeepsTheConfiguredCapUnlessAnotherBeatsItByMinGain) {
   spawn_ranks(2, [](int rank, std::shared_ptr<ProcessGroup> pg) {
     auto model = make_mlp(3, kDims);
-    // Every candidate costs the same: noise alone must not move the choice off the configured cap.
+    // A 20 ms pause in every step dwarfs what 8 buckets cost over 2 (well under a millisecond on
+    // shared memory), so no candidate can be 50 % faster: only noise could move the choice, and
+    // min_gain must keep it on the configured cap.
     Model ddp(model, pg, tuned(OnlineTuningOptions().bucket_caps_mb({1.0}).min_gain(0.5)));
     const size_t configured = ddp.reducer().bucket_cap();
-    train(ddp, model, rank, 2 + 2 * 3 * 2);
+    train(ddp, model, rank, 2 + 2 * 3 * 2, std::chrono::milliseconds(20));
     ASSERT_TRUE(ddp.online_tuning().done);
     EXPECT_EQ(ddp.online_tuning().trials.size(), 2u);
     EXPECT_EQ(ddp.reducer().bucket_cap(), configured);
