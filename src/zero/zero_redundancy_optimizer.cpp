@@ -219,21 +219,27 @@ void ZeroRedundancyOptimizer::step_local(const std::vector<std::pair<at::Tensor,
   for (const auto& sg : shadow_grads) sg.first.mutable_grad() = at::Tensor();
 }
 
-FuturePtr ZeroRedundancyOptimizer::sync_unit(const Unit& unit) {
+FuturePtr ZeroRedundancyOptimizer::sync_unit(Unit& unit) {
   if (unit.params.empty()) return completed_future(at::Tensor());
   if (unit.flat.defined()) return pg_->broadcast(unit.flat, unit.owner);
   const bool mine = unit.owner == pg_->rank();
   std::vector<at::Tensor> params;
-  for (size_t i : unit.params) params.push_back(params_[i]);
-  at::Tensor flat;
+  int64_t n = 0;
+  for (size_t i : unit.params) {
+    params.push_back(params_[i]);
+    n += params_[i].numel();
+  }
+  // A unit syncs once per step and every sync completes within it, so the buffer is free again.
+  if (!unit.staging.defined() || unit.staging.numel() != n)
+    unit.staging = at::empty({n}, params.front().options().requires_grad(false));
+  at::Tensor flat = unit.staging;
   if (mine) {
-    std::vector<at::Tensor> pieces;
-    for (const auto& p : params) pieces.push_back(p.detach().reshape({-1}));
-    flat = at::cat(pieces);
-  } else {
-    int64_t n = 0;
-    for (const auto& p : params) n += p.numel();
-    flat = at::empty({n}, params.front().options().requires_grad(false));
+    at::NoGradGuard no_grad;
+    int64_t off = 0;
+    for (const auto& p : params) {
+      flat.narrow(0, off, p.numel()).copy_(p.detach().reshape({-1}));
+      off += p.numel();
+    }
   }
   auto done = pg_->broadcast(flat, unit.owner);
   if (mine) return done;
@@ -274,7 +280,7 @@ void ZeroRedundancyOptimizer::step() {
     if (shadow_[i].defined()) grads.emplace_back(shadow_[i], params_[i].grad());
   step_local(grads);
   std::vector<FuturePtr> syncs;
-  for (const Unit& u : units_) syncs.push_back(sync_unit(u));
+  for (Unit& u : units_) syncs.push_back(sync_unit(u));
   for (auto& f : syncs) ProcessGroup::wait(f);
 }
 
