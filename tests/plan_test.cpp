@@ -176,6 +176,7 @@ TEST(Plan, MeasuredExtrasAddPerParameterByte) {
 TEST(Plan, ConstantsRoundTripAndNameWhatIsMissing) {
   auto m = machine(3);
   m.extra_bytes_per_param_byte["ddp/fp16"] = 1.25;
+  m.memory_model = MachineConstants::kMemoryModel;
   m.measured_on = "test";
   const MachineConstants back = machine_constants_from_json(to_json(m));
   EXPECT_EQ(back.cores, 3);
@@ -189,6 +190,47 @@ TEST(Plan, ConstantsRoundTripAndNameWhatIsMissing) {
     EXPECT_THAT(e.what(), HasSubstr("shm_allreduce_in_place"));
   }
   EXPECT_THROW(machine_constants_from_json("not json"), c10::Error);
+  // Extras measured against another memory accounting would count some memory twice (or never).
+  m.memory_model = MachineConstants::kMemoryModel - 1;
+  try {
+    machine_constants_from_json(to_json(m));
+    FAIL() << "extras of an older memory model were accepted";
+  } catch (const c10::Error& e) {
+    EXPECT_THAT(e.what(), HasSubstr("rerun ddpkit plan --calibrate"));
+  }
+}
+
+TEST(Plan, ZeroOneHoldsTheLargestGreedyShare) {
+  // Four equal tensors over 3 ranks: ZeRO-1 gives one rank two of them, so that rank holds half
+  // the momentum and steps half the parameters; ZeRO-2's flat shards are a third each.
+  const auto model = four_layers();
+  const double P = static_cast<double>(model.param_bytes());
+  JobSpec job;
+  job.world_size = 3;
+  const Prediction one = predict(model, job, machine(2), with("zero1", "none"));
+  const Prediction two = predict(model, job, machine(2), with("zero2", "none"));
+  EXPECT_NEAR(one.memory.optimizer_state, P / 2, 1);
+  EXPECT_NEAR(two.memory.optimizer_state, P / 3, 1);
+}
+
+TEST(Plan, HostSharedMemoryGrowsWithTheRanksOfAHost) {
+  const auto model = four_layers();
+  const double P = static_cast<double>(model.param_bytes());
+  const auto m = machine(2);
+  auto shared = [&](int world, int hosts, const char* strategy) {
+    JobSpec job;
+    job.world_size = world;
+    job.hosts = hosts;
+    return static_cast<double>(predict(model, job, m, with(strategy, "none")).memory.host_shared);
+  };
+  const double slots = 2 * std::min<double>(1 << 20, P);  // one rank's two slots
+  EXPECT_EQ(shared(1, 1, "ddp"), 0);
+  EXPECT_NEAR(shared(4, 1, "ddp"), 4 * slots, 1);
+  EXPECT_NEAR(shared(8, 2, "ddp"), 4 * slots, 1);
+  // FSDP's shards: the peers' (W-1)/W of the parameters, read where they lie on one host.
+  EXPECT_NEAR(shared(4, 1, "full_shard"), 4 * slots + P * 3 / 4, 1);
+  EXPECT_NEAR(shared(8, 2, "hybrid_shard"), 4 * slots + P * 3 / 4, 1);
+  EXPECT_NEAR(shared(4, 2, "full_shard"), 2 * slots, 1);  // sharded across hosts: no shared shards
 }
 
 TEST(Plan, BadJobsAreNamed) {

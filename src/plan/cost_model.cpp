@@ -11,12 +11,14 @@
 // activations, the data set) plus each strategy's communication buffers, from the same reasoning.
 #include <ddpkit/plan/cost_model.h>
 
+#include <ddpkit/comm/process_group.h>
 #include <ddpkit/ddp/distributed_data_parallel.h>
 #include <ddpkit/error.h>
 #include <ddpkit/hooks/default_hooks.h>
 #include <ddpkit/reducer/bucket_assignment.h>
 
 #include <algorithm>
+#include <functional>
 
 #include <nlohmann/json.hpp>
 
@@ -284,6 +286,23 @@ std::vector<Unit> fsdp_units(const ModelProfile& model, double forward_ms, doubl
   return units;
 }
 
+// ZeRO-1 partitions whole parameters, sorted-greedy (the largest first, each to the rank with the
+// fewest elements so far, as ZeroRedundancyOptimizer does): the largest rank's share of the
+// elements, which sets the job's peak and its optimizer step. ZeRO-2 shards flat buckets evenly.
+double largest_greedy_share(const ModelProfile& model, int world) {
+  std::vector<int64_t> sizes;
+  int64_t total = 0;
+  for (const auto& p : model.params) {
+    sizes.push_back(p.numel);
+    total += p.numel;
+  }
+  std::stable_sort(sizes.begin(), sizes.end(), std::greater<int64_t>());
+  std::vector<int64_t> ranks(static_cast<size_t>(world), 0);
+  for (int64_t n : sizes) *std::min_element(ranks.begin(), ranks.end()) += n;
+  return total > 0 ? static_cast<double>(*std::max_element(ranks.begin(), ranks.end())) / static_cast<double>(total)
+                   : 1.0 / world;
+}
+
 double state_per_param(const std::string& optimizer) {
   if (optimizer == "sgd") return 1;  // momentum
   if (optimizer == "adam" || optimizer == "adamw") return 2;
@@ -380,13 +399,14 @@ Prediction predict(const ModelProfile& model, const JobSpec& job, const MachineC
       mem.communication = static_cast<int64_t>(comm);
     } else {
       // The shard's step, then every rank's updated shard to the others.
-      optimizer_ms = O * shard;
+      const double owned = s == "zero1" ? largest_greedy_share(model, world) : shard;
+      optimizer_ms = O * owned;
       t.compute(optimizer_ms);
       Comm sync = net.collective(s == "zero1" ? Op::kBroadcast : Op::kAllgather, P);
       sync.cpu_ms += net.copy_ms(P * shard);
       t.issue(sync);
       t.wait_all();
-      mem.optimizer_state = static_cast<int64_t>(state * shard + step_temporaries);  // whole parameters per rank
+      mem.optimizer_state = static_cast<int64_t>(state * owned + step_temporaries);  // whole parameters per rank
       // zero1: the flat copies every broadcast fills; zero2: the padded gradient buckets and
       // the shards of the gradients, beside DDP's buckets.
       mem.communication = static_cast<int64_t>(s == "zero1" ? P * (world - 1) / world + P : 2 * P + P * shard);
@@ -451,6 +471,15 @@ Prediction predict(const ModelProfile& model, const JobSpec& job, const MachineC
     // gradient; shard_grad_op keeps every gathered unit from forward to the end of backward;
     // no_shard's flat gradient per unit.
     mem.communication = static_cast<int64_t>(reshard_after_forward ? 3 * L : P + L);
+    // The fp32 shards live in memory the host's ranks share; a gather reads the peers' there.
+    if (sharded && shard_world > 1 && (job.hosts == 1 || s == "hybrid_shard"))
+      mem.host_shared += static_cast<int64_t>(P * (shard_world - 1) / shard_world);
+  }
+  // Every local rank's two collective slots (the default size), touched as data pass through
+  // them; a model smaller than a slot touches less of each.
+  if (rph > 1) {
+    const double slot = static_cast<double>(ProcessGroupOptions().shm_slot_bytes());
+    mem.host_shared += static_cast<int64_t>(rph * 2 * std::min(slot, P));
   }
   const auto extra = machine.extra_bytes_per_param_byte.find(s + "/" + c.hook);
   if (extra != machine.extra_bytes_per_param_byte.end()) mem.measured_extra = static_cast<int64_t>(extra->second * P);
@@ -510,6 +539,7 @@ std::string to_json(const MachineConstants& m) {
   for (const auto& r : kRates) j[r.first] = m.*(r.second);
   j["process_bytes"] = m.process_bytes;
   j["extra_bytes_per_param_byte"] = m.extra_bytes_per_param_byte;
+  j["memory_model"] = m.memory_model;
   j["measured_on"] = m.measured_on;
   return j.dump(1);
 }
@@ -527,13 +557,18 @@ MachineConstants machine_constants_from_json(const std::string& text) {
     for (const auto& p : kPaths) m.*(p.second) = path_of(j, p.first);
     for (const auto& r : kRates) m.*(r.second) = j.at(r.first).get<double>();
     m.process_bytes = j.at("process_bytes").get<int64_t>();
-    if (j.contains("extra_bytes_per_param_byte"))
+    if (j.contains("extra_bytes_per_param_byte")) {
       m.extra_bytes_per_param_byte = j.at("extra_bytes_per_param_byte").get<std::map<std::string, double>>();
+      m.memory_model = j.value("memory_model", 1);
+    }
     m.measured_on = j.value("measured_on", "");
   } catch (const json::exception& e) {
     DDPKIT_CHECK(false, "machine constants: ", e.what(), " (rerun ddpkit plan --calibrate)");
   }
   DDPKIT_CHECK(m.cores >= 1, "machine constants: cores must be >= 1, got ", m.cores);
+  DDPKIT_CHECK(m.extra_bytes_per_param_byte.empty() || m.memory_model == MachineConstants::kMemoryModel,
+               "machine constants: the strategies' measured extras are residuals of memory model ", m.memory_model,
+               ", this ddpkit's is ", MachineConstants::kMemoryModel, " (rerun ddpkit plan --calibrate)");
   return m;
 }
 
@@ -552,7 +587,7 @@ std::string to_json(const std::vector<Prediction>& rows) {
                    {"memory", {{"process", m.process}, {"data", m.data}, {"parameters", m.parameters},
                                {"gradients", m.gradients}, {"optimizer_state", m.optimizer_state},
                                {"communication", m.communication}, {"activations", m.activations},
-                               {"measured_extra", m.measured_extra}, {"while_loading", m.loading}}},
+                               {"host_shared", m.host_shared}, {"measured_extra", m.measured_extra}, {"while_loading", m.loading}}},
                    {"fits", r.fits}});
   }
   return out.dump(1);

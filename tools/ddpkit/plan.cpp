@@ -297,6 +297,7 @@ plan::MachineConstants calibrate(const std::string& path) {
     const plan::Prediction pred = plan::predict(profile, job, m, c);
     m.extra_bytes_per_param_byte[c.strategy + "/" + c.hook] = (peak - static_cast<double>(pred.memory.total())) / P;
   }
+  m.memory_model = plan::MachineConstants::kMemoryModel;
   make_parent_dirs(path);
   std::ofstream out(path);
   DDPKIT_CHECK(out, "plan: cannot write ", path);

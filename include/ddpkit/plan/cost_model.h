@@ -63,6 +63,10 @@ struct MachineConstants {
   // (staging copies, flat views, allocator slack), per byte of parameters: measured by
   // --calibrate as a 2-rank job's peak less the prediction without it.
   std::map<std::string, double> extra_bytes_per_param_byte;
+  // The memory accounting the extras were measured against (kMemoryModel when current): an
+  // extra is a residual, so one measured against another accounting is refused, not misused.
+  int memory_model = 0;
+  static constexpr int kMemoryModel = 2;
   std::string measured_on;          // host and date, for the record
 };
 
@@ -89,12 +93,17 @@ struct Candidate {
 };
 
 struct MemoryBreakdown {
+  // host_shared: shared memory of this host's ranks that a rank touches beyond its own buffers:
+  // every local rank's collective slots, and the peers' FSDP shards a gather reads where they lie.
+  // It counts in a rank's resident peak and grows with the ranks on a host, which the 2-rank
+  // calibration of measured_extra cannot see.
   int64_t process = 0, data = 0, parameters = 0, gradients = 0, optimizer_state = 0, communication = 0,
-          activations = 0, measured_extra = 0;
+          activations = 0, host_shared = 0, measured_extra = 0;
   int64_t loading = 0;  // the process while it loads the data (what loading frees, training reuses)
   int64_t total() const {
     const int64_t training =
-        process + data + parameters + gradients + optimizer_state + communication + activations + measured_extra;
+        process + data + parameters + gradients + optimizer_state + communication + activations + host_shared +
+                               measured_extra;
     return training > loading ? training : loading;
   }
 };
