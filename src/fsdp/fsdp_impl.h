@@ -9,6 +9,7 @@
 
 #include <map>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -161,6 +162,13 @@ class FsdpImpl {
   std::vector<Wrapped> wrapped_;
 };
 
+// The instance whose forward runs on this thread (null outside one).
+extern thread_local FsdpImpl* t_active;
+// Every unit module of every live instance, for a named error when one runs outside its FSDP.
+std::mutex& registry_mutex();
+std::unordered_map<const torch::nn::Module*, std::string>& registry();
+// "'blocks.0'", or "(root)": a unit as errors name it.
+std::string unit_label(const FlatUnit& u);
 
 }  // namespace detail
 }  // namespace ddpkit

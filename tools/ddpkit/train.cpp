@@ -111,50 +111,6 @@ Checkpoints and restarts (docs/fault_tolerance.md):
                           resumes from the newest checkpoint, up to K times (torchrun's meaning)
 )";
 
-namespace {
-
-// What stopped the run, and which flag of the hook in use is the likely cure.
-// --bucket-cap-mb/--piece-kb auto: what rank 0 timed, the choice marked.
-std::string tuning_table(const OnlineTuningResult& r) {
-  std::ostringstream os;
-  os << "online tuning (" << r.steps << " steps)\n   cap MiB  piece KiB  buckets  median step ms\n";
-  size_t kept = r.trials.size();  // the last trial run with the final choice
-  for (size_t i = 0; i < r.trials.size(); ++i)
-    if (r.trials[i].bucket_cap_mb == r.bucket_cap_mb && r.trials[i].piece_bytes == r.piece_bytes) kept = i;
-  for (size_t i = 0; i < r.trials.size(); ++i) {
-    const TuningTrial& t = r.trials[i];
-    os << std::fixed << std::setprecision(1) << std::setw(10) << t.bucket_cap_mb << std::setw(11)
-       << t.piece_bytes / 1024 << std::setw(9) << t.buckets << std::setw(16) << std::setprecision(2)
-       << t.median_step_ms << (i == kept ? "  <- kept" : "") << "\n";
-  }
-  return os.str();
-}
-
-std::string divergence_message(const Flags& f, const Divergence& d, int64_t powersgd_rank, double lr) {
-  const std::string hook = f.str("hook");
-  std::ostringstream os;
-  os << "training diverged with --hook " << hook << ": " << d.what << ". ";
-  if (hook == "powersgd" || hook == "batched_powersgd") {
-    os << "Raise --powersgd-rank (now " << powersgd_rank << ") or --powersgd-start-iter (now "
-       << f.integer("powersgd-start-iter") << ")" << (f.on("no-error-feedback") ? ", drop --no-error-feedback" : "")
-       << ", or lower --lr (now " << lr << ")";
-  } else if (hook == "int8") {
-    os << (f.on("int8-error-feedback") ? "" : "Add --int8-error-feedback, ") << "lower --int8-block (now "
-       << f.integer("int8-block") << "), or lower --lr (now " << lr << ")";
-  } else if (hook == "fp16" || hook == "fp16_wrapper") {
-    os << "fp16 overflows above 65504: try --hook bf16, or lower --lr (now " << lr << ")";
-  } else if (hook == "post_local_sgd") {
-    os << "Lower --local-sgd-period (now " << f.integer("local-sgd-period") << "), raise --local-sgd-start-iter (now "
-       << f.integer("local-sgd-start-iter") << "), or lower --lr (now " << lr << ")";
-  } else {
-    os << "Lower --lr (now " << lr << ")";
-  }
-  os << "; --no-divergence-guard trains on regardless.";
-  return os.str();
-}
-
-}  // namespace
-
 int run_train(const std::vector<std::string>& args, const std::vector<std::string>& argv) {
   Flags f(args,
           with_model_flag_defaults(
@@ -555,30 +511,9 @@ int run_train(const std::vector<std::string>& args, const std::vector<std::strin
     train_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - epoch_start).count();
     progress.finish();
     if (!f.on("no-eval")) {
-      // Each rank scores a shard of the test set (FSDP: through it, every rank the same number of
-      // chunks, since each forward gathers); correct predictions, loss and counts are summed.
-      torch::NoGradGuard no_grad;
-      model.module->eval();
-      const int64_t n_test = data.test.inputs.size(0), chunk = model.language_model ? 128 : 1000;
-      at::Tensor counts = at::zeros({3}, at::kDouble);
-      const int64_t rounds = (n_test + world * chunk - 1) / (world * chunk);
-      for (int64_t k = 0; k < rounds; ++k) {
-        int64_t s = (k * world + rank) * chunk, e = std::min(n_test, s + chunk);
-        if (s >= n_test && !sharded_model) break;
-        const bool counted = s < n_test;
-        if (!counted) s = 0, e = 1;
-        at::Tensor xs = data.test.inputs.slice(0, s, e), ys = data.test.labels.slice(0, s, e);
-        if (model.language_model) xs = xs.to(at::kLong), ys = ys.to(at::kLong);
-        at::Tensor out = sharded_model ? sharded_model->forward_with([&] { return model.forward(sharded_model->cast_input(xs)); }) : model.forward(xs);
-        if (!counted) continue;
-        counts[0] += out.argmax(-1).eq(ys).sum().item<double>();
-        counts[1] += static_cast<double>(ys.numel());
-        counts[2] += loss_of(out, ys).item<double>() * static_cast<double>(ys.numel());
-      }
-      if (pg) ProcessGroup::wait(pg->allreduce(counts));
-      accuracy = counts[0].item<double>() / counts[1].item<double>();
-      test_loss = counts[2].item<double>() / counts[1].item<double>();
-      model.module->train();
+      const TestScore score = evaluate(model, data.test, sharded_model.get(), pg.get());
+      accuracy = score.accuracy;
+      test_loss = score.loss;
     }
     if (lead) {
       std::cerr << "epoch " << epoch + 1 << ": mean loss " << std::fixed << std::setprecision(4)
@@ -609,63 +544,42 @@ int run_train(const std::vector<std::string>& args, const std::vector<std::strin
     state_bytes = static_cast<int64_t>(b[0].item<double>());
     peak_rss = static_cast<int64_t>(b[1].item<double>());
   }
-  double compression_ratio = 0;
-  if (ddp) {
-    uint64_t allreduce_bytes = 0, sent = 0;
-    std::ostringstream table;
-    table << "bucket  elements   sent/step B  received/step B  vs allreduce\n";
-    for (const auto& b : ddp->bucket_traffic()) {
-      allreduce_bytes += b.allreduce_bytes;
-      // Over the network or through shared memory (ranks on one host): what the hook moved.
-      const uint64_t moved = b.traffic.bytes_sent + b.traffic.shm_bytes_sent;
-      sent += moved;
-      table << std::setw(6) << b.index << std::setw(10) << b.numel << std::setw(14) << (steps_run ? moved / steps_run : 0)
-            << std::setw(17) << (steps_run ? (b.traffic.bytes_received + b.traffic.shm_bytes_received) / steps_run : 0)
-            << std::setw(13) << std::fixed
-            << std::setprecision(2) << b.compression_ratio() << "x\n";
-    }
-    compression_ratio = sent ? static_cast<double>(allreduce_bytes) / static_cast<double>(sent) : 0.0;
-    if (lead && !f.on("quiet")) std::cerr << table.str();
-    if (lead && !ddp->online_tuning().trials.empty()) std::cerr << tuning_table(ddp->online_tuning());
-  }
   if (lead) {
-    std::ostringstream js;
-    std::string shown = use_ddp ? hook_name : std::string("local");
-    if (optimizer_in_hook) shown += "+" + optimizer_name + "_in_hook";
-    std::string zero_shown = zero_level == "off" ? "off" : zero_level + (zero_overlap == ZeroOverlap::kNone ? "" : "+" + f.str("zero-overlap"));
-    js << std::fixed << "{\"hook\": \"" << shown << "\", \"world_size\": " << world
-       << ", \"steps\": " << step << ", \"median_step_ms\": " << std::setprecision(3) << median(step_ms)
-       << ", \"samples_per_s\": " << std::setprecision(1)
-       << (train_seconds > 0 ? static_cast<double>(steps_run) * batch * world / train_seconds : 0.0)
-       << ", \"bytes_sent_per_step\": " << (steps_run ? traffic.bytes_sent / steps_run : 0)
-       << ", \"bytes_received_per_step\": " << (steps_run ? traffic.bytes_received / steps_run : 0)
-       << ", \"shm_bytes_sent_per_step\": " << (steps_run ? traffic.shm_bytes_sent / steps_run : 0)
-       << ", \"shared_memory\": " << (pg && pg->uses_shared_memory() ? (pg->hierarchical() ? "\"hierarchical\"" : "\"host\"") : "false")
-       << ", \"compression_ratio\": " << std::setprecision(3) << compression_ratio << ", \"bucket_cap_mb\": ";
-    if (ddp) js << static_cast<double>(ddp->reducer().bucket_cap()) / (1 << 20); else js << "null";
-    js << ", \"piece_kb\": " << (pg ? pg->piece_bytes() / 1024 : 0)
-       << ", \"tuning_steps\": " << (ddp ? ddp->online_tuning().steps : 0) << ", \"tuned_median_step_ms\": ";
-    if (tuned_from >= 0) js << median(std::vector<double>(step_ms.begin() + tuned_from, step_ms.end())); else js << "null";
-    js << ", \"tuning_trials\": [";
-    if (ddp)
-      for (const auto& t : ddp->online_tuning().trials)
-        js << (&t == &ddp->online_tuning().trials.front() ? "" : ", ") << "{\"bucket_cap_mb\": " << t.bucket_cap_mb
-           << ", \"piece_kb\": " << t.piece_bytes / 1024 << ", \"buckets\": " << t.buckets
-           << ", \"median_step_ms\": " << t.median_step_ms << "}";
-    js << "]"
-       << ", \"test_accuracy\": ";
-    if (accuracy >= 0) js << std::setprecision(4) << accuracy; else js << "null";
-    js << ", \"test_perplexity\": ";
-    if (model.language_model && test_loss >= 0) js << std::setprecision(4) << std::exp(test_loss); else js << "null";
-    js << ", \"final_loss\": " << std::setprecision(4) << last_loss << ", \"median_forward_ms\": " << std::setprecision(3)
-       << median(forward_ms) << ", \"median_backward_ms\": " << median(backward_ms)
-       << ", \"median_optimizer_ms\": " << median(optimizer_ms) << ", \"optimizer\": \"" << optimizer_name
-       << "\", \"zero\": \"" << zero_shown << "\", \"optimizer_state_bytes\": " << state_bytes
-       << ", \"model\": \"" << model_name << "\", \"fsdp\": \"" << fsdp_name << "\", \"peak_rss_bytes\": " << peak_rss
-       << ", \"resumed_from_step\": ";
-    if (resumed_from >= 0) js << resumed_from; else js << "null";
-    js << ", \"checkpoints_written\": " << checkpoints_written << "}";
-    std::cout << js.str() << std::endl;
+    TrainReport r;
+    r.hook = use_ddp ? hook_name : std::string("local");
+    if (optimizer_in_hook) r.hook += "+" + optimizer_name + "_in_hook";
+    r.zero = zero_level == "off" ? "off" : zero_level + (zero_overlap == ZeroOverlap::kNone ? "" : "+" + f.str("zero-overlap"));
+    r.optimizer = optimizer_name;
+    r.model = model_name;
+    r.fsdp = fsdp_name;
+    r.world = world;
+    r.batch = batch;
+    r.steps = step;
+    r.steps_run = steps_run;
+    r.train_seconds = train_seconds;
+    r.step_ms = step_ms;
+    r.forward_ms = forward_ms;
+    r.backward_ms = backward_ms;
+    r.optimizer_ms = optimizer_ms;
+    r.tuned_from = tuned_from;
+    r.traffic = traffic;
+    r.shared_memory = pg && pg->uses_shared_memory() ? (pg->hierarchical() ? "hierarchical" : "host") : "";
+    r.piece_kb = pg ? pg->piece_bytes() / 1024 : 0;
+    if (ddp) {
+      const std::string table = bucket_traffic_table(*ddp, steps_run, &r.compression_ratio);
+      if (!f.on("quiet")) std::cerr << table;
+      if (!ddp->online_tuning().trials.empty()) std::cerr << tuning_table(ddp->online_tuning());
+      r.bucket_cap_mb = static_cast<double>(ddp->reducer().bucket_cap()) / (1 << 20);
+      r.tuning = &ddp->online_tuning();
+    }
+    r.accuracy = accuracy;
+    if (model.language_model && test_loss >= 0) r.test_perplexity = std::exp(test_loss);
+    r.final_loss = last_loss;
+    r.optimizer_state_bytes = state_bytes;
+    r.peak_rss_bytes = peak_rss;
+    r.resumed_from = resumed_from;
+    r.checkpoints_written = checkpoints_written;
+    std::cout << report_json(r) << std::endl;
   }
   if (pg) ProcessGroup::wait(pg->barrier());
   return 0;

@@ -3,6 +3,8 @@
 
 #include "cli.h"
 
+#include <ddpkit/comm/process_group.h>
+#include <ddpkit/ddp/distributed_data_parallel.h>
 #include <ddpkit/fsdp/fully_sharded_data_parallel.h>
 #include <ddpkit/hooks/optimizer_hook.h>
 #include <ddpkit/zero/zero_redundancy_optimizer.h>
@@ -19,6 +21,7 @@
 #include <vector>
 
 namespace ddpkit {
+struct Divergence;
 namespace cli {
 
 struct MlpImpl : torch::nn::Module {
@@ -186,6 +189,42 @@ struct OptimizerChoice {
   std::shared_ptr<hooks::FunctionalOptimizer> functional;
 };
 OptimizerChoice choose_optimizer(const std::string& name, double lr);
+
+// ---- what `ddpkit train` scores and prints (train_output.cpp) ----
+
+// Every rank scores its share of `test` (through `sharded` when FSDP holds the parameters) and
+// the sums are allreduced over `pg`: every rank gets the whole test set's accuracy and mean loss.
+struct TestScore {
+  double accuracy = 0, loss = 0;
+};
+TestScore evaluate(const Model& model, const Dataset& test, FullyShardedDataParallelBase* sharded, ProcessGroup* pg);
+// Per bucket: elements, bytes moved and received per step, and the ratio to a plain allreduce;
+// *compression_ratio gets the whole model's.
+std::string bucket_traffic_table(const DistributedDataParallelBase& ddp, int64_t steps_run, double* compression_ratio);
+// --bucket-cap-mb/--piece-kb auto: what rank 0 timed, the choice marked.
+std::string tuning_table(const OnlineTuningResult& r);
+// What stopped the run, and which flag of the hook in use is the likely cure.
+std::string divergence_message(const Flags& f, const Divergence& d, int64_t powersgd_rank, double lr);
+
+// The run as the last line reports it, one JSON object (report_json).
+struct TrainReport {
+  std::string hook, optimizer, zero, model, fsdp;
+  std::string shared_memory;  // "host", "hierarchical", or "" (none)
+  int world = 1, batch = 1;
+  int64_t steps = 0, steps_run = 0;  // the step reached; the steps this process ran
+  double train_seconds = 0;
+  std::vector<double> step_ms, forward_ms, backward_ms, optimizer_ms;
+  int64_t tuned_from = -1;  // first step under online tuning's choice (-1: none)
+  CommStats traffic;
+  double compression_ratio = 0;
+  double bucket_cap_mb = -1;  // -1: no DDP
+  int64_t piece_kb = 0;
+  const OnlineTuningResult* tuning = nullptr;
+  double accuracy = -1, test_perplexity = -1, final_loss = 0;  // -1: not measured
+  int64_t optimizer_state_bytes = 0, peak_rss_bytes = 0, resumed_from = -1;
+  int checkpoints_written = 0;
+};
+std::string report_json(const TrainReport& r);
 
 class Progress {
  public:
