@@ -21,6 +21,8 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <nlohmann/json.hpp>
+
 extern char** environ;
 
 namespace ddpkit {
@@ -313,6 +315,14 @@ plan::MachineConstants load_or_calibrate(const std::string& path) {
   }
   std::stringstream ss;
   ss << in.rdbuf();
+  // Constants from a ddpkit whose memory accounting differs: their measured extras would count
+  // memory twice or not at all, so they are measured again rather than refused.
+  const nlohmann::json j = nlohmann::json::parse(ss.str(), nullptr, /*allow_exceptions=*/false);
+  if (j.is_object() && j.contains("extra_bytes_per_param_byte") &&
+      j.value("memory_model", 1) != plan::MachineConstants::kMemoryModel) {
+    std::cerr << "ddpkit plan: " << path << " was measured against an older memory model; measuring again\n";
+    return calibrate(path);
+  }
   try {
     return plan::machine_constants_from_json(ss.str());
   } catch (const c10::Error& e) {
