@@ -59,18 +59,22 @@ CONFIGS = {
     "cnn-w2-ddp": (2, CNN),
     "fashion-w2-ddp": (2, MLP_FASHION),
 }
-# Two hosts: network namespaces joined by a veth pair, each side limited by tc tbf to the rate.
-# name: (ranks per host, rate, Gbit/s, train flags). Both "hosts" share this machine's cores, so the
-# plan is told one core per host.
+# Several hosts: network namespaces on one bridge, each host's link limited by tc tbf to the rate.
+# name: (hosts, ranks per host, rate, Gbit/s, train flags). The "hosts" share this machine's 2
+# cores, so the plan is told one core per host; with 3 and 4 hosts that overstates their cores,
+# so those run at 100 Mbit/s, where the links dominate the step.
 NETNS_CONFIGS = {
-    "mlp8-h2-1g-ddp": (1, "1gbit", 1, MLP8),
-    "mlp8-h2-1g-fp16": (1, "1gbit", 1, MLP8 + ["--hook", "fp16"]),
-    "mlp8-h2-1g-int8": (1, "1gbit", 1, MLP8 + ["--hook", "int8"]),
-    "mlp8-h2-1g-powersgd": (1, "1gbit", 1, MLP8 + ["--hook", "powersgd", "--powersgd-start-iter", "2"]),
-    "mlp8-h2-1g-full_shard": (1, "1gbit", 1, MLP8 + ["--fsdp", "full_shard"] + FSDP_UNITS),
-    "mlp8-h2-100m-fp16": (1, "100mbit", 0.1, MLP8 + ["--hook", "fp16"]),
-    "mlp8-h2-10g-ddp": (1, "10gbit", 10, MLP8),
-    "mlp8-h2x2-1g-ddp": (2, "1gbit", 1, MLP8),
+    "mlp8-h2-1g-ddp": (2, 1, "1gbit", 1, MLP8),
+    "mlp8-h2-1g-fp16": (2, 1, "1gbit", 1, MLP8 + ["--hook", "fp16"]),
+    "mlp8-h2-1g-int8": (2, 1, "1gbit", 1, MLP8 + ["--hook", "int8"]),
+    "mlp8-h2-1g-powersgd": (2, 1, "1gbit", 1, MLP8 + ["--hook", "powersgd", "--powersgd-start-iter", "2"]),
+    "mlp8-h2-1g-full_shard": (2, 1, "1gbit", 1, MLP8 + ["--fsdp", "full_shard"] + FSDP_UNITS),
+    "mlp8-h2-100m-fp16": (2, 1, "100mbit", 0.1, MLP8 + ["--hook", "fp16"]),
+    "mlp8-h2-10g-ddp": (2, 1, "10gbit", 10, MLP8),
+    "mlp8-h2x2-1g-ddp": (2, 2, "1gbit", 1, MLP8),
+    "mlp8-h3-100m-ddp": (3, 1, "100mbit", 0.1, MLP8),
+    "mlp8-h4-100m-ddp": (4, 1, "100mbit", 0.1, MLP8),
+    "mlp8-h4-100m-fp16": (4, 1, "100mbit", 0.1, MLP8 + ["--hook", "fp16"]),
 }
 SUBSET = ["mlp8-w2-ddp", "mlp8-w2-bf16", "mlp8-w4-full_shard", "mlp8-w4-zero1"]
 
@@ -106,16 +110,18 @@ def plan_flags(flags):
     return out + ["--strategy", strategy, "--hook", hook]
 
 
-class TwoHosts:
-    """Namespaces TAGa/TAGb at 10.78.0.1/.2, made once, rate set per configuration."""
-    TAG, A, B = "ddpkplan", "10.78.0.1", "10.78.0.2"
+class Hosts:
+    """Namespaces TAGh0..TAGh3 at 10.78.0.1-4 on one bridge, made once; each configuration uses the
+    first `hosts` of them, its rate set on each."""
+    TAG, COUNT = "ddpkplan", 4
+    ADDRS = [f"10.78.0.{i + 1}" for i in range(COUNT)]
 
     def __enter__(self):
         import two_hosts
         self.mod = two_hosts
         two_hosts.remove(self.TAG)
-        self.hosts = two_hosts.create(self.TAG, self.A, self.B)
-        self.rate = None
+        self.hosts = two_hosts.create_switched(self.TAG, self.ADDRS)
+        self.shaped = set()
         self.port = 29700
         return self
 
@@ -124,26 +130,27 @@ class TwoHosts:
 
     def set_rate(self, rate):
         for ns, dev in self.hosts:
-            verb = "change" if self.rate else "add"
+            verb = "change" if dev in self.shaped else "add"
             subprocess.run(["tc", "-n", ns, "qdisc", verb, "dev", dev, "root", "tbf", "rate", rate, "burst", "2mb",
                             "latency", "50ms"], check=True)
-        self.rate = rate
+            self.shaped.add(dev)
 
-    def train(self, ddpkit, per_host, flags, steps):
+    def train(self, ddpkit, hosts, per_host, flags, steps):
         self.port += 1
-        world = 2 * per_host
+        world = hosts * per_host
         procs = []
-        for h, (ns, dev) in enumerate(self.hosts):
+        for h, (ns, dev) in enumerate(self.hosts[:hosts]):
             for local in range(per_host):
                 rank = h * per_host + local
-                env = ["env", f"RANK={rank}", f"WORLD_SIZE={world}", f"LOCAL_RANK={local}", f"MASTER_ADDR={self.A}",
-                       f"MASTER_PORT={self.port}", f"GLOO_SOCKET_IFNAME={dev}", "OMP_NUM_THREADS=1"]
-                cmd = ["ip", "netns", "exec", ns] + env + ["timeout", "600", ddpkit, "train", "--quiet", "--no-eval",
+                env = ["env", f"RANK={rank}", f"WORLD_SIZE={world}", f"LOCAL_RANK={local}",
+                       f"MASTER_ADDR={self.ADDRS[0]}", f"MASTER_PORT={self.port}", f"GLOO_SOCKET_IFNAME={dev}",
+                       "OMP_NUM_THREADS=1"]
+                cmd = ["ip", "netns", "exec", ns] + env + ["timeout", "900", ddpkit, "train", "--quiet", "--no-eval",
                                                            "--steps", str(steps), "--timeout-s", "300"] + flags
                 procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
         outs = [p.communicate() for p in procs]
         if any(p.returncode for p in procs):
-            raise RuntimeError(f"two-host train {flags} failed: {[o[1][-1500:] for o in outs]}")
+            raise RuntimeError(f"{hosts}-host train {flags} failed: {[o[1][-1500:] for o in outs]}")
         return json.loads(outs[0][0].strip().splitlines()[-1])
 
 
@@ -191,7 +198,7 @@ def main():
     ap.add_argument("--out", default="")
     ap.add_argument("--constants", default="")
     ap.add_argument("--measure-only", action="store_true")
-    ap.add_argument("--netns", action="store_true", help="also the two-host configurations (root, ip, tc)")
+    ap.add_argument("--netns", action="store_true", help="also the configurations of 2-4 hosts in network namespaces (root, ip, tc)")
     ap.add_argument("--max-step-error", type=float, default=0.20)
     ap.add_argument("--max-memory-error", type=float, default=0.10)
     a = ap.parse_args()
@@ -204,17 +211,17 @@ def main():
     train(a.ddpkit, 2, MLP8, 10)  # warm-up: page cache, first-run costs; not scored
     print(f"{'configuration':24} {'pred_ms':>8} {'meas_ms':>8} {'err':>6}  {'pred_MB':>8} {'meas_MB':>8} {'err':>6}")
     rows, failed = [], []
-    net = TwoHosts().__enter__() if any(n in NETNS_CONFIGS for n in names) else None
+    net = Hosts().__enter__() if any(n in NETNS_CONFIGS for n in names) else None
     try:
         for n in names:
             t0 = time.time()
             if n in NETNS_CONFIGS:
-                per_host, rate, gbit, flags = NETNS_CONFIGS[n]
-                world = 2 * per_host
-                extra = ["--hosts", "2", "--link-gbit", str(gbit), "--cores-per-host", "1"]
+                hosts, per_host, rate, gbit, flags = NETNS_CONFIGS[n]
+                world = hosts * per_host
+                extra = ["--hosts", str(hosts), "--link-gbit", str(gbit), "--cores-per-host", "1"]
                 pred = None if a.measure_only else predict(a.ddpkit, world, flags, a.constants, extra)
                 net.set_rate(rate)
-                meas = net.train(a.ddpkit, per_host, flags, a.steps)
+                meas = net.train(a.ddpkit, hosts, per_host, flags, a.steps)
             else:
                 world, flags = CONFIGS[n]
                 pred = None if a.measure_only else predict(a.ddpkit, world, flags, a.constants)
