@@ -227,12 +227,12 @@ def main():
                 pred = None if a.measure_only else predict(a.ddpkit, world, flags, a.constants)
                 meas = train(a.ddpkit, world, flags, a.steps)
             rows.append(score(n, world, flags, pred, meas, time.time() - t0, a, failed))
+            if a.out:  # after every row: a run cut short keeps what it measured
+                with open(a.out, "w") as f:
+                    json.dump(rows, f, indent=1)
     finally:
         if net:
             net.__exit__(None, None, None)
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(rows, f, indent=1)
     if failed:
         print(f"beyond {a.max_step_error:.0%} step / {a.max_memory_error:.0%} memory: {', '.join(failed)}")
         return 1

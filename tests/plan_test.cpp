@@ -171,11 +171,17 @@ TEST(Plan, MeasuredExtrasAddPerParameterByte) {
   const Prediction p = predict(model, job, m, with("zero1", "none"));
   EXPECT_EQ(p.memory.measured_extra, model.param_bytes() / 2);
   EXPECT_EQ(p.memory.total(), before + model.param_bytes() / 2);
+  // Between hosts the ranks talk over Gloo alone: the extras measured that way, where there are.
+  job.hosts = 2;
+  EXPECT_EQ(predict(model, job, m, with("zero1", "none")).memory.measured_extra, model.param_bytes() / 2);
+  m.extra_bytes_per_param_byte_gloo["zero1/none"] = 1.0;
+  EXPECT_EQ(predict(model, job, m, with("zero1", "none")).memory.measured_extra, model.param_bytes());
 }
 
 TEST(Plan, ConstantsRoundTripAndNameWhatIsMissing) {
   auto m = machine(3);
   m.extra_bytes_per_param_byte["ddp/fp16"] = 1.25;
+  m.extra_bytes_per_param_byte_gloo["ddp/fp16"] = 1.5;
   m.memory_model = MachineConstants::kMemoryModel;
   m.measured_on = "test";
   const MachineConstants back = machine_constants_from_json(to_json(m));
@@ -183,6 +189,7 @@ TEST(Plan, ConstantsRoundTripAndNameWhatIsMissing) {
   EXPECT_EQ(back.process_bytes, m.process_bytes);
   EXPECT_DOUBLE_EQ(back.shm_allgather.gbyte_per_s, 1.0);
   EXPECT_DOUBLE_EQ(back.extra_bytes_per_param_byte.at("ddp/fp16"), 1.25);
+  EXPECT_DOUBLE_EQ(back.extra_bytes_per_param_byte_gloo.at("ddp/fp16"), 1.5);
   try {
     machine_constants_from_json("{\"cores\": 2}");
     FAIL() << "constants without the paths were accepted";

@@ -481,8 +481,13 @@ Prediction predict(const ModelProfile& model, const JobSpec& job, const MachineC
     const double slot = static_cast<double>(ProcessGroupOptions().shm_slot_bytes());
     mem.host_shared += static_cast<int64_t>(rph * 2 * std::min(slot, P));
   }
-  const auto extra = machine.extra_bytes_per_param_byte.find(s + "/" + c.hook);
-  if (extra != machine.extra_bytes_per_param_byte.end()) mem.measured_extra = static_cast<int64_t>(extra->second * P);
+  // Ranks that share no memory with a peer (between hosts, or a job of one) hold Gloo's buffers.
+  const bool over_gloo = job.hosts > 1 || world == 1;
+  const auto& extras = over_gloo && !machine.extra_bytes_per_param_byte_gloo.empty()
+                           ? machine.extra_bytes_per_param_byte_gloo
+                           : machine.extra_bytes_per_param_byte;
+  const auto extra = extras.find(s + "/" + c.hook);
+  if (extra != extras.end()) mem.measured_extra = static_cast<int64_t>(extra->second * P);
   out.step_ms = t.now();
   out.compute_ms = F + B + optimizer_ms;
   out.exposed_comm_ms = std::max(0.0, out.step_ms - out.compute_ms);
@@ -539,6 +544,7 @@ std::string to_json(const MachineConstants& m) {
   for (const auto& r : kRates) j[r.first] = m.*(r.second);
   j["process_bytes"] = m.process_bytes;
   j["extra_bytes_per_param_byte"] = m.extra_bytes_per_param_byte;
+  j["extra_bytes_per_param_byte_gloo"] = m.extra_bytes_per_param_byte_gloo;
   j["memory_model"] = m.memory_model;
   j["measured_on"] = m.measured_on;
   return j.dump(1);
@@ -561,6 +567,8 @@ MachineConstants machine_constants_from_json(const std::string& text) {
       m.extra_bytes_per_param_byte = j.at("extra_bytes_per_param_byte").get<std::map<std::string, double>>();
       m.memory_model = j.value("memory_model", 1);
     }
+    if (j.contains("extra_bytes_per_param_byte_gloo"))
+      m.extra_bytes_per_param_byte_gloo = j.at("extra_bytes_per_param_byte_gloo").get<std::map<std::string, double>>();
     m.measured_on = j.value("measured_on", "");
   } catch (const json::exception& e) {
     DDPKIT_CHECK(false, "machine constants: ", e.what(), " (rerun ddpkit plan --calibrate)");

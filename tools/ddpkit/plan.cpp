@@ -112,9 +112,10 @@ struct TrainResult {
   int64_t peak_rss_bytes = 0;
 };
 
-// Runs `ddpkit train --quiet --no-eval` with these flags and reads its JSON line.
-TrainResult train_result(const std::vector<std::string>& flags) {
-  std::string cmd = "'" + self_path() + "' train --quiet --no-eval";
+// Runs `ddpkit train --quiet --no-eval` with these flags (and `env`, "NAME=VALUE ..." before the
+// command) and reads its JSON line.
+TrainResult train_result(const std::vector<std::string>& flags, const std::string& env = "") {
+  std::string cmd = env + " '" + self_path() + "' train --quiet --no-eval";
   for (const auto& a : flags) cmd += " '" + a + "'";
   cmd += " 2>&1";
   FILE* pipe = ::popen(cmd.c_str(), "r");
@@ -285,9 +286,14 @@ plan::MachineConstants calibrate(const std::string& path) {
   m.process_bytes = train_result({"--nproc", "2", "--dataset", "synthetic", "--mlp-dims", "16,16", "--synthetic-size",
                                   "256", "--batch-size", "16", "--steps", "3"})
                         .peak_rss_bytes;
-  // What each strategy holds beyond the model's accounting, from a real 2-rank job's peak.
+  // What each strategy holds beyond the model's accounting, from a real 2-rank job's peak: with
+  // shared memory, as ranks of one host; and over Gloo alone, as ranks of two hosts or a job of
+  // one rank (a 2-rank job over Gloo holds 12-15 % more than over shared memory: its own buffers,
+  // not the arena).
   const Flags f = plan_flags(kCalibrationModel);
   const plan::JobSpec job = job_of(f);
+  plan::JobSpec two_hosts = job;
+  two_hosts.hosts = 2;
   const plan::ModelProfile profile = profile_job(f, kCalibrationModel, job, m.cores, false);
   const double P = static_cast<double>(profile.param_bytes());
   for (const auto& c : plan::candidates(job)) {
@@ -295,9 +301,16 @@ plan::MachineConstants calibrate(const std::string& path) {
     std::vector<std::string> flags = kCalibrationModel;
     flags.insert(flags.end(), {"--nproc", "2", "--steps", "5", "--powersgd-start-iter", "2"});
     for (const auto& a : train_flags(c)) flags.push_back(a);
-    const double peak = static_cast<double>(train_result(flags).peak_rss_bytes);
-    const plan::Prediction pred = plan::predict(profile, job, m, c);
-    m.extra_bytes_per_param_byte[c.strategy + "/" + c.hook] = (peak - static_cast<double>(pred.memory.total())) / P;
+    const std::string key = c.strategy + "/" + c.hook;
+    // A job's peak moves by a few per cent from run to run (the heap's shape): the mean of two.
+    auto mean_peak = [&](const std::string& env) {
+      return (static_cast<double>(train_result(flags, env).peak_rss_bytes) +
+              static_cast<double>(train_result(flags, env).peak_rss_bytes)) / 2;
+    };
+    m.extra_bytes_per_param_byte[key] =
+        (mean_peak("") - static_cast<double>(plan::predict(profile, job, m, c).memory.total())) / P;
+    m.extra_bytes_per_param_byte_gloo[key] =
+        (mean_peak("DDPKIT_SHM=0") - static_cast<double>(plan::predict(profile, two_hosts, m, c).memory.total())) / P;
   }
   m.memory_model = plan::MachineConstants::kMemoryModel;
   make_parent_dirs(path);

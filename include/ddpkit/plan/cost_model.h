@@ -63,10 +63,14 @@ struct MachineConstants {
   // (staging copies, flat views, allocator slack), per byte of parameters: measured by
   // --calibrate as a 2-rank job's peak less the prediction without it.
   std::map<std::string, double> extra_bytes_per_param_byte;
+  // The same, measured with DDPKIT_SHM=0 (ranks over Gloo, as between hosts: no shared-memory
+  // buffers, Gloo's own), for jobs of more than one host or of one rank. Empty: those use the
+  // ones above.
+  std::map<std::string, double> extra_bytes_per_param_byte_gloo;
   // The memory accounting the extras were measured against (kMemoryModel when current): an
   // extra is a residual, so one measured against another accounting is refused, not misused.
   int memory_model = 0;
-  static constexpr int kMemoryModel = 2;
+  static constexpr int kMemoryModel = 3;
   std::string measured_on;          // host and date, for the record
 };
 
