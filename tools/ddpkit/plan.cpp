@@ -288,7 +288,7 @@ plan::MachineConstants calibrate(const std::string& path) {
                         .peak_rss_bytes;
   // What each strategy holds beyond the model's accounting, from a real 2-rank job's peak: with
   // shared memory, as ranks of one host; and over Gloo alone, as ranks of two hosts or a job of
-  // one rank (a 2-rank job over Gloo holds 12-15 % more than over shared memory: its own buffers,
+  // one rank (a 2-rank job over Gloo holds 7-20 % more than over shared memory: its own buffers,
   // not the arena).
   const Flags f = plan_flags(kCalibrationModel);
   const plan::JobSpec job = job_of(f);
