@@ -48,7 +48,7 @@ many replicas at once as the job puts on a host's cores), and the machine's cons
   --powersgd-rank N       (default 4)
   --json                  one JSON array, best first: strategy, hook, predicted_step_ms,
                           memory_per_rank_bytes, fits, and the breakdowns
-  --calibrate             measure this machine's constants (about a minute), store them, print them
+  --calibrate             measure this machine's constants (about 2 minutes), store them, print them
   --constants FILE        where they are kept (default $XDG_CACHE_HOME/ddpkit/plan-constants.json,
                           or ~/.cache/...); measured on first use when missing
   --profile-steps N       timed steps of the profile (default 8)
