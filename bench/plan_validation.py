@@ -121,7 +121,6 @@ class Hosts:
         self.mod = two_hosts
         two_hosts.remove(self.TAG)
         self.hosts = two_hosts.create_switched(self.TAG, self.ADDRS)
-        self.shaped = set()
         self.port = 29700
         return self
 
@@ -130,10 +129,8 @@ class Hosts:
 
     def set_rate(self, rate):
         for ns, dev in self.hosts:
-            verb = "change" if dev in self.shaped else "add"
-            subprocess.run(["tc", "-n", ns, "qdisc", verb, "dev", dev, "root", "tbf", "rate", rate, "burst", "2mb",
+            subprocess.run(["tc", "-n", ns, "qdisc", "replace", "dev", dev, "root", "tbf", "rate", rate, "burst", "2mb",
                             "latency", "50ms"], check=True)
-            self.shaped.add(dev)
 
     def train(self, ddpkit, hosts, per_host, flags, steps):
         self.port += 1

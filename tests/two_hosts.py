@@ -11,6 +11,14 @@ def _ip(*args):
     subprocess.run(["ip", *args], check=True, capture_output=True)
 
 
+def _place(ns, ifname, addr):
+    """Moves interface ifname into namespace ns with addr/24, and brings it and lo up."""
+    _ip("link", "set", ifname, "netns", ns)
+    _ip("-n", ns, "addr", "add", addr + "/24", "dev", ifname)
+    _ip("-n", ns, "link", "set", "lo", "up")
+    _ip("-n", ns, "link", "set", ifname, "up")
+
+
 def create(tag, a, b, hosts_entry=None):
     """Returns ((namespace, interface) of host a, (namespace, interface) of host b). hosts_entry:
     an /etc/hosts line both namespaces see (through `ip netns exec`'s /etc/netns/NAME/hosts)."""
@@ -19,10 +27,7 @@ def create(tag, a, b, hosts_entry=None):
     _ip("link", "add", tag + "x", "type", "veth", "peer", "name", tag + "y")
     hosts = ((tag + "a", tag + "x", a), (tag + "b", tag + "y", b))
     for ns, ifname, addr in hosts:
-        _ip("link", "set", ifname, "netns", ns)
-        _ip("-n", ns, "addr", "add", addr + "/24", "dev", ifname)
-        _ip("-n", ns, "link", "set", "lo", "up")
-        _ip("-n", ns, "link", "set", ifname, "up")
+        _place(ns, ifname, addr)
         if hosts_entry:
             os.makedirs(f"/etc/netns/{ns}", exist_ok=True)
             with open(f"/etc/netns/{ns}/hosts", "w") as f:
@@ -44,13 +49,10 @@ def create_switched(tag, addrs):
         ns, ifname, port = f"{tag}h{i}", f"{tag}e{i}", f"{tag}p{i}"
         _ip("netns", "add", ns)
         _ip("link", "add", ifname, "type", "veth", "peer", "name", port)
-        _ip("link", "set", ifname, "netns", ns)
         _ip("link", "set", port, "netns", switch)
         _ip("-n", switch, "link", "set", port, "master", "br0")
         _ip("-n", switch, "link", "set", port, "up")
-        _ip("-n", ns, "addr", "add", addr + "/24", "dev", ifname)
-        _ip("-n", ns, "link", "set", "lo", "up")
-        _ip("-n", ns, "link", "set", ifname, "up")
+        _place(ns, ifname, addr)
         hosts.append((ns, ifname))
     return hosts
 

@@ -107,7 +107,7 @@ struct MemoryBreakdown {
   int64_t total() const {
     const int64_t training =
         process + data + parameters + gradients + optimizer_state + communication + activations + host_shared +
-                               measured_extra;
+        measured_extra;
     return training > loading ? training : loading;
   }
 };
