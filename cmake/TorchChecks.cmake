@@ -11,7 +11,9 @@ endif()
 # The c10d Gloo header includes <gloo/...>: Debian ships them in libgloo-dev.
 find_path(DDPKIT_GLOO_INCLUDE gloo/algorithm.h HINTS ${TORCH_INCLUDE_DIRS})
 if(NOT DDPKIT_GLOO_INCLUDE)
-  message(FATAL_ERROR "gloo headers not found: install libgloo-dev (scripts/install-deps.sh)")
+  message(FATAL_ERROR "gloo headers not found: install libgloo-dev (scripts/install-deps.sh); a pip torch ships "
+                      "none: put gloo's headers under <prefix>/include and add <prefix> to CMAKE_PREFIX_PATH "
+                      "(docs/compat.md)")
 endif()
 
 # NCCL: present when libtorch was built with CUDA (torch_cuda carries USE_C10D_NCCL).

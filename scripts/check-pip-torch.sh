@@ -4,13 +4,16 @@
 #
 #   scripts/check-pip-torch.sh                 # PYTHON=python3 by default
 #   PYTHON=/opt/venv/bin/python3 scripts/check-pip-torch.sh -- -R 'Nccl|Process'   # args to ctest
+#   DDPKIT_TARGETS="ddpkit_nccl_tests ddpkit_tests" scripts/check-pip-torch.sh -- -R 'Nccl\.|FSDP\.'
+#                                              # build only these (a GPU lease is short)
 #
 # What it checks: ddpkit configures and builds against that libtorch (its ABI flag, Gloo headers,
 # NCCL when torch_cuda carries USE_C10D_NCCL), the whole CPU suite passes, and with CUDA the NCCL
 # tests (tests/nccl_test.cpp: every collective and a DDP step on CUDA tensors) pass. It installs
 # nothing: cmake, ninja and a C++17 compiler must be there. Missing optional pieces are reported
 # and skipped: GoogleTest (else /usr/src/googletest is built in), gRPC (no parameter server),
-# nlohmann-json (DDPKIT_EXTRA_PREFIX may name a folder holding include/nlohmann/json.hpp).
+# nlohmann-json (DDPKIT_EXTRA_PREFIX may name a folder holding include/nlohmann/json.hpp). pip's torch
+# ships no gloo headers: DDPKIT_EXTRA_PREFIX/include/gloo must hold them (docs/compat.md says which).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 py=${PYTHON:-python3}
@@ -42,7 +45,9 @@ if [ "$cuda" = 1 ] && [ "$gpus" -gt 0 ] && ! grep -q "NCCL backend: ON" build-pi
   echo "check-pip-torch: CUDA torch, but ddpkit did not enable NCCL (build-pip/configure.log)" >&2
   exit 1
 fi
-ninja -C build-pip -j"${DDPKIT_JOBS:-$(nproc)}"
-build-pip/ddpkit version
+# -k 0: every compile error of a new libtorch in one pass, not the first one.
+# shellcheck disable=SC2086  # DDPKIT_TARGETS is a list of ninja targets
+ninja -C build-pip -k 0 -j"${DDPKIT_JOBS:-$(nproc)}" ${DDPKIT_TARGETS:-}
+[ -x build-pip/ddpkit ] && build-pip/ddpkit version
 cd build-pip
 ctest --output-on-failure --timeout 600 "${ctest_args[@]}"

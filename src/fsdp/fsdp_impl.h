@@ -34,10 +34,13 @@ struct FlatParam {
 // holds its storage, so a collective may drop its reference on its own thread. Freed and allocated
 // afresh, these blocks grew glibc's heap by about a unit a step under ddpkit's raised trim
 // threshold (1.5 GB -> 2.0 GB over 8 steps at W=4) and were faulted in again at glibc's defaults.
+// On CUDA the caching allocator is that pool already, and c10d's NCCL work keeps a block from reuse
+// until its stream is done with it (a block of ours could be handed out while NCCL still reads it):
+// there every take is a plain allocation.
 class BufferPool {
  public:
-  // Contiguous, uninitialized, [numel] of `dtype`.
-  at::Tensor take(int64_t numel, at::ScalarType dtype);
+  // Contiguous, uninitialized, [numel] of `dtype` on `device`.
+  at::Tensor take(int64_t numel, at::ScalarType dtype, c10::Device device);
 
  private:
   std::map<int64_t, std::vector<at::Tensor>> blocks_;  // kByte tensors, by size
@@ -105,6 +108,8 @@ class FsdpImpl {
   std::shared_ptr<ProcessGroup> replicate_pg;   // hybrid only: shards averaged across it
   FullyShardedDataParallelOptions options;
   int shard_world = 1, shard_rank = 0;  // kNoShard: 1, 0
+  c10::Device device = c10::kCPU;  // every parameter's: CPU (gloo) or one CUDA device (nccl)
+  at::TensorOptions on_device(at::ScalarType dtype) const { return at::TensorOptions().dtype(dtype).device(device); }
   at::ScalarType compute_dtype = at::kFloat, reduce_dtype = at::kFloat;
   std::vector<FlatUnit> units;  // [0]: the root unit
   std::vector<FsdpUnitInfo> infos;
@@ -129,6 +134,7 @@ class FsdpImpl {
 
  private:
   void build_units();
+  void check_device();
   void check_same_units_on_every_rank();
   void shard_parameters();
   void place_shards_in_shared_memory();

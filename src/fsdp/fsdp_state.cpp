@@ -17,13 +17,13 @@ at::Tensor FsdpImpl::gather_full_fp32(FlatUnit& u, const at::Tensor& shard_like)
   torch::NoGradGuard no_grad;
   at::Tensor in = shard_like.detach().to(at::kFloat).contiguous();
   if (shard_world == 1) return in.narrow(0, 0, u.numel).clone();
-  at::Tensor full = at::empty({u.shard_numel * shard_world}, at::kFloat);
+  at::Tensor full = at::empty({u.shard_numel * shard_world}, on_device(at::kFloat));
   ProcessGroup::wait(shard_pg->allgather_into_tensor(full, in));
   return full.narrow(0, 0, u.numel);
 }
 
 at::Tensor FsdpImpl::shard_of_full(const FlatUnit& u, const at::Tensor& full_flat) const {
-  at::Tensor out = at::zeros({u.shard_numel}, at::kFloat);
+  at::Tensor out = at::zeros({u.shard_numel}, on_device(at::kFloat));
   const int64_t begin = shard_rank * u.shard_numel;
   const int64_t end = std::min(begin + u.shard_numel, u.numel);
   if (end > begin) out.narrow(0, 0, end - begin).copy_(full_flat.reshape({-1}).narrow(0, begin, end - begin));
@@ -81,7 +81,7 @@ double FullyShardedDataParallelBase::clip_grad_norm_(double max_norm, double nor
   // Shards partition the gradient over the shard group (its copies across replicas are equal).
   const bool sharded = d.options.sharding_strategy() != ShardingStrategy::kNoShard;
   if (sharded && d.shard_pg->size() > 1) {
-    at::Tensor t = at::tensor({local}, at::kDouble);
+    at::Tensor t = at::tensor({local}, at::kDouble).to(d.device);
     ProcessGroup::wait(d.shard_pg->allreduce(t, inf ? c10d::ReduceOp::MAX : c10d::ReduceOp::SUM));
     local = t.item<double>();
   }
@@ -129,7 +129,7 @@ void FullyShardedDataParallelBase::load_full_state_dict(const torch::OrderedDict
   };
   for (auto& u : d.units) {
     if (u.numel == 0) continue;
-    at::Tensor flat = at::zeros({u.numel}, at::kFloat);
+    at::Tensor flat = at::zeros({u.numel}, d.on_device(at::kFloat));
     for (const auto& fp : u.params) {
       flat.narrow(0, fp.offset, fp.numel).copy_(entry(fp.names.front(), fp.shape).reshape({-1}));
       for (size_t k = 1; k < fp.names.size(); ++k) entry(fp.names[k], fp.shape);

@@ -21,7 +21,7 @@ void FsdpImpl::start_gather(FlatUnit& u) {
   attach_full(u);
   if (u.index != 0) max_gathered = std::max(max_gathered, ++gathered_units);
   at::Tensor input = u.shard.detach();
-  if (compute_dtype != at::kFloat) input = pool.take(u.shard_numel, compute_dtype).copy_(input);
+  if (compute_dtype != at::kFloat) input = pool.take(u.shard_numel, compute_dtype, device).copy_(input);
   if (shard_world == 1) {
     u.full.copy_(input);
     u.state = FlatUnit::State::kGathered;
@@ -54,7 +54,7 @@ void FsdpImpl::point_params_at_full(FlatUnit& u) {
 
 // `full` keeps its own storage object for life; only the memory behind it comes and goes.
 void FsdpImpl::attach_full(FlatUnit& u) {
-  u.full_block = pool.take(u.shard_numel * shard_world, compute_dtype);
+  u.full_block = pool.take(u.shard_numel * shard_world, compute_dtype, device);
   c10::StorageImpl* storage = u.full.storage().unsafeGetStorageImpl();
   storage->set_data_ptr_noswap(at::DataPtr(u.full_block.data_ptr(), u.full_block.device()));  // not owning
   storage->set_nbytes(static_cast<size_t>(u.full_block.nbytes()));
@@ -62,7 +62,7 @@ void FsdpImpl::attach_full(FlatUnit& u) {
 
 void FsdpImpl::detach_full(FlatUnit& u) {
   c10::StorageImpl* storage = u.full.storage().unsafeGetStorageImpl();
-  storage->set_data_ptr_noswap(at::DataPtr(nullptr, c10::Device(c10::kCPU)));
+  storage->set_data_ptr_noswap(at::DataPtr(nullptr, device));
   storage->set_nbytes(0);
   u.full_block = at::Tensor();
 }
@@ -83,7 +83,7 @@ void FsdpImpl::reshard(FlatUnit& u) {
     } catch (...) {
     }
   }
-  for (auto& fp : u.params) fp.param.set_data(at::empty({0}, compute_dtype));
+  for (auto& fp : u.params) fp.param.set_data(at::empty({0}, on_device(compute_dtype)));
   detach_full(u);
   u.state = FlatUnit::State::kSharded;
   if (u.index != 0) --gathered_units;
@@ -136,8 +136,8 @@ void FsdpImpl::check_forward_order() {
       // The same units in the same order on every rank, or collectives would pair wrongly.
       int64_t digest = 17;
       for (int u : forward_order) digest = digest * 1000003 + u;
-      at::Tensor mine = at::tensor({digest, static_cast<int64_t>(forward_order.size())}, at::kLong);
-      at::Tensor all = at::empty({pg->size() * 2}, at::kLong);
+      at::Tensor mine = at::tensor({digest, static_cast<int64_t>(forward_order.size())}, at::kLong).to(device);
+      at::Tensor all = at::empty({pg->size() * 2}, on_device(at::kLong));
       ProcessGroup::wait(pg->allgather_into_tensor(all, mine));
       for (int r = 0; r < pg->size(); ++r)
         DDPKIT_CHECK(all.view({-1, 2})[r].equal(mine), "FullyShardedDataParallel: rank ", r, " ran ",
@@ -249,7 +249,7 @@ void FsdpImpl::launch_reduce(FlatUnit& u) {
   if (u.reduce_launched) return;
   u.reduce_launched = true;
   torch::NoGradGuard no_grad;
-  at::Tensor grad_flat = pool.take(u.shard_numel * shard_world, reduce_dtype);
+  at::Tensor grad_flat = pool.take(u.shard_numel * shard_world, reduce_dtype, device);
   // Gradients that never came (parameters unused this step) and the padding are zeros; the
   // unsharded gradients are not kept.
   for (auto& fp : u.params) {
@@ -266,9 +266,9 @@ void FsdpImpl::launch_reduce(FlatUnit& u) {
   // Into the shard's gradient itself where there is none to add to (zero_grad(set_to_none)).
   u.reduces_into_grad = sharded && reduce_dtype == at::kFloat && !u.shard.grad().defined();
   if (u.reduces_into_grad) {
-    u.grad_out = at::empty({u.shard_numel}, at::kFloat);
+    u.grad_out = at::empty({u.shard_numel}, on_device(at::kFloat));
   } else if (sharded) {
-    u.grad_out = pool.take(u.shard_numel, reduce_dtype);
+    u.grad_out = pool.take(u.shard_numel, reduce_dtype, device);
   }
   if (hook) {
     u.reduce = hook(grad_flat, sharded ? u.grad_out : at::Tensor());

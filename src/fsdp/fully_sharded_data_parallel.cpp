@@ -48,7 +48,8 @@ AutoWrapPolicy size_based_auto_wrap_policy(int64_t min_num_params) {
 
 namespace detail {
 
-at::Tensor BufferPool::take(int64_t numel, at::ScalarType dtype) {
+at::Tensor BufferPool::take(int64_t numel, at::ScalarType dtype, c10::Device device) {
+  if (!device.is_cpu()) return at::empty({numel}, at::TensorOptions().dtype(dtype).device(device));
   const int64_t bytes = numel * static_cast<int64_t>(c10::elementSize(dtype));
   auto& blocks = blocks_[bytes];
   for (auto& b : blocks)
@@ -108,6 +109,7 @@ FsdpImpl::FsdpImpl(std::shared_ptr<torch::nn::Module> module_in, std::shared_ptr
     DDPKIT_CHECK(at::isFloatingType(t), "FullyShardedDataParallel: mixed precision dtypes must be floating point, got ", t);
   make_groups();
   build_units();
+  check_device();
   check_same_units_on_every_rank();
   shard_parameters();
   wrap_sequential_children();
@@ -248,10 +250,13 @@ void FsdpImpl::build_units() {
           fp.names.push_back(full_name);
           fp.shape = p.value().sizes().vec();
           fp.numel = p.value().numel();
-          DDPKIT_CHECK(p.value().device().is_cpu() && p.value().layout() == at::kStrided &&
-                           at::isFloatingType(p.value().scalar_type()),
-                       "FullyShardedDataParallel: parameter '", full_name, "' is ", p.value().scalar_type(), " on ",
-                       p.value().device(), ": dense floating-point CPU parameters only");
+          DDPKIT_CHECK(p.value().layout() == at::kStrided && at::isFloatingType(p.value().scalar_type()),
+                       "FullyShardedDataParallel: parameter '", full_name, "' is ", p.value().scalar_type(), " (",
+                       p.value().layout(), "): dense floating-point parameters only");
+          if (seen.empty()) device = p.value().device();
+          DDPKIT_CHECK(p.value().device() == device, "FullyShardedDataParallel: parameter '", full_name, "' is on ",
+                       p.value().device(), ", the first parameter on ", device,
+                       ": move the whole model to one device before wrapping it");
           seen[key] = {unit, units[unit].params.size()};
           units[unit].params.push_back(std::move(fp));
         }
@@ -261,17 +266,17 @@ void FsdpImpl::build_units() {
 
   for (auto& u : units) {
     int64_t offset = 0;
-    int requires = 0;
+    int training = 0;
     for (auto& fp : u.params) {
       fp.offset = offset;
       offset += fp.numel;
-      requires += fp.param.requires_grad() ? 1 : 0;
+      training += fp.param.requires_grad() ? 1 : 0;
     }
-    DDPKIT_CHECK(requires == 0 || requires == static_cast<int>(u.params.size()), "FullyShardedDataParallel: unit ",
-                 unit_label(u), " mixes frozen and trainable parameters (", requires, " of ", u.params.size(),
+    DDPKIT_CHECK(training == 0 || training == static_cast<int>(u.params.size()), "FullyShardedDataParallel: unit ",
+                 unit_label(u), " mixes frozen and trainable parameters (", training, " of ", u.params.size(),
                  " train): make the frozen ones a unit of their own");
-    u.trainable = requires > 0;
-    u.trainable_params = requires;
+    u.trainable = training > 0;
+    u.trainable_params = training;
     u.numel = offset;
     u.shard_numel = shard_world == 1 ? offset : (offset + shard_world - 1) / shard_world;
     FsdpUnitInfo info;
@@ -282,6 +287,22 @@ void FsdpImpl::build_units() {
     infos.push_back(std::move(info));
   }
   position_in_order.assign(units.size(), -1);
+}
+
+// NCCL moves CUDA tensors and Gloo (with ddpkit's shared memory) CPU ones: each group of this
+// instance must be of the kind the parameters need, or the first collective fails far from here.
+void FsdpImpl::check_device() {
+  DDPKIT_CHECK(device.is_cpu() || device.is_cuda(), "FullyShardedDataParallel: parameters on ", device,
+               ": CPU (gloo) or CUDA (nccl) only");
+  const std::string needed = device.is_cuda() ? "nccl" : "gloo";
+  for (const auto* group : {&pg, &shard_pg, &replicate_pg}) {
+    if (!*group) continue;
+    const std::string& backend = (*group)->options().backend();
+    DDPKIT_CHECK(backend == needed, "FullyShardedDataParallel: the parameters are on ", device, " but process group '",
+                 (*group)->options().group_name(), "' is ", backend, ": ", needed, " carries ",
+                 device.is_cuda() ? "CUDA" : "CPU", " tensors (move the model, or make the group with backend(\"",
+                 needed, "\"))");
+  }
 }
 
 // Every rank must have the same units over the same parameters: a 64-bit digest of the layout,
@@ -302,8 +323,9 @@ void FsdpImpl::check_same_units_on_every_rank() {
     }
     total += u.numel;
   }
-  at::Tensor mine = at::tensor({static_cast<int64_t>(digest >> 1), static_cast<int64_t>(units.size()), total}, at::kLong);
-  at::Tensor all = at::empty({pg->size() * 3}, at::kLong);
+  at::Tensor mine =
+      at::tensor({static_cast<int64_t>(digest >> 1), static_cast<int64_t>(units.size()), total}, at::kLong).to(device);
+  at::Tensor all = at::empty({pg->size() * 3}, on_device(at::kLong));
   ProcessGroup::wait(pg->allgather_into_tensor(all, mine));
   auto rows = all.view({pg->size(), 3});
   for (int r = 0; r < pg->size(); ++r) {
@@ -322,7 +344,7 @@ void FsdpImpl::shard_parameters() {
   for (auto& u : units) {
     // Parameter by parameter (rank 0's values), each rank keeping only its range of the flat
     // layout: no unit is ever held whole twice.
-    u.shard = at::zeros({u.shard_numel}, at::kFloat);
+    u.shard = at::zeros({u.shard_numel}, on_device(at::kFloat));
     const int64_t begin = shard_rank * u.shard_numel, end = begin + u.shard_numel;
     for (const auto& fp : u.params) {
       at::Tensor data = fp.param.detach();
@@ -336,14 +358,14 @@ void FsdpImpl::shard_parameters() {
     if (u.aliases_shard) {
       u.full = u.shard.detach();
     } else {
-      u.full = at::empty({u.shard_numel * shard_world}, compute_dtype);
+      u.full = at::empty({u.shard_numel * shard_world}, on_device(compute_dtype));
       detach_full(u);
     }
     for (size_t i = 0; i < u.params.size(); ++i) {
       FlatParam& fp = u.params[i];
       // The accumulator records the parameter's shape and dtype when made: make it as the
       // parameter will be in backward, and keep it (autograd holds it weakly).
-      if (fp.param.scalar_type() != compute_dtype) fp.param.set_data(at::empty(fp.shape, compute_dtype));
+      if (fp.param.scalar_type() != compute_dtype) fp.param.set_data(at::empty(fp.shape, on_device(compute_dtype)));
       if (u.trainable) {
         fp.accumulator = torch::autograd::impl::grad_accumulator(fp.param);
         const int unit = u.index, param = static_cast<int>(i);
@@ -358,7 +380,7 @@ void FsdpImpl::shard_parameters() {
       u.state = FlatUnit::State::kGathered;
       point_params_at_full(u);
     } else {
-      for (auto& fp : u.params) fp.param.set_data(at::empty({0}, compute_dtype));
+      for (auto& fp : u.params) fp.param.set_data(at::empty({0}, on_device(compute_dtype)));
     }
   }
   place_shards_in_shared_memory();
@@ -379,7 +401,7 @@ void FsdpImpl::shard_parameters() {
 // maps, at the same offset on each: a unit's all-gather then reads each peer's shard where it lies
 // (two rendezvous) instead of passing it through the slots 1 MiB at a time.
 void FsdpImpl::place_shards_in_shared_memory() {
-  if (shard_world == 1 || compute_dtype != at::kFloat) return;
+  if (shard_world == 1 || compute_dtype != at::kFloat || !device.is_cpu()) return;
   int64_t total = 0;
   for (const auto& u : units) total += u.aliases_shard ? 0 : u.shard_numel;
   if (total == 0) return;
