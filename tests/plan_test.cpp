@@ -259,3 +259,67 @@ TEST(Plan, BadJobsAreNamed) {
   }
   EXPECT_THROW(predict(four_layers(), job, machine(2), with("full_shard", "int8")), c10::Error);
 }
+
+TEST(Plan, AProfileRoundTripsAsADescription) {
+  auto model = four_layers();
+  model.name = "four";
+  model.params[3].unit = -1;  // the last layer the root's: a run of its own
+  model.unit_numel.pop_back();
+  const ModelProfile back = model_profile_from_json(to_json(model), machine(2), "sgd");
+  EXPECT_EQ(back.name, "four");
+  ASSERT_EQ(back.params.size(), model.params.size());
+  for (size_t i = 0; i < model.params.size(); ++i) {
+    EXPECT_EQ(back.params[i].shape, model.params[i].shape);
+    EXPECT_EQ(back.params[i].unit, model.params[i].unit);
+    EXPECT_DOUBLE_EQ(back.params[i].grad_ready_ms, model.params[i].grad_ready_ms);
+  }
+  EXPECT_EQ(back.unit_numel, model.unit_numel);
+  JobSpec job;
+  job.world_size = 4;
+  for (const auto& c : candidates(job)) {
+    const Prediction a = predict(model, job, machine(2), c), b = predict(back, job, machine(2), c);
+    EXPECT_DOUBLE_EQ(a.step_ms, b.step_ms) << c.strategy << "/" << c.hook;
+    EXPECT_EQ(a.memory.total(), b.memory.total()) << c.strategy << "/" << c.hook;
+  }
+}
+
+TEST(Plan, ADescribedModelFillsInWhatItLeavesOut) {
+  auto m = machine(2);
+  m.matmul_gflop_per_s = 50;
+  m.copy_gbyte_per_s = 2;
+  const ModelProfile model = model_profile_from_json(R"({
+    "forward_gflop": 5,
+    "layers": [{"unit": false, "params": [[100, 10]]},
+               {"repeat": 3, "params": [[10, 10], [10]]},
+               {"unit": false, "params": [[10]]}]})", m, "adam");
+  ASSERT_EQ(model.params.size(), 8u);
+  EXPECT_EQ(model.unit_numel, (std::vector<int64_t>{110, 110, 110}));
+  EXPECT_EQ(model.params[0].unit, -1);
+  EXPECT_EQ(model.params[5].unit, 2);
+  EXPECT_EQ(model.params[7].unit, -1);
+  EXPECT_DOUBLE_EQ(model.forward_ms, 100);   // 5 GFLOP at 50 GFLOP/s
+  EXPECT_DOUBLE_EQ(model.backward_ms, 200);  // twice the forward
+  EXPECT_DOUBLE_EQ(model.optimizer_ms, 1340 * 28 / 2e6);  // Adam's 28 bytes a parameter at 2 GB/s
+  // Backward runs the layers in reverse: the last parameter first, the first at its very end.
+  EXPECT_DOUBLE_EQ(model.params.back().grad_ready_ms, 200.0 * 10 / 1340);
+  EXPECT_DOUBLE_EQ(model.params.front().grad_ready_ms, 200);
+  for (size_t i = 1; i < model.params.size(); ++i)
+    EXPECT_GT(model.params[i - 1].grad_ready_ms, model.params[i].grad_ready_ms);
+  // What a description gets wrong is named.
+  auto error = [&](const std::string& text) {
+    try {
+      model_profile_from_json(text, m, "sgd");
+    } catch (const c10::Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("accepted");
+  };
+  EXPECT_THAT(error(R"({"layers": [{"params": [[4]]}]})"), HasSubstr("one of forward_ms"));
+  EXPECT_THAT(error(R"({"forward_ms": 1, "layers": [{"params": [[4, 0]]}]})"), HasSubstr("positive integer sizes"));
+  EXPECT_THAT(error(R"({"forward_ms": 1, "layers": [{"params": [[4]], "units": 2}]})"), HasSubstr("unknown key 'units'"));
+  EXPECT_THAT(error(R"({"forwards_ms": 1, "layers": []})"), HasSubstr("unknown key 'forwards_ms'"));
+  EXPECT_THAT(error(R"({"forward_ms": 1, "layers": []})"), HasSubstr("'layers' must be a non-empty array"));
+  EXPECT_THAT(error(R"({"forward_ms": 1, "layers": [{"params": [[4]]}, {"unit": 0, "params": [[4]]}]})"),
+              HasSubstr("as true/false or as indices"));
+  EXPECT_THAT(error("{"), HasSubstr("not JSON"));
+}

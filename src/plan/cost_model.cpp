@@ -20,8 +20,6 @@
 #include <algorithm>
 #include <functional>
 
-#include <nlohmann/json.hpp>
-
 namespace ddpkit {
 namespace plan {
 
@@ -505,100 +503,6 @@ std::vector<Prediction> rank_candidates(const ModelProfile& model, const JobSpec
     return a.step_ms < b.step_ms;
   });
   return rows;
-}
-
-// ---- JSON -------------------------------------------------------------------------------------
-
-namespace {
-using nlohmann::json;
-json path_json(const PathCost& p) { return {{"latency_us", p.latency_us}, {"gbyte_per_s", p.gbyte_per_s}}; }
-PathCost path_of(const json& j, const char* name) {
-  DDPKIT_CHECK(j.contains(name), "machine constants: no '", name, "' (rerun ddpkit plan --calibrate)");
-  PathCost p;
-  p.latency_us = j.at(name).at("latency_us").get<double>();
-  p.gbyte_per_s = j.at(name).at("gbyte_per_s").get<double>();
-  DDPKIT_CHECK(p.gbyte_per_s > 0, "machine constants: '", name, "' has a bandwidth of ", p.gbyte_per_s);
-  return p;
-}
-const std::vector<std::pair<const char*, PathCost MachineConstants::*>> kPaths = {
-    {"shm_allreduce_in_place", &MachineConstants::shm_allreduce_in_place},
-    {"shm_allreduce", &MachineConstants::shm_allreduce},
-    {"shm_allreduce_16bit", &MachineConstants::shm_allreduce_16bit},
-    {"shm_reduce_scatter", &MachineConstants::shm_reduce_scatter},
-    {"shm_allgather", &MachineConstants::shm_allgather},
-    {"shm_broadcast", &MachineConstants::shm_broadcast},
-    {"shm_alltoall", &MachineConstants::shm_alltoall}};
-const std::vector<std::pair<const char*, double MachineConstants::*>> kRates = {
-    {"tcp_latency_us", &MachineConstants::tcp_latency_us},
-    {"tcp_efficiency", &MachineConstants::tcp_efficiency},
-    {"copy_gbyte_per_s", &MachineConstants::copy_gbyte_per_s},
-    {"cast_gbyte_per_s", &MachineConstants::cast_gbyte_per_s},
-    {"int8_gbyte_per_s", &MachineConstants::int8_gbyte_per_s},
-    {"matmul_gflop_per_s", &MachineConstants::matmul_gflop_per_s}};
-}  // namespace
-
-std::string to_json(const MachineConstants& m) {
-  json j;
-  j["cores"] = m.cores;
-  for (const auto& p : kPaths) j[p.first] = path_json(m.*(p.second));
-  for (const auto& r : kRates) j[r.first] = m.*(r.second);
-  j["process_bytes"] = m.process_bytes;
-  j["extra_bytes_per_param_byte"] = m.extra_bytes_per_param_byte;
-  j["extra_bytes_per_param_byte_gloo"] = m.extra_bytes_per_param_byte_gloo;
-  j["memory_model"] = m.memory_model;
-  j["measured_on"] = m.measured_on;
-  return j.dump(1);
-}
-
-MachineConstants machine_constants_from_json(const std::string& text) {
-  json j;
-  try {
-    j = json::parse(text);
-  } catch (const std::exception& e) {
-    DDPKIT_CHECK(false, "machine constants: not JSON (", e.what(), ")");
-  }
-  MachineConstants m;
-  try {
-    m.cores = j.at("cores").get<int>();
-    for (const auto& p : kPaths) m.*(p.second) = path_of(j, p.first);
-    for (const auto& r : kRates) m.*(r.second) = j.at(r.first).get<double>();
-    m.process_bytes = j.at("process_bytes").get<int64_t>();
-    if (j.contains("extra_bytes_per_param_byte")) {
-      m.extra_bytes_per_param_byte = j.at("extra_bytes_per_param_byte").get<std::map<std::string, double>>();
-      m.memory_model = j.value("memory_model", 1);
-    }
-    if (j.contains("extra_bytes_per_param_byte_gloo"))
-      m.extra_bytes_per_param_byte_gloo = j.at("extra_bytes_per_param_byte_gloo").get<std::map<std::string, double>>();
-    m.measured_on = j.value("measured_on", "");
-  } catch (const json::exception& e) {
-    DDPKIT_CHECK(false, "machine constants: ", e.what(), " (rerun ddpkit plan --calibrate)");
-  }
-  DDPKIT_CHECK(m.cores >= 1, "machine constants: cores must be >= 1, got ", m.cores);
-  DDPKIT_CHECK(m.extra_bytes_per_param_byte.empty() || m.memory_model == MachineConstants::kMemoryModel,
-               "machine constants: the strategies' measured extras are residuals of memory model ", m.memory_model,
-               ", this ddpkit's is ", MachineConstants::kMemoryModel, " (rerun ddpkit plan --calibrate)");
-  return m;
-}
-
-std::string to_json(const std::vector<Prediction>& rows) {
-  json out = json::array();
-  for (const auto& r : rows) {
-    const auto& m = r.memory;
-    out.push_back({{"strategy", r.candidate.strategy},
-                   {"hook", r.candidate.hook},
-                   {"bucket_cap_mb", r.candidate.bucket_cap_mb},
-                   {"predicted_step_ms", r.step_ms},
-                   {"compute_ms", r.compute_ms},
-                   {"exposed_comm_ms", r.exposed_comm_ms},
-                   {"wire_bytes_per_step", r.wire_bytes_per_step},
-                   {"memory_per_rank_bytes", m.total()},
-                   {"memory", {{"process", m.process}, {"data", m.data}, {"parameters", m.parameters},
-                               {"gradients", m.gradients}, {"optimizer_state", m.optimizer_state},
-                               {"communication", m.communication}, {"activations", m.activations},
-                               {"host_shared", m.host_shared}, {"measured_extra", m.measured_extra}, {"while_loading", m.loading}}},
-                   {"fits", r.fits}});
-  }
-  return out.dump(1);
 }
 
 }  // namespace plan

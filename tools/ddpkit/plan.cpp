@@ -52,6 +52,11 @@ many replicas at once as the job puts on a host's cores), and the machine's cons
   --constants FILE        where they are kept (default $XDG_CACHE_HOME/ddpkit/plan-constants.json,
                           or ~/.cache/...); measured on first use when missing
   --profile-steps N       timed steps of the profile (default 8)
+  --describe FILE         plan for the model this JSON describes (layers' parameter shapes, FSDP
+                          units, forward time or GFLOP) instead of profiling one: a model too big
+                          for this machine, say (docs/plan.md, "Describing a model")
+  --save-profile FILE     write the model's profile as such a description (to edit, or to plan
+                          for it elsewhere)
 
 The model and data flags of `ddpkit train` (--model, --dataset, --mlp-dims, --layers, --d-model,
 --heads, --seq-len, --batch-size, --optimizer, --threads, --fsdp-min-unit-params,
@@ -72,6 +77,12 @@ void make_parent_dirs(const std::string& path) {
     ::mkdir(path.substr(0, at).c_str(), 0755);
 }
 
+std::string gbit(double g) {
+  std::ostringstream os;
+  os << g;
+  return os.str();
+}
+
 std::string mb(int64_t bytes) {
   std::ostringstream os;
   os << std::fixed << std::setprecision(0) << static_cast<double>(bytes) / (1 << 20);
@@ -82,7 +93,8 @@ Flags plan_flags(const std::vector<std::string>& args) {
   return Flags(args,
           with_model_flag_defaults({{"world-size", "2"}, {"hosts", "1"}, {"link-gbit", "10"}, {"cores-per-host", "0"},
                                     {"memory-limit-gb", "0"}, {"strategy", ""}, {"hook", ""}, {"bucket-cap-mb", "0"},
-                                    {"powersgd-rank", "4"}, {"constants", ""}, {"profile-steps", "8"}}),
+                                    {"powersgd-rank", "4"}, {"constants", ""}, {"profile-steps", "8"},
+                                    {"describe", ""}, {"save-profile", ""}}),
           {"json", "calibrate", "busy-replica"});
 }
 
@@ -349,7 +361,8 @@ std::vector<std::string> train_args(const std::vector<std::string>& args, const 
                                     const plan::Candidate& c) {
   const std::set<std::string> plan_only = {"--world-size", "--hosts", "--link-gbit", "--cores-per-host",
                                            "--memory-limit-gb", "--strategy", "--hook", "--bucket-cap-mb",
-                                           "--powersgd-rank", "--constants", "--profile-steps"};
+                                           "--powersgd-rank", "--constants", "--profile-steps", "--describe",
+                                           "--save-profile"};
   std::vector<std::string> out = {"--nproc", std::to_string(job.ranks_per_host())};
   for (size_t i = 0; i < args.size(); ++i) {
     const std::string name = args[i].substr(0, args[i].find('='));
@@ -394,7 +407,24 @@ Planned make_plan(const Flags& f, const std::vector<std::string>& args) {
     throw UsageError("no strategy and hook match --strategy '" + f.str("strategy") + "' --hook '" + f.str("hook") +
                      "' (ddpkit plan --help lists them)");
   const plan::MachineConstants machine = load_or_calibrate(out.constants_path);
-  out.profile = profile_job(f, args, out.job, machine.cores, false);
+  if (f.str("describe").empty()) {
+    out.profile = profile_job(f, args, out.job, machine.cores, false);
+  } else {
+    std::ifstream in(f.str("describe"));
+    if (!in) throw UsageError("--describe: cannot read '" + f.str("describe") + "'");
+    std::stringstream text;
+    text << in.rdbuf();
+    try {
+      out.profile = plan::model_profile_from_json(text.str(), machine, out.job.optimizer);
+    } catch (const c10::Error& e) {
+      throw UsageError(f.str("describe") + ": " + e.what_without_backtrace());
+    }
+  }
+  if (!f.str("save-profile").empty()) {
+    std::ofstream saved(f.str("save-profile"));
+    DDPKIT_CHECK(saved, "plan: cannot write ", f.str("save-profile"));
+    saved << plan::to_json(out.profile) << "\n";
+  }
   out.rows = plan::rank_candidates(out.profile, out.job, machine, list);
   return out;
 }
@@ -418,11 +448,13 @@ int run_plan(const std::vector<std::string>& args) {
     std::cout << plan::to_json(rows) << "\n";
     return 0;
   }
-  std::cout << "# " << f.str("model") << ": " << profile.params.size() << " tensors, " << std::fixed << std::setprecision(1)
+  const bool described = !f.str("describe").empty();
+  std::cout << "# " << (described ? profile.name + " (" + f.str("describe") + ")" : f.str("model")) << ": "
+            << profile.params.size() << " tensors, " << std::fixed << std::setprecision(1)
             << static_cast<double>(profile.param_bytes()) / 4e6 << "M parameters; " << job.world_size << " ranks on "
-            << job.hosts << " host(s)" << (job.hosts > 1 ? " at " + std::to_string(job.link_gbit) + " Gbit/s" : "")
+            << job.hosts << " host(s)" << (job.hosts > 1 ? " at " + gbit(job.link_gbit) + " Gbit/s" : "")
             << "; batch " << profile.batch << " per rank; " << job.optimizer << "\n";
-  std::cout << "# measured alone: forward " << std::setprecision(1) << profile.forward_ms << " ms, backward "
+  std::cout << (described ? "# described: forward " : "# measured alone: forward ") << std::setprecision(1) << profile.forward_ms << " ms, backward "
             << profile.backward_ms << " ms, optimizer " << profile.optimizer_ms << " ms (" << profile.concurrent
             << " replica(s) at once); constants: " << p.constants_path << "\n";
   std::cout << std::left << std::setw(15) << "strategy" << std::setw(11) << "hook" << std::right << std::setw(10)
@@ -434,7 +466,10 @@ int run_plan(const std::vector<std::string>& args) {
               << mb(r.memory.total()) << std::setw(12) << std::setprecision(1) << r.wire_bytes_per_step / (1 << 20)
               << "  " << (r.fits ? "yes" : "no") << "\n";
   }
-  if (rows.front().fits) {
+  if (rows.front().fits && described) {
+    std::cout << "# run the first: your model's training with " << joined(train_flags(rows.front().candidate))
+              << " (ddpkit train's flags)\n";
+  } else if (rows.front().fits) {
     std::cout << "# run the first" << (job.hosts > 1 ? " (on each host, torchrun-style variables set)" : "")
               << ": ddpkit train " << joined(train_args(args, job, rows.front().candidate)) << "\n";
   } else {
@@ -484,6 +519,8 @@ int run_tune(const std::vector<std::string>& all_args) {
   const Flags f = plan_flags(args);
   if (f.on("json") || f.on("calibrate")) throw UsageError("tune takes neither --json nor --calibrate (ddpkit plan does)");
   if (f.integer("hosts") != 1) throw UsageError("tune runs its trials on this host: --hosts must be 1");
+  if (!f.str("describe").empty())
+    throw UsageError("tune trains the CLI's models; a described model is for ddpkit plan (--describe)");
   const Planned p = make_plan(f, args);
   std::cout << std::left << std::setw(15) << "strategy" << std::setw(11) << "hook" << std::right << std::setw(12)
             << "predicted_ms" << std::setw(12) << "measured_ms" << std::setw(12) << "memory_MB" << "  trial\n";

@@ -136,5 +136,14 @@ std::string to_json(const MachineConstants& m);
 MachineConstants machine_constants_from_json(const std::string& text);
 std::string to_json(const std::vector<Prediction>& rows);
 
+// A model as JSON: what `ddpkit plan --save-profile` writes, and what a user writes for a model
+// this machine cannot profile (docs/plan.md, "Describing a model"): its layers' parameter shapes,
+// which are FSDP units, and its compute. Left out, backward is twice the forward, a forward given
+// in GFLOP runs at the calibrated matmul rate, the optimizer's step moves its bytes per parameter
+// at the copy rate, and gradients become ready in reverse layer order, in proportion to size.
+std::string to_json(const ModelProfile& model);
+ModelProfile model_profile_from_json(const std::string& text, const MachineConstants& machine,
+                                     const std::string& optimizer);
+
 }  // namespace plan
 }  // namespace ddpkit
