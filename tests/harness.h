@@ -15,6 +15,9 @@
 #include <torch/nn/modules/linear.h>
 
 #include <dirent.h>
+#include <execinfo.h>
+#include <csignal>
+#include <unistd.h>
 
 #include <atomic>
 #include <cstdio>
@@ -27,6 +30,23 @@
 
 namespace ddpkit {
 namespace testing {
+
+// A test that crashes prints where (ctest only says "SegFault"): the frames, then the signal's
+// default action, so the exit status stays the crash's.
+inline void print_crash_trace(int sig) {
+  void* frames[64];
+  const int n = ::backtrace(frames, 64);
+  const char header[] = "\n*** crashed; the frames (addr2line -e <binary> turns +offsets into lines):\n";
+  if (::write(STDERR_FILENO, header, sizeof header - 1) < 0) {
+  }
+  ::backtrace_symbols_fd(frames, n, STDERR_FILENO);
+  std::signal(sig, SIG_DFL);
+  std::raise(sig);
+}
+inline const bool kCrashTracesInstalled = [] {
+  for (int sig : {SIGSEGV, SIGBUS, SIGABRT, SIGFPE}) std::signal(sig, print_crash_trace);
+  return true;
+}();
 
 inline std::shared_ptr<ProcessGroup> make_group(const c10::intrusive_ptr<c10d::Store>& store, int rank, int world,
                                                 int gloo_threads = 2,

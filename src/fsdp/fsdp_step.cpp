@@ -134,9 +134,11 @@ void FsdpImpl::check_forward_order() {
       if (position_in_order[forward_order[i]] < 0) position_in_order[forward_order[i]] = static_cast<int>(i);
     if (pg->size() > 1) {
       // The same units in the same order on every rank, or collectives would pair wrongly.
-      int64_t digest = 17;
-      for (int u : forward_order) digest = digest * 1000003 + u;
-      at::Tensor mine = at::tensor({digest, static_cast<int64_t>(forward_order.size())}, at::kLong).to(device);
+      uint64_t digest = 17;  // unsigned: it wraps
+      for (int u : forward_order) digest = digest * 1000003 + static_cast<uint64_t>(u);
+      at::Tensor mine =
+          at::tensor({static_cast<int64_t>(digest >> 1), static_cast<int64_t>(forward_order.size())}, at::kLong)
+              .to(device);
       at::Tensor all = at::empty({pg->size() * 2}, on_device(at::kLong));
       ProcessGroup::wait(pg->allgather_into_tensor(all, mine));
       for (int r = 0; r < pg->size(); ++r)
