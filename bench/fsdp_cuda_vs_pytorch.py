@@ -23,18 +23,11 @@ import time
 import torch
 import torch.distributed as dist
 
+from pytorch_ddp import build  # ddpkit's MLP layout (bench/pytorch_ddp.py)
+
 DIMS = [1024, 4096, 1024, 4096, 1024, 4096, 1024, 4096, 1024]
 ROWS = [("local", False), ("full_shard", False), ("shard_grad_op", False), ("no_shard", False), ("local", True),
         ("full_shard", True)]
-
-
-def build():
-    layers = []
-    for i in range(len(DIMS) - 1):
-        layers.append(torch.nn.Linear(DIMS[i], DIMS[i + 1]))
-        if i + 2 < len(DIMS):
-            layers.append(torch.nn.ReLU())
-    return torch.nn.Sequential(*layers)
 
 
 def pytorch_step_ms(mode, bf16, steps, batch, profile=False):
@@ -42,7 +35,7 @@ def pytorch_step_ms(mode, bf16, steps, batch, profile=False):
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
     torch.manual_seed(1)
-    net = build().cuda()
+    net = build(DIMS).cuda()
     if mode == "local" and bf16:
         net = net.bfloat16()
     elif mode != "local":
