@@ -16,6 +16,8 @@
 // unit runs forward, and again before its backward, the shards are all-gathered and the module's
 // parameters point into the result; afterwards that memory is freed. Gradients are reduce-scattered
 // into the shard's .grad. Parameters in no unit form the root unit, gathered for the whole step.
+// Devices: every parameter on the CPU with a Gloo group (shared memory within a host), or every
+// one on one CUDA device with an NCCL group; shards and state live on the parameters' device.
 // Where the units come from:
 //  - auto_wrap_policy: a child of a torch::nn::Sequential or ModuleList (at any depth) becomes a
 //    unit when the policy says so. A Sequential calls its children itself, so those units need
