@@ -13,6 +13,7 @@ namespace ddpkit {
 namespace {
 
 using testing::error_of;
+using testing::relative_error;
 using testing::seed_mutex;
 using testing::seeded_randn;
 using testing::spawn_ranks;
@@ -167,12 +168,6 @@ std::map<std::string, at::Tensor> train_fsdp(const FsdpRun& run, int rank, std::
   const auto dict = fsdp.full_state_dict(/*rank0_only=*/false);
   for (const auto& kv : dict.items()) out[kv.key()] = kv.value();
   return out;
-}
-
-// Largest |a - b| over the largest |b|, per tensor.
-double relative_error(const at::Tensor& a, const at::Tensor& b) {
-  const double scale = std::max(b.abs().max().item<double>(), 1e-12);
-  return (a.to(at::kFloat) - b.to(at::kFloat)).abs().max().item<double>() / scale;
 }
 
 void expect_close(const std::map<std::string, at::Tensor>& got, const std::map<std::string, at::Tensor>& want,

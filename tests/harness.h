@@ -19,6 +19,7 @@
 #include <csignal>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdio>
 #include <fstream>
@@ -153,6 +154,12 @@ inline torch::nn::Sequential make_mlp(uint64_t seed, std::vector<int64_t> dims =
     if (i + 2 < dims.size()) seq->push_back(torch::nn::Functional(torch::relu));
   }
   return seq;
+}
+
+// Largest |a - b| over the largest |b|, per tensor (both on one device).
+inline double relative_error(const at::Tensor& a, const at::Tensor& b) {
+  const double scale = std::max(b.abs().max().item<double>(), 1e-12);
+  return (a.to(at::kFloat) - b.to(at::kFloat)).abs().max().item<double>() / scale;
 }
 
 inline at::Tensor seeded_randn(std::vector<int64_t> shape, uint64_t seed) {

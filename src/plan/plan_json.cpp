@@ -250,21 +250,20 @@ ModelProfile model_profile_from_json(const std::string& text, const MachineConst
     if (j.contains("backward_ms")) m.backward_ms = positive(j, "backward_ms");
     else if (j.contains("backward_gflop")) m.backward_ms = positive(j, "backward_gflop") * 1e3 / machine.matmul_gflop_per_s;
     else m.backward_ms = 2 * m.forward_ms;
-    const double params = static_cast<double>(m.param_bytes()) / 4;
-    m.optimizer_ms = j.contains("optimizer_ms") ? positive(j, "optimizer_ms")
-                                                : params * optimizer_bytes_per_param(optimizer) /
-                                                      (machine.copy_gbyte_per_s * 1e6);
   } catch (const json::exception& e) {
     DDPKIT_CHECK(false, "model description: ", e.what());
   }
+  const double parameters = static_cast<double>(m.param_bytes()) / 4;
+  m.optimizer_ms = j.contains("optimizer_ms") ? positive(j, "optimizer_ms")
+                                              : parameters * optimizer_bytes_per_param(optimizer) /
+                                                    (machine.copy_gbyte_per_s * 1e6);
   if (!ready_given) {
     // Backward runs the layers in reverse: a parameter's gradient is ready once the backward of
     // everything after it, and its own, has run, in proportion to their parameters.
-    const double total = static_cast<double>(m.param_bytes()) / 4;
     double after = 0;
     for (auto it = m.params.rbegin(); it != m.params.rend(); ++it) {
       after += static_cast<double>(it->numel);
-      it->grad_ready_ms = m.backward_ms * after / total;
+      it->grad_ready_ms = m.backward_ms * after / parameters;
     }
   }
   return m;

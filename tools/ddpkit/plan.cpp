@@ -13,6 +13,7 @@
 #include <fstream>
 #include <iomanip>
 #include <iostream>
+#include <optional>
 #include <set>
 #include <sstream>
 #include <csignal>
@@ -75,6 +76,15 @@ std::string default_constants_path() {
 void make_parent_dirs(const std::string& path) {
   for (size_t at = path.find('/', 1); at != std::string::npos; at = path.find('/', at + 1))
     ::mkdir(path.substr(0, at).c_str(), 0755);
+}
+
+// The whole file; none when it cannot be opened.
+std::optional<std::string> read_text(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) return std::nullopt;
+  std::stringstream text;
+  text << in.rdbuf();
+  return text.str();
 }
 
 std::string gbit(double g) {
@@ -333,23 +343,21 @@ plan::MachineConstants calibrate(const std::string& path) {
 }
 
 plan::MachineConstants load_or_calibrate(const std::string& path) {
-  std::ifstream in(path);
-  if (!in) {
+  const std::optional<std::string> text = read_text(path);
+  if (!text) {
     std::cerr << "ddpkit plan: no machine constants at " << path << "; measuring them (ddpkit plan --calibrate)\n";
     return calibrate(path);
   }
-  std::stringstream ss;
-  ss << in.rdbuf();
   // Constants from a ddpkit whose memory accounting differs: their measured extras would count
   // memory twice or not at all, so they are measured again rather than refused.
-  const nlohmann::json j = nlohmann::json::parse(ss.str(), nullptr, /*allow_exceptions=*/false);
+  const nlohmann::json j = nlohmann::json::parse(*text, nullptr, /*allow_exceptions=*/false);
   if (j.is_object() && j.contains("extra_bytes_per_param_byte") &&
       j.value("memory_model", 1) != plan::MachineConstants::kMemoryModel) {
     std::cerr << "ddpkit plan: " << path << " was measured against an older memory model; measuring again\n";
     return calibrate(path);
   }
   try {
-    return plan::machine_constants_from_json(ss.str());
+    return plan::machine_constants_from_json(*text);
   } catch (const c10::Error& e) {
     throw std::runtime_error(path + ": " + e.what_without_backtrace());
   }
@@ -410,12 +418,10 @@ Planned make_plan(const Flags& f, const std::vector<std::string>& args) {
   if (f.str("describe").empty()) {
     out.profile = profile_job(f, args, out.job, machine.cores, false);
   } else {
-    std::ifstream in(f.str("describe"));
-    if (!in) throw UsageError("--describe: cannot read '" + f.str("describe") + "'");
-    std::stringstream text;
-    text << in.rdbuf();
+    const std::optional<std::string> text = read_text(f.str("describe"));
+    if (!text) throw UsageError("--describe: cannot read '" + f.str("describe") + "'");
     try {
-      out.profile = plan::model_profile_from_json(text.str(), machine, out.job.optimizer);
+      out.profile = plan::model_profile_from_json(*text, machine, out.job.optimizer);
     } catch (const c10::Error& e) {
       throw UsageError(f.str("describe") + ": " + e.what_without_backtrace());
     }
