@@ -24,7 +24,7 @@ import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from plan_validation import MLP8, MLP25, MLP_FASHION, GPT, TwoHosts, train as local_train  # noqa: E402
+from plan_validation import MLP8, MLP25, MLP_FASHION, GPT, Hosts, train as local_train  # noqa: E402
 
 # name: (world or ranks per host, rate (None: one host), flags, auto flags)
 CAP = ["--bucket-cap-mb", "auto"]
@@ -43,6 +43,7 @@ NETNS_CONFIGS = {
     "mlp8-h2-10g-ddp": (1, "10gbit", MLP8, CAP),
     "mlp25-h2-10g-ddp": (1, "10gbit", MLP25, CAP),
     "gpt-h2-10g-ddp": (1, "10gbit", GPT, CAP),
+    "gpt-h2-1g-ddp": (1, "1gbit", GPT, CAP),
     "fashion-h2-1g-ddp": (1, "1gbit", MLP_FASHION, CAP),
     "mlp8-h2-100m-fp16": (1, "100mbit", MLP8 + ["--hook", "fp16"], CAP_PIECE),
 }
@@ -59,14 +60,14 @@ def main():
     configs = dict(CONFIGS, **(NETNS_CONFIGS if a.netns else {}))
     if a.only:
         configs = {k: v for k, v in {**CONFIGS, **NETNS_CONFIGS}.items() if k in a.only.split(",")}
-    hosts = TwoHosts().__enter__() if any(v[1] for v in configs.values()) else None
+    hosts = Hosts().__enter__() if any(v[1] for v in configs.values()) else None
     print(f"# {a.steps} steps per run, {a.repeats} runs each, alternating; medians over runs")
     print(f"{'config':22} {'default_ms':>10} {'auto_ms':>8} {'tuned_ms':>8} {'tuned/def':>9} {'run/def':>8} {'in-run':>12}  choice")
     try:
         for name, (n, rate, flags, auto) in configs.items():
             if rate:
                 hosts.set_rate(rate)
-                run = lambda fl: hosts.train(a.ddpkit, n, fl, a.steps)  # noqa: E731
+                run = lambda fl: hosts.train(a.ddpkit, 2, n, fl, a.steps)  # noqa: E731
             else:
                 run = lambda fl: local_train(a.ddpkit, n, fl, a.steps)  # noqa: E731
             runs = {"default": [], "auto": []}

@@ -75,6 +75,12 @@ NETNS_CONFIGS = {
     "mlp8-h3-100m-ddp": (3, 1, "100mbit", 0.1, MLP8),
     "mlp8-h4-100m-ddp": (4, 1, "100mbit", 0.1, MLP8),
     "mlp8-h4-100m-fp16": (4, 1, "100mbit", 0.1, MLP8 + ["--hook", "fp16"]),
+    # The transformer at 1 Gbit/s, where the link takes about as long as backward: at the default
+    # cap and at the one `plan --bucket-cap-mb auto` chooses (1 MiB), for fp32 and int8.
+    "gpt-h2-1g-ddp": (2, 1, "1gbit", 1, GPT),
+    "gpt-h2-1g-ddp-1mb": (2, 1, "1gbit", 1, GPT + ["--bucket-cap-mb", "1"]),
+    "gpt-h2-1g-int8": (2, 1, "1gbit", 1, GPT + ["--hook", "int8"]),
+    "gpt-h2-1g-int8-1mb": (2, 1, "1gbit", 1, GPT + ["--hook", "int8", "--bucket-cap-mb", "1"]),
 }
 SUBSET = ["mlp8-w2-ddp", "mlp8-w2-bf16", "mlp8-w4-full_shard", "mlp8-w4-zero1"]
 

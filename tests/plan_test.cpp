@@ -122,6 +122,38 @@ TEST(Plan, OnlyAllreduceSharesTheLinkHierarchically) {
   EXPECT_GT(zero2.step_ms, 1.6 * zero1.step_ms);  // twice the bytes on the link
 }
 
+// --bucket-cap-mb auto in the plan: where a link is about as slow as backward, small buckets send
+// each layer as it is ready instead of most of the model after backward; where sums only take
+// cores from compute, no cap gains the tuner's margin and the default stays.
+TEST(Plan, AChosenBucketCapOverlapsALinkWithBackward) {
+  JobSpec job;
+  job.world_size = 2;
+  job.hosts = 2;
+  job.link_gbit = 4;  // 4 MiB in 8.4 ms; the model's 16 MiB in about backward's 40 ms
+  const auto m = machine(4);
+  const Prediction by_default = predict(four_layers(), job, m, with("ddp", "none"));
+  const Prediction chosen = predict(four_layers(), job, m, with("ddp", "none", Candidate::kChooseBucketCap));
+  EXPECT_EQ(by_default.candidate.bucket_cap_mb, 25);
+  // 25 MiB: the first layer's bucket (1 MiB first cap) at 10 ms, the other three after backward:
+  // 20 + 40 + 25.2 + 8. One layer a bucket: the last sent 8.4 ms after backward: 20 + 48.4 + 8.
+  const double layer = 4.0 * (1 << 20) * 8 / 4e6;
+  EXPECT_NEAR(by_default.step_ms, 20 + 40 + 3 * layer + 8, 1e-3);  // copies at 1e6 GB/s add 1e-5 ms
+  EXPECT_LT(chosen.candidate.bucket_cap_mb, 25);
+  EXPECT_NEAR(chosen.step_ms, 20 + 40 + layer + 8, 1e-3);
+  const Prediction at_that_cap = predict(four_layers(), job, m, with("ddp", "none", chosen.candidate.bucket_cap_mb));
+  EXPECT_DOUBLE_EQ(at_that_cap.step_ms, chosen.step_ms);
+
+  JobSpec one_host;
+  one_host.world_size = 2;
+  const Prediction kept = predict(four_layers(), one_host, machine(2), with("ddp", "none", Candidate::kChooseBucketCap));
+  EXPECT_EQ(kept.candidate.bucket_cap_mb, 25);
+  EXPECT_DOUBLE_EQ(kept.step_ms, predict(four_layers(), one_host, machine(2), with("ddp", "none")).step_ms);
+  // FSDP has no buckets to choose.
+  const Prediction fsdp = predict(four_layers(), job, m, with("full_shard", "none", Candidate::kChooseBucketCap));
+  EXPECT_DOUBLE_EQ(fsdp.step_ms, predict(four_layers(), job, m, with("full_shard", "none")).step_ms);
+  EXPECT_THROW(predict(four_layers(), job, m, with("ddp", "none", -3)), c10::Error);
+}
+
 TEST(Plan, ShardingDividesWhatEachRankHolds) {
   JobSpec job;
   job.world_size = 4;

@@ -13,6 +13,7 @@
 
 #include <ddpkit/comm/process_group.h>
 #include <ddpkit/ddp/distributed_data_parallel.h>
+#include <ddpkit/ddp/online_tuning.h>
 #include <ddpkit/error.h>
 #include <ddpkit/hooks/default_hooks.h>
 #include <ddpkit/reducer/bucket_assignment.h>
@@ -310,8 +311,34 @@ double state_per_param(const std::string& optimizer) {
 
 }  // namespace
 
+namespace {
+
+// Candidate::kChooseBucketCap: each cap online tuning would try, predicted. The fastest that fits
+// (where the default fits) replaces the default only by the tuner's margin: a predicted gain
+// smaller than that would not survive the run's own trials either.
+Prediction predict_choosing_bucket_cap(const ModelProfile& model, const JobSpec& job, const MachineConstants& machine,
+                                       Candidate c) {
+  c.bucket_cap_mb = 0;
+  const Prediction by_default = predict(model, job, machine, c);
+  if (c.strategy != "ddp" && c.strategy != "zero1") return by_default;
+  const OnlineTuningOptions tuning = default_online_tuning(/*bucket_caps=*/true, /*pieces=*/false);
+  Prediction fastest = by_default;
+  for (const double cap : tuning.bucket_caps_mb()) {
+    c.bucket_cap_mb = cap;
+    Prediction p = predict(model, job, machine, c);
+    if ((p.fits || !by_default.fits) && p.step_ms < fastest.step_ms) fastest = std::move(p);
+  }
+  return fastest.step_ms < by_default.step_ms * (1 - tuning.min_gain()) ? fastest : by_default;
+}
+
+}  // namespace
+
 Prediction predict(const ModelProfile& model, const JobSpec& job, const MachineConstants& machine,
                    const Candidate& candidate) {
+  if (candidate.bucket_cap_mb == Candidate::kChooseBucketCap)
+    return predict_choosing_bucket_cap(model, job, machine, candidate);
+  DDPKIT_CHECK(candidate.bucket_cap_mb >= 0, "plan: a bucket cap must be positive (or 0 for the hook's default), got ",
+               candidate.bucket_cap_mb, " MiB");
   DDPKIT_CHECK(job.world_size >= 1 && job.hosts >= 1 && job.hosts <= job.world_size,
                "plan: need 1 <= hosts (", job.hosts, ") <= world size (", job.world_size, ")");
   DDPKIT_CHECK(job.world_size % job.hosts == 0, "plan: the world size (", job.world_size,

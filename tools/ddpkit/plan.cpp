@@ -45,7 +45,9 @@ many replicas at once as the job puts on a host's cores), and the machine's cons
   --strategy S            only this one: ddp, zero1, zero2, full_shard, shard_grad_op, no_shard,
                           hybrid_shard (default: all)
   --hook H                only this hook (default: all each strategy takes)
-  --bucket-cap-mb X       DDP bucket cap (default: ddpkit train's for the hook)
+  --bucket-cap-mb X|auto  DDP and ZeRO-1 bucket cap (default: ddpkit train's for the hook); auto:
+                          of the caps ddpkit train --bucket-cap-mb auto tries (1-64 MiB), the one
+                          predicted fastest, kept only when 3 % faster than the default
   --powersgd-rank N       (default 4)
   --json                  one JSON array, best first: strategy, hook, predicted_step_ms,
                           memory_per_rank_bytes, fits, and the breakdowns
@@ -93,6 +95,14 @@ std::string gbit(double g) {
   return os.str();
 }
 
+// A row's bucket cap; "-" where the strategy has no DDP buckets (FSDP).
+std::string cap_column(const plan::Candidate& c) {
+  if (c.strategy != "ddp" && c.strategy != "zero1" && c.strategy != "zero2") return "-";
+  std::ostringstream os;
+  os << c.bucket_cap_mb;
+  return os.str();
+}
+
 std::string mb(int64_t bytes) {
   std::ostringstream os;
   os << std::fixed << std::setprecision(0) << static_cast<double>(bytes) / (1 << 20);
@@ -114,7 +124,8 @@ std::vector<std::string> train_flags(const plan::Candidate& c) {
   if (c.strategy == "zero1" || c.strategy == "zero2") out = {"--zero", c.strategy.substr(4)};
   else if (c.strategy != "ddp") out = {"--fsdp", c.strategy};
   if (c.hook != "none") out.insert(out.end(), {"--hook", c.hook});
-  if (c.strategy == "ddp" && c.bucket_cap_mb > 0 && c.bucket_cap_mb != hooks::default_bucket_cap_mb(c.hook)) {
+  if ((c.strategy == "ddp" || c.strategy == "zero1") && c.bucket_cap_mb > 0 &&
+      c.bucket_cap_mb != hooks::default_bucket_cap_mb(c.hook)) {
     std::ostringstream os;
     os << c.bucket_cap_mb;
     out.insert(out.end(), {"--bucket-cap-mb", os.str()});
@@ -398,7 +409,18 @@ struct Planned {
   std::string constants_path;
 };
 
-Planned make_plan(const Flags& f, const std::vector<std::string>& args) {
+// The --bucket-cap-mb given; without one, `cap_by_default` ("0": the hook's default, or "auto").
+double bucket_cap_of(const Flags& f, const std::vector<std::string>& args, const std::string& cap_by_default) {
+  bool given = false;
+  for (const auto& a : args) given = given || a == "--bucket-cap-mb" || a.rfind("--bucket-cap-mb=", 0) == 0;
+  const std::string cap = given ? f.str("bucket-cap-mb") : cap_by_default;
+  if (cap == "auto") return plan::Candidate::kChooseBucketCap;
+  const double mb = given ? f.real("bucket-cap-mb") : 0;
+  if (given && !(mb > 0)) throw UsageError("--bucket-cap-mb must be positive or auto, got '" + cap + "'");
+  return mb;
+}
+
+Planned make_plan(const Flags& f, const std::vector<std::string>& args, const std::string& cap_by_default = "0") {
   Planned out;
   out.constants_path = f.str("constants").empty() ? default_constants_path() : f.str("constants");
   out.job = job_of(f);
@@ -407,7 +429,7 @@ Planned make_plan(const Flags& f, const std::vector<std::string>& args) {
   for (auto c : plan::candidates(out.job)) {
     if (!f.str("strategy").empty() && c.strategy != f.str("strategy")) continue;
     if (!f.str("hook").empty() && c.hook != f.str("hook")) continue;
-    c.bucket_cap_mb = f.real("bucket-cap-mb");
+    c.bucket_cap_mb = bucket_cap_of(f, args, cap_by_default);
     c.powersgd_rank = f.integer("powersgd-rank");
     list.push_back(c);
   }
@@ -463,12 +485,12 @@ int run_plan(const std::vector<std::string>& args) {
   std::cout << (described ? "# described: forward " : "# measured alone: forward ") << std::setprecision(1) << profile.forward_ms << " ms, backward "
             << profile.backward_ms << " ms, optimizer " << profile.optimizer_ms << " ms (" << profile.concurrent
             << " replica(s) at once); constants: " << p.constants_path << "\n";
-  std::cout << std::left << std::setw(15) << "strategy" << std::setw(11) << "hook" << std::right << std::setw(10)
-            << "step_ms" << std::setw(10) << "comm_ms" << std::setw(12) << "memory_MB" << std::setw(12) << "wire_MB"
+  std::cout << std::left << std::setw(15) << "strategy" << std::setw(11) << "hook" << std::right << std::setw(7)
+            << "cap_MB" << std::setw(10) << "step_ms" << std::setw(10) << "comm_ms" << std::setw(12) << "memory_MB" << std::setw(12) << "wire_MB"
             << "  fits\n";
   for (const auto& r : rows) {
     std::cout << std::left << std::setw(15) << r.candidate.strategy << std::setw(11) << r.candidate.hook << std::right
-              << std::setw(10) << std::setprecision(1) << r.step_ms << std::setw(10) << r.exposed_comm_ms << std::setw(12)
+              << std::setw(7) << cap_column(r.candidate) << std::setw(10) << std::setprecision(1) << r.step_ms << std::setw(10) << r.exposed_comm_ms << std::setw(12)
               << mb(r.memory.total()) << std::setw(12) << std::setprecision(1) << r.wire_bytes_per_step / (1 << 20)
               << "  " << (r.fits ? "yes" : "no") << "\n";
   }
@@ -489,8 +511,9 @@ const char* kTuneUsage = R"(usage: ddpkit tune [--top 4] [--trial-steps 30] [ddp
 Runs short `ddpkit train` trials of the configurations `ddpkit plan` ranks best among those that
 fit (--top of them), on this host, and prints each one's measured step and peak memory next to the
 prediction, then the fastest with the command line that runs it. Lossy hooks train with the
-divergence guard on: a trial that diverges or fails is reported and left out. The job must run on
-this host (--hosts 1).
+divergence guard on: a trial that diverges or fails is reported and left out. DDP and ZeRO-1
+trials run at the bucket cap the plan predicts fastest (plan's --bucket-cap-mb auto) unless
+--bucket-cap-mb is given. The job must run on this host (--hosts 1).
 
   --top K                 trials to run (default 4)
   --trial-steps N         steps per trial; its median step is what is compared (default 30)
@@ -527,9 +550,10 @@ int run_tune(const std::vector<std::string>& all_args) {
   if (f.integer("hosts") != 1) throw UsageError("tune runs its trials on this host: --hosts must be 1");
   if (!f.str("describe").empty())
     throw UsageError("tune trains the CLI's models; a described model is for ddpkit plan (--describe)");
-  const Planned p = make_plan(f, args);
-  std::cout << std::left << std::setw(15) << "strategy" << std::setw(11) << "hook" << std::right << std::setw(12)
-            << "predicted_ms" << std::setw(12) << "measured_ms" << std::setw(12) << "memory_MB" << "  trial\n";
+  // Trials at the cap the plan predicts best (--bucket-cap-mb auto unless a cap is given).
+  const Planned p = make_plan(f, args, "auto");
+  std::cout << std::left << std::setw(15) << "strategy" << std::setw(11) << "hook" << std::right << std::setw(7)
+            << "cap_MB" << std::setw(14) << "predicted_ms" << std::setw(12) << "measured_ms" << std::setw(12) << "memory_MB" << "  trial\n";
   double best_ms = 0;
   std::vector<std::string> best;
   int tried = 0;
@@ -540,7 +564,8 @@ int run_tune(const std::vector<std::string>& all_args) {
     train.insert(train.end(), {"--steps", std::to_string(trial_steps)});
     if (r.candidate.hook == "powersgd") train.insert(train.end(), {"--powersgd-start-iter", "2"});
     std::cout << std::left << std::setw(15) << r.candidate.strategy << std::setw(11) << r.candidate.hook << std::right
-              << std::fixed << std::setprecision(1) << std::setw(12) << r.step_ms << std::flush;
+              << std::setw(7) << cap_column(r.candidate) << std::fixed << std::setprecision(1) << std::setw(14)
+              << r.step_ms << std::flush;
     try {
       const TrainResult t = train_result(train);
       std::cout << std::setw(12) << t.median_step_ms << std::setw(12) << mb(t.peak_rss_bytes) << "  ok\n";

@@ -92,7 +92,12 @@ struct JobSpec {
 struct Candidate {
   std::string strategy = "ddp";
   std::string hook = "none";
-  double bucket_cap_mb = 0;        // 0: the hook's default (hooks::default_bucket_cap_mb)
+  // 0: the hook's default (hooks::default_bucket_cap_mb). kChooseBucketCap (DDP and ZeRO-1, whose
+  // buckets `ddpkit train --bucket-cap-mb auto` tunes): of the caps that tuning tries, the one
+  // predicted fastest, kept over the default only when faster by the tuner's min_gain, as the tuner
+  // decides (ddp/online_tuning.h); the prediction carries the cap chosen.
+  double bucket_cap_mb = 0;
+  static constexpr double kChooseBucketCap = -1;
   int powersgd_rank = 4;
 };
 
