@@ -8,6 +8,7 @@
 #include <ddpkit/runtime/divergence_guard.h>
 
 #include <cmath>
+#include <future>
 
 namespace ddpkit {
 namespace {
@@ -210,6 +211,50 @@ TEST(ProcessGroup, CollectivesAcrossThreeRanks) {
     ProcessGroup::wait(pg->barrier());
     EXPECT_GT(pg->uses_shared_memory() ? pg->stats().shm_bytes_sent : pg->stats().bytes_sent, 0u);
   });
+}
+
+// Without shared memory, allgather and alltoall go over Gloo as one message per peer each way
+// (src/comm/gloo_exchange.cpp): every dtype as bytes, odd sizes, a strided output; a peer that
+// never sends is named within the group's timeout.
+TEST(ProcessGroup, GlooExchangesMoveEveryDtypeAndNameAMissingPeer) {
+  for (int world : {2, 3}) {
+    spawn_ranks_with(world, ProcessGroupOptions().shared_memory(false), [world](int rank, std::shared_ptr<ProcessGroup> pg) {
+      ASSERT_FALSE(pg->uses_shared_memory());
+      const int64_t n = 7;
+      for (auto dt : {at::kFloat, at::kHalf, at::kBFloat16, at::kByte, at::kLong, at::kBool}) {
+        auto values = [&](int64_t count, int64_t from, int who) {
+          at::Tensor v = at::arange(from, from + count, at::kLong) + 3 * who;
+          return dt == at::kBool ? (v % 2 == 0) : v.to(dt);
+        };
+        at::Tensor gathered = at::empty({world * n}, dt);
+        ProcessGroup::wait(pg->allgather_into_tensor(gathered, values(n, 0, rank)));
+        for (int r = 0; r < world; ++r)
+          EXPECT_TRUE(at::equal(gathered.narrow(0, r * n, n), values(n, 0, r))) << dt << " allgather from " << r;
+        at::Tensor out = at::empty({world * n}, dt);
+        at::Tensor strided = at::empty({world * n, 2}, dt).select(1, 0);
+        ASSERT_FALSE(strided.is_contiguous());
+        ProcessGroup::wait(pg->alltoall(out, values(world * n, 0, rank)));
+        ProcessGroup::wait(pg->alltoall(strided, values(world * n, 0, rank)));
+        for (int r = 0; r < world; ++r) {
+          EXPECT_TRUE(at::equal(out.narrow(0, r * n, n), values(n, rank * n, r))) << dt << " alltoall from " << r;
+          EXPECT_TRUE(at::equal(strided.narrow(0, r * n, n), values(n, rank * n, r))) << dt << " strided from " << r;
+        }
+      }
+    });
+  }
+  std::promise<void> rank0_done;
+  spawn_ranks_with(2, ProcessGroupOptions().shared_memory(false).timeout(std::chrono::milliseconds(500)),
+                   [&](int rank, std::shared_ptr<ProcessGroup> pg) {
+                     if (rank == 1) return rank0_done.get_future().wait();  // alive, but not calling
+                     const auto t0 = std::chrono::steady_clock::now();
+                     EXPECT_THAT(error_of([&] {
+                                   ProcessGroup::wait(pg->allgather_into_tensor(at::empty({20}), at::ones({10})));
+                                 }),
+                                 HasSubstr("allgather (40 B Float per rank) failed on rank 0 of 2: rank 1 sent "
+                                           "nothing within 500 ms"));
+                     EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(10));
+                     rank0_done.set_value();
+                   });
 }
 
 // fp16/bf16 SUM goes through alltoall + fp32 accumulation + allgather; odd sizes are padded.

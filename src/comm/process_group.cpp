@@ -150,10 +150,12 @@ ProcessGroup::ProcessGroup(c10::intrusive_ptr<c10d::Store> store, int rank, int 
   topology_ = discover_host_topology(*prefixed, "ddpkit/topology", rank_, world_size_, options_.timeout());
   setup_shared_memory(prefixed);
   sequencer_ = std::make_unique<JobThread>();
+  if (options_.backend() == "gloo") exchange_waiter_ = std::make_unique<JobThread>();
 }
 
 ProcessGroup::~ProcessGroup() {
-  sequencer_.reset();  // drains: its jobs may still hand work to the shm thread
+  sequencer_.reset();  // drains: its jobs may still hand work to the shm and exchange threads
+  exchange_waiter_.reset();
   shm_.reset();
 }
 
@@ -441,35 +443,6 @@ FuturePtr ProcessGroup::allgather_into_tensor(const at::Tensor& output, const at
   });
 }
 
-// Gloo allgather as one alltoall of the input replicated n times, received straight into the
-// output. Measured (bench/collective_bench, docs/compat.md): at 100 MB gathered it takes half the
-// time of Gloo's own allgather (list form, and 2.6's _allgather_base) on libtorch 1.13 and 2.6, and
-// it sends the same (n-1)/n of the gathered bytes. Moved as bytes, so every dtype travels (Gloo has
-// no bfloat16).
-void ProcessGroup::gloo_allgather(const at::Tensor& output, const at::Tensor& input, const FuturePtr& result) {
-  const std::string what = "allgather (" + describe_tensor(input) + " per rank)";
-  try {
-    const int64_t n = world_size_, m = input.numel();
-    const uint64_t bytes = bytes_of(input);
-    at::Tensor send = take_workspace(input.scalar_type(), n * m);
-    send.view({n, m}).copy_(input.reshape({1, m}).expand({n, m}));
-    count((n - 1) * bytes, (n - 1) * bytes);
-    at::Tensor send_bytes = send.view(at::kByte), recv_bytes = output.view({-1}).view(at::kByte);
-    std::vector<int64_t> equal;
-    c10d::AllToAllOptions ao;
-    ao.timeout = options_.timeout();
-    auto work = backend_->alltoall_base(recv_bytes, send_bytes, equal, equal, ao);
-    const int rank = rank_, world = world_size_;
-    work->getFuture()->addCallback([=](c10::ivalue::Future& f) {
-      give_workspace(send);  // the send buffer had to outlive the transfer
-      if (f.hasError()) return fail(result, what, rank, world, f.exception_ptr());
-      result->markCompleted(c10::IValue(output));
-    });
-  } catch (...) {
-    fail(result, what, rank_, world_size_, std::current_exception());
-  }
-}
-
 FuturePtr ProcessGroup::alltoall(const at::Tensor& output, const at::Tensor& input) {
   DDPKIT_CHECK(input.size(0) % world_size_ == 0, "alltoall: dim 0 (", input.size(0),
                ") must divide evenly among ", world_size_, " ranks");
@@ -484,9 +457,14 @@ FuturePtr ProcessGroup::alltoall(const at::Tensor& output, const at::Tensor& inp
                          shm_->domain->alltoall(in.data_ptr(), out.data_ptr(), bytes_of(in) / world_size_);
                        });
                      });
+  if (options_.backend() == "gloo" && input.device().is_cpu() && !input.is_sparse()) {
+    auto result = make_tensor_future(output.device());
+    post([this, output, input, result] { gloo_alltoall(output, input, result); });
+    return result;
+  }
   return issue("alltoall (" + describe_tensor(input) + ")", (n - 1) * bytes_of(input) / n, output,
                [this, output, input] {
-                 // Only bytes move: Gloo has no bfloat16, so 16-bit types travel as bytes.
+                 // Only bytes move: 16-bit types travel as bytes.
                  const bool half = input.scalar_type() == at::kHalf || input.scalar_type() == at::kBFloat16;
                  at::Tensor out = half ? output.view(at::kByte) : output, in = half ? input.view(at::kByte) : input;
                  std::vector<int64_t> equal;

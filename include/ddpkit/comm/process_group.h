@@ -177,8 +177,9 @@ class ProcessGroup {
   // chunks are exchanged in the low-precision type and summed in fp32 (see two_phase_allreduce).
   FuturePtr allreduce(const at::Tensor& tensor, c10d::ReduceOp op = c10d::ReduceOp::SUM);
   FuturePtr broadcast(const at::Tensor& tensor, int root);
-  // outputs[r] receives rank r's input; all shapes equal. On Gloo (CPU): one alltoall of the
-  // replicated input, which outran Gloo's allgather at 100 MB in 1.13 and 2.6 (docs/compat.md).
+  // outputs[r] receives rank r's input; all shapes equal. On Gloo (CPU), as on alltoall and
+  // reduce_scatter: one point-to-point message per peer each way, all at once, which outran Gloo's
+  // allgather and alltoall on loopback and on shaped links (src/comm/gloo_exchange.cpp).
   FuturePtr allgather(const std::vector<at::Tensor>& outputs, const at::Tensor& input);
   // The same into one contiguous tensor (torch's all_gather_into_tensor): block r of `output`
   // (world size x input's elements) receives rank r's input, with no copy through scratch where
@@ -232,7 +233,15 @@ class ProcessGroup {
   void check_two_phase(const TwoPhaseJob& job, const std::string& what) const;
   void run_two_phase(const std::shared_ptr<TwoPhaseJob>& job, const at::Tensor& value, const std::string& what,
                      const FuturePtr& result);
+  // Gloo point to point (src/comm/gloo_exchange.cpp). On the sequencer: posts, for every peer r,
+  // a send of sends[r] and a receive into recvs[r] (bytes) under a tag of this exchange's own.
+  // On the exchange thread: runs `during` (local work while the messages travel), waits for every
+  // message within the group's timeout, runs `after`, completes `result` with `value`.
+  void gloo_exchange(const std::vector<at::Tensor>& sends, const std::vector<at::Tensor>& recvs,
+                     const std::string& what, const at::Tensor& value, const FuturePtr& result,
+                     std::function<void()> during, std::function<void()> after);
   void gloo_allgather(const at::Tensor& output, const at::Tensor& input, const FuturePtr& result);
+  void gloo_alltoall(const at::Tensor& output, const at::Tensor& input, const FuturePtr& result);
   // Shared memory (src/comm/shm_domain.h): set up at construction, run on the group's shm thread.
   struct Shm;
   void setup_shared_memory(const c10::intrusive_ptr<c10d::Store>& store);
@@ -262,6 +271,8 @@ class ProcessGroup {
   std::unique_ptr<Shm> shm_;  // null: no shared memory
 
   std::unique_ptr<JobThread> sequencer_;
+  std::unique_ptr<JobThread> exchange_waiter_;  // Gloo: waits for point-to-point exchanges
+  uint32_t exchange_count_ = 0;                  // exchanges issued, on the sequencer
 
   std::mutex pool_mutex_;
   std::map<std::pair<int, int64_t>, std::vector<at::Tensor>> pool_;
