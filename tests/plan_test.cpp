@@ -154,6 +154,26 @@ TEST(Plan, AChosenBucketCapOverlapsALinkWithBackward) {
   EXPECT_THROW(predict(four_layers(), job, m, with("ddp", "none", -3)), c10::Error);
 }
 
+// A real one-rank run's peak, less what the accounting holds for it, is the model's activations:
+// planning that run again gives its peak back.
+TEST(Plan, ActivationsFromAPeakGiveThatPeakBack) {
+  ModelProfile m = four_layers();
+  const MachineConstants c = machine(2);
+  const int64_t P = m.param_bytes(), MiB = 1 << 20;
+  // SGD: process, data, parameters, gradients, momentum, and 5 MiB more.
+  EXPECT_EQ(activations_from_peak(m, c, "sgd", c.process_bytes + m.data_bytes + 3 * P + 5 * MiB), 5 * MiB);
+  // Adam: two moments, and two temporaries of the largest parameter (4 MiB) in its step.
+  EXPECT_EQ(activations_from_peak(m, c, "adam", c.process_bytes + m.data_bytes + 4 * P + 8 * MiB + 5 * MiB), 5 * MiB);
+  EXPECT_EQ(activations_from_peak(m, c, "sgd", 0), 0);  // never below nothing
+  m.activation_bytes = 5 * MiB;
+  JobSpec one;
+  one.world_size = 1;
+  const Prediction p = predict(m, one, c, with("ddp", "none"));
+  EXPECT_EQ(p.memory.process + p.memory.data + p.memory.parameters + p.memory.gradients + p.memory.optimizer_state +
+                p.memory.activations,
+            c.process_bytes + m.data_bytes + 3 * P + 5 * MiB);
+}
+
 TEST(Plan, ShardingDividesWhatEachRankHolds) {
   JobSpec job;
   job.world_size = 4;

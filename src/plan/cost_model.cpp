@@ -331,7 +331,23 @@ Prediction predict_choosing_bucket_cap(const ModelProfile& model, const JobSpec&
   return fastest.step_ms < by_default.step_ms * (1 - tuning.min_gain()) ? fastest : by_default;
 }
 
+// Adam's step makes two temporaries the size of the parameter it updates (the bias-corrected
+// square root and the update), the largest parameter's at the peak.
+double step_temporaries(const ModelProfile& model, const std::string& optimizer) {
+  int64_t largest_param = 0;
+  for (const auto& p : model.params) largest_param = std::max(largest_param, 4 * p.numel);
+  return optimizer == "sgd" ? 0 : 2.0 * static_cast<double>(largest_param);
+}
+
 }  // namespace
+
+int64_t activations_from_peak(const ModelProfile& model, const MachineConstants& machine, const std::string& optimizer,
+                              int64_t peak) {
+  const double P = static_cast<double>(model.param_bytes());
+  const double held = static_cast<double>(machine.process_bytes + model.data_bytes) + 2 * P +
+                      state_per_param(optimizer) * P + step_temporaries(model, optimizer);
+  return std::max<int64_t>(0, peak - static_cast<int64_t>(held));
+}
 
 Prediction predict(const ModelProfile& model, const JobSpec& job, const MachineConstants& machine,
                    const Candidate& candidate) {
@@ -381,11 +397,7 @@ Prediction predict(const ModelProfile& model, const JobSpec& job, const MachineC
   mem.activations = model.activation_bytes;
   mem.parameters = static_cast<int64_t>(P);
   const double state = state_per_param(job.optimizer) * P;
-  // Adam's step makes two temporaries the size of the parameter it updates (the bias-corrected
-  // square root and the update), the largest parameter's at the peak.
-  int64_t largest_param = 0;
-  for (const auto& p : model.params) largest_param = std::max(largest_param, 4 * p.numel);
-  const double step_temporaries = job.optimizer == "sgd" ? 0 : 2.0 * largest_param;
+  const double temporaries = step_temporaries(model, job.optimizer);
 
   if (ddp) {
     const auto buckets = ddp_buckets(model, c.bucket_cap_mb, scale);
@@ -412,7 +424,7 @@ Prediction predict(const ModelProfile& model, const JobSpec& job, const MachineC
     mem.gradients = static_cast<int64_t>(P);
     if (s == "ddp") {
       t.compute(optimizer_ms);
-      mem.optimizer_state = static_cast<int64_t>(state + step_temporaries);
+      mem.optimizer_state = static_cast<int64_t>(state + temporaries);
       // Buckets: summed in place in shared memory, each rank writes its peers' shares there;
       // else every bucket is a copy of the gradients, plus what the hook encodes into.
       const bool in_place = c.hook == "none" && world > 1 && job.hosts == 1;
@@ -431,7 +443,7 @@ Prediction predict(const ModelProfile& model, const JobSpec& job, const MachineC
       sync.cpu_ms += net.copy_ms(P * shard);
       t.issue(sync);
       t.wait_all();
-      mem.optimizer_state = static_cast<int64_t>(state * owned + step_temporaries);  // whole parameters per rank
+      mem.optimizer_state = static_cast<int64_t>(state * owned + temporaries);  // whole parameters per rank
       // zero1: the flat copies every broadcast fills; zero2: the padded gradient buckets and
       // the shards of the gradients, beside DDP's buckets.
       mem.communication = static_cast<int64_t>(s == "zero1" ? P * (world - 1) / world + P : 2 * P + P * shard);
@@ -491,7 +503,7 @@ Prediction predict(const ModelProfile& model, const JobSpec& job, const MachineC
     mem.parameters = static_cast<int64_t>(held);
     mem.gradients = static_cast<int64_t>(held);
     mem.optimizer_state = static_cast<int64_t>(state_per_param(job.optimizer) * held +
-                                               (sharded ? step_temporaries / shard_world : step_temporaries));
+                                               (sharded ? temporaries / shard_world : temporaries));
     // Gathered units: full_shard holds the unit computing and the one prefetched, and the flat
     // gradient; shard_grad_op keeps every gathered unit from forward to the end of backward;
     // no_shard's flat gradient per unit.

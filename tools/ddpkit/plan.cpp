@@ -34,8 +34,8 @@ const char* kPlanUsage = R"(usage: ddpkit plan [flags]
 Predicts, for each strategy and hook, the step time and peak memory per rank of a training job,
 and ranks them: those that fit --memory-limit-gb first, then the fastest. The model is the one
 `ddpkit train` would build from the same flags; it is profiled here (a few steps alone, with as
-many replicas at once as the job puts on a host's cores), and the machine's constants come from
---calibrate. docs/plan.md has the model, its inputs and how well it predicts.
+many replicas at once as the job puts on a host's cores, then 10 steps of one rank in a process of
+its own for its memory), and the machine's constants come from --calibrate. docs/plan.md has the model, its inputs and how well it predicts.
 
   --world-size N          ranks in all (default 2)
   --hosts H               hosts they are spread over, evenly (default 1)
@@ -245,10 +245,35 @@ plan::JobSpec job_of(const Flags& f) {
   return job;
 }
 
+std::vector<std::string> train_args(const std::vector<std::string>& args, const plan::JobSpec& job,
+                                    const plan::Candidate& c);
+
+// What a real training process of the model holds beyond the accounting's fixed parts: one rank
+// alone (`ddpkit train --nproc 1 --no-ddp`), its resident peak, as activations. The in-process
+// measure (plan::profile_model) sees a heap that loading and profiling have already grown: it
+// missed 40-64 MB of what fresh processes kept of the MLPs' and the CNN's steps here, and counted
+// 23 MB too many for the transformer. Null when that run fails (the in-process measure stays).
+std::optional<int64_t> activations_of_a_real_run(const std::vector<std::string>& args, const plan::JobSpec& job,
+                                                 const plan::ModelProfile& profile,
+                                                 const plan::MachineConstants& machine) {
+  std::vector<std::string> flags = train_args(args, job, plan::Candidate());
+  flags[1] = "1";  // --nproc
+  flags.insert(flags.end(), {"--no-ddp", "--steps", "10"});
+  try {
+    const TrainResult r = train_result(flags);
+    return plan::activations_from_peak(profile, machine, job.optimizer, r.peak_rss_bytes);
+  } catch (const std::exception& e) {
+    std::cerr << "ddpkit plan: one rank's training run failed, so activations are the profile's own measure ("
+              << e.what() << ")\n";
+    return std::nullopt;
+  }
+}
+
 // Profiles the model the flags name, with the job's other ranks on this host as busy replicas
-// (`args` are the flags they get); with `busy` set, this process is such a replica.
+// (`args` are the flags they get); with `busy` set, this process is such a replica. With
+// `machine`, the activations are then measured in a real run (activations_of_a_real_run).
 plan::ModelProfile profile_job(const Flags& f, const std::vector<std::string>& args, const plan::JobSpec& job,
-                               int machine_cores, bool busy) {
+                               int machine_cores, bool busy, const plan::MachineConstants* machine = nullptr) {
   const int batch = f.integer("batch-size"), min_unit = f.integer("fsdp-min-unit-params");
   // The data every rank holds: the heap loading it leaves in use; and the resident memory loading
   // adds, whose transient part (a gunzipped file, say) training reuses but which may be the peak.
@@ -306,6 +331,9 @@ plan::ModelProfile profile_job(const Flags& f, const std::vector<std::string>& a
   profile.batch = batch;
   profile.data_bytes = data_bytes;
   profile.data_load_bytes = data_load_bytes;
+  if (machine)
+    if (const auto activations = activations_of_a_real_run(args, job, profile, *machine))
+      profile.activation_bytes = *activations;
   return profile;
 }
 
@@ -327,7 +355,7 @@ plan::MachineConstants calibrate(const std::string& path) {
   const plan::JobSpec job = job_of(f);
   plan::JobSpec two_hosts = job;
   two_hosts.hosts = 2;
-  const plan::ModelProfile profile = profile_job(f, kCalibrationModel, job, m.cores, false);
+  const plan::ModelProfile profile = profile_job(f, kCalibrationModel, job, m.cores, false, &m);
   const double P = static_cast<double>(profile.param_bytes());
   for (const auto& c : plan::candidates(job)) {
     std::cerr << "ddpkit plan: measuring " << c.strategy << " / " << c.hook << "\n";
@@ -438,7 +466,7 @@ Planned make_plan(const Flags& f, const std::vector<std::string>& args, const st
                      "' (ddpkit plan --help lists them)");
   const plan::MachineConstants machine = load_or_calibrate(out.constants_path);
   if (f.str("describe").empty()) {
-    out.profile = profile_job(f, args, out.job, machine.cores, false);
+    out.profile = profile_job(f, args, out.job, machine.cores, false, &machine);
   } else {
     const std::optional<std::string> text = read_text(f.str("describe"));
     if (!text) throw UsageError("--describe: cannot read '" + f.str("describe") + "'");

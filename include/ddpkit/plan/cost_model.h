@@ -70,7 +70,7 @@ struct MachineConstants {
   // The memory accounting the extras were measured against (kMemoryModel when current): an
   // extra is a residual, so one measured against another accounting is refused, not misused.
   int memory_model = 0;
-  static constexpr int kMemoryModel = 3;
+  static constexpr int kMemoryModel = 4;
   std::string measured_on;          // host and date, for the record
 };
 
@@ -135,6 +135,14 @@ Prediction predict(const ModelProfile& model, const JobSpec& job, const MachineC
 // Every candidate, best first: those that fit before those that do not, then by step time.
 std::vector<Prediction> rank_candidates(const ModelProfile& model, const JobSpec& job, const MachineConstants& machine,
                                         const std::vector<Candidate>& list);
+
+// The activation_bytes at which the accounting of one rank training alone (no collectives) comes to
+// `peak`, the resident peak measured of such a run: what a real process holds beyond the process,
+// the data, the parameters, their gradients and the optimizer's state and step temporaries (the
+// step's transients and what the heap keeps of them, as well as what forward saves). Not below 0.
+// `ddpkit plan` measures the peak with `ddpkit train --nproc 1 --no-ddp`.
+int64_t activations_from_peak(const ModelProfile& model, const MachineConstants& machine, const std::string& optimizer,
+                              int64_t peak);
 
 // JSON, for --calibrate's file and for --json.
 std::string to_json(const MachineConstants& m);
