@@ -310,16 +310,24 @@ class DdpkitBackend : public compat::Backend {
   WorkPtr send(std::vector<at::Tensor>& tensors, int dst, int tag) override {
     one(tensors, "send");
     check_root(dst, "send");
+    check_tag(tag, "send");
     return pg_->backend().send(tensors, dst, tag);
   }
   WorkPtr recv(std::vector<at::Tensor>& tensors, int src, int tag) override {
     one(tensors, "recv");
     check_root(src, "recv");
+    check_tag(tag, "recv");
     return pg_->backend().recv(tensors, src, tag);
   }
   WorkPtr recvAnysource(std::vector<at::Tensor>& tensors, int tag) override {
     one(tensors, "recv");
+    check_tag(tag, "recv");
     return pg_->backend().recvAnysource(tensors, tag);
+  }
+  // Tags from ddpkit::ProcessGroup::kFirstInternalTag up are the backend's own allgathers and alltoalls.
+  static void check_tag(int tag, const char* op) {
+    DDPKIT_CHECK(tag >= 0 && tag < ddpkit::ProcessGroup::kFirstInternalTag, "ddpkit backend: ", op, " tag ", tag,
+                " is outside [0, ", ddpkit::ProcessGroup::kFirstInternalTag, "): larger tags are the backend's own");
   }
 
 #if DDPKIT_TORCH_AT_LEAST(2, 0)

@@ -337,6 +337,10 @@ def bad_input(rank, world):
     except Exception as e:  # noqa: BLE001
         errors["avg_int"] = str(e)
     try:
+        dist.send(torch.ones(3), 1 - rank, tag=0x5D000000)  # the backend's own tags
+    except Exception as e:  # noqa: BLE001
+        errors["tag"] = str(e)
+    try:
         dist.all_reduce(torch.ones(3 + rank))  # sizes differ across ranks
     except Exception as e:  # noqa: BLE001
         errors["sizes"] = str(e)
@@ -348,6 +352,7 @@ def test_bad_input_is_named_not_hung():
     for e in errors:
         assert "meta" in e["meta"].lower(), e
         assert "AVG needs a floating-point tensor" in e["avg_int"], e
+        assert "send tag 1560281088 is outside [0, 1560281088)" in e["tag"], e
         assert "sizes" in e and ("allreduce" in e["sizes"] or "all_reduce" in e["sizes"]), e
 
 

@@ -20,10 +20,11 @@ using detail::fail;
 
 namespace {
 
-// Point-to-point tags of the exchanges: a range of their own, apart from the small tags programs
-// use for their own send/recv on the same Gloo group. Every rank numbers its exchanges in issue
-// order (the sequencer's), so a tag names the same exchange on both ends of each message.
-constexpr uint32_t kExchangeTagBase = 0x5D000000u;
+// Point-to-point tags of the exchanges: a range of their own (ProcessGroup::kFirstInternalTag up),
+// apart from the small tags programs use for their own send/recv on the same Gloo group. Every
+// rank numbers its exchanges in issue order (the sequencer's), so a tag names the same exchange on
+// both ends of each message.
+constexpr uint32_t kExchangeTagBase = static_cast<uint32_t>(ProcessGroup::kFirstInternalTag);
 constexpr uint32_t kExchangeTags = 0x00FFFFFFu;
 
 at::Tensor as_bytes(const at::Tensor& t) { return t.reshape({-1}).view(at::kByte); }

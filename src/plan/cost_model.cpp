@@ -309,10 +309,6 @@ double state_per_param(const std::string& optimizer) {
   return 0;
 }
 
-}  // namespace
-
-namespace {
-
 // Candidate::kChooseBucketCap: each cap online tuning would try, predicted. The fastest that fits
 // (where the default fits) replaces the default only by the tuner's margin: a predicted gain
 // smaller than that would not survive the run's own trials either.

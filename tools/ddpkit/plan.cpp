@@ -35,7 +35,8 @@ Predicts, for each strategy and hook, the step time and peak memory per rank of 
 and ranks them: those that fit --memory-limit-gb first, then the fastest. The model is the one
 `ddpkit train` would build from the same flags; it is profiled here (a few steps alone, with as
 many replicas at once as the job puts on a host's cores, then 10 steps of one rank in a process of
-its own for its memory), and the machine's constants come from --calibrate. docs/plan.md has the model, its inputs and how well it predicts.
+its own for its memory), and the machine's constants come from --calibrate. docs/plan.md has the
+model, its inputs and how well it predicts.
 
   --world-size N          ranks in all (default 2)
   --hosts H               hosts they are spread over, evenly (default 1)

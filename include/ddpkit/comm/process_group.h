@@ -221,6 +221,9 @@ class ProcessGroup {
   // The underlying c10d backend, for collectives ddpkit does not wrap. Issuing on it directly
   // bypasses the ordering guarantee above.
   compat::Backend& backend() { return *backend_; }
+  // Point-to-point tags from here up carry ddpkit's own allgathers and alltoalls on Gloo: a
+  // program's send/recv on backend() must use smaller ones.
+  static constexpr int kFirstInternalTag = 0x5D000000;
 
  private:
   using Job = std::function<void()>;
