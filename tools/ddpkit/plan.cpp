@@ -90,18 +90,17 @@ std::optional<std::string> read_text(const std::string& path) {
   return text.str();
 }
 
-std::string gbit(double g) {
+// A number as a user writes it (25, 0.1): link speeds, bucket caps.
+std::string plain(double x) {
   std::ostringstream os;
-  os << g;
+  os << x;
   return os.str();
 }
 
 // A row's bucket cap; "-" where the strategy has no DDP buckets (FSDP).
 std::string cap_column(const plan::Candidate& c) {
   if (c.strategy != "ddp" && c.strategy != "zero1" && c.strategy != "zero2") return "-";
-  std::ostringstream os;
-  os << c.bucket_cap_mb;
-  return os.str();
+  return plain(c.bucket_cap_mb);
 }
 
 std::string mb(int64_t bytes) {
@@ -113,7 +112,7 @@ std::string mb(int64_t bytes) {
 Flags plan_flags(const std::vector<std::string>& args) {
   return Flags(args,
           with_model_flag_defaults({{"world-size", "2"}, {"hosts", "1"}, {"link-gbit", "10"}, {"cores-per-host", "0"},
-                                    {"memory-limit-gb", "0"}, {"strategy", ""}, {"hook", ""}, {"bucket-cap-mb", "0"},
+                                    {"memory-limit-gb", "0"}, {"strategy", ""}, {"hook", ""}, {"bucket-cap-mb", ""},
                                     {"powersgd-rank", "4"}, {"constants", ""}, {"profile-steps", "8"},
                                     {"describe", ""}, {"save-profile", ""}}),
           {"json", "calibrate", "busy-replica"});
@@ -126,11 +125,8 @@ std::vector<std::string> train_flags(const plan::Candidate& c) {
   else if (c.strategy != "ddp") out = {"--fsdp", c.strategy};
   if (c.hook != "none") out.insert(out.end(), {"--hook", c.hook});
   if ((c.strategy == "ddp" || c.strategy == "zero1") && c.bucket_cap_mb > 0 &&
-      c.bucket_cap_mb != hooks::default_bucket_cap_mb(c.hook)) {
-    std::ostringstream os;
-    os << c.bucket_cap_mb;
-    out.insert(out.end(), {"--bucket-cap-mb", os.str()});
-  }
+      c.bucket_cap_mb != hooks::default_bucket_cap_mb(c.hook))
+    out.insert(out.end(), {"--bucket-cap-mb", plain(c.bucket_cap_mb)});
   if (c.hook == "powersgd" && c.powersgd_rank != 4) out.insert(out.end(), {"--powersgd-rank", std::to_string(c.powersgd_rank)});
   return out;
 }
@@ -257,8 +253,9 @@ std::vector<std::string> train_args(const std::vector<std::string>& args, const 
 std::optional<int64_t> activations_of_a_real_run(const std::vector<std::string>& args, const plan::JobSpec& job,
                                                  const plan::ModelProfile& profile,
                                                  const plan::MachineConstants& machine) {
-  std::vector<std::string> flags = train_args(args, job, plan::Candidate());
-  flags[1] = "1";  // --nproc
+  plan::JobSpec one_rank = job;
+  one_rank.world_size = one_rank.hosts = 1;
+  std::vector<std::string> flags = train_args(args, one_rank, plan::Candidate());
   flags.insert(flags.end(), {"--no-ddp", "--steps", "10"});
   try {
     const TrainResult r = train_result(flags);
@@ -438,18 +435,17 @@ struct Planned {
   std::string constants_path;
 };
 
-// The --bucket-cap-mb given; without one, `cap_by_default` ("0": the hook's default, or "auto").
-double bucket_cap_of(const Flags& f, const std::vector<std::string>& args, const std::string& cap_by_default) {
-  bool given = false;
-  for (const auto& a : args) given = given || a == "--bucket-cap-mb" || a.rfind("--bucket-cap-mb=", 0) == 0;
-  const std::string cap = given ? f.str("bucket-cap-mb") : cap_by_default;
+// The --bucket-cap-mb given; without one, `cap_by_default` ("": the hook's default, or "auto").
+double bucket_cap_of(const Flags& f, const std::string& cap_by_default) {
+  const std::string cap = f.str("bucket-cap-mb").empty() ? cap_by_default : f.str("bucket-cap-mb");
+  if (cap.empty()) return 0;
   if (cap == "auto") return plan::Candidate::kChooseBucketCap;
-  const double mb = given ? f.real("bucket-cap-mb") : 0;
-  if (given && !(mb > 0)) throw UsageError("--bucket-cap-mb must be positive or auto, got '" + cap + "'");
+  const double mb = f.real("bucket-cap-mb");
+  if (!(mb > 0)) throw UsageError("--bucket-cap-mb must be positive or auto, got '" + cap + "'");
   return mb;
 }
 
-Planned make_plan(const Flags& f, const std::vector<std::string>& args, const std::string& cap_by_default = "0") {
+Planned make_plan(const Flags& f, const std::vector<std::string>& args, const std::string& cap_by_default = "") {
   Planned out;
   out.constants_path = f.str("constants").empty() ? default_constants_path() : f.str("constants");
   out.job = job_of(f);
@@ -458,7 +454,7 @@ Planned make_plan(const Flags& f, const std::vector<std::string>& args, const st
   for (auto c : plan::candidates(out.job)) {
     if (!f.str("strategy").empty() && c.strategy != f.str("strategy")) continue;
     if (!f.str("hook").empty() && c.hook != f.str("hook")) continue;
-    c.bucket_cap_mb = bucket_cap_of(f, args, cap_by_default);
+    c.bucket_cap_mb = bucket_cap_of(f, cap_by_default);
     c.powersgd_rank = f.integer("powersgd-rank");
     list.push_back(c);
   }
@@ -509,7 +505,7 @@ int run_plan(const std::vector<std::string>& args) {
   std::cout << "# " << (described ? profile.name + " (" + f.str("describe") + ")" : f.str("model")) << ": "
             << profile.params.size() << " tensors, " << std::fixed << std::setprecision(1)
             << static_cast<double>(profile.param_bytes()) / 4e6 << "M parameters; " << job.world_size << " ranks on "
-            << job.hosts << " host(s)" << (job.hosts > 1 ? " at " + gbit(job.link_gbit) + " Gbit/s" : "")
+            << job.hosts << " host(s)" << (job.hosts > 1 ? " at " + plain(job.link_gbit) + " Gbit/s" : "")
             << "; batch " << profile.batch << " per rank; " << job.optimizer << "\n";
   std::cout << (described ? "# described: forward " : "# measured alone: forward ") << std::setprecision(1) << profile.forward_ms << " ms, backward "
             << profile.backward_ms << " ms, optimizer " << profile.optimizer_ms << " ms (" << profile.concurrent
