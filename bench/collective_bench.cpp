@@ -281,7 +281,7 @@ int main(int argc, char** argv) {
             std::vector<at::Tensor> in{piece};
             c10d::AllgatherOptions o;
             o.timeout = ring->timeout();
-            return ring->backend().allgather(out, in, o);
+            return ring->with_backend([&](compat::Backend& b) { return b.allgather(out, in, o); });
           });
         });
         // reduce-scatter: elems in, elems/world out per rank; busbw (n-1)/n of the input.
@@ -293,7 +293,7 @@ int main(int argc, char** argv) {
           native([&] {
             c10d::ReduceScatterOptions o;
             o.timeout = ring->timeout();
-            return ring->backend()._reduce_scatter_base(shard, f, o);
+            return ring->with_backend([&](compat::Backend& b) { return b._reduce_scatter_base(shard, f, o); });
           });
         });
         at::Tensor flat_out = at::empty({elems});
@@ -301,7 +301,7 @@ int main(int argc, char** argv) {
           native([&] {
             c10d::AllgatherOptions o;
             o.timeout = ring->timeout();
-            return ring->backend()._allgather_base(flat_out, piece, o);
+            return ring->with_backend([&](compat::Backend& b) { return b._allgather_base(flat_out, piece, o); });
           });
         });
 #endif

@@ -246,6 +246,53 @@ TEST(FSDP, PrefetchSettingsGiveTheSameTrainingAndBoundTheUnitsGathered) {
   });
 }
 
+// Gradients are born in their unit's flat gradient: none of the units' is copied. Where autograd
+// makes temporaries of a parameter's size (batch 4 through 4x4 Linears: every activation gradient
+// is 16 floats, as each weight), they may take a weight's place: training is still exact.
+TEST(FSDP, GradientsAreBornInPlaceAndTemporariesOfTheirSizeChangeNothing) {
+  spawn_ranks(2, [&](int rank, std::shared_ptr<ProcessGroup> pg) {
+    Net net = make_net();
+    FullyShardedDataParallel<Net> fsdp(net, pg, FullyShardedDataParallelOptions().auto_wrap_policy(size_based_auto_wrap_policy(40)));
+    for (int step = 0; step < 2; ++step) {
+      fsdp.forward(input_of(step, rank), false).sum().backward();
+      // The root's own parameters (offset, head, unused) may be copied: its backward is not one run.
+      EXPECT_LE(fsdp.gradients_copied(), 3) << "step " << step;
+    }
+  });
+  auto square = [] { return testing::make_mlp(5, {4, 4, 4, 4, 4}); };  // four 4x4 Linears, ReLU between
+  auto batch = [](int step, int rank) { return seeded_randn({4, 4}, 90 + 10 * step + rank); };
+  std::map<std::string, at::Tensor> want;
+  {
+    auto model = square();
+    torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+    for (int step = 0; step < 3; ++step) {
+      opt.zero_grad();
+      model->forward(at::cat({batch(step, 0), batch(step, 1)})).pow(2).mean().backward();
+      opt.step();
+    }
+    for (const auto& p : model->named_parameters()) want[p.key()] = p.value().detach().clone();
+  }
+  spawn_ranks(2, [&](int rank, std::shared_ptr<ProcessGroup> pg) {
+    auto model = square();
+    FullyShardedDataParallel<torch::nn::Sequential> fsdp(
+        model, pg, FullyShardedDataParallelOptions().auto_wrap_policy(size_based_auto_wrap_policy(20)));
+    ASSERT_EQ(fsdp.units().size(), 5u);  // the root and each Linear
+    torch::optim::SGD opt(fsdp.parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+    for (int step = 0; step < 3; ++step) {
+      opt.zero_grad();
+      fsdp.forward(batch(step, rank)).pow(2).mean().backward();
+      // Temporaries took places (else this checks nothing the test above does not): their units'
+      // gradients went into a fresh block instead.
+      EXPECT_GT(fsdp.gradients_copied(), 0) << "step " << step;
+      opt.step();
+    }
+    std::map<std::string, at::Tensor> got;
+    const auto dict = fsdp.full_state_dict(/*rank0_only=*/false);
+    for (const auto& kv : dict.items()) got[kv.key()] = kv.value();
+    expect_close(got, want, 1e-6, "4x4 units, batch 4");
+  });
+}
+
 TEST(FSDP, UnitsAreFreedOutsideTheirCallsUnderFullShard) {
   spawn_ranks(2, [&](int rank, std::shared_ptr<ProcessGroup> pg) {
     Net net = make_net();

@@ -4,6 +4,7 @@
 #include <ddpkit/comm/host_topology.h>
 #include <ddpkit/optim/sgd.h>
 
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/serialize/archive.h>
 #include <ddpkit/runtime/divergence_guard.h>
 
@@ -216,6 +217,34 @@ TEST(ProcessGroup, CollectivesAcrossThreeRanks) {
 // Without shared memory, allgather and alltoall go over Gloo as one message per peer each way
 // (src/comm/gloo_exchange.cpp): every dtype as bytes, odd sizes, a strided output; a peer that
 // never sends is named within the group's timeout.
+// libtorch after 2.6 records every Gloo collective in one process-wide flight recorder that adds
+// each group to its table without a lock; ddpkit's calls into Gloo go one at a time, so groups
+// whose first collectives start together do not corrupt it (on libtorch 2.11 this crashed 5 runs
+// of the FSDP suite in 145 before they did; docs/threading.md, "Calls into Gloo").
+TEST(ProcessGroup, GroupsStartingTogetherCallGlooOneAtATime) {
+  constexpr int kWorld = 4, kGroups = 6;
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  spawn_ranks(kWorld, [&](int rank, std::shared_ptr<ProcessGroup> pg) {
+    std::vector<std::shared_ptr<ProcessGroup>> groups;
+    for (int g = 0; g < kGroups; ++g)
+      groups.push_back(std::make_shared<ProcessGroup>(
+          c10::make_intrusive<c10d::PrefixStore>("g" + std::to_string(g), store), rank, kWorld,
+          ProcessGroupOptions().gloo_hostname("127.0.0.1").shared_memory(false)));
+    ProcessGroup::wait(pg->barrier());
+    std::vector<at::Tensor> values;
+    std::vector<FuturePtr> sums;
+    for (int g = 0; g < kGroups; ++g) {
+      values.push_back(at::full({3}, static_cast<float>(rank + g)));
+      sums.push_back(groups[g]->allreduce(values.back()));
+    }
+    for (int g = 0; g < kGroups; ++g) {
+      ProcessGroup::wait(sums[g]);
+      EXPECT_TRUE(at::equal(values[g], at::full({3}, static_cast<float>(kWorld * g + kWorld * (kWorld - 1) / 2))))
+          << "group " << g;
+    }
+  });
+}
+
 TEST(ProcessGroup, GlooExchangesMoveEveryDtypeAndNameAMissingPeer) {
   for (int world : {2, 3}) {
     spawn_ranks_with(world, ProcessGroupOptions().shared_memory(false), [world](int rank, std::shared_ptr<ProcessGroup> pg) {

@@ -311,18 +311,18 @@ class DdpkitBackend : public compat::Backend {
     one(tensors, "send");
     check_root(dst, "send");
     check_tag(tag, "send");
-    return pg_->backend().send(tensors, dst, tag);
+    return pg_->with_backend([&](compat::Backend& b) { return b.send(tensors, dst, tag); });
   }
   WorkPtr recv(std::vector<at::Tensor>& tensors, int src, int tag) override {
     one(tensors, "recv");
     check_root(src, "recv");
     check_tag(tag, "recv");
-    return pg_->backend().recv(tensors, src, tag);
+    return pg_->with_backend([&](compat::Backend& b) { return b.recv(tensors, src, tag); });
   }
   WorkPtr recvAnysource(std::vector<at::Tensor>& tensors, int tag) override {
     one(tensors, "recv");
     check_tag(tag, "recv");
-    return pg_->backend().recvAnysource(tensors, tag);
+    return pg_->with_backend([&](compat::Backend& b) { return b.recvAnysource(tensors, tag); });
   }
   // Tags from ddpkit::ProcessGroup::kFirstInternalTag up are the backend's own allgathers and alltoalls.
   static void check_tag(int tag, const char* op) {
@@ -573,7 +573,7 @@ class DdpkitBackend : public compat::Backend {
       c10d::AllToAllOptions o;
       o.timeout = timeout;
       try {
-        pg->backend().alltoall_base(out, in, os, is, o)->wait();
+        pg->with_backend([&](compat::Backend& b) { return b.alltoall_base(out, in, os, is, o); })->wait();
       } catch (const std::exception& e) {
         throw std::runtime_error(what + ": " + e.what());
       }

@@ -45,8 +45,8 @@ void ProcessGroup::gloo_exchange(const std::vector<at::Tensor>& sends, const std
     for (int peer = 0; peer < world_size_; ++peer) {
       if (peer == rank_) continue;
       std::vector<at::Tensor> out{sends[peer]}, in{recvs[peer]};
-      messages.push_back({backend_->recv(in, peer, tag), peer, true});
-      messages.push_back({backend_->send(out, peer, tag), peer, false});
+      messages.push_back({with_backend([&](compat::Backend& b) { return b.recv(in, peer, tag); }), peer, true});
+      messages.push_back({with_backend([&](compat::Backend& b) { return b.send(out, peer, tag); }), peer, false});
     }
   } catch (...) {
     return fail(result, what, rank_, world_size_, std::current_exception());

@@ -83,6 +83,16 @@ void install_forwarding_allocator() {
 GradientArena::GradientArena(std::shared_ptr<shm::SharedBuffer> buffer, uint8_t* own, std::vector<size_t> block_bytes)
     : buffer_(std::move(buffer)), base_(own), capacity_(buffer_->bytes), sizes_(block_bytes.begin(), block_bytes.end()) {}
 
+GradientArena::GradientArena(std::shared_ptr<void> owner, uint8_t* base, size_t capacity, const std::vector<Place>& places)
+    : owner_(std::move(owner)), placed_(true), base_(base), capacity_(capacity) {
+  // Listed last first: the free list pops from its back, so equal sizes go out in list order.
+  for (auto it = places.rbegin(); it != places.rend(); ++it) {
+    if (it->bytes == 0 || it->offset + it->bytes > capacity_) continue;
+    sizes_.insert(it->bytes);
+    free_[it->bytes].push_back(it->offset);
+  }
+}
+
 GradientArena::~GradientArena() = default;
 
 void GradientArena::use(const std::shared_ptr<GradientArena>& arena) {
@@ -97,9 +107,18 @@ void GradientArena::use(const std::shared_ptr<GradientArena>& arena) {
 
 std::shared_ptr<GradientArena> GradientArena::in_use() { return current.lock(); }
 
+bool GradientArena::poisoned() const { return buffer_ && buffer_->poisoned.load(); }
+
 bool GradientArena::contains(const void* p) const {
   const auto* b = static_cast<const uint8_t*>(p);
   return b >= base_ && b < base_ + capacity_;
+}
+
+std::vector<const void*> GradientArena::blocks_in_use() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::vector<const void*> out;
+  for (const auto& [offset, size] : live_) out.push_back(base_ + offset);
+  return out;
 }
 
 size_t GradientArena::bytes_in_use() const {
@@ -111,12 +130,14 @@ size_t GradientArena::bytes_in_use() const {
 
 void* GradientArena::take(size_t n) {
   std::lock_guard<std::mutex> lock(mutex_);
-  if (retired_ || buffer_->poisoned.load()) return nullptr;
+  if (retired_ || poisoned()) return nullptr;
   size_t offset;
   auto it = free_.find(n);
   if (it != free_.end() && !it->second.empty()) {
     offset = it->second.back();
     it->second.pop_back();
+  } else if (placed_) {
+    return nullptr;  // every place of this size is taken
   } else {
     const size_t rounded = (n + kAlign - 1) / kAlign * kAlign;
     if (top_ + rounded > capacity_) return nullptr;  // full: the caller's allocator takes it
@@ -135,7 +156,7 @@ void GradientArena::give_back(void* p) {
     auto it = live_.find(offset);
     if (it == live_.end()) return;
     // After a failed collective a peer may still write here: such a block is never reused.
-    if (!buffer_->poisoned.load()) free_[it->second].push_back(offset);
+    if (!poisoned()) free_[it->second].push_back(offset);
     live_.erase(it);
     last = retired_ && live_.empty();
   }

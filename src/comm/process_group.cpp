@@ -167,6 +167,14 @@ TrafficScope::TrafficScope(int64_t key) : previous_(t_traffic_key) { t_traffic_k
 TrafficScope::~TrafficScope() { t_traffic_key = previous_; }
 int64_t TrafficScope::current() { return t_traffic_key; }
 
+std::unique_lock<std::mutex> ProcessGroup::backend_call_lock() const {
+  // Not NCCL's: its first collective on a group joins the peers' (a lock held across it would
+  // wait forever for rank threads of one process).
+  static std::mutex gloo_calls;
+  if (options_.backend() != "gloo") return {};
+  return std::unique_lock<std::mutex>(gloo_calls);
+}
+
 void ProcessGroup::post(Job job) {
   if (sequencer_->is_current()) {  // inside run_ordered: issue inline, in program order
     job();
@@ -334,7 +342,7 @@ FuturePtr ProcessGroup::allreduce(const at::Tensor& tensor, c10d::ReduceOp op) {
           c10d::AllreduceOptions o;
           o.reduceOp = op;
           o.timeout = options_.timeout();
-          works.push_back(backend_->allreduce(v, o));
+          works.push_back(with_backend([&](compat::Backend& b) { return b.allreduce(v, o); }));
         }
         remaining->store(static_cast<int>(works.size()));
         auto failed = std::make_shared<std::atomic<bool>>(false);
@@ -358,7 +366,7 @@ FuturePtr ProcessGroup::allreduce(const at::Tensor& tensor, c10d::ReduceOp op) {
     c10d::AllreduceOptions o;
     o.reduceOp = op;
     o.timeout = options_.timeout();
-    return backend_->allreduce(v, o);
+    return with_backend([&](compat::Backend& b) { return b.allreduce(v, o); });
   });
 }
 
@@ -376,7 +384,7 @@ FuturePtr ProcessGroup::broadcast(const at::Tensor& tensor, int root) {
                  c10d::BroadcastOptions o;
                  o.rootRank = root;
                  o.timeout = options_.timeout();
-                 return backend_->broadcast(v, o);
+                 return with_backend([&](compat::Backend& b) { return b.broadcast(v, o); });
                });
 }
 
@@ -395,7 +403,7 @@ FuturePtr ProcessGroup::allgather(const std::vector<at::Tensor>& outputs, const 
                    std::vector<at::Tensor> in{input};
                    c10d::AllgatherOptions o;
                    o.timeout = options_.timeout();
-                   return backend_->allgather(out, in, o);
+                   return with_backend([&](compat::Backend& b) { return b.allgather(out, in, o); });
                  });
   }
   // Gathered into pooled scratch, then copied out as local work once it lands.
@@ -439,7 +447,7 @@ FuturePtr ProcessGroup::allgather_into_tensor(const at::Tensor& output, const at
     at::Tensor out = output, in = input.contiguous();
     c10d::AllgatherOptions o;
     o.timeout = options_.timeout();
-    return backend_->_allgather_base(out, in, o);
+    return with_backend([&](compat::Backend& b) { return b._allgather_base(out, in, o); });
   });
 }
 
@@ -470,7 +478,7 @@ FuturePtr ProcessGroup::alltoall(const at::Tensor& output, const at::Tensor& inp
                  std::vector<int64_t> equal;
                  c10d::AllToAllOptions o;
                  o.timeout = options_.timeout();
-                 return backend_->alltoall_base(out, in, equal, equal, o);
+                 return with_backend([&](compat::Backend& b) { return b.alltoall_base(out, in, equal, equal, o); });
                });
 }
 
@@ -495,7 +503,7 @@ FuturePtr ProcessGroup::reduce_scatter(const at::Tensor& output, const at::Tenso
                    at::Tensor out = output, in = input;
                    c10d::ReduceScatterOptions o;
                    o.timeout = options_.timeout();
-                   return backend_->_reduce_scatter_base(out, in, o);
+                   return with_backend([&](compat::Backend& b) { return b._reduce_scatter_base(out, in, o); });
                  });
   }
   // Pooled: a fresh buffer of the input's size costs more in page faults than the local sum.
@@ -533,7 +541,7 @@ FuturePtr ProcessGroup::barrier() {
     std::vector<at::Tensor> v{t};
     c10d::AllreduceOptions o;
     o.timeout = options_.timeout();
-    return backend_->allreduce(v, o);
+    return with_backend([&](compat::Backend& b) { return b.allreduce(v, o); });
   });
 }
 

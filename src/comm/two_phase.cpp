@@ -168,7 +168,7 @@ void ProcessGroup::run_two_phase(const std::shared_ptr<TwoPhaseJob>& job, const 
       if (job->encode) job->encode(p);
       count(phase_bytes(job->send1), phase_bytes(job->send1));
       at::Tensor recv = block(job->recv1, p), send = block(job->send1, p);
-      first[p] = backend_->alltoall_base(recv, send, equal, equal, ao);
+      first[p] = with_backend([&](compat::Backend& b) { return b.alltoall_base(recv, send, equal, equal, ao); });
     };
     const int64_t window = 2;
     for (int64_t p = 0; p < std::min(window, pieces); ++p) send_first(p);
@@ -178,7 +178,7 @@ void ProcessGroup::run_two_phase(const std::shared_ptr<TwoPhaseJob>& job, const 
       job->reduce(p);
       count(phase_bytes(job->send2), phase_bytes(job->send2));
       at::Tensor recv = block(job->recv2, p), send = block(job->send2, p);
-      auto second = backend_->alltoall_base(recv, send, equal, equal, ao);
+      auto second = with_backend([&](compat::Backend& b) { return b.alltoall_base(recv, send, equal, equal, ao); });
       second->getFuture()->addCallback([job, p, progress, result, value, fail_once](c10::ivalue::Future& f) {
         if (f.hasError()) return fail_once(f.exception_ptr());
         if (progress->failed) return;

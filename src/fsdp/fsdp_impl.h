@@ -3,6 +3,7 @@
 // the unit computes. docs/fsdp.md describes the memory timeline and the order of collectives.
 #pragma once
 
+#include <ddpkit/comm/gradient_arena.h>
 #include <ddpkit/fsdp/fully_sharded_data_parallel.h>
 
 #include <torch/csrc/autograd/function.h>
@@ -75,6 +76,10 @@ struct FlatUnit {
   at::Tensor grad_out;   // [S], reduce dtype
   bool reduces_into_grad = false;  // grad_out becomes the shard's .grad
   FuturePtr reduce;
+  // CPU: the flat gradient, taken when the unit's backward begins, with a place per parameter
+  // that autograd's gradient of it is born in (GradientArena) while this unit's backward runs.
+  at::Tensor grad_block;
+  std::shared_ptr<GradientArena> grad_arena;
 };
 
 class FsdpImpl {
@@ -130,7 +135,11 @@ class FsdpImpl {
   std::shared_ptr<int> alive = std::make_shared<int>(0);  // hooks hold it weakly
   int gathered_units = 0;  // gathered or gathering, root and aliases excluded
   BufferPool pool;
+  // The arena autograd's allocations on this thread go to between FSDP's hooks (the unit whose
+  // backward runs); FSDP's own allocations in its hooks never do (OwnAllocations).
+  std::shared_ptr<GradientArena> active_arena;
   int max_gathered = 0;
+  int gradients_copied = 0, copied_this_backward = 0;
 
  private:
   void build_units();
@@ -154,6 +163,9 @@ class FsdpImpl {
   void register_pre_backward(int unit, const std::vector<at::Tensor>& outputs);
   void queue_finish_backward();
   void launch_reduce(FlatUnit& u);
+  void prepare_gradient_places(FlatUnit& u);
+  at::Tensor take_gradient_block(FlatUnit& u);
+  void stop_gradient_places();
   void check_forward_order();
   std::string failure_context() const;
   int failed_in_unit_ = -1;

@@ -8,10 +8,33 @@
 
 #include <algorithm>
 #include <mutex>
+#include <set>
 #include <sstream>
 
 namespace ddpkit {
 namespace detail {
+
+namespace {
+
+// FSDP's own buffers, allocated in its autograd hooks, never come from the arena of the unit whose
+// backward runs (a block of a parameter's size would take that parameter's place); the arena is
+// back in use, or the one the hook chose, when the hook returns.
+class OwnAllocations {
+ public:
+  explicit OwnAllocations(FsdpImpl& impl) : impl_(impl) {
+    if (impl_.active_arena) GradientArena::use(nullptr);
+  }
+  ~OwnAllocations() {
+    if (impl_.active_arena) GradientArena::use(impl_.active_arena);
+  }
+  OwnAllocations(const OwnAllocations&) = delete;
+  OwnAllocations& operator=(const OwnAllocations&) = delete;
+
+ private:
+  FsdpImpl& impl_;
+};
+
+}  // namespace
 
 // ---- gathering ----
 
@@ -96,6 +119,7 @@ void FsdpImpl::root_pre_forward() {
   DDPKIT_CHECK(t_active == nullptr, "FullyShardedDataParallel: forward called inside another FullyShardedDataParallel's "
                "forward: nest units with unit_modules/auto_wrap_policy instead of nesting instances");
   if (backward_queued) finish_backward();  // not expected; keeps state consistent
+  stop_gradient_places();                  // a backward that stopped half way
   // A forward whose backward never ran (evaluation with gradients on, or an exception) leaves
   // units gathered: free them.
   for (auto& u : units) {
@@ -222,16 +246,68 @@ void FsdpImpl::unit_pre_backward(int unit) {
   queue_finish_backward();
   FlatUnit& u = units[unit];
   if (u.used_in_backward) return;
+  OwnAllocations own(*this);
   u.used_in_backward = true;
   gather_now(u);
   if (options.backward_prefetch() == BackwardPrefetch::kBackwardPre) {
     const int pos = position_in_order[unit];
     if (pos > 0) prefetch(forward_order[pos - 1]);
   }
+  prepare_gradient_places(u);
+}
+
+// The unit's flat gradient, taken as its backward begins, with a place per parameter: autograd's
+// gradient of each is born there while this unit's backward runs (until the next unit's begins),
+// so the reduce-scatter reads it where it lies instead of from a copy. CPU only (the CUDA caching
+// allocator is not ours to steer), and only where the gradients' dtype is the reduction's.
+void FsdpImpl::prepare_gradient_places(FlatUnit& u) {
+  if (!device.is_cpu() || !require_sync || !u.trainable || u.numel == 0 || compute_dtype != reduce_dtype ||
+      u.grad_arena)
+    return;
+  u.grad_block = pool.take(u.shard_numel * shard_world, reduce_dtype, device);
+  const size_t elt = c10::elementSize(reduce_dtype);
+  std::vector<GradientArena::Place> places;
+  for (const auto& fp : u.params)
+    places.push_back({static_cast<size_t>(fp.numel) * elt, static_cast<size_t>(fp.offset) * elt});
+  u.grad_arena = std::make_shared<GradientArena>(std::make_shared<at::Tensor>(u.grad_block),
+                                                 static_cast<uint8_t*>(u.grad_block.data_ptr()),
+                                                 static_cast<size_t>(u.grad_block.nbytes()), places);
+  active_arena = u.grad_arena;  // in use from when this hook returns (OwnAllocations)
+}
+
+// The block the unit's gradients were born in, unless something else autograd allocated at a
+// parameter's size still lives there (it must not be overwritten): then a fresh one.
+at::Tensor FsdpImpl::take_gradient_block(FlatUnit& u) {
+  at::Tensor block;
+  if (u.grad_arena) {
+    std::set<const void*> gradients;
+    for (const auto& fp : u.params)
+      if (fp.grad_in) gradients.insert(fp.param.grad().data_ptr());
+    bool only_gradients = true;
+    for (const void* p : u.grad_arena->blocks_in_use()) only_gradients = only_gradients && gradients.count(p) > 0;
+    u.grad_arena->retire();
+    if (active_arena == u.grad_arena) active_arena.reset();
+    if (only_gradients) block = u.grad_block;
+    u.grad_arena.reset();
+    u.grad_block = at::Tensor();
+  }
+  return block.defined() ? block : pool.take(u.shard_numel * shard_world, reduce_dtype, device);
+}
+
+void FsdpImpl::stop_gradient_places() {
+  if (active_arena && GradientArena::in_use() == active_arena) GradientArena::use(nullptr);
+  active_arena.reset();
+  for (auto& u : units) {
+    if (!u.grad_arena) continue;
+    u.grad_arena->retire();
+    u.grad_arena.reset();
+    u.grad_block = at::Tensor();
+  }
 }
 
 void FsdpImpl::param_grad_ready(int unit, int param) {
   if (!require_sync) return;  // no_sync: the unsharded gradient stays in .grad
+  OwnAllocations own(*this);
   FlatUnit& u = units[unit];
   FlatParam& fp = u.params[param];
   if (!fp.param.grad().defined() || fp.grad_in) return;
@@ -251,15 +327,32 @@ void FsdpImpl::launch_reduce(FlatUnit& u) {
   if (u.reduce_launched) return;
   u.reduce_launched = true;
   torch::NoGradGuard no_grad;
-  at::Tensor grad_flat = pool.take(u.shard_numel * shard_world, reduce_dtype, device);
-  // Gradients that never came (parameters unused this step) and the padding are zeros; the
-  // unsharded gradients are not kept.
-  for (auto& fp : u.params) {
+  at::Tensor grad_flat = take_gradient_block(u);
+  // The unsharded gradients are not kept. One born in its place is there already. One born in
+  // another's place (a parameter of the same size), or laid out otherwise, is moved out before any
+  // place is written, so that filling the places in turn overwrites none of them.
+  const auto* base = static_cast<const uint8_t*>(grad_flat.data_ptr());
+  const auto* end = base + grad_flat.nbytes();
+  const size_t elt = c10::elementSize(reduce_dtype);
+  std::vector<at::Tensor> to_copy(u.params.size());
+  for (size_t i = 0; i < u.params.size(); ++i) {
+    FlatParam& fp = u.params[i];
+    if (!fp.grad_in) continue;
+    at::Tensor g = fp.param.grad();
+    fp.param.mutable_grad() = at::Tensor();
+    const auto* at = static_cast<const uint8_t*>(g.data_ptr());
+    if (at == base + static_cast<size_t>(fp.offset) * elt && g.is_contiguous() && g.scalar_type() == reduce_dtype)
+      continue;
+    to_copy[i] = at >= base && at < end ? g.clone() : g;
+  }
+  // Gradients that never came (parameters unused this step) and the padding are zeros.
+  for (size_t i = 0; i < u.params.size(); ++i) {
+    FlatParam& fp = u.params[i];
     at::Tensor flat = grad_flat.narrow(0, fp.offset, fp.numel);
-    if (fp.grad_in) {
-      flat.copy_(fp.param.grad().reshape({-1}));
-      fp.param.mutable_grad() = at::Tensor();
-    } else {
+    if (to_copy[i].defined()) {
+      flat.copy_(to_copy[i].reshape({-1}));
+      ++copied_this_backward;
+    } else if (!fp.grad_in) {
       flat.zero_();
     }
   }
@@ -284,6 +377,7 @@ void FsdpImpl::launch_reduce(FlatUnit& u) {
 }
 
 void FsdpImpl::finish_backward() {
+  OwnAllocations own(*this);
   struct Reset {
     FsdpImpl* self;
     ~Reset() {
@@ -313,6 +407,9 @@ void FsdpImpl::finish_backward() {
       if (u.grads_in > 0 && !u.reduce_launched) launch_reduce(u);
     }
   }
+  stop_gradient_places();  // units that got no gradient on this rank
+  gradients_copied = copied_this_backward;
+  copied_this_backward = 0;
   for (auto& u : units) reshard(u);
   if (!require_sync) return;
   // Hybrid: each host's average is averaged across hosts, launched in unit order from this thread.

@@ -145,6 +145,7 @@ FsdpImpl::~FsdpImpl() {
       }
     }
   }
+  stop_gradient_places();
   unwrap_sequential_children();
   if (t_active == this) t_active = nullptr;
 }
@@ -515,6 +516,7 @@ const FullyShardedDataParallelOptions& FullyShardedDataParallelBase::options() c
 bool FullyShardedDataParallelBase::require_backward_grad_sync() const { return impl_->require_sync; }
 NoSyncGuard FullyShardedDataParallelBase::no_sync() { return NoSyncGuard(impl_->require_sync); }
 int FullyShardedDataParallelBase::max_units_gathered() const { return impl_->max_gathered; }
+int FullyShardedDataParallelBase::gradients_copied() const { return impl_->gradients_copied; }
 
 at::Tensor FullyShardedDataParallelBase::cast_input(const at::Tensor& t) const { return impl_->cast_input(t); }
 

@@ -1,10 +1,12 @@
-// Memory for DDP's gradients that every rank on the host maps (docs/shared_memory.md,
-// "Gradients born in shared memory"). While an arena is in use on a thread, CPU allocations of
-// exactly one of its block sizes come from it (as long as it has room): autograd's gradient of a
-// parameter of that size is then born where the peers can read it and write their shares of the
-// sum into it, so the bucket's allreduce copies nothing. Everything else, and everything on other
-// threads, comes from the CPU allocator that was installed before (ddpkit installs a forwarding
-// allocator once, the first time an arena is made).
+// Memory that autograd's gradients are born in. While an arena is in use on a thread, CPU
+// allocations of exactly one of its block sizes come from it (as long as it has room); everything
+// else, and everything on other threads, comes from the CPU allocator that was installed before
+// (ddpkit installs a forwarding allocator once, the first time an arena is made). Two kinds:
+// - DDP's (docs/shared_memory.md, "Gradients born in shared memory"): over memory every rank on
+//   the host maps, blocks anywhere in it: a parameter's gradient is born where the peers can read
+//   it and write their shares of the sum into it, so the bucket's allreduce copies nothing.
+// - FSDP's (docs/fsdp.md): a unit's flat gradient with one place per parameter, at its offset:
+//   a gradient born in its place is already where the reduce-scatter reads it.
 #pragma once
 
 #include <cstddef>
@@ -25,6 +27,12 @@ class GradientArena : public std::enable_shared_from_this<GradientArena> {
   // Over this rank's memory `own` of `buffer` (ProcessGroup::gradient_arena makes them), serving
   // blocks of exactly these sizes.
   GradientArena(std::shared_ptr<shm::SharedBuffer> buffer, uint8_t* own, std::vector<size_t> block_bytes);
+  // Over `capacity` bytes at `base` (kept alive by `owner` while any block is out), serving only
+  // these places, each to one allocation at a time.
+  struct Place {
+    size_t bytes = 0, offset = 0;
+  };
+  GradientArena(std::shared_ptr<void> owner, uint8_t* base, size_t capacity, const std::vector<Place>& places);
   ~GradientArena();
   GradientArena(const GradientArena&) = delete;
   GradientArena& operator=(const GradientArena&) = delete;
@@ -35,6 +43,8 @@ class GradientArena : public std::enable_shared_from_this<GradientArena> {
   static std::shared_ptr<GradientArena> in_use();
 
   bool contains(const void* p) const;
+  // The addresses of the blocks handed out and not yet freed.
+  std::vector<const void*> blocks_in_use() const;
   size_t capacity() const { return capacity_; }
   size_t bytes_in_use() const;
   // The owner lets go: the arena goes once its last block is freed.
@@ -47,7 +57,10 @@ class GradientArena : public std::enable_shared_from_this<GradientArena> {
 
  private:
   static constexpr size_t kAlign = 4096;
-  std::shared_ptr<shm::SharedBuffer> buffer_;
+  bool poisoned() const;  // DDP's: a failed collective may still write into the buffer
+  std::shared_ptr<shm::SharedBuffer> buffer_;  // DDP's; null for places
+  std::shared_ptr<void> owner_;                 // places: what keeps their memory alive
+  bool placed_ = false;                         // serves its places only, never above them
   uint8_t* base_ = nullptr;
   size_t capacity_ = 0;
   std::unordered_set<size_t> sizes_;

@@ -218,16 +218,25 @@ class ProcessGroup {
   CommStats traffic(int64_t key) const;
   void reset_stats();
 
-  // The underlying c10d backend, for collectives ddpkit does not wrap. Issuing on it directly
-  // bypasses the ordering guarantee above.
-  compat::Backend& backend() { return *backend_; }
+  // Calls f(backend) with the underlying c10d backend, for collectives ddpkit does not wrap
+  // (issuing on it directly bypasses the ordering guarantee above). Every call into a Gloo
+  // backend goes through here, one at a time across the process: libtorch's Gloo records each
+  // collective in one process-wide flight recorder whose table of groups it fills without a lock
+  // (PyTorch 2.8 and later), so two groups' first collectives at once corrupt it
+  // (docs/threading.md, "Calls into Gloo"). Gloo's calls only enqueue; none waits.
+  template <typename F>
+  auto with_backend(F&& f) -> decltype(f(std::declval<compat::Backend&>())) {
+    std::unique_lock<std::mutex> lock = backend_call_lock();
+    return f(*backend_);
+  }
   // Point-to-point tags from here up carry ddpkit's own allgathers and alltoalls on Gloo: a
-  // program's send/recv on backend() must use smaller ones.
+  // program's send/recv through with_backend() must use smaller ones.
   static constexpr int kFirstInternalTag = 0x5D000000;
 
  private:
   using Job = std::function<void()>;
   void post(Job job);
+  std::unique_lock<std::mutex> backend_call_lock() const;  // held for Gloo, empty otherwise
   // Issues `op` on the sequencer and completes `result` with `value` when the Work completes.
   FuturePtr issue(const std::string& what, uint64_t bus_bytes, const at::Tensor& value,
                   std::function<c10::intrusive_ptr<c10d::Work>()> op);

@@ -187,6 +187,9 @@ class FullyShardedDataParallelBase {
   bool require_backward_grad_sync() const;
   // The largest number of units gathered at once so far (limit_all_gathers keeps it at 2 + root).
   int max_units_gathered() const;
+  // The last backward's gradients that were copied into their unit's flat gradient, rather than
+  // born in place there (CPU; docs/fsdp.md, "Gradients born in place").
+  int gradients_copied() const;
 
   // Runs `forward` (a callable returning the module's output) as the root unit's forward: the
   // root is gathered, units called inside are gathered and freed around their calls.
