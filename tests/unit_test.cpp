@@ -259,6 +259,12 @@ TEST(ProcessGroup, GlooExchangesMoveEveryDtypeAndNameAMissingPeer) {
         ProcessGroup::wait(pg->allgather_into_tensor(gathered, values(n, 0, rank)));
         for (int r = 0; r < world; ++r)
           EXPECT_TRUE(at::equal(gathered.narrow(0, r * n, n), values(n, 0, r))) << dt << " allgather from " << r;
+        // The list form receives into each output, a strided one through a copy.
+        std::vector<at::Tensor> list;
+        for (int r = 0; r < world; ++r) list.push_back(r == 1 ? at::empty({n, 2}, dt).select(1, 0) : at::empty({n}, dt));
+        ProcessGroup::wait(pg->allgather(list, values(n, 0, rank)));
+        for (int r = 0; r < world; ++r)
+          EXPECT_TRUE(at::equal(list[r], values(n, 0, r))) << dt << " list allgather from " << r;
         at::Tensor out = at::empty({world * n}, dt);
         at::Tensor strided = at::empty({world * n, 2}, dt).select(1, 0);
         ASSERT_FALSE(strided.is_contiguous());

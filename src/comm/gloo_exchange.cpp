@@ -78,20 +78,37 @@ void ProcessGroup::gloo_exchange(const std::vector<at::Tensor>& sends, const std
   });
 }
 
-void ProcessGroup::gloo_allgather(const at::Tensor& output, const at::Tensor& input, const FuturePtr& result) {
+void ProcessGroup::gloo_allgather(const std::vector<at::Tensor>& outputs, const at::Tensor& input,
+                                  const at::Tensor& value, const FuturePtr& result) {
   const std::string what = "allgather (" + describe_tensor(input) + " per rank)";
   const int64_t n = world_size_;
   const int64_t bytes = static_cast<int64_t>(bytes_of(input));
-  const at::Tensor in = as_bytes(input.contiguous()), out = as_bytes(output);
+  const at::Tensor in = as_bytes(input.contiguous());
+  // Each block is received where it lands when its output is contiguous, else into a copy put back
+  // at the end.
+  std::vector<at::Tensor> landings(n);
+  std::vector<std::pair<at::Tensor, at::Tensor>> put_back;
+  for (int64_t r = 0; r < n; ++r) {
+    landings[r] = outputs[r];
+    if (!outputs[r].is_contiguous()) {
+      landings[r] = at::empty_like(outputs[r], at::MemoryFormat::Contiguous);
+      put_back.emplace_back(outputs[r], landings[r]);
+    }
+  }
   std::vector<at::Tensor> sends(n), recvs(n);
   for (int64_t r = 0; r < n; ++r) {
     if (r == rank_) continue;
     sends[r] = in;
-    recvs[r] = out.narrow(0, r * bytes, bytes);
+    recvs[r] = as_bytes(landings[r]);
   }
   count((n - 1) * bytes, (n - 1) * bytes);
-  const at::Tensor mine = out.narrow(0, rank_ * bytes, bytes);
-  gloo_exchange(sends, recvs, what, output, result, [mine, in] { mine.copy_(in); }, nullptr);
+  const at::Tensor mine = as_bytes(landings[rank_]);
+  std::function<void()> after;
+  if (!put_back.empty())
+    after = [put_back] {
+      for (const auto& [output, landing] : put_back) output.copy_(landing);
+    };
+  gloo_exchange(sends, recvs, what, value, result, [mine, in] { mine.copy_(in); }, std::move(after));
 }
 
 void ProcessGroup::gloo_alltoall(const at::Tensor& output, const at::Tensor& input, const FuturePtr& result) {

@@ -406,16 +406,23 @@ FuturePtr ProcessGroup::allgather(const std::vector<at::Tensor>& outputs, const 
                    return with_backend([&](compat::Backend& b) { return b.allgather(out, in, o); });
                  });
   }
-  // Gathered into pooled scratch, then copied out as local work once it lands.
+  if (world_size_ > 1 && options_.backend() == "gloo" && input.device().is_cpu() && !input.is_sparse() &&
+      !shm_takes(input)) {
+    auto result = make_tensor_future(input.device());
+    post([this, outputs, input, result] { gloo_allgather(outputs, input, input, result); });
+    return result;
+  }
+  // Where ranks share memory: gathered into pooled scratch, then copied out as local work once it
+  // lands.
   const int64_t m = input.numel();
   at::Tensor all = take_workspace(input.scalar_type(), m * world_size_);
   return allgather_into_tensor(all, input)->then(
-      [this, outputs, all, m](c10::ivalue::Future& f) -> c10::IValue {
+      [this, outputs, input, all, m](c10::ivalue::Future& f) -> c10::IValue {
         f.value();  // rethrows the collective's error
         for (size_t k = 0; k < outputs.size(); ++k)
           outputs[k].copy_(all.narrow(0, static_cast<int64_t>(k) * m, m).view(outputs[k].sizes()));
         give_workspace(all);
-        return f.value();
+        return c10::IValue(input);
       },
       c10::TensorType::get());
 }
@@ -440,7 +447,12 @@ FuturePtr ProcessGroup::allgather_into_tensor(const at::Tensor& output, const at
   }
   if (options_.backend() == "gloo" && input.device().is_cpu() && !input.is_sparse()) {
     auto result = make_tensor_future(input.device());
-    post([this, output, input, result] { gloo_allgather(output, input, result); });
+    post([this, output, input, result] {
+      const int64_t m = input.numel();
+      std::vector<at::Tensor> blocks;
+      for (int64_t r = 0; r < world_size_; ++r) blocks.push_back(output.view({-1}).narrow(0, r * m, m));
+      gloo_allgather(blocks, input, output, result);
+    });
     return result;
   }
   return issue(what, (n - 1) * bytes_of(input), output, [this, output, input] {

@@ -316,7 +316,7 @@ Prediction predict_choosing_bucket_cap(const ModelProfile& model, const JobSpec&
                                        Candidate c) {
   c.bucket_cap_mb = 0;
   const Prediction by_default = predict(model, job, machine, c);
-  if (c.strategy != "ddp" && c.strategy != "zero1") return by_default;
+  if (!c.has_bucket_cap()) return by_default;
   const OnlineTuningOptions tuning = default_online_tuning(/*bucket_caps=*/true, /*pieces=*/false);
   Prediction fastest = by_default;
   for (const double cap : tuning.bucket_caps_mb()) {

@@ -124,7 +124,7 @@ std::vector<std::string> train_flags(const plan::Candidate& c) {
   if (c.strategy == "zero1" || c.strategy == "zero2") out = {"--zero", c.strategy.substr(4)};
   else if (c.strategy != "ddp") out = {"--fsdp", c.strategy};
   if (c.hook != "none") out.insert(out.end(), {"--hook", c.hook});
-  if ((c.strategy == "ddp" || c.strategy == "zero1") && c.bucket_cap_mb > 0 &&
+  if (c.has_bucket_cap() && c.bucket_cap_mb > 0 &&
       c.bucket_cap_mb != hooks::default_bucket_cap_mb(c.hook))
     out.insert(out.end(), {"--bucket-cap-mb", plain(c.bucket_cap_mb)});
   if (c.hook == "powersgd" && c.powersgd_rank != 4) out.insert(out.end(), {"--powersgd-rank", std::to_string(c.powersgd_rank)});

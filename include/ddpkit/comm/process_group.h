@@ -179,7 +179,8 @@ class ProcessGroup {
   FuturePtr broadcast(const at::Tensor& tensor, int root);
   // outputs[r] receives rank r's input; all shapes equal. On Gloo (CPU), as on alltoall and
   // reduce_scatter: one point-to-point message per peer each way, all at once, which outran Gloo's
-  // allgather and alltoall on loopback and on shaped links (src/comm/gloo_exchange.cpp).
+  // allgather and alltoall on loopback and on shaped links (src/comm/gloo_exchange.cpp); each
+  // contiguous output receives its block where it lies. The future's value is `input`.
   FuturePtr allgather(const std::vector<at::Tensor>& outputs, const at::Tensor& input);
   // The same into one contiguous tensor (torch's all_gather_into_tensor): block r of `output`
   // (world size x input's elements) receives rank r's input, with no copy through scratch where
@@ -252,7 +253,9 @@ class ProcessGroup {
   void gloo_exchange(const std::vector<at::Tensor>& sends, const std::vector<at::Tensor>& recvs,
                      const std::string& what, const at::Tensor& value, const FuturePtr& result,
                      std::function<void()> during, std::function<void()> after);
-  void gloo_allgather(const at::Tensor& output, const at::Tensor& input, const FuturePtr& result);
+  // outputs[r] receives rank r's input; completes `result` with `value`.
+  void gloo_allgather(const std::vector<at::Tensor>& outputs, const at::Tensor& input, const at::Tensor& value,
+                      const FuturePtr& result);
   void gloo_alltoall(const at::Tensor& output, const at::Tensor& input, const FuturePtr& result);
   // Shared memory (src/comm/shm_domain.h): set up at construction, run on the group's shm thread.
   struct Shm;

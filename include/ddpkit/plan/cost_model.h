@@ -99,6 +99,8 @@ struct Candidate {
   double bucket_cap_mb = 0;
   static constexpr double kChooseBucketCap = -1;
   int powersgd_rank = 4;
+  // DDP and ZeRO-1 reduce in buckets whose cap is chosen and given to `ddpkit train`.
+  bool has_bucket_cap() const { return strategy == "ddp" || strategy == "zero1"; }
 };
 
 struct MemoryBreakdown {
