@@ -2,7 +2,7 @@
 """`ddpkit plan`'s predictions against measured `ddpkit train` steps (issue 33, docs/plan.md).
 
   bench/plan_validation.py DDPKIT [--only NAME,...] [--steps N] [--out FILE] [--max-step-error X]
-                           [--max-memory-error X] [--constants FILE]
+                           [--max-memory-error X] [--constants FILE] [--describe PREFIX=FILE]
 
 For each configuration: `ddpkit plan --json` predicts the step time and peak memory per rank of
 exactly that job (same model, world size, strategy, hook, bucket cap, batch, optimizer), then
@@ -10,6 +10,10 @@ exactly that job (same model, world size, strategy, hook, bucket cap, batch, opt
 resident memory. Prints one row per configuration with both and the relative errors, and exits 1
 when any error is beyond the limits (default 20 % step, 10 % memory): the test that fails when the
 model drifts (ctest plan.validation runs a fixed subset).
+
+With --describe (e.g. mlp25=bench/described/mlp25.json), configurations named PREFIX-... are
+predicted from that description of their model (`ddpkit plan --describe`: shapes and GFLOP, no
+profile) and measured as usual: the check of a described model against the real one.
 
 Measured steps on this 2-core VM vary by up to +-40 % between runs of the same job; each job is
 run once, after one warm-up job that is not scored.
@@ -168,11 +172,25 @@ class Hosts:
         return json.loads(outs[0][0].strip().splitlines()[-1])
 
 
-def predict(ddpkit, world, flags, constants, extra=()):
-    cmd = [ddpkit, "plan", "--json", "--world-size", str(world)] + list(extra) + plan_flags(flags)
+def described_flags(flags, description):
+    """plan_flags for a described model: the description stands for the model and data flags."""
+    keep = {"--optimizer", "--bucket-cap-mb", "--powersgd-rank", "--strategy", "--hook"}
+    planned = plan_flags(flags)
+    out = ["--describe", description]
+    for i, name in enumerate(planned):
+        if name in keep:
+            out += [name, planned[i + 1]]
+    return out
+
+
+def predict(ddpkit, world, flags, constants, extra=(), description=None):
+    model = described_flags(flags, description) if description else plan_flags(flags)
+    cmd = [ddpkit, "plan", "--json", "--world-size", str(world)] + list(extra) + model
     if constants:
         cmd += ["--constants", constants]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    # The environment the jobs train in: the plan's one-rank run measures memory that OpenMP's and
+    # OpenBLAS's thread pools change (mlp8: 380 MB without OMP_NUM_THREADS=1, 355 with).
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
     if out.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed ({out.returncode}): {out.stderr[-2000:]}")
     rows = json.loads(out.stdout)
@@ -215,6 +233,8 @@ def main():
     ap.add_argument("--netns", action="store_true", help="also the configurations of 2-4 hosts in network namespaces (root, ip, tc)")
     ap.add_argument("--max-step-error", type=float, default=0.20)
     ap.add_argument("--max-memory-error", type=float, default=0.10)
+    ap.add_argument("--describe", action="append", default=[], metavar="PREFIX=FILE",
+                    help="predict configurations PREFIX-... from this model description")
     a = ap.parse_args()
     known = dict(CONFIGS, **NETNS_CONFIGS)
     names = (list(CONFIGS) + (list(NETNS_CONFIGS) if a.netns else [])) if not a.only else \
@@ -238,7 +258,9 @@ def main():
                 meas = net.train(a.ddpkit, hosts, per_host, flags, a.steps)
             else:
                 world, flags = CONFIGS[n]
-                pred = None if a.measure_only else predict(a.ddpkit, world, flags, a.constants)
+                described = [d.split("=", 1)[1] for d in a.describe if n.startswith(d.split("=", 1)[0] + "-")]
+                pred = None if a.measure_only else predict(a.ddpkit, world, flags, a.constants,
+                                                           description=described[0] if described else None)
                 meas = train(a.ddpkit, world, flags, a.steps)
             rows.append(score(n, world, flags, pred, meas, time.time() - t0, a, failed))
             if a.out:  # after every row: a run cut short keeps what it measured

@@ -463,8 +463,7 @@ Prediction predict(const ModelProfile& model, const JobSpec& job, const MachineC
     auto gather = [&](const Unit& u) { return shard_net.collective(Op::kAllgather, 4.0 * u.numel); };
     auto reduce = [&](const Unit& u) {
       const double bytes = 4.0 * u.numel;
-      Comm r;
-      r.cpu_ms = net.copy_ms(bytes);  // gradients into the flat gradient
+      Comm r;  // gradients are born in the flat gradient on the CPU (docs/fsdp.md): no copy
       if (!sharded) {
         r += net.collective(Op::kAllreduce, bytes);
         return r;

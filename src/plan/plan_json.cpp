@@ -37,7 +37,8 @@ const std::vector<std::pair<const char*, double MachineConstants::*>> kRates = {
     {"copy_gbyte_per_s", &MachineConstants::copy_gbyte_per_s},
     {"cast_gbyte_per_s", &MachineConstants::cast_gbyte_per_s},
     {"int8_gbyte_per_s", &MachineConstants::int8_gbyte_per_s},
-    {"matmul_gflop_per_s", &MachineConstants::matmul_gflop_per_s}};
+    {"matmul_gflop_per_s", &MachineConstants::matmul_gflop_per_s},
+    {"gemm_gflop_per_s", &MachineConstants::gemm_gflop_per_s}};
 }  // namespace
 
 std::string to_json(const MachineConstants& m) {
@@ -239,24 +240,25 @@ ModelProfile model_profile_from_json(const std::string& text, const MachineConst
     for (const auto& p : m.params)
       if (p.unit >= 0) m.unit_numel[static_cast<size_t>(p.unit)] += p.numel;
 
-    // Compute: measured times, else floating-point work at the calibrated matmul rate (backward:
-    // twice the forward's, as for the matrix products that dominate it).
+    // Compute: measured times, else floating-point work at the calibrated rate of a layer's
+    // products (backward: twice the forward's, as for the matrix products that dominate it).
     DDPKIT_CHECK(j.contains("forward_ms") != j.contains("forward_gflop"),
                  "model description: give one of forward_ms (measured) and forward_gflop (per rank and step)");
     m.forward_ms = j.contains("forward_ms") ? positive(j, "forward_ms")
-                                            : positive(j, "forward_gflop") * 1e3 / machine.matmul_gflop_per_s;
+                                            : positive(j, "forward_gflop") * 1e3 / machine.gemm_gflop_per_s;
     DDPKIT_CHECK(!(j.contains("backward_ms") && j.contains("backward_gflop")),
                  "model description: give backward_ms or backward_gflop, not both");
     if (j.contains("backward_ms")) m.backward_ms = positive(j, "backward_ms");
-    else if (j.contains("backward_gflop")) m.backward_ms = positive(j, "backward_gflop") * 1e3 / machine.matmul_gflop_per_s;
+    else if (j.contains("backward_gflop")) m.backward_ms = positive(j, "backward_gflop") * 1e3 / machine.gemm_gflop_per_s;
     else m.backward_ms = 2 * m.forward_ms;
   } catch (const json::exception& e) {
     DDPKIT_CHECK(false, "model description: ", e.what());
   }
+  // copy_gbyte_per_s counts the bytes a copy delivers; each is read and written: two bytes moved.
   const double parameters = static_cast<double>(m.param_bytes()) / 4;
   m.optimizer_ms = j.contains("optimizer_ms") ? positive(j, "optimizer_ms")
                                               : parameters * optimizer_bytes_per_param(optimizer) /
-                                                    (machine.copy_gbyte_per_s * 1e6);
+                                                    (2 * machine.copy_gbyte_per_s * 1e6);
   if (!ready_given) {
     // Backward runs the layers in reverse: a parameter's gradient is ready once the backward of
     // everything after it, and its own, has run, in proportion to their parameters.

@@ -222,7 +222,7 @@ MachineConstants calibrate_machine(int world) {
     m.measured_on = std::string(host) + ", " + date + ", libtorch " + TORCH_VERSION;
   }
   const int saved_threads = at::get_num_threads();
-  at::set_num_threads(1);
+  set_compute_threads(1);  // OpenBLAS too: ranks train with one thread each
 
   // Collectives: ranks as threads over one store, through shared memory, and Gloo's loopback
   // latency with shared memory off.
@@ -234,7 +234,7 @@ MachineConstants calibrate_machine(int world) {
   for (int r = 0; r < world; ++r) {
     threads.emplace_back([&, r] {
       try {
-        at::set_num_threads(1);
+        set_compute_threads(1);
         const auto options = ProcessGroupOptions().gloo_hostname("127.0.0.1").timeout(std::chrono::seconds(120));
         auto shm = std::make_shared<ProcessGroup>(store, r, world, ProcessGroupOptions(options).group_name("plan_shm"));
         auto tcp = std::make_shared<ProcessGroup>(store, r, world,
@@ -245,7 +245,7 @@ MachineConstants calibrate_machine(int world) {
         {
           // Copies, codecs and products, every rank at once: in a step the other ranks are busy
           // too, and share the memory bandwidth.
-          double copy_rate, cast_rate, int8_rate, matmul_rate = 0;
+          double copy_rate, cast_rate, int8_rate, gemm_rate, matmul_rate = 0;
           sync();
           const int64_t n = 16 << 20;  // 64 MB of fp32
           at::Tensor a = at::rand({n}), b = at::empty({n});
@@ -262,6 +262,17 @@ MachineConstants calibrate_machine(int world) {
                                           codecs::int8_encode(a, n, n, block, enc);
                                           codecs::int8_decode(enc, n, block, b, n, 1.0f, true);
                                         }) * 1e6);
+          // A layer's products as training runs them (a Linear 1024 -> 4096 at batch 128: forward,
+          // and backward's two), every rank at once. A described model's GFLOP run at this rate;
+          // PowerSGD's rate below, which streams its matrix, was 6x too slow for them.
+          {
+            at::Tensor x = at::rand({128, 1024}), w = at::rand({4096, 1024}), dy = at::rand({128, 4096});
+            gemm_rate = 3 * 2.0 * 128 * 1024 * 4096 / (timed_ms(5, [&] {
+                                                       at::Tensor y = at::mm(x, w.t());
+                                                       at::Tensor dx = at::mm(dy, w);
+                                                       at::Tensor dw = at::mm(dy.t(), x);
+                                                     }) * 1e6);
+          }
           // PowerSGD's products (a 4096 x 4096 matrix against 4 columns, and its transpose back),
           // rank 0 alone: they stream the matrix, and in a step the other ranks are mostly
           // computing meanwhile, not streaming. (Timed with every rank at once, the rate was
@@ -281,6 +292,7 @@ MachineConstants calibrate_machine(int world) {
             m.cast_gbyte_per_s = cast_rate;
             m.int8_gbyte_per_s = int8_rate;
             m.matmul_gflop_per_s = matmul_rate;
+            m.gemm_gflop_per_s = gemm_rate;
           }
         }
         auto time_op = [&](int reps, const std::function<void()>& op) {
@@ -336,7 +348,7 @@ MachineConstants calibrate_machine(int world) {
     });
   }
   for (auto& t : threads) t.join();
-  at::set_num_threads(saved_threads);
+  set_compute_threads(saved_threads);
   for (auto& e : errors)
     if (e) std::rethrow_exception(e);
   m.shm_allreduce_in_place = fit(samples[0]);

@@ -393,6 +393,10 @@ plan::MachineConstants load_or_calibrate(const std::string& path) {
     std::cerr << "ddpkit plan: " << path << " was measured against an older memory model; measuring again\n";
     return calibrate(path);
   }
+  if (j.is_object() && j.contains("matmul_gflop_per_s") && !j.contains("gemm_gflop_per_s")) {
+    std::cerr << "ddpkit plan: " << path << " was measured before the rate of a layer's products was; measuring again\n";
+    return calibrate(path);
+  }
   try {
     return plan::machine_constants_from_json(*text);
   } catch (const c10::Error& e) {

@@ -56,7 +56,8 @@ struct MachineConstants {
   double copy_gbyte_per_s = 5;      // memcpy of large buffers
   double cast_gbyte_per_s = 5;      // fp32 -> fp16/bf16 and back, per fp32 byte
   double int8_gbyte_per_s = 2;      // int8 block quantize + dequantize-and-sum, per fp32 byte
-  double matmul_gflop_per_s = 10;   // PowerSGD's products
+  double matmul_gflop_per_s = 10;   // PowerSGD's products (a matrix against a few columns)
+  double gemm_gflop_per_s = 50;     // a layer's products, every rank at once: a described model's GFLOP
   double optimizer_gbyte_per_s = 5; // unused when the profile times the optimizer itself
   int64_t process_bytes = 0;        // a training process before its model, data and activations
   // What each strategy/hook ("zero1/none", "ddp/fp16") holds beyond the model's own accounting
