@@ -29,6 +29,25 @@ constexpr uint32_t kExchangeTags = 0x00FFFFFFu;
 
 at::Tensor as_bytes(const at::Tensor& t) { return t.reshape({-1}).view(at::kByte); }
 
+using PutBack = std::vector<std::pair<at::Tensor, at::Tensor>>;  // (output, where it was received)
+
+// Where a block for `output` is received: the output itself when contiguous, else a contiguous
+// copy, listed in `put_back` to be copied into it once every message has landed.
+at::Tensor landing_for(const at::Tensor& output, PutBack& put_back) {
+  if (output.is_contiguous()) return output;
+  at::Tensor landing = at::empty_like(output, at::MemoryFormat::Contiguous);
+  put_back.emplace_back(output, landing);
+  return landing;
+}
+
+// The exchange's `after`: the copies back into strided outputs, if any.
+std::function<void()> putting_back(PutBack put_back) {
+  if (put_back.empty()) return nullptr;
+  return [put_back = std::move(put_back)] {
+    for (const auto& [output, landing] : put_back) output.copy_(landing);
+  };
+}
+
 }  // namespace
 
 void ProcessGroup::gloo_exchange(const std::vector<at::Tensor>& sends, const std::vector<at::Tensor>& recvs,
@@ -84,17 +103,9 @@ void ProcessGroup::gloo_allgather(const std::vector<at::Tensor>& outputs, const 
   const int64_t n = world_size_;
   const int64_t bytes = static_cast<int64_t>(bytes_of(input));
   const at::Tensor in = as_bytes(input.contiguous());
-  // Each block is received where it lands when its output is contiguous, else into a copy put back
-  // at the end.
+  PutBack put_back;
   std::vector<at::Tensor> landings(n);
-  std::vector<std::pair<at::Tensor, at::Tensor>> put_back;
-  for (int64_t r = 0; r < n; ++r) {
-    landings[r] = outputs[r];
-    if (!outputs[r].is_contiguous()) {
-      landings[r] = at::empty_like(outputs[r], at::MemoryFormat::Contiguous);
-      put_back.emplace_back(outputs[r], landings[r]);
-    }
-  }
+  for (int64_t r = 0; r < n; ++r) landings[r] = landing_for(outputs[r], put_back);
   std::vector<at::Tensor> sends(n), recvs(n);
   for (int64_t r = 0; r < n; ++r) {
     if (r == rank_) continue;
@@ -103,12 +114,7 @@ void ProcessGroup::gloo_allgather(const std::vector<at::Tensor>& outputs, const 
   }
   count((n - 1) * bytes, (n - 1) * bytes);
   const at::Tensor mine = as_bytes(landings[rank_]);
-  std::function<void()> after;
-  if (!put_back.empty())
-    after = [put_back] {
-      for (const auto& [output, landing] : put_back) output.copy_(landing);
-    };
-  gloo_exchange(sends, recvs, what, value, result, [mine, in] { mine.copy_(in); }, std::move(after));
+  gloo_exchange(sends, recvs, what, value, result, [mine, in] { mine.copy_(in); }, putting_back(std::move(put_back)));
 }
 
 void ProcessGroup::gloo_alltoall(const at::Tensor& output, const at::Tensor& input, const FuturePtr& result) {
@@ -116,9 +122,8 @@ void ProcessGroup::gloo_alltoall(const at::Tensor& output, const at::Tensor& inp
   const int64_t n = world_size_;
   const int64_t block = static_cast<int64_t>(bytes_of(input)) / n;
   const at::Tensor in = as_bytes(input.contiguous());
-  // Received where it lands when the output is contiguous, else into a copy put back at the end.
-  const at::Tensor landing = output.is_contiguous() ? output : at::empty_like(output, at::MemoryFormat::Contiguous);
-  const at::Tensor out = as_bytes(landing);
+  PutBack put_back;
+  const at::Tensor out = as_bytes(landing_for(output, put_back));
   std::vector<at::Tensor> sends(n), recvs(n);
   for (int64_t r = 0; r < n; ++r) {
     if (r == rank_) continue;
@@ -127,10 +132,8 @@ void ProcessGroup::gloo_alltoall(const at::Tensor& output, const at::Tensor& inp
   }
   count((n - 1) * block, (n - 1) * block);
   const at::Tensor mine_in = in.narrow(0, rank_ * block, block), mine_out = out.narrow(0, rank_ * block, block);
-  std::function<void()> put_back;
-  if (!output.is_contiguous()) put_back = [output, landing] { output.copy_(landing); };
   gloo_exchange(sends, recvs, what, output, result, [mine_out, mine_in] { mine_out.copy_(mine_in); },
-                std::move(put_back));
+                putting_back(std::move(put_back)));
 }
 
 }  // namespace ddpkit

@@ -385,16 +385,18 @@ plan::MachineConstants load_or_calibrate(const std::string& path) {
     std::cerr << "ddpkit plan: no machine constants at " << path << "; measuring them (ddpkit plan --calibrate)\n";
     return calibrate(path);
   }
-  // Constants from a ddpkit whose memory accounting differs: their measured extras would count
-  // memory twice or not at all, so they are measured again rather than refused.
+  // Constants from an older ddpkit are measured again rather than refused: extras measured against
+  // another memory accounting would count memory twice or not at all, and a file from before the
+  // layer-product rate lacks it.
   const nlohmann::json j = nlohmann::json::parse(*text, nullptr, /*allow_exceptions=*/false);
+  const char* stale = nullptr;
   if (j.is_object() && j.contains("extra_bytes_per_param_byte") &&
-      j.value("memory_model", 1) != plan::MachineConstants::kMemoryModel) {
-    std::cerr << "ddpkit plan: " << path << " was measured against an older memory model; measuring again\n";
-    return calibrate(path);
-  }
-  if (j.is_object() && j.contains("matmul_gflop_per_s") && !j.contains("gemm_gflop_per_s")) {
-    std::cerr << "ddpkit plan: " << path << " was measured before the rate of a layer's products was; measuring again\n";
+      j.value("memory_model", 1) != plan::MachineConstants::kMemoryModel)
+    stale = "against an older memory model";
+  else if (j.is_object() && j.contains("matmul_gflop_per_s") && !j.contains("gemm_gflop_per_s"))
+    stale = "before the rate of a layer's products was";
+  if (stale) {
+    std::cerr << "ddpkit plan: " << path << " was measured " << stale << "; measuring again\n";
     return calibrate(path);
   }
   try {

@@ -223,7 +223,7 @@ class ProcessGroup {
   // (issuing on it directly bypasses the ordering guarantee above). Every call into a Gloo
   // backend goes through here, one at a time across the process: libtorch's Gloo records each
   // collective in one process-wide flight recorder whose table of groups it fills without a lock
-  // (PyTorch 2.8 and later), so two groups' first collectives at once corrupt it
+  // (libtorch after 2.6), so two groups' first collectives at once corrupt it
   // (docs/threading.md, "Calls into Gloo"). Gloo's calls only enqueue; none waits.
   template <typename F>
   auto with_backend(F&& f) -> decltype(f(std::declval<compat::Backend&>())) {
