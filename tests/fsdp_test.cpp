@@ -225,6 +225,33 @@ TEST(FSDP, SharedMemoryOffGivesTheSameTraining) {
   }
 }
 
+// On one host in fp32, every rank's shard lies in one memory the host's ranks share: a step's
+// collectives are one barrier and one reduce-scatter per unit with gradients, and no gather; with
+// shared memory off, each unit is gathered for forward and again for backward.
+TEST(FSDP, GathersOnOneHostReadTheSharedShardsWithoutCopying) {
+  auto square = [] { return testing::make_mlp(5, {4, 4, 4, 4, 4}); };  // four 4x4 Linears
+  for (bool shm : {true, false}) {
+    spawn_ranks_with(2, ProcessGroupOptions().shared_memory(shm), [&](int rank, std::shared_ptr<ProcessGroup> pg) {
+      auto model = square();
+      FullyShardedDataParallel<torch::nn::Sequential> fsdp(
+          model, pg, FullyShardedDataParallelOptions().auto_wrap_policy(size_based_auto_wrap_policy(20)));
+      ASSERT_EQ(fsdp.units().size(), 5u);  // the root (no parameters) and each Linear
+      torch::optim::SGD opt(fsdp.parameters(), torch::optim::SGDOptions(0.1));
+      for (int step = 0; step < 3; ++step) {
+        if (step == 2) pg->reset_stats();
+        opt.zero_grad();
+        fsdp.forward(seeded_randn({4, 4}, 7 + rank)).pow(2).mean().backward();
+        opt.step();
+      }
+      const uint64_t collectives = pg->stats().collectives;
+      if (shm)
+        EXPECT_EQ(collectives, 1u + 4u) << "a barrier and 4 reduce-scatters";
+      else
+        EXPECT_EQ(collectives, 4u + 4u + 4u) << "4 gathers for forward, 4 for backward, 4 reduce-scatters";
+    });
+  }
+}
+
 TEST(FSDP, PrefetchSettingsGiveTheSameTrainingAndBoundTheUnitsGathered) {
   const auto want = reference(3, "sgd", 4);
   for (bool forward : {false, true})

@@ -121,6 +121,28 @@ TEST(SharedMemory, AllreduceBuffersSumInPlaceAndEqualGloo) {
   }
 }
 
+// FSDP's shards on one host (ProcessGroup::host_shared_tensor): one memory every local rank maps,
+// zeroed; what each rank writes into its part, every rank reads after a barrier. A group over
+// Gloo alone gets none (the caller keeps its own memory).
+TEST(SharedMemory, HostSharedTensorIsOneMemoryEveryRankSees) {
+  for (int world : {2, 3, 4}) {
+    with_both(world, [&](int rank, ProcessGroup& shm, ProcessGroup& gloo) {
+      EXPECT_FALSE(gloo.host_shared_tensor(100, at::kFloat).defined());
+      const int64_t part = 1001;  // not a page's worth: parts share pages
+      at::Tensor all = shm.host_shared_tensor(part * world, at::kFloat);
+      ASSERT_TRUE(all.defined());
+      EXPECT_TRUE(at::equal(all, at::zeros({part * world}))) << "zeroed";
+      ProcessGroup::wait(shm.barrier());  // every rank has looked before any writes
+      EXPECT_FALSE(shm.sums_in_place(all));  // allreduce does not treat it as its buffer
+      all.narrow(0, rank * part, part).copy_(integers(part, rank, at::kFloat));
+      ProcessGroup::wait(shm.barrier());
+      for (int r = 0; r < world; ++r)
+        EXPECT_TRUE(same_bits(all.narrow(0, r * part, part), integers(part, r, at::kFloat))) << "rank " << r << "'s part";
+      ProcessGroup::wait(shm.barrier());  // no rank frees its mapping while a peer still reads
+    });
+  }
+}
+
 // DDP's gradients (ProcessGroup::allreduce_parts): each rank's values in tensors of its own, one
 // of them the buffer's own place, reduced through the buffer and written back into them. Same
 // bits as Gloo; a rank that allreduces its buffer instead sums along; a rank with plain memory

@@ -12,14 +12,14 @@
 namespace ddpkit {
 namespace detail {
 
-int create_peer_memory(const char* label, size_t bytes, void** base, std::string* error) {
+int create_peer_memory(const char* label, size_t bytes, void** base, std::string* error, bool reserve) {
   const int fd = ::memfd_create(label, MFD_CLOEXEC | MFD_ALLOW_SEALING);
   if (fd < 0) {
     *error = std::string("memfd_create failed: ") + std::strerror(errno);
     return -1;
   }
   const off_t size = static_cast<off_t>(bytes);
-  int err = ::ftruncate(fd, size) == 0 ? ::posix_fallocate(fd, 0, size) : errno;
+  int err = ::ftruncate(fd, size) != 0 ? errno : reserve ? ::posix_fallocate(fd, 0, size) : 0;
   if (err != 0) {
     *error = "cannot reserve " + std::to_string(bytes) + " bytes of shared memory: " + std::strerror(err);
   } else if (::fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0) {

@@ -23,8 +23,9 @@ struct PeerMemoryAddress {
 
 // A memfd of `bytes` (CLOEXEC), reserved now (no room is an error here, not a SIGBUS mid-copy),
 // sealed against growing or shrinking (so a peer's mapping never faults), and mapped at *base.
-// Returns the fd, or -1 with *error set and nothing left open.
-int create_peer_memory(const char* label, size_t bytes, void** base, std::string* error);
+// Returns the fd, or -1 with *error set and nothing left open. Unreserved (`reserve` false), its
+// pages come at first touch and are charged to the process (and cgroup) that touches them.
+int create_peer_memory(const char* label, size_t bytes, void** base, std::string* error, bool reserve = true);
 
 // Where peers find the memfd `fd` of this process; "pid fd dev ino bytes" as text.
 std::string peer_memory_address(int fd);

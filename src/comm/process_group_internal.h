@@ -32,7 +32,7 @@ struct ProcessGroup::Shm {
   // Null when the memory cannot be reserved or shared, with one warning per group: "rank R:
   // <instead> (<why>)". A peer that does not take part is a CommError naming `what`.
   std::shared_ptr<shm::SharedBuffer> allocate(size_t bytes, const std::string& what, int rank, int world,
-                                              const std::string& instead);
+                                              const std::string& instead, bool one_region = false);
 };
 
 namespace detail {

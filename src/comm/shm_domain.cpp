@@ -361,14 +361,15 @@ SharedBuffer::~SharedBuffer() {
 }
 
 std::shared_ptr<SharedBuffer> Domain::allocate(c10d::Store& store, const std::string& key, int64_t id, size_t size,
-                                               std::string* why) {
+                                               std::string* why, bool one_region) {
   DDPKIT_CHECK(size > 0, "shared buffer of 0 bytes");
   const int L = options_.local_size, me = options_.local_rank;
   const std::string what = "shared buffer #" + std::to_string(id) + " (" + std::to_string(size) + " bytes)";
   auto buffer = std::make_shared<SharedBuffer>();
   buffer->id = id;
   buffer->bytes = size;
-  buffer->base.assign(L, nullptr);
+  buffer->base.assign(one_region ? 1 : L, nullptr);
+  const bool creates = !one_region || me == 0;
   std::string error;
   void* own = nullptr;
   // Held open until every peer has opened it through /proc (or failed to); the mappings then
@@ -378,11 +379,11 @@ std::shared_ptr<SharedBuffer> Domain::allocate(c10d::Store& store, const std::st
     ~CloseOnExit() {
       if (fd >= 0) close(fd);
     }
-  } own_fd{detail::create_peer_memory("ddpkit-buffer", size, &own, &error)};
+  } own_fd{creates ? detail::create_peer_memory("ddpkit-buffer", size, &own, &error, /*reserve=*/!one_region) : -1};
   if (own_fd.fd >= 0) buffer->base[me] = static_cast<uint8_t*>(own);
   const std::string prefix = key + "/" + std::to_string(id) + "/";
-  store.set(prefix + std::to_string(me),
-            bytes(std::to_string(size) + " " + (error.empty() ? detail::peer_memory_address(own_fd.fd) : "!" + error)));
+  const std::string address = !error.empty() ? "!" + error : creates ? detail::peer_memory_address(own_fd.fd) : "-";
+  store.set(prefix + std::to_string(me), bytes(std::to_string(size) + " " + address));
   std::string failure = error.empty() ? "" : "local rank " + std::to_string(me) + ": " + error;
   for (int p = 0; p < L; ++p) {
     if (p == me) continue;
@@ -401,7 +402,7 @@ std::shared_ptr<SharedBuffer> Domain::allocate(c10d::Store& store, const std::st
                                ": every rank must allocate the same buffers in the same order");
     }
     const std::string where = said.substr(space + 1);
-    if (!failure.empty()) continue;
+    if (!failure.empty() || (one_region && p != 0)) continue;
     detail::PeerMemoryAddress address;
     std::string why_not;
     if (!where.empty() && where[0] == '!') {
@@ -420,6 +421,7 @@ std::shared_ptr<SharedBuffer> Domain::allocate(c10d::Store& store, const std::st
     if (why) *why = failure;
     return nullptr;
   }
+  if (one_region) return buffer;  // not summed over: no collective looks it up
   std::lock_guard<std::mutex> lock(buffers_mutex_);
   for (auto it = buffers_.begin(); it != buffers_.end();) it = it->second.expired() ? buffers_.erase(it) : std::next(it);
   buffers_[buffer->base[me]] = buffer;

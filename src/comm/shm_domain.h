@@ -71,10 +71,13 @@ struct PeerPart {
 // Memory that every local rank allocated at once (Domain::allocate) and that each maps from
 // every peer, so an allreduce over it can sum in place instead of copying through the slots.
 // Unmapped when the last tensor over it is gone, which may be after the Domain.
+// A one-region buffer (allocate(..., one_region)) is instead one memory every local rank maps.
 struct SharedBuffer {
   int64_t id = -1;  // the allocation's number: the same on every local rank
   size_t bytes = 0;
-  std::vector<uint8_t*> base;  // by local rank: base[local_rank()] is this rank's own memory
+  // By local rank: base[local_rank()] is this rank's own memory. One region: base[0] only, the
+  // region as this rank maps it.
+  std::vector<uint8_t*> base;
   // Set when a collective that may write into this buffer failed: a peer may still be writing, so
   // memory carved out of it (a GradientArena) is never handed out again.
   std::atomic<bool> poisoned{false};
@@ -146,8 +149,11 @@ class Domain {
   // same buffer (what DDP's buckets do). Returns null with the reason in *why when some rank could
   // not reserve or map the space, so every rank falls back alike; throws when a peer does not take
   // part within the timeout.
+  // With `one_region`, local rank 0 alone creates `bytes` (unreserved: each page is charged to the
+  // rank that first touches it) and every peer maps it: one memory, the same elements on every
+  // rank. allreduce() does not sum over such a buffer (holds() is false for it).
   std::shared_ptr<SharedBuffer> allocate(c10d::Store& store, const std::string& key, int64_t id, size_t bytes,
-                                         std::string* why);
+                                         std::string* why, bool one_region = false);
   // Whether [data, data + bytes) lies in one of this rank's buffers from allocate().
   bool holds(const void* data, int64_t bytes) { return find_buffer(data, bytes) != nullptr; }
 

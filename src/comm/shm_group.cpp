@@ -73,13 +73,14 @@ void ProcessGroup::set_piece_bytes(int64_t bytes) {
 }
 
 std::shared_ptr<shm::SharedBuffer> ProcessGroup::Shm::allocate(size_t bytes, const std::string& what, int rank,
-                                                                int world, const std::string& instead) {
+                                                                int world, const std::string& instead,
+                                                                bool one_region) {
   std::lock_guard<std::mutex> lock(allocate_mutex);
   const int64_t id = allocations++;
   std::string why;
   std::shared_ptr<shm::SharedBuffer> buffer;
   try {
-    buffer = domain->allocate(*store, key + "/buffer", id, bytes, &why);
+    buffer = domain->allocate(*store, key + "/buffer", id, bytes, &why, one_region);
   } catch (const std::exception&) {
     throw CommError(describe_comm_failure(what + " in shared memory", rank, world, std::current_exception()));
   }
@@ -103,6 +104,17 @@ at::Tensor ProcessGroup::allreduce_buffer(int64_t numel, at::ScalarType dtype) {
   if (!buffer) return at::zeros({numel}, options);
   // The tensor owns the mappings: they outlive the group if the tensor does.
   return at::from_blob(buffer->base[shm_->domain->local_rank()], {numel}, [buffer](void*) {}, options);
+}
+
+at::Tensor ProcessGroup::host_shared_tensor(int64_t numel, at::ScalarType dtype) {
+  DDPKIT_CHECK(numel >= 0, "host_shared_tensor: numel must be >= 0, got ", numel);
+  if (!shm_ || shm_->across || numel == 0) return at::Tensor();
+  std::shared_ptr<shm::SharedBuffer> region = shm_->allocate(
+      static_cast<size_t>(numel) * c10::elementSize(dtype),
+      "host_shared_tensor of " + std::to_string(numel) + " " + c10::toString(dtype) + " elements", rank_, world_size_,
+      "no memory is shared between this host's ranks for their tensors; each keeps its own", /*one_region=*/true);
+  if (!region) return at::Tensor();
+  return at::from_blob(region->base[0], {numel}, [region](void*) {}, at::TensorOptions().dtype(dtype).device(at::kCPU));
 }
 
 std::shared_ptr<GradientArena> ProcessGroup::gradient_arena(const std::vector<int64_t>& block_bytes) {

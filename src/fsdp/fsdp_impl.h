@@ -62,7 +62,10 @@ struct FlatUnit {
   // at nothing (0 bytes) while sharded, and is refilled in place: tensors autograd saved from the
   // parameters' views stay valid.
   at::Tensor full;
-  at::Tensor full_block;  // the pool block behind `full` while gathered
+  at::Tensor full_block;  // the memory behind `full` while gathered: a pool block, or host_full
+  // [S * shard world] fp32 in memory this host's ranks share, where every rank's shard of the unit
+  // lies (place_shards_in_shared_memory): gathered by pointing `full` at it. Undefined elsewhere.
+  at::Tensor host_full;
   bool aliases_shard = false;  // kNoShard in fp32: the parameters are views of the shard itself
   State state = State::kSharded;
   FuturePtr gather;         // in flight
@@ -134,6 +137,7 @@ class FsdpImpl {
   bool backward_queued = false;
   std::shared_ptr<int> alive = std::make_shared<int>(0);  // hooks hold it weakly
   int gathered_units = 0;  // gathered or gathering, root and aliases excluded
+  bool gathers_in_place = false;  // every unit has host_full: each forward begins with a host barrier
   BufferPool pool;
   // The arena autograd's allocations on this thread go to between FSDP's hooks (the unit whose
   // backward runs); FSDP's own allocations in its hooks never do (OwnAllocations).

@@ -43,6 +43,11 @@ void FsdpImpl::start_gather(FlatUnit& u) {
   torch::NoGradGuard no_grad;
   attach_full(u);
   if (u.index != 0) max_gathered = std::max(max_gathered, ++gathered_units);
+  if (u.host_full.defined()) {  // every rank's shard already lies in place
+    u.state = FlatUnit::State::kGathered;
+    point_params_at_full(u);
+    return;
+  }
   at::Tensor input = u.shard.detach();
   if (compute_dtype != at::kFloat) input = pool.take(u.shard_numel, compute_dtype, device).copy_(input);
   if (shard_world == 1) {
@@ -77,7 +82,7 @@ void FsdpImpl::point_params_at_full(FlatUnit& u) {
 
 // `full` keeps its own storage object for life; only the memory behind it comes and goes.
 void FsdpImpl::attach_full(FlatUnit& u) {
-  u.full_block = pool.take(u.shard_numel * shard_world, compute_dtype, device);
+  u.full_block = u.host_full.defined() ? u.host_full : pool.take(u.shard_numel * shard_world, compute_dtype, device);
   c10::StorageImpl* storage = u.full.storage().unsafeGetStorageImpl();
   storage->set_data_ptr_noswap(at::DataPtr(u.full_block.data_ptr(), u.full_block.device()));  // not owning
   storage->set_nbytes(static_cast<size_t>(u.full_block.nbytes()));
@@ -131,6 +136,10 @@ void FsdpImpl::root_pre_forward() {
   t_active = this;
   order_this_iteration.clear();
   try {
+    // No rank reads a unit in place before every rank has stepped its shard of it. (A rank steps
+    // only after its reduce-scatters, which its peers join once their backward is past each unit,
+    // so no rank writes while a peer still reads.)
+    if (gathers_in_place) ProcessGroup::wait(shard_pg->barrier());
     gather_now(units[0]);
   } catch (...) {
     in_forward = false;
@@ -411,7 +420,12 @@ void FsdpImpl::finish_backward() {
   gradients_copied = copied_this_backward;
   copied_this_backward = 0;
   for (auto& u : units) reshard(u);
-  if (!require_sync) return;
+  if (!require_sync) {
+    // No reduce-scatter keeps an optimizer step after this backward from writing shards a peer's
+    // backward still reads in place: a barrier does.
+    if (gathers_in_place) ProcessGroup::wait(shard_pg->barrier());
+    return;
+  }
   // Hybrid: each host's average is averaged across hosts, launched in unit order from this thread.
   std::vector<FuturePtr> across(units.size());
   for (auto& u : units) {

@@ -398,27 +398,31 @@ void FsdpImpl::shard_parameters() {
   }
 }
 
-// Where this host's ranks share memory, the fp32 shards move into one buffer every local rank
-// maps, at the same offset on each: a unit's all-gather then reads each peer's shard where it lies
-// (two rendezvous) instead of passing it through the slots 1 MiB at a time.
+// Where this host's ranks share memory and compute in fp32, each unit's flat parameter lies once in
+// memory they all map, every rank's shard a slice of it: a gather is then no copy at all, only the
+// parameters pointed there, once a host barrier at each forward has seen every rank's optimizer
+// step (docs/fsdp.md, "Gathers on one host").
 void FsdpImpl::place_shards_in_shared_memory() {
   if (shard_world == 1 || compute_dtype != at::kFloat || !device.is_cpu()) return;
   int64_t total = 0;
-  for (const auto& u : units) total += u.aliases_shard ? 0 : u.shard_numel;
+  for (const auto& u : units) total += u.aliases_shard ? 0 : u.shard_numel * shard_world;
   if (total == 0) return;
-  at::Tensor flat = shard_pg->allreduce_buffer(total, at::kFloat);  // collective over the host
-  if (!shard_pg->sums_in_place(flat)) return;
+  at::Tensor region = shard_pg->host_shared_tensor(total, at::kFloat);  // collective over the host
+  if (!region.defined()) return;
   int64_t offset = 0;
   for (auto& u : units) {
     if (u.aliases_shard) continue;
-    // A tensor of its own over the buffer (not a view): the shard stays a plain leaf.
-    at::Tensor shard = at::from_blob(flat.data_ptr<float>() + offset, {u.shard_numel}, [flat](void*) {},
-                                     flat.options());
+    u.host_full = region.narrow(0, offset, u.shard_numel * shard_world);
+    // A tensor of its own over the region (not a view): the shard stays a plain leaf. This rank
+    // touches its slice first, so its pages are charged to this rank.
+    at::Tensor shard = at::from_blob(region.data_ptr<float>() + offset + shard_rank * u.shard_numel, {u.shard_numel},
+                                     [region](void*) {}, region.options());
     shard.copy_(u.shard.detach());
     shard.set_requires_grad(u.trainable);
     u.shard = shard;
-    offset += u.shard_numel;
+    offset += u.shard_numel * shard_world;
   }
+  gathers_in_place = true;
 }
 
 void FsdpImpl::wrap_sequential_children() {

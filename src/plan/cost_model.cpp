@@ -460,7 +460,12 @@ Prediction predict(const ModelProfile& model, const JobSpec& job, const MachineC
     across.world_size = job.hosts;
     const Network between(across, machine, cpu_scale);
     const int shard_world = shard_job.world_size;
-    auto gather = [&](const Unit& u) { return shard_net.collective(Op::kAllgather, 4.0 * u.numel); };
+    // Sharded over one host's ranks, every shard lies in memory they share and a unit is gathered
+    // where it lies, after a barrier at forward: no copy (docs/fsdp.md, "Gathers on one host").
+    const bool in_place = sharded && shard_world > 1 && (job.hosts == 1 || s == "hybrid_shard");
+    auto gather = [&](const Unit& u) {
+      return in_place ? Comm{} : shard_net.collective(Op::kAllgather, 4.0 * u.numel);
+    };
     auto reduce = [&](const Unit& u) {
       const double bytes = 4.0 * u.numel;
       Comm r;  // gradients are born in the flat gradient on the CPU (docs/fsdp.md): no copy
@@ -499,13 +504,13 @@ Prediction predict(const ModelProfile& model, const JobSpec& job, const MachineC
     mem.gradients = static_cast<int64_t>(held);
     mem.optimizer_state = static_cast<int64_t>(state_per_param(job.optimizer) * held +
                                                (sharded ? temporaries / shard_world : temporaries));
-    // Gathered units: full_shard holds the unit computing and the one prefetched, and the flat
-    // gradient; shard_grad_op keeps every gathered unit from forward to the end of backward;
-    // no_shard's flat gradient per unit.
-    mem.communication = static_cast<int64_t>(reshard_after_forward ? 3 * L : P + L);
-    // The fp32 shards live in memory the host's ranks share; a gather reads the peers' there.
-    if (sharded && shard_world > 1 && (job.hosts == 1 || s == "hybrid_shard"))
-      mem.host_shared += static_cast<int64_t>(P * (shard_world - 1) / shard_world);
+    // Gathered in place: only the flat gradients, the unit's whose backward runs and the one
+    // being reduced. Gathered privately (across hosts): full_shard holds the unit computing, the
+    // one prefetched and the flat gradient; shard_grad_op every gathered unit from forward to the
+    // end of backward. no_shard: its flat gradient per unit.
+    mem.communication = static_cast<int64_t>(in_place ? 2 * L : reshard_after_forward ? 3 * L : P + L);
+    // The peers' shards of every unit, read where they lie.
+    if (in_place) mem.host_shared += static_cast<int64_t>(P * (shard_world - 1) / shard_world);
   }
   // Every local rank's two collective slots (the default size), touched as data pass through
   // them; a model smaller than a slot touches less of each.

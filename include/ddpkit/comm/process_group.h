@@ -155,6 +155,12 @@ class ProcessGroup {
   // host's ranks: each calls it in the same order with the same size. Plain memory otherwise,
   // or (with one warning) when the memory cannot be reserved or shared.
   at::Tensor allreduce_buffer(int64_t numel, at::ScalarType dtype);
+  // One zeroed CPU tensor of `numel` elements that all of this host's ranks map: the same memory,
+  // so each sees what any writes (ordered by a collective, such as barrier()). Each page is charged
+  // to the rank that first touches it. Collective over this host's ranks like allreduce_buffer.
+  // Undefined where the group's ranks do not all share memory on one host, or (with one warning)
+  // when it cannot be mapped: the caller keeps its own memory then.
+  at::Tensor host_shared_tensor(int64_t numel, at::ScalarType dtype);
   // Whether an allreduce on `buffer` (from allreduce_buffer) sums in place in shared memory.
   bool sums_in_place(const at::Tensor& buffer) const;
   // Memory for gradients of these sizes (bytes) that every local rank maps: see GradientArena.
