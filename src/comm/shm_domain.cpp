@@ -276,7 +276,7 @@ void Domain::allgather(const void* in, void* out, int64_t bytes, int64_t out_str
   const int L = options_.local_size, me = options_.local_rank;
   const auto* src = static_cast<const uint8_t*>(in);
   auto* dst = static_cast<uint8_t*>(out);
-  // Inputs at the same offset of the same shared buffer on every rank (FSDP's shards) are read
+  // Inputs at the same offset of the same shared buffer on every rank are read
   // where they lie: two rendezvous in all, instead of one per slot's worth.
   const std::shared_ptr<SharedBuffer> shared = bytes > 0 ? find_buffer(src, bytes) : nullptr;
   if (shared) {
