@@ -519,10 +519,9 @@ TEST(SharedMemory, OptionAndEnvironmentTurnItOff) {
 }
 
 
-// Issue 31: inputs at the same offset of a shared buffer on every rank (FSDP's shards) are gathered
-// where they lie; at different offsets, or in private memory, they go through the slots. Each way the
-// result is Gloo's.
-TEST(SharedMemory, AllgatherReadsInputsWhereTheyLieInSharedBuffers) {
+// Inputs in a shared buffer (at the same offset on every rank, or not) gather as private ones do:
+// Gloo's result, the input unchanged.
+TEST(SharedMemory, AllgatherFromSharedBuffersEqualsGloo) {
   for (int world : {2, 3, 4}) {
     testing::spawn_ranks(world, [&](int rank, std::shared_ptr<ProcessGroup> pg) {
       ASSERT_TRUE(pg->uses_shared_memory());

@@ -276,25 +276,12 @@ void Domain::allgather(const void* in, void* out, int64_t bytes, int64_t out_str
   const int L = options_.local_size, me = options_.local_rank;
   const auto* src = static_cast<const uint8_t*>(in);
   auto* dst = static_cast<uint8_t*>(out);
-  // Inputs at the same offset of the same shared buffer on every rank are read
-  // where they lie: two rendezvous in all, instead of one per slot's worth.
-  const std::shared_ptr<SharedBuffer> shared = bytes > 0 ? find_buffer(src, bytes) : nullptr;
-  if (shared) {
-    call_.buffer = shared->id;
-    call_.offset = src - shared->base[me];
-  }
   for (int64_t off = 0, first = 1; first || off < bytes; first = 0) {
     const int64_t c = std::min<int64_t>(options_.slot_bytes, bytes - off);
     const uint32_t s = step_;
     claim(s, first);
     if (c > 0) std::memcpy(slot(me, s), src + off, c);  // empty tensors: null pointers
     arrive(s, first);
-    if (first && in_place_everywhere(s)) {
-      for (int p = 0; p < L; ++p) std::memcpy(dst + p * out_stride, p == me ? src : shared->base[p] + call_.offset, bytes);
-      finish(s);
-      wait_all(kDone, s + 1);  // no rank returns (and may change its input) while a peer still reads it
-      return;
-    }
     for (int p = 0; p < L && c > 0; ++p) std::memcpy(dst + p * out_stride + off, p == me ? src + off : slot(p, s), c);
     finish(s);
     off += c;

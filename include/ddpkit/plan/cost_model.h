@@ -106,9 +106,9 @@ struct Candidate {
 
 struct MemoryBreakdown {
   // host_shared: shared memory of this host's ranks that a rank touches beyond its own buffers:
-  // every local rank's collective slots, and the peers' FSDP shards a gather reads where they lie.
-  // It counts in a rank's resident peak and grows with the ranks on a host, which the 2-rank
-  // calibration of measured_extra cannot see.
+  // every local rank's collective slots, and the peers' FSDP shards, which a unit's compute reads
+  // where they lie. It counts in a rank's resident peak and grows with the ranks on a host, which
+  // the 2-rank calibration of measured_extra cannot see.
   int64_t process = 0, data = 0, parameters = 0, gradients = 0, optimizer_state = 0, communication = 0,
           activations = 0, host_shared = 0, measured_extra = 0;
   int64_t loading = 0;  // the process while it loads the data (what loading frees, training reuses)
