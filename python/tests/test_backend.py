@@ -332,6 +332,11 @@ def bad_input(rank, world):
         dist.all_reduce(torch.ones(3, device="meta"))
     except Exception as e:  # noqa: BLE001
         errors["meta"] = str(e)
+    if torch.cuda.is_available():  # a GPU machine: a real CUDA tensor on this CPU backend
+        try:
+            dist.all_reduce(torch.ones(3, device="cuda"))
+        except Exception as e:  # noqa: BLE001
+            errors["cuda"] = str(e)
     try:
         dist.all_reduce(torch.ones(3, dtype=torch.int64), op=dist.ReduceOp.AVG)
     except Exception as e:  # noqa: BLE001
@@ -351,6 +356,8 @@ def test_bad_input_is_named_not_hung():
     errors = run_ranks(bad_input, 2, backend="ddpkit", timeout=120)
     for e in errors:
         assert "meta" in e["meta"].lower(), e
+        if torch.cuda.is_available():
+            assert "cuda" in e.get("cuda", "").lower() and "CPU tensors" in e["cuda"], e
         assert "AVG needs a floating-point tensor" in e["avg_int"], e
         assert "send tag 1560281088 is outside [0, 1560281088)" in e["tag"], e
         assert "sizes" in e and ("allreduce" in e["sizes"] or "all_reduce" in e["sizes"]), e
