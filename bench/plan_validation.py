@@ -60,6 +60,13 @@ CONFIGS = {
     "gpt-w2-ddp": (2, GPT),
     "gpt-w2-full_shard": (2, GPT + ["--fsdp", "full_shard"]),
     "gpt-w4-fp16": (4, GPT + ["--hook", "fp16"]),
+    "mlp25-w2-fp16_wrapper": (2, MLP25 + ["--hook", "fp16_wrapper"]),
+    "mlp25-w2-quantize_per_tensor": (2, MLP25 + ["--hook", "quantize_per_tensor"]),
+    "mlp25-w2-quantize_per_channel": (2, MLP25 + ["--hook", "quantize_per_channel"]),
+    "mlp25-w2-batched_powersgd": (2, MLP25 + ["--hook", "batched_powersgd", "--powersgd-start-iter", "2"]),
+    # Averaging every step: a median step is then the mean step the plan predicts.
+    "mlp25-w2-post_local_sgd": (2, MLP25 + ["--hook", "post_local_sgd", "--local-sgd-start-iter", "2",
+                                            "--local-sgd-period", "1"]),
     "cnn-w2-ddp": (2, CNN),
     "fashion-w2-ddp": (2, MLP_FASHION),
 }
@@ -73,6 +80,10 @@ NETNS_CONFIGS = {
     "mlp8-h2-1g-int8": (2, 1, "1gbit", 1, MLP8 + ["--hook", "int8"]),
     "mlp8-h2-1g-powersgd": (2, 1, "1gbit", 1, MLP8 + ["--hook", "powersgd", "--powersgd-start-iter", "2"]),
     "mlp8-h2-1g-full_shard": (2, 1, "1gbit", 1, MLP8 + ["--fsdp", "full_shard"] + FSDP_UNITS),
+    "mlp8-h2-1g-quantize_per_channel": (2, 1, "1gbit", 1, MLP8 + ["--hook", "quantize_per_channel"]),
+    "mlp8-h2-1g-batched_powersgd": (2, 1, "1gbit", 1, MLP8 + ["--hook", "batched_powersgd", "--powersgd-start-iter", "2"]),
+    "mlp8-h2-1g-post_local_sgd": (2, 1, "1gbit", 1, MLP8 + ["--hook", "post_local_sgd", "--local-sgd-start-iter", "2",
+                                                            "--local-sgd-period", "1"]),
     "mlp8-h2-100m-fp16": (2, 1, "100mbit", 0.1, MLP8 + ["--hook", "fp16"]),
     "mlp8-h2-10g-ddp": (2, 1, "10gbit", 10, MLP8),
     "mlp8-h2x2-1g-ddp": (2, 2, "1gbit", 1, MLP8),
@@ -108,8 +119,8 @@ def plan_flags(flags):
             strategy = value
         elif name == "--hook":
             hook = value
-        elif name == "--powersgd-start-iter":
-            pass  # the steps measured are PowerSGD's; the plan predicts those
+        elif name in ("--powersgd-start-iter", "--local-sgd-start-iter"):
+            pass  # the steps measured are PowerSGD's (local SGD's); the plan predicts those
         else:
             out.append(name)
             if value is not None and not value.startswith("--"):

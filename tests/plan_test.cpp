@@ -4,6 +4,7 @@
 #include <ddpkit/plan/cost_model.h>
 
 #include <c10/util/Exception.h>
+#include <cmath>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -42,7 +43,10 @@ MachineConstants machine(int cores) {
   c.copy_gbyte_per_s = 1e6;  // copies and codecs free, to read the transfers alone
   c.cast_gbyte_per_s = 1e6;
   c.int8_gbyte_per_s = 1e6;
+  c.uint8_encode_gbyte_per_s = 1e6;
+  c.uint8_decode_gbyte_per_s = 1e6;
   c.matmul_gflop_per_s = 1e6;
+  c.gemm_gflop_per_s = 1e6;
   c.tcp_latency_us = 0;
   c.tcp_efficiency = 1;
   c.process_bytes = 100 << 20;
@@ -98,6 +102,37 @@ TEST(Plan, ALinkCarriesWhatEachHookSends) {
   EXPECT_LT(fp16.step_ms, fp32.step_ms);
   job.link_gbit = 100;
   EXPECT_LT(predict(four_layers(), job, m, with("ddp", "allreduce")).step_ms, fp32.step_ms / 2);
+}
+
+// The hooks outside the default rows, by what each sends between two hosts of one rank each.
+TEST(Plan, DdpsOtherHooksSendWhatTheirFormatsHold) {
+  JobSpec job;
+  job.world_size = 2;
+  job.hosts = 2;
+  job.link_gbit = 1;
+  const auto m = machine(4);
+  const double P = 16.0 * (1 << 20);
+  auto wire = [&](const Candidate& c) { return predict(four_layers(), job, m, c).wire_bytes_per_step; };
+  EXPECT_NEAR(wire(with("ddp", "fp16_wrapper")), P / 2, 1);
+  EXPECT_NEAR(wire(with("ddp", "bf16_wrapper")), P / 2, 1);
+  // uint8 codes gathered from both ranks: each sends its quarter-size codes to the other host.
+  EXPECT_NEAR(wire(with("ddp", "quantize_per_tensor")), P / 4, 1);
+  EXPECT_NEAR(wire(with("ddp", "quantize_per_channel")), P / 4, 1);
+  // batched PowerSGD at rank 32: each bucket a square of side ceil(sqrt(numel)), P and Q of
+  // side x 32. Buckets: the last layer alone (DDP's 1 MiB first cap), then the other three.
+  double batched = 0;
+  for (double numel : {1024.0 * 1024, 3 * 1024.0 * 1024}) batched += 2 * 4 * std::ceil(std::sqrt(numel)) * 32;
+  EXPECT_NEAR(wire(with("ddp", "batched_powersgd")), batched, 1);
+  // Local SGD: every period's average sends the parameters once; a step carries 1/period of it.
+  Candidate local = with("ddp", "post_local_sgd");
+  EXPECT_NEAR(wire(local), P / 4, 1);
+  local.local_sgd_period = 1;
+  EXPECT_NEAR(wire(local), P, 1);
+  // Memory: the codes of every rank and their sum beside the bucket copies.
+  job.hosts = 1;
+  EXPECT_GT(predict(four_layers(), job, m, with("ddp", "quantize_per_channel")).memory.communication,
+            predict(four_layers(), job, m, with("ddp", "allreduce")).memory.communication);
+  EXPECT_THROW(predict(four_layers(), job, m, with("ddp", "bogus")), c10::Error);
 }
 
 // Two ranks per host: DDP's allreduce is hierarchical, each local rank carrying half the host's

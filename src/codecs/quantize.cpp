@@ -267,5 +267,34 @@ void int8_decode_aten(const at::Tensor& encoded, int64_t numel, int64_t block, c
 }
 
 }  // namespace detail
+// ---- PyTorch's quantization hooks' format: uint8 affine --------------------------------------------
+
+std::pair<at::Tensor, at::Tensor> uint8_affine_qparams(const at::Tensor& x2d) {
+  auto mm = at::aminmax(x2d, 1);
+  at::Tensor min_neg = at::clamp_max(std::get<0>(mm), 0.0);
+  at::Tensor max_pos = at::clamp_min(std::get<1>(mm), 0.0);
+  at::Tensor scale = (max_pos - min_neg) / 255.0;
+  scale = at::clamp_min(scale, std::numeric_limits<float>::epsilon());
+  at::Tensor zero_point = at::clamp(0 - at::round(min_neg / scale).to(at::kInt), 0, 255);
+  return {scale, zero_point.to(at::kFloat)};
+}
+
+at::Tensor uint8_affine_encode(const at::Tensor& block, const at::Tensor& scale, const at::Tensor& zero_point) {
+  const int64_t rows = block.size(0), cols = block.size(1);
+  at::Tensor packed = at::empty({rows * cols + 2 * rows * 4}, block.options().dtype(at::kByte));
+  packed.narrow(0, 0, rows * 4).view(at::kFloat).copy_(scale);
+  packed.narrow(0, rows * 4, rows * 4).view(at::kFloat).copy_(zero_point);
+  at::Tensor codes = packed.narrow(0, 8 * rows, rows * cols).view({rows, cols});
+  codes.copy_(at::clamp(at::round(block / scale.unsqueeze(1)) + zero_point.unsqueeze(1), 0, 255));
+  return packed;
+}
+
+void uint8_affine_decode_add(const at::Tensor& packed, int64_t rows, int64_t cols, at::Tensor& acc) {
+  at::Tensor scale = packed.narrow(0, 0, rows * 4).view(at::kFloat).unsqueeze(1);
+  at::Tensor zero_point = packed.narrow(0, rows * 4, rows * 4).view(at::kFloat).unsqueeze(1);
+  at::Tensor codes = packed.narrow(0, 8 * rows, rows * cols).view({rows, cols});
+  acc.add_((codes.to(at::kFloat) - zero_point) * scale);
+}
+
 }  // namespace codecs
 }  // namespace ddpkit

@@ -3,7 +3,6 @@
 
 #include <algorithm>
 #include <exception>
-#include <limits>
 #include <memory>
 #include <mutex>
 #include <vector>
@@ -11,39 +10,6 @@
 namespace ddpkit {
 namespace hooks {
 namespace {
-
-// ---- PyTorch parity: uint8 affine quantization ----------------------------------------------------
-// MinMaxObserver / PerChannelMinMaxObserver.calculate_qparams for quint8 (quant range 0..255), in
-// the same float32 operations, per row of `x` (a 2-D tensor; one row for per-tensor).
-std::pair<at::Tensor, at::Tensor> qparams(const at::Tensor& x2d) {
-  auto mm = at::aminmax(x2d, 1);
-  at::Tensor min_neg = at::clamp_max(std::get<0>(mm), 0.0);
-  at::Tensor max_pos = at::clamp_min(std::get<1>(mm), 0.0);
-  at::Tensor scale = (max_pos - min_neg) / 255.0;
-  scale = at::clamp_min(scale, std::numeric_limits<float>::epsilon());
-  at::Tensor zero_point = at::clamp(0 - at::round(min_neg / scale).to(at::kInt), 0, 255);
-  return {scale, zero_point.to(at::kFloat)};
-}
-
-// The uint8 payload of one block (rows x cols of the bucket) under the bucket's quantization
-// parameters `scale`/`zero_point` (one per row of the block): [rows scales][rows zero points]
-// (float32, first so they stay aligned) then [rows * cols codes].
-at::Tensor quantize_block(const at::Tensor& block, const at::Tensor& scale, const at::Tensor& zp) {
-  const int64_t rows = block.size(0), cols = block.size(1);
-  at::Tensor packed = at::empty({rows * cols + 2 * rows * 4}, block.options().dtype(at::kByte));
-  packed.narrow(0, 0, rows * 4).view(at::kFloat).copy_(scale);
-  packed.narrow(0, rows * 4, rows * 4).view(at::kFloat).copy_(zp);
-  at::Tensor codes = packed.narrow(0, 8 * rows, rows * cols).view({rows, cols});
-  codes.copy_(at::clamp(at::round(block / scale.unsqueeze(1)) + zp.unsqueeze(1), 0, 255));
-  return packed;
-}
-
-void dequantize_block_into(const at::Tensor& packed, int64_t rows, int64_t cols, at::Tensor& acc) {
-  at::Tensor scale = packed.narrow(0, 0, rows * 4).view(at::kFloat).unsqueeze(1);
-  at::Tensor zp = packed.narrow(0, rows * 4, rows * 4).view(at::kFloat).unsqueeze(1);
-  at::Tensor codes = packed.narrow(0, 8 * rows, rows * cols).view({rows, cols});
-  acc.add_((codes.to(at::kFloat) - zp) * scale);
-}
 
 // A block of the bucket's rows x cols matrix that travels in one allgather: whole rows when there
 // are several (each row keeps its own parameters), else a column range of the one row.
@@ -89,7 +55,7 @@ CommHook gathered_uint8_hook(std::shared_ptr<ProcessGroup> pg, int64_t cols, con
       x2d.narrow(0, 0, numel).copy_(flat);
       x2d = x2d.view({rows, c});
     }
-    const auto params = qparams(x2d);
+    const auto params = codecs::uint8_affine_qparams(x2d);
     const int world = pg->size();
     // An allgather sends this rank's payload to each of the world - 1 peers.
     const auto blocks = cut_blocks(rows, c, pg->pieces_for(static_cast<uint64_t>(rows * c) * (world - 1)));
@@ -116,7 +82,7 @@ CommHook gathered_uint8_hook(std::shared_ptr<ProcessGroup> pg, int64_t cols, con
     for (const Block& b : blocks) {
       at::Tensor mine;
       try {
-        mine = quantize_block(x2d.narrow(0, b.row, b.rows).narrow(1, b.col, b.cols),
+        mine = codecs::uint8_affine_encode(x2d.narrow(0, b.row, b.rows).narrow(1, b.col, b.cols),
                               params.first.narrow(0, b.row, b.rows), params.second.narrow(0, b.row, b.rows));
       } catch (...) {
         finish_one(std::current_exception());
@@ -128,7 +94,7 @@ CommHook gathered_uint8_hook(std::shared_ptr<ProcessGroup> pg, int64_t cols, con
         if (f.hasError()) return finish_one(f.exception_ptr());
         try {
           at::Tensor acc = at::zeros({b.rows, b.cols}, flat.options());
-          for (const auto& p : parts) dequantize_block_into(p, b.rows, b.cols, acc);
+          for (const auto& p : parts) codecs::uint8_affine_decode_add(p, b.rows, b.cols, acc);
           acc.div_(world);
           // The block's elements in the bucket: its rows' span, or its columns of the one row,
           // less the zero padding past the bucket's end.

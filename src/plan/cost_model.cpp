@@ -19,6 +19,7 @@
 #include <ddpkit/reducer/bucket_assignment.h>
 
 #include <algorithm>
+#include <cmath>
 #include <functional>
 
 namespace ddpkit {
@@ -45,6 +46,17 @@ std::vector<Candidate> candidates(const JobSpec& job) {
     for (const char* h : {"none", "bf16"}) add(s, h);
   if (job.hosts > 1)
     for (const char* h : {"none", "bf16"}) add("hybrid_shard", h);
+  return out;
+}
+
+std::vector<Candidate> other_hook_candidates() {
+  std::vector<Candidate> out;
+  for (const char* h : {"fp16_wrapper", "bf16_wrapper", "quantize_per_tensor", "quantize_per_channel",
+                        "batched_powersgd", "post_local_sgd", "noop"}) {
+    Candidate c;
+    c.hook = h;
+    out.push_back(c);
+  }
   return out;
 }
 
@@ -133,7 +145,22 @@ class Network {
   double copy_ms(double bytes) const { return scale_ * bytes / (m_.copy_gbyte_per_s * 1e6); }
   double cast_ms(double fp32_bytes) const { return scale_ * fp32_bytes / (m_.cast_gbyte_per_s * 1e6); }
   double int8_ms(double fp32_bytes) const { return scale_ * fp32_bytes / (m_.int8_gbyte_per_s * 1e6); }
+  double uint8_encode_ms(double fp32_bytes) const {
+    return scale_ * fp32_bytes / (m_.uint8_encode_gbyte_per_s * 1e6);
+  }
+  double uint8_decode_ms(double fp32_bytes) const {
+    return scale_ * fp32_bytes / (m_.uint8_decode_gbyte_per_s * 1e6);
+  }
+  int world() const { return job_.world_size; }
   double flops_ms(double flops) const { return scale_ * flops / (m_.matmul_gflop_per_s * 1e6); }
+  // PowerSGD's three products on an n x m matrix at rank r (M Q, M^T P, P Q^T): each streams the
+  // matrix once, and at a higher rank runs at a layer's rate instead. matmul_gflop_per_s was timed
+  // streaming at rank 4 (2 flops per 4-byte element per column): that gives the streaming rate.
+  double powersgd_products_ms(double n, double m, double r) const {
+    const double stream = 4.0 * n * m / (m_.matmul_gflop_per_s * 1e6 * 4 / (2 * 4));
+    const double compute = 2.0 * n * m * r / (m_.gemm_gflop_per_s * 1e6);
+    return scale_ * 3 * std::max(stream, compute);
+  }
   bool one_host() const { return hosts_ == 1; }
 
  private:
@@ -190,11 +217,13 @@ std::vector<Bucket> ddp_buckets(const ModelProfile& model, double cap_mb, double
   return out;
 }
 
+int powersgd_rank_of(const Candidate& c) { return c.powersgd_rank > 0 ? c.powersgd_rank : c.hook == "batched_powersgd" ? 32 : 4; }
+
 // PowerSGD on one bucket: its matrices worth compressing travel as P (n x r) and Q (m x r); the
 // rest (vectors, small matrices) as one plain allreduce.
 Comm powersgd_bucket(const ModelProfile& model, const Bucket& b, int r, const Network& net) {
   Comm total;
-  double plain = 0, p_bytes = 0, q_bytes = 0, flops = 0, compressed = 0;
+  double plain = 0, p_bytes = 0, q_bytes = 0, flops = 0, compressed = 0, products_ms = 0;
   for (size_t k : b.params) {
     const auto& shape = model.params[k].shape;
     int64_t n = shape.empty() ? 1 : shape[0], m = 1;
@@ -202,18 +231,33 @@ Comm powersgd_bucket(const ModelProfile& model, const Bucket& b, int r, const Ne
     if (shape.size() >= 2 && static_cast<double>((n + m) * r) * 2 < static_cast<double>(n * m)) {
       p_bytes += 4.0 * n * r;
       q_bytes += 4.0 * m * r;
-      // P = M Q, Q = M^T P, M ~ P Q^T, and P's orthogonalization.
-      flops += 6.0 * n * m * r + 2.0 * n * r * r;
+      products_ms += net.powersgd_products_ms(n, m, r);
+      flops += 2.0 * n * r * r;  // P's orthogonalization
       compressed += 4.0 * n * m;
     } else {
       plain += 4.0 * model.params[k].numel;
     }
   }
   // Error feedback: the bucket plus last step's error, and the new error: three passes.
-  total.cpu_ms += net.flops_ms(flops) + net.copy_ms(3 * compressed) + net.copy_ms(2 * 4.0 * b.numel);
+  total.cpu_ms += products_ms + net.flops_ms(flops) + net.copy_ms(3 * compressed) + net.copy_ms(2 * 4.0 * b.numel);
   if (plain > 0) total += net.collective(Op::kAllreduce, plain);
   if (p_bytes > 0) total += net.collective(Op::kAllreduce, p_bytes);
   if (q_bytes > 0) total += net.collective(Op::kAllreduce, q_bytes);
+  return total;
+}
+
+// batched_powerSGD_hook: the bucket as one zero-padded square matrix, compressed at rank r.
+Comm batched_powersgd_bucket(const Bucket& b, int r, const Network& net) {
+  const double side = std::ceil(std::sqrt(static_cast<double>(b.numel)));
+  const double rank = std::min(side, static_cast<double>(r));
+  const double padded = 4.0 * side * side, factor = 4.0 * side * rank;
+  Comm total;
+  // The padded copy with last step's error added, the new error, and the result back: as
+  // powerSGD_hook's three passes; P = M Q, Q = M^T P, M ~ P Q^T and P's orthogonalization.
+  total.cpu_ms += net.powersgd_products_ms(side, side, rank) + net.flops_ms(2.0 * side * rank * rank) +
+                  net.copy_ms(3 * padded) + net.copy_ms(2 * 4.0 * b.numel);
+  total += net.collective(Op::kAllreduce, factor);
+  total += net.collective(Op::kAllreduce, factor);
   return total;
 }
 
@@ -241,8 +285,22 @@ Comm ddp_bucket(const ModelProfile& model, const JobSpec& job, const Candidate& 
     const double payload = bytes / 4 * (1 + 4.0 / 512);
     comm += net.collective(Op::kAlltoall, payload);
     comm += net.collective(Op::kAlltoall, payload);
+  } else if (h == "fp16_wrapper" || h == "bf16_wrapper") {
+    // compress_wrapper around allreduce_hook: a 16-bit copy of the bucket, divided, allreduced
+    // through the slots (not cast in pieces there, as fp16/bf16 are), cast back.
+    comm.cpu_ms += net.cast_ms(bytes) + net.copy_ms(bytes / 2);
+    comm += net.collective(Op::kAllreduce, bytes / 2);
+  } else if (h == "quantize_per_tensor" || h == "quantize_per_channel") {
+    // PyTorch's hooks: uint8 codes of the bucket gathered from every rank, each rank's decoded
+    // into the sum, divided and copied back.
+    comm.cpu_ms += net.uint8_encode_ms(bytes) + net.world() * net.uint8_decode_ms(bytes) + net.copy_ms(2 * bytes);
+    comm += net.collective(Op::kAllgather, net.world() * bytes / 4);
   } else if (h == "powersgd") {
-    comm += powersgd_bucket(model, b, c.powersgd_rank, net);
+    comm += powersgd_bucket(model, b, powersgd_rank_of(c), net);
+  } else if (h == "batched_powersgd") {
+    comm += batched_powersgd_bucket(b, powersgd_rank_of(c), net);
+  } else if (h == "post_local_sgd") {
+    // Past its start the hook leaves each rank's gradient local: the bucket's copies alone.
   } else {
     DDPKIT_CHECK(false, "the cost model has no hook '", h, "'");
   }
@@ -335,6 +393,16 @@ double step_temporaries(const ModelProfile& model, const std::string& optimizer)
   return optimizer == "sgd" ? 0 : 2.0 * static_cast<double>(largest_param);
 }
 
+// The hooks --calibrate measures no extra for hold what the nearest one it measures does.
+std::string calibrated_like(const std::string& hook) {
+  if (hook == "fp16_wrapper") return "fp16";
+  if (hook == "bf16_wrapper") return "bf16";
+  if (hook == "batched_powersgd") return "powersgd";
+  if (hook == "quantize_per_tensor" || hook == "quantize_per_channel") return "int8";
+  if (hook == "post_local_sgd") return "allreduce";
+  return hook;
+}
+
 }  // namespace
 
 int64_t activations_from_peak(const ModelProfile& model, const MachineConstants& machine, const std::string& optimizer,
@@ -420,14 +488,33 @@ Prediction predict(const ModelProfile& model, const JobSpec& job, const MachineC
     mem.gradients = static_cast<int64_t>(P);
     if (s == "ddp") {
       t.compute(optimizer_ms);
+      if (c.hook == "post_local_sgd" && world > 1) {
+        // Every local_sgd_period steps the parameters are averaged: one flat copy (cat, divide,
+        // and back) and an allreduce of all of them. The step predicted is the mean step.
+        Comm average;
+        average.cpu_ms = net.copy_ms(3 * P);
+        average += net.collective(Op::kAllreduce, P);
+        const double period = std::max(1, c.local_sgd_period);
+        average.cpu_ms /= period;
+        average.wire_ms /= period;
+        average.wire_bytes /= period;
+        t.wait_until(t.issue(average));
+      }
       mem.optimizer_state = static_cast<int64_t>(state + temporaries);
       // Buckets: summed in place in shared memory, each rank writes its peers' shares there;
       // else every bucket is a copy of the gradients, plus what the hook encodes into.
       const bool in_place = c.hook == "none" && world > 1 && job.hosts == 1;
       double comm = in_place ? P * (world - 1) / world : P;
       if (c.hook == "fp16" || c.hook == "bf16") comm += largest / 2 * 2;
+      if (c.hook == "fp16_wrapper" || c.hook == "bf16_wrapper") comm += largest / 2;
       if (c.hook == "int8") comm += largest / 4 * 2;
+      // The codes from every rank, and the sum they are decoded into.
+      if (c.hook == "quantize_per_tensor" || c.hook == "quantize_per_channel") comm += largest / 4 * (world + 1) + largest;
       if (c.hook == "powersgd") comm += P;  // error feedback
+      // Per bucket, kept: its padded square, the error fed back and the input's copy.
+      if (c.hook == "batched_powersgd")
+        for (const auto& b : buckets) comm += 3 * 4.0 * std::pow(std::ceil(std::sqrt(static_cast<double>(b.numel))), 2);
+      if (c.hook == "post_local_sgd") comm += P;  // the flat copy averaging makes
       if (c.hook == "noop") comm = P;
       mem.communication = static_cast<int64_t>(comm);
     } else {
@@ -523,7 +610,10 @@ Prediction predict(const ModelProfile& model, const JobSpec& job, const MachineC
   const auto& extras = over_gloo && !machine.extra_bytes_per_param_byte_gloo.empty()
                            ? machine.extra_bytes_per_param_byte_gloo
                            : machine.extra_bytes_per_param_byte;
-  const auto extra = extras.find(s + "/" + c.hook);
+  // Constants measured before a hook's extra was (calibrate measures every hook's now): the
+  // nearest hook's.
+  auto extra = extras.find(s + "/" + c.hook);
+  if (extra == extras.end()) extra = extras.find(s + "/" + calibrated_like(c.hook));
   if (extra != extras.end()) mem.measured_extra = static_cast<int64_t>(extra->second * P);
   out.step_ms = t.now();
   out.compute_ms = F + B + optimizer_ms;

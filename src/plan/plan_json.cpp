@@ -37,6 +37,8 @@ const std::vector<std::pair<const char*, double MachineConstants::*>> kRates = {
     {"copy_gbyte_per_s", &MachineConstants::copy_gbyte_per_s},
     {"cast_gbyte_per_s", &MachineConstants::cast_gbyte_per_s},
     {"int8_gbyte_per_s", &MachineConstants::int8_gbyte_per_s},
+    {"uint8_encode_gbyte_per_s", &MachineConstants::uint8_encode_gbyte_per_s},
+    {"uint8_decode_gbyte_per_s", &MachineConstants::uint8_decode_gbyte_per_s},
     {"matmul_gflop_per_s", &MachineConstants::matmul_gflop_per_s},
     {"gemm_gflop_per_s", &MachineConstants::gemm_gflop_per_s}};
 }  // namespace

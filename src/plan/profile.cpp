@@ -245,7 +245,7 @@ MachineConstants calibrate_machine(int world) {
         {
           // Copies, codecs and products, every rank at once: in a step the other ranks are busy
           // too, and share the memory bandwidth.
-          double copy_rate, cast_rate, int8_rate, gemm_rate, matmul_rate = 0;
+          double copy_rate, cast_rate, int8_rate, encode_rate, decode_rate, gemm_rate, matmul_rate = 0;
           sync();
           const int64_t n = 16 << 20;  // 64 MB of fp32
           at::Tensor a = at::rand({n}), b = at::empty({n});
@@ -262,6 +262,26 @@ MachineConstants calibrate_machine(int world) {
                                           codecs::int8_encode(a, n, n, block, enc);
                                           codecs::int8_decode(enc, n, block, b, n, 1.0f, true);
                                         }) * 1e6);
+          // PyTorch's quantization hooks' uint8 codec, per channel (rows of 512) as the slower of
+          // the two: the bucket's parameters, then codes and one part decoded into a sum, in
+          // blocks of 1 MiB as the hook moves them (whole-tensor temporaries would time page
+          // faults the hook does not take).
+          {
+            const int64_t cols = 512, block_rows = 512, rows = n / cols;
+            at::Tensor x2d = a.view({rows, cols}), acc = at::zeros({block_rows, cols});
+            std::vector<at::Tensor> packed(static_cast<size_t>(rows / block_rows));
+            std::pair<at::Tensor, at::Tensor> qp;
+            encode_rate = bytes / (timed_ms(3, [&] {
+                                    qp = codecs::uint8_affine_qparams(x2d);
+                                    for (int64_t k = 0; k < rows / block_rows; ++k)
+                                      packed[k] = codecs::uint8_affine_encode(x2d.narrow(0, k * block_rows, block_rows),
+                                                                               qp.first.narrow(0, k * block_rows, block_rows),
+                                                                               qp.second.narrow(0, k * block_rows, block_rows));
+                                  }) * 1e6);
+            decode_rate = bytes / (timed_ms(3, [&] {
+                                    for (const auto& p : packed) codecs::uint8_affine_decode_add(p, block_rows, cols, acc);
+                                  }) * 1e6);
+          }
           // A layer's products as training runs them (a Linear 1024 -> 4096 at batch 128: forward,
           // and backward's two), every rank at once. A described model's GFLOP run at this rate;
           // PowerSGD's rate below, which streams its matrix, was 6x too slow for them.
@@ -291,6 +311,8 @@ MachineConstants calibrate_machine(int world) {
             m.copy_gbyte_per_s = copy_rate;
             m.cast_gbyte_per_s = cast_rate;
             m.int8_gbyte_per_s = int8_rate;
+            m.uint8_encode_gbyte_per_s = encode_rate;
+            m.uint8_decode_gbyte_per_s = decode_rate;
             m.matmul_gflop_per_s = matmul_rate;
             m.gemm_gflop_per_s = gemm_rate;
           }

@@ -49,10 +49,15 @@ model, its inputs and how well it predicts.
   --bucket-cap-mb X|auto  DDP and ZeRO-1 bucket cap (default: ddpkit train's for the hook); auto:
                           of the caps ddpkit train --bucket-cap-mb auto tries (1-64 MiB), the one
                           predicted fastest, kept only when 3 % faster than the default
-  --powersgd-rank N       (default 4)
+  --powersgd-rank N       (default: ddpkit train's, 4; batched_powersgd 32)
+  --local-sgd-period N    post_local_sgd: steps between parameter averages (default 4); its
+                          step is predicted as the mean over a period
+                          DDP's hooks beyond the default rows (fp16_wrapper, bf16_wrapper,
+                          quantize_per_tensor, quantize_per_channel, batched_powersgd,
+                          post_local_sgd) are predicted when --hook names one
   --json                  one JSON array, best first: strategy, hook, predicted_step_ms,
                           memory_per_rank_bytes, fits, and the breakdowns
-  --calibrate             measure this machine's constants (about 2 minutes), store them, print them
+  --calibrate             measure this machine's constants (about 3 minutes), store them, print them
   --constants FILE        where they are kept (default $XDG_CACHE_HOME/ddpkit/plan-constants.json,
                           or ~/.cache/...); measured on first use when missing
   --profile-steps N       timed steps of the profile (default 8)
@@ -113,7 +118,7 @@ Flags plan_flags(const std::vector<std::string>& args) {
   return Flags(args,
           with_model_flag_defaults({{"world-size", "2"}, {"hosts", "1"}, {"link-gbit", "10"}, {"cores-per-host", "0"},
                                     {"memory-limit-gb", "0"}, {"strategy", ""}, {"hook", ""}, {"bucket-cap-mb", ""},
-                                    {"powersgd-rank", "4"}, {"constants", ""}, {"profile-steps", "8"},
+                                    {"powersgd-rank", "0"}, {"local-sgd-period", "4"}, {"constants", ""}, {"profile-steps", "8"},
                                     {"describe", ""}, {"save-profile", ""}}),
           {"json", "calibrate", "busy-replica"});
 }
@@ -127,7 +132,10 @@ std::vector<std::string> train_flags(const plan::Candidate& c) {
   if (c.has_bucket_cap() && c.bucket_cap_mb > 0 &&
       c.bucket_cap_mb != hooks::default_bucket_cap_mb(c.hook))
     out.insert(out.end(), {"--bucket-cap-mb", plain(c.bucket_cap_mb)});
-  if (c.hook == "powersgd" && c.powersgd_rank != 4) out.insert(out.end(), {"--powersgd-rank", std::to_string(c.powersgd_rank)});
+  if ((c.hook == "powersgd" || c.hook == "batched_powersgd") && c.powersgd_rank > 0)
+    out.insert(out.end(), {"--powersgd-rank", std::to_string(c.powersgd_rank)});
+  if (c.hook == "post_local_sgd" && c.local_sgd_period != 4)
+    out.insert(out.end(), {"--local-sgd-period", std::to_string(c.local_sgd_period)});
   return out;
 }
 
@@ -355,10 +363,17 @@ plan::MachineConstants calibrate(const std::string& path) {
   two_hosts.hosts = 2;
   const plan::ModelProfile profile = profile_job(f, kCalibrationModel, job, m.cores, false, &m);
   const double P = static_cast<double>(profile.param_bytes());
-  for (const auto& c : plan::candidates(job)) {
+  std::vector<plan::Candidate> measured = plan::candidates(job);
+  for (auto c : plan::other_hook_candidates()) {
+    // Averaging every step: a long job's heap after many averages (a 2-rank mlp8 held 3 parameter
+    // sizes more at period 1 than at 4 within 12 steps).
+    if (c.hook == "post_local_sgd") c.local_sgd_period = 1;
+    measured.push_back(c);
+  }
+  for (const auto& c : measured) {
     std::cerr << "ddpkit plan: measuring " << c.strategy << " / " << c.hook << "\n";
     std::vector<std::string> flags = kCalibrationModel;
-    flags.insert(flags.end(), {"--nproc", "2", "--steps", "5", "--powersgd-start-iter", "2"});
+    flags.insert(flags.end(), {"--nproc", "2", "--steps", "5", "--powersgd-start-iter", "2", "--local-sgd-start-iter", "2"});
     for (const auto& a : train_flags(c)) flags.push_back(a);
     const std::string key = c.strategy + "/" + c.hook;
     // A job's peak moves by a few per cent from run to run (the heap's shape): the mean of two.
@@ -395,6 +410,8 @@ plan::MachineConstants load_or_calibrate(const std::string& path) {
     stale = "against an older memory model";
   else if (j.is_object() && j.contains("matmul_gflop_per_s") && !j.contains("gemm_gflop_per_s"))
     stale = "before the rate of a layer's products was";
+  else if (j.is_object() && j.contains("int8_gbyte_per_s") && !j.contains("uint8_encode_gbyte_per_s"))
+    stale = "before the quantization hooks' codec was";
   if (stale) {
     std::cerr << "ddpkit plan: " << path << " was measured " << stale << "; measuring again\n";
     return calibrate(path);
@@ -412,7 +429,7 @@ std::vector<std::string> train_args(const std::vector<std::string>& args, const 
                                     const plan::Candidate& c) {
   const std::set<std::string> plan_only = {"--world-size", "--hosts", "--link-gbit", "--cores-per-host",
                                            "--memory-limit-gb", "--strategy", "--hook", "--bucket-cap-mb",
-                                           "--powersgd-rank", "--constants", "--profile-steps", "--describe",
+                                           "--powersgd-rank", "--local-sgd-period", "--constants", "--profile-steps", "--describe",
                                            "--save-profile"};
   std::vector<std::string> out = {"--nproc", std::to_string(job.ranks_per_host())};
   for (size_t i = 0; i < args.size(); ++i) {
@@ -456,12 +473,19 @@ Planned make_plan(const Flags& f, const std::vector<std::string>& args, const st
   out.constants_path = f.str("constants").empty() ? default_constants_path() : f.str("constants");
   out.job = job_of(f);
   if (f.on("busy-replica")) profile_job(f, args, out.job, 1, true);
+  if (f.integer("powersgd-rank") < 0) throw UsageError("--powersgd-rank must be >= 1");
+  if (f.integer("local-sgd-period") < 1) throw UsageError("--local-sgd-period must be >= 1");
+  std::vector<plan::Candidate> all = plan::candidates(out.job);
+  const std::string hook = f.str("hook");
+  if (!hook.empty())  // DDP's other hooks are predicted when asked for by name
+    for (const auto& c : plan::other_hook_candidates()) all.push_back(c);
   std::vector<plan::Candidate> list;
-  for (auto c : plan::candidates(out.job)) {
+  for (auto c : all) {
     if (!f.str("strategy").empty() && c.strategy != f.str("strategy")) continue;
-    if (!f.str("hook").empty() && c.hook != f.str("hook")) continue;
+    if (!hook.empty() && c.hook != hook) continue;
     c.bucket_cap_mb = bucket_cap_of(f, cap_by_default);
     c.powersgd_rank = f.integer("powersgd-rank");
+    c.local_sgd_period = f.integer("local-sgd-period");
     list.push_back(c);
   }
   if (list.empty())
@@ -593,7 +617,10 @@ int run_tune(const std::vector<std::string>& all_args) {
     ++tried;
     std::vector<std::string> train = train_args(args, p.job, r.candidate);
     train.insert(train.end(), {"--steps", std::to_string(trial_steps)});
-    if (r.candidate.hook == "powersgd") train.insert(train.end(), {"--powersgd-start-iter", "2"});
+    // The trial times the hook's own steps, not the plain allreduce it starts with.
+    if (r.candidate.hook == "powersgd" || r.candidate.hook == "batched_powersgd")
+      train.insert(train.end(), {"--powersgd-start-iter", "2"});
+    if (r.candidate.hook == "post_local_sgd") train.insert(train.end(), {"--local-sgd-start-iter", "2"});
     std::cout << std::left << std::setw(15) << r.candidate.strategy << std::setw(11) << r.candidate.hook << std::right
               << std::setw(7) << cap_column(r.candidate) << std::fixed << std::setprecision(1) << std::setw(14)
               << r.step_ms << std::flush;

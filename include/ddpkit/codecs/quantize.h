@@ -12,6 +12,7 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <utility>
 
 namespace ddpkit {
 namespace codecs {
@@ -30,6 +31,18 @@ void int8_encode(const at::Tensor& src, int64_t valid, int64_t numel, int64_t bl
 // fused multiply-add per element, identical on every SIMD level). `numel` is the encoded length.
 void int8_decode(const at::Tensor& encoded, int64_t numel, int64_t block, const at::Tensor& dst, int64_t count,
                  float multiplier = 1.0f, bool accumulate = false);
+
+// ---- PyTorch's quantization hooks' format: uint8 affine, per row --------------------------------
+// MinMaxObserver / PerChannelMinMaxObserver.calculate_qparams for quint8 (0..255), in the same
+// float32 operations, per row of `x2d` (a 2-D tensor; one row for per-tensor): {scale, zero_point}.
+std::pair<at::Tensor, at::Tensor> uint8_affine_qparams(const at::Tensor& x2d);
+
+// The payload of `block` (rows x cols) under one scale/zero point per row: [rows scales][rows zero
+// points] (float32, first so they stay aligned) then [rows * cols codes].
+at::Tensor uint8_affine_encode(const at::Tensor& block, const at::Tensor& scale, const at::Tensor& zero_point);
+
+// acc (rows x cols, float32) += decode(packed).
+void uint8_affine_decode_add(const at::Tensor& packed, int64_t rows, int64_t cols, at::Tensor& acc);
 
 namespace detail {
 void int8_encode_aten(const at::Tensor& src, int64_t valid, int64_t numel, int64_t block, const at::Tensor& out,

@@ -56,6 +56,9 @@ struct MachineConstants {
   double copy_gbyte_per_s = 5;      // memcpy of large buffers
   double cast_gbyte_per_s = 5;      // fp32 -> fp16/bf16 and back, per fp32 byte
   double int8_gbyte_per_s = 2;      // int8 block quantize + dequantize-and-sum, per fp32 byte
+  // PyTorch's quantization hooks' uint8 codec (ATen operations), per fp32 byte: the parameters and
+  // codes of one bucket, and one rank's part decoded into the sum (a bucket decodes world parts).
+  double uint8_encode_gbyte_per_s = 1, uint8_decode_gbyte_per_s = 1;
   double matmul_gflop_per_s = 10;   // PowerSGD's products (a matrix against a few columns)
   double gemm_gflop_per_s = 50;     // a layer's products, every rank at once: a described model's GFLOP
   double optimizer_gbyte_per_s = 5; // unused when the profile times the optimizer itself
@@ -88,8 +91,9 @@ struct JobSpec {
 };
 
 // One way to run it. strategy: ddp, zero1, zero2, full_shard, shard_grad_op, no_shard, hybrid_shard.
-// hook: none (DDP's built-in allreduce), allreduce, fp16, bf16, int8, powersgd, noop (DDP); none,
-// fp16, bf16 (FSDP); none (ZeRO).
+// hook: none (DDP's built-in allreduce), allreduce, fp16, bf16, int8, powersgd, noop, and, predicted
+// when asked for (candidates() leaves them out), fp16_wrapper, bf16_wrapper, quantize_per_tensor,
+// quantize_per_channel, batched_powersgd, post_local_sgd (DDP); none, fp16, bf16 (FSDP); none (ZeRO).
 struct Candidate {
   std::string strategy = "ddp";
   std::string hook = "none";
@@ -99,7 +103,8 @@ struct Candidate {
   // decides (ddp/online_tuning.h); the prediction carries the cap chosen.
   double bucket_cap_mb = 0;
   static constexpr double kChooseBucketCap = -1;
-  int powersgd_rank = 4;
+  int powersgd_rank = 0;        // 0: ddpkit train's default for the hook (4; batched_powersgd 32)
+  int local_sgd_period = 4;     // post_local_sgd: parameters averaged every this many steps
   // DDP and ZeRO-1 reduce in buckets whose cap is chosen and given to `ddpkit train`.
   bool has_bucket_cap() const { return strategy == "ddp" || strategy == "zero1"; }
 };
@@ -131,8 +136,10 @@ struct Prediction {
   std::string note;                 // why it does not apply, when it does not
 };
 
-// Strategies and the hooks each takes, as the CLI names them.
+// Strategies and the hooks each takes, as the CLI names them: the rows `ddpkit plan` ranks.
 std::vector<Candidate> candidates(const JobSpec& job);
+// DDP's other hooks, predicted when asked for by name (`ddpkit plan --hook`).
+std::vector<Candidate> other_hook_candidates();
 Prediction predict(const ModelProfile& model, const JobSpec& job, const MachineConstants& machine,
                    const Candidate& candidate);
 // Every candidate, best first: those that fit before those that do not, then by step time.
