@@ -540,11 +540,11 @@ int run_plan(const std::vector<std::string>& args) {
   std::cout << (described ? "# described: forward " : "# measured alone: forward ") << std::setprecision(1) << profile.forward_ms << " ms, backward "
             << profile.backward_ms << " ms, optimizer " << profile.optimizer_ms << " ms (" << profile.concurrent
             << " replica(s) at once); constants: " << p.constants_path << "\n";
-  std::cout << std::left << std::setw(15) << "strategy" << std::setw(11) << "hook" << std::right << std::setw(7)
+  std::cout << std::left << std::setw(15) << "strategy" << std::setw(21) << "hook" << std::right << std::setw(7)
             << "cap_MB" << std::setw(10) << "step_ms" << std::setw(10) << "comm_ms" << std::setw(12) << "memory_MB" << std::setw(12) << "wire_MB"
             << "  fits\n";
   for (const auto& r : rows) {
-    std::cout << std::left << std::setw(15) << r.candidate.strategy << std::setw(11) << r.candidate.hook << std::right
+    std::cout << std::left << std::setw(15) << r.candidate.strategy << std::setw(21) << r.candidate.hook << std::right
               << std::setw(7) << cap_column(r.candidate) << std::setw(10) << std::setprecision(1) << r.step_ms << std::setw(10) << r.exposed_comm_ms << std::setw(12)
               << mb(r.memory.total()) << std::setw(12) << std::setprecision(1) << r.wire_bytes_per_step / (1 << 20)
               << "  " << (r.fits ? "yes" : "no") << "\n";
@@ -607,7 +607,7 @@ int run_tune(const std::vector<std::string>& all_args) {
     throw UsageError("tune trains the CLI's models; a described model is for ddpkit plan (--describe)");
   // Trials at the cap the plan predicts best (--bucket-cap-mb auto unless a cap is given).
   const Planned p = make_plan(f, args, "auto");
-  std::cout << std::left << std::setw(15) << "strategy" << std::setw(11) << "hook" << std::right << std::setw(7)
+  std::cout << std::left << std::setw(15) << "strategy" << std::setw(21) << "hook" << std::right << std::setw(7)
             << "cap_MB" << std::setw(14) << "predicted_ms" << std::setw(12) << "measured_ms" << std::setw(12) << "memory_MB" << "  trial\n";
   double best_ms = 0;
   std::vector<std::string> best;
@@ -621,7 +621,7 @@ int run_tune(const std::vector<std::string>& all_args) {
     if (r.candidate.hook == "powersgd" || r.candidate.hook == "batched_powersgd")
       train.insert(train.end(), {"--powersgd-start-iter", "2"});
     if (r.candidate.hook == "post_local_sgd") train.insert(train.end(), {"--local-sgd-start-iter", "2"});
-    std::cout << std::left << std::setw(15) << r.candidate.strategy << std::setw(11) << r.candidate.hook << std::right
+    std::cout << std::left << std::setw(15) << r.candidate.strategy << std::setw(21) << r.candidate.hook << std::right
               << std::setw(7) << cap_column(r.candidate) << std::fixed << std::setprecision(1) << std::setw(14)
               << r.step_ms << std::flush;
     try {
