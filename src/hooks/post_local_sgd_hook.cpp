@@ -48,7 +48,7 @@ CommHook post_localSGD_hook(std::shared_ptr<PostLocalSGDState> state) {
   };
 }
 
-void average_parameters(const std::vector<at::Tensor>& params, ProcessGroup& pg) {
+void average_parameters(const std::vector<at::Tensor>& params, ProcessGroup& pg, std::vector<at::Tensor>* cache) {
   if (params.empty() || pg.size() == 1) return;
   at::NoGradGuard no_grad;
   // One flat buffer per dtype, in first-appearance order (the same on every rank).
@@ -61,10 +61,25 @@ void average_parameters(const std::vector<at::Tensor>& params, ProcessGroup& pg)
       it->second.push_back(p);
     }
   }
-  for (auto& g : groups) {
+  if (cache) cache->resize(groups.size());
+  for (size_t k = 0; k < groups.size(); ++k) {
+    auto& g = groups[k];
     std::vector<at::Tensor> flat;
-    for (const auto& p : g.second) flat.push_back(p.detach().reshape({-1}));
-    at::Tensor buffer = at::cat(flat).div_(pg.size());
+    int64_t numel = 0;
+    for (const auto& p : g.second) {
+      flat.push_back(p.detach().reshape({-1}));
+      numel += p.numel();
+    }
+    at::Tensor buffer;
+    if (cache) {
+      at::Tensor& kept = (*cache)[k];
+      if (!kept.defined() || kept.numel() != numel || kept.scalar_type() != g.first)
+        kept = at::empty({numel}, g.second.front().options());
+      buffer = at::cat_out(kept, flat);
+    } else {
+      buffer = at::cat(flat);
+    }
+    buffer.div_(pg.size());
     ProcessGroup::wait(pg.allreduce(buffer));
     int64_t off = 0;
     for (const auto& p : g.second) {
@@ -88,7 +103,7 @@ void PeriodicModelAverager::set_step(int64_t step) {
 
 bool PeriodicModelAverager::average_parameters(const std::vector<at::Tensor>& params) {
   const bool now = step_ >= warmup_ && (step_ - warmup_) % period_ == 0;
-  if (now) hooks::average_parameters(params, *pg_);
+  if (now) hooks::average_parameters(params, *pg_, &flat_);
   ++step_;
   return now;
 }

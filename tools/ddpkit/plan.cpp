@@ -365,8 +365,7 @@ plan::MachineConstants calibrate(const std::string& path) {
   const double P = static_cast<double>(profile.param_bytes());
   std::vector<plan::Candidate> measured = plan::candidates(job);
   for (auto c : plan::other_hook_candidates()) {
-    // Averaging every step: a long job's heap after many averages (a 2-rank mlp8 held 3 parameter
-    // sizes more at period 1 than at 4 within 12 steps).
+    // Averaging every step: the short job holds the averaging's flat buffer, as a long one does.
     if (c.hook == "post_local_sgd") c.local_sgd_period = 1;
     measured.push_back(c);
   }
