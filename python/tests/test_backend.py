@@ -118,6 +118,15 @@ def all_collectives(rank, world):
             dist.all_gather(outs, inputs[rank], group=dk)
             for r in range(world):
                 close(outs[r], inputs[r], f"all_gather {dtype} n={n} block {r}")
+            # the list as consecutive chunks of one tensor (FSDP's gather on CPU), and out of order
+            whole = torch.full((world * n,), 7, dtype=dtype)
+            chunks = list(whole.chunk(world))
+            dist.all_gather(chunks, inputs[rank], group=dk)
+            close(whole, torch.cat(inputs), f"all_gather into chunks {dtype} n={n}")
+            whole = torch.full((world * n,), 7, dtype=dtype)
+            reversed_chunks = list(whole.chunk(world))[::-1]
+            dist.all_gather(reversed_chunks, inputs[rank], group=dk)
+            close(whole, torch.cat(inputs[::-1]), f"all_gather into reversed chunks {dtype} n={n}")
             flat = torch.empty(world * n, dtype=dtype)
             dist.all_gather_into_tensor(flat, inputs[rank], group=dk) if hasattr(dist, "all_gather_into_tensor") \
                 else dist._all_gather_base(flat, inputs[rank], group=dk)
