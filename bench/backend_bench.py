@@ -17,7 +17,8 @@ DistributedDataParallel on the MLP of bench/ddp_vs_pytorch.py (1024-4096-4096-10
 rank, SGD with momentum); fsdp (torch 2.x) is FSDP FULL_SHARD, device_id=cpu, every Linear a unit,
 on the MLP of bench/pytorch_fsdp.py (1024-4096-1024 x4). After a short warm-up run on each
 backend, each runs twice (ddpkit, gloo, gloo, ddpkit); the figure is the median step (first two
-steps of each run left out), slowest rank. For fsdp it also prints the time inside the
+steps of each run left out), slowest rank. For ddp it also runs DDP with PyTorch's noop comm hook
+(no collective at all: the floor of any backend). For fsdp it also prints the time inside the
 collectives FSDP calls (median per step, slowest rank) and the step less it, over gloo's step: the
 ratio no backend could beat.
 """
@@ -60,12 +61,16 @@ def run_op(op, group, backend, buf, out, world):
                 else dist._reduce_scatter_base(out, buf, group=group)
 
 
-def train_steps(mode, group, rank, steps):
+def train_steps(mode, group, rank, steps, free=False):
+    """free (ddp): PyTorch's noop comm hook, DDP with every collective left out: its floor."""
     from pytorch_ddp import build
     from pytorch_fsdp import DIMS as FSDP_DIMS
     torch.manual_seed(1)
     if mode == "ddp":
         net = torch.nn.parallel.DistributedDataParallel(build([1024, 4096, 4096, 1024]), process_group=group)
+        if free:
+            from torch.distributed.algorithms.ddp_comm_hooks.debugging_hooks import noop_hook
+            net.register_comm_hook(None, noop_hook)
     else:
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, ShardingStrategy
         from torch.distributed.fsdp.wrap import ModuleWrapPolicy
@@ -158,8 +163,13 @@ def rank_main(rank, world, port, sizes, ops, results, train, steps):
         inside = {"ddpkit": [], "gloo": []}
         for backend in ("gloo", "ddpkit"):  # warm-up: a process's first model pays its heap's page faults
             train_steps(mode, groups[backend], rank, 3)
-        for backend in ("ddpkit", "gloo", "gloo", "ddpkit"):
-            step, coll = train_steps(mode, groups[backend], rank, steps)
+        order = ("ddpkit", "gloo", "gloo", "ddpkit")
+        if mode == "ddp":
+            times["free"], inside["free"] = [], []
+            order = ("ddpkit", "gloo", "free", "free", "gloo", "ddpkit")
+        for backend in order:
+            step, coll = train_steps(mode, groups["ddpkit" if backend == "free" else backend], rank, steps,
+                                     free=backend == "free")
             times[backend] += step
             inside[backend] += coll
         for backend in times:
@@ -230,6 +240,10 @@ def main():
             td, tg = by[("train:" + mode, 0, "ddpkit")], by[("train:" + mode, 0, "gloo")]
             print(f"\n{mode} step, {world} ranks: ddpkit {td * 1e3:.1f} ms, gloo {tg * 1e3:.1f} ms, "
                   f"ddpkit/gloo {td / tg:.2f}x")
+            if ("train:" + mode, 0, "free") in by:
+                tf = by[("train:" + mode, 0, "free")]
+                print(f"  with no collectives (PyTorch's noop hook): {tf * 1e3:.1f} ms, {tf / tg:.2f}x gloo's: "
+                      f"ddpkit's collectives add {(td - tf) * 1e3:.1f} ms, gloo's {(tg - tf) * 1e3:.1f} ms")
             cd, cg = by[("collectives:" + mode, 0, "ddpkit")], by[("collectives:" + mode, 0, "gloo")]
             if cd > 0 and cg > 0:  # the wrapper's collectives are called from Python (FSDP, not DDP)
                 print(f"  inside its collectives: ddpkit {cd * 1e3:.1f} ms, gloo {cg * 1e3:.1f} ms; the rest of the "
