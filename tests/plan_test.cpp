@@ -84,11 +84,17 @@ TEST(Plan, ASpareCoreHidesSumsBehindBackward) {
   EXPECT_NEAR(p.step_ms, 68 + bucket, 1e-6);
 }
 
-TEST(Plan, ALinkCarriesWhatEachHookSends) {
+// Two hosts of one rank each, joined by a 1 Gbit/s link.
+static JobSpec two_hosts_at_1gbit() {
   JobSpec job;
   job.world_size = 2;
   job.hosts = 2;
   job.link_gbit = 1;
+  return job;
+}
+
+TEST(Plan, ALinkCarriesWhatEachHookSends) {
+  JobSpec job = two_hosts_at_1gbit();
   const auto m = machine(4);
   const Prediction fp32 = predict(four_layers(), job, m, with("ddp", "allreduce"));
   const Prediction fp16 = predict(four_layers(), job, m, with("ddp", "fp16"));
@@ -106,10 +112,7 @@ TEST(Plan, ALinkCarriesWhatEachHookSends) {
 
 // The hooks outside the default rows, by what each sends between two hosts of one rank each.
 TEST(Plan, DdpsOtherHooksSendWhatTheirFormatsHold) {
-  JobSpec job;
-  job.world_size = 2;
-  job.hosts = 2;
-  job.link_gbit = 1;
+  JobSpec job = two_hosts_at_1gbit();
   const auto m = machine(4);
   const double P = 16.0 * (1 << 20);
   auto wire = [&](const Candidate& c) { return predict(four_layers(), job, m, c).wire_bytes_per_step; };
