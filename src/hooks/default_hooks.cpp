@@ -110,6 +110,8 @@ bool moves_pieces(const std::string& hook) {
 
 double default_bucket_cap_mb(const std::string& hook) { return moves_pieces(hook) ? 6 : 25; }
 
+int default_powersgd_rank(const std::string& hook) { return hook == "batched_powersgd" ? 32 : 4; }
+
 BuiltHook build_hook(const std::string& name, std::shared_ptr<ProcessGroup> pg, const HookOptions& options) {
   if (name == "allreduce") return {allreduce_hook(pg), nullptr};
   if (name == "fp16") return {fp16_compress_hook(pg), nullptr};

@@ -217,7 +217,7 @@ std::vector<Bucket> ddp_buckets(const ModelProfile& model, double cap_mb, double
   return out;
 }
 
-int powersgd_rank_of(const Candidate& c) { return c.powersgd_rank > 0 ? c.powersgd_rank : c.hook == "batched_powersgd" ? 32 : 4; }
+int powersgd_rank_of(const Candidate& c) { return c.powersgd_rank > 0 ? c.powersgd_rank : hooks::default_powersgd_rank(c.hook); }
 
 // PowerSGD on one bucket: its matrices worth compressing travel as P (n x r) and Q (m x r); the
 // rest (vectors, small matrices) as one plain allreduce.
@@ -391,16 +391,6 @@ double step_temporaries(const ModelProfile& model, const std::string& optimizer)
   int64_t largest_param = 0;
   for (const auto& p : model.params) largest_param = std::max(largest_param, 4 * p.numel);
   return optimizer == "sgd" ? 0 : 2.0 * static_cast<double>(largest_param);
-}
-
-// The hooks --calibrate measures no extra for hold what the nearest one it measures does.
-std::string calibrated_like(const std::string& hook) {
-  if (hook == "fp16_wrapper") return "fp16";
-  if (hook == "bf16_wrapper") return "bf16";
-  if (hook == "batched_powersgd") return "powersgd";
-  if (hook == "quantize_per_tensor" || hook == "quantize_per_channel") return "int8";
-  if (hook == "post_local_sgd") return "allreduce";
-  return hook;
 }
 
 }  // namespace
@@ -610,10 +600,7 @@ Prediction predict(const ModelProfile& model, const JobSpec& job, const MachineC
   const auto& extras = over_gloo && !machine.extra_bytes_per_param_byte_gloo.empty()
                            ? machine.extra_bytes_per_param_byte_gloo
                            : machine.extra_bytes_per_param_byte;
-  // Constants measured before a hook's extra was (calibrate measures every hook's now): the
-  // nearest hook's.
-  auto extra = extras.find(s + "/" + c.hook);
-  if (extra == extras.end()) extra = extras.find(s + "/" + calibrated_like(c.hook));
+  const auto extra = extras.find(s + "/" + c.hook);
   if (extra != extras.end()) mem.measured_extra = static_cast<int64_t>(extra->second * P);
   out.step_ms = t.now();
   out.compute_ms = F + B + optimizer_ms;

@@ -343,6 +343,10 @@ plan::ModelProfile profile_job(const Flags& f, const std::vector<std::string>& a
   return profile;
 }
 
+// PowerSGD and local SGD begin with plain allreduces (train's defaults: 10 and 100 steps): a short
+// job (calibration, a tune trial) starts them at its third step, to time and hold their own.
+const std::vector<std::string> kHooksFromTheThirdStep = {"--powersgd-start-iter", "2", "--local-sgd-start-iter", "2"};
+
 // The calibration job: a 3-layer MLP of 12.6M parameters (none of validation's models), 2 ranks.
 const std::vector<std::string> kCalibrationModel = {"--dataset", "synthetic", "--mlp-dims", "1024,3072,3072,1024",
                                                     "--synthetic-size", "2048", "--fsdp-min-unit-params", "1000"};
@@ -372,7 +376,8 @@ plan::MachineConstants calibrate(const std::string& path) {
   for (const auto& c : measured) {
     std::cerr << "ddpkit plan: measuring " << c.strategy << " / " << c.hook << "\n";
     std::vector<std::string> flags = kCalibrationModel;
-    flags.insert(flags.end(), {"--nproc", "2", "--steps", "5", "--powersgd-start-iter", "2", "--local-sgd-start-iter", "2"});
+    flags.insert(flags.end(), {"--nproc", "2", "--steps", "5"});
+    for (const auto& a : kHooksFromTheThirdStep) flags.push_back(a);
     for (const auto& a : train_flags(c)) flags.push_back(a);
     const std::string key = c.strategy + "/" + c.hook;
     // A job's peak moves by a few per cent from run to run (the heap's shape): the mean of two.
@@ -616,10 +621,7 @@ int run_tune(const std::vector<std::string>& all_args) {
     ++tried;
     std::vector<std::string> train = train_args(args, p.job, r.candidate);
     train.insert(train.end(), {"--steps", std::to_string(trial_steps)});
-    // The trial times the hook's own steps, not the plain allreduce it starts with.
-    if (r.candidate.hook == "powersgd" || r.candidate.hook == "batched_powersgd")
-      train.insert(train.end(), {"--powersgd-start-iter", "2"});
-    if (r.candidate.hook == "post_local_sgd") train.insert(train.end(), {"--local-sgd-start-iter", "2"});
+    train.insert(train.end(), kHooksFromTheThirdStep.begin(), kHooksFromTheThirdStep.end());
     std::cout << std::left << std::setw(15) << r.candidate.strategy << std::setw(21) << r.candidate.hook << std::right
               << std::setw(7) << cap_column(r.candidate) << std::fixed << std::setprecision(1) << std::setw(14)
               << r.step_ms << std::flush;

@@ -185,7 +185,7 @@ int run_train(const std::vector<std::string>& args, const std::vector<std::strin
   if (!(lr > 0)) throw UsageError("--lr must be positive");
   if (!(cap > 0)) throw UsageError("--bucket-cap-mb must be positive");
   const int64_t powersgd_rank =
-      f.str("powersgd-rank").empty() ? (hook_name == "batched_powersgd" ? 32 : 4) : f.integer("powersgd-rank");
+      f.str("powersgd-rank").empty() ? hooks::default_powersgd_rank(hook_name) : f.integer("powersgd-rank");
   if (powersgd_rank < 1) throw UsageError("--powersgd-rank must be >= 1");
   if (f.integer("powersgd-start-iter") < 0) throw UsageError("--powersgd-start-iter must be >= 0");
   if (f.integer("int8-block") < 16 || f.integer("int8-block") % 16) throw UsageError("--int8-block must be a positive multiple of 16");

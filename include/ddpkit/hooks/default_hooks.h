@@ -59,6 +59,8 @@ std::vector<std::string> hook_names();
 // and fp16's by 1-5% (docs/performance.md). PowerSGD compresses per matrix (batched: per bucket,
 // where a larger bucket compresses more) and gains nothing.
 double default_bucket_cap_mb(const std::string& hook);
+// The PowerSGD rank `ddpkit train` uses unless told: 4, batched_powersgd 32 (one square per bucket).
+int default_powersgd_rank(const std::string& hook);
 // The hook moves its data in two-phase pieces (ProcessGroupOptions::piece_bytes): the codecs above.
 bool moves_pieces(const std::string& hook);
 
