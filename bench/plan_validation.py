@@ -67,6 +67,19 @@ CONFIGS = {
     # Averaging every step: a median step is then the mean step the plan predicts.
     "mlp25-w2-post_local_sgd": (2, MLP25 + ["--hook", "post_local_sgd", "--local-sgd-start-iter", "2",
                                             "--local-sgd-period", "1"]),
+    # The optimizer in the hook (--optimizer-in-hook), and local SGD's gradients within groups.
+    "mlp25-w2-allreduce+optimizer": (2, MLP25 + ["--hook", "allreduce", "--optimizer-in-hook"]),
+    "mlp8-w2-adam+optimizer": (2, MLP8 + ["--optimizer", "adam", "--optimizer-in-hook"]),
+    "mlp8-w4-post_local_sgd-g2": (4, MLP8 + ["--hook", "post_local_sgd", "--local-sgd-start-iter", "2",
+                                            "--local-sgd-period", "1", "--local-sgd-group-size", "2"]),
+    # FSDP's mixed precision: units gathered and computed in bf16 (3x slower than fp32 on this CPU).
+    "mlp8-w2-full_shard-mp_bf16": (2, MLP8 + ["--fsdp", "full_shard", "--fsdp-param-dtype", "bf16"] + FSDP_UNITS),
+    "mlp25-w2-shard_grad_op-mp_bf16": (2, MLP25 + ["--fsdp", "shard_grad_op", "--fsdp-param-dtype", "bf16"] + FSDP_UNITS),
+    "mlp8-w2-no_shard-mp_bf16_reduce_fp32": (2, MLP8 + ["--fsdp", "no_shard", "--fsdp-param-dtype", "bf16",
+                                                      "--fsdp-reduce-dtype", "fp32"] + FSDP_UNITS),
+    "gpt-w2-full_shard-mp_bf16": (2, GPT + ["--fsdp", "full_shard", "--fsdp-param-dtype", "bf16"]),
+    "gpt-w4-shard_grad_op-mp_bf16": (4, GPT + ["--fsdp", "shard_grad_op", "--fsdp-param-dtype", "bf16"]),
+    "cnn-w2-full_shard-mp_bf16": (2, CNN + ["--fsdp", "full_shard", "--fsdp-param-dtype", "bf16"] + FSDP_UNITS),
     "cnn-w2-ddp": (2, CNN),
     "fashion-w2-ddp": (2, MLP_FASHION),
 }
@@ -84,6 +97,11 @@ NETNS_CONFIGS = {
     "mlp8-h2-1g-batched_powersgd": (2, 1, "1gbit", 1, MLP8 + ["--hook", "batched_powersgd", "--powersgd-start-iter", "2"]),
     "mlp8-h2-1g-post_local_sgd": (2, 1, "1gbit", 1, MLP8 + ["--hook", "post_local_sgd", "--local-sgd-start-iter", "2",
                                                             "--local-sgd-period", "1"]),
+    "mlp8-h2-1g-fp16+optimizer": (2, 1, "1gbit", 1, MLP8 + ["--hook", "fp16", "--optimizer-in-hook"]),
+    "mlp8-h2x2-1g-post_local_sgd-g2": (2, 2, "1gbit", 1, MLP8 + ["--hook", "post_local_sgd", "--local-sgd-start-iter", "2",
+                                                                "--local-sgd-period", "1", "--local-sgd-group-size", "2"]),
+    "mlp8-h2-1g-full_shard-mp_bf16": (2, 1, "1gbit", 1, MLP8 + ["--fsdp", "full_shard", "--fsdp-param-dtype", "bf16"]
+                                      + FSDP_UNITS),
     "mlp8-h2-100m-fp16": (2, 1, "100mbit", 0.1, MLP8 + ["--hook", "fp16"]),
     "mlp8-h2-10g-ddp": (2, 1, "10gbit", 10, MLP8),
     "mlp8-h2x2-1g-ddp": (2, 2, "1gbit", 1, MLP8),

@@ -138,6 +138,57 @@ TEST(Plan, DdpsOtherHooksSendWhatTheirFormatsHold) {
   EXPECT_THROW(predict(four_layers(), job, m, with("ddp", "bogus")), c10::Error);
 }
 
+// --optimizer-in-hook: each bucket's share of the step follows its allreduce on the thread that
+// completes it. With a spare core that share runs beside backward; on cores the ranks fill, it is
+// taken from compute as the sums are, and the step is the step with the optimizer after backward.
+TEST(Plan, TheOptimizerInTheHookOverlapsBackwardOnlyWithASpareCore) {
+  JobSpec job;
+  job.world_size = 2;
+  Candidate in_hook = with("ddp", "none", 4);
+  in_hook.optimizer_in_hook = true;
+  const double bucket = 4.0 * (1 << 20) / 1e6;  // one layer's allreduce at 1 GB/s
+  const Prediction spare = predict(four_layers(), job, machine(4), in_hook);
+  EXPECT_EQ(spare.candidate.hook, "allreduce");  // what train registers for hook none
+  EXPECT_EQ(spare.candidate.label(), "allreduce+optimizer");
+  // The first layer's bucket, ready as backward ends: its allreduce and its quarter of the 8 ms step.
+  EXPECT_NEAR(spare.step_ms, 20 + 40 + bucket + 2, 1e-3);
+  EXPECT_NEAR(predict(four_layers(), job, machine(4), with("ddp", "allreduce", 4)).step_ms, 20 + 40 + bucket + 8, 1e-3);
+  const Prediction full = predict(four_layers(), job, machine(2), in_hook);
+  EXPECT_NEAR(full.step_ms, predict(four_layers(), job, machine(2), with("ddp", "allreduce", 4)).step_ms, 1e-6);
+  EXPECT_NEAR(full.step_ms, 20 + 40 + 4 * bucket + 8, 1e-3);
+  // Memory: the wrapped hook's.
+  EXPECT_EQ(full.memory.total(), predict(four_layers(), job, machine(2), with("ddp", "allreduce", 4)).memory.total());
+  Candidate zero = with("zero1", "none");
+  zero.optimizer_in_hook = true;
+  EXPECT_THROW(predict(four_layers(), job, machine(2), zero), c10::Error);
+}
+
+// post_local_sgd with --local-sgd-group-size: gradients allreduced within groups of consecutive
+// ranks. Two hosts of two ranks: a group of two is a host (shared memory, nothing on the link
+// but the period's average); a group of four spans the link every step.
+TEST(Plan, LocalSgdGroupsReduceWithinTheirRanks) {
+  JobSpec job;
+  job.world_size = 4;
+  job.hosts = 2;
+  job.link_gbit = 1;
+  const auto m = machine(4);
+  const double P = 16.0 * (1 << 20);
+  auto local = [&](int group) {
+    Candidate c = with("ddp", "post_local_sgd");
+    c.local_sgd_group_size = group;
+    return predict(four_layers(), job, m, c);
+  };
+  // The average every 4 steps: a hierarchical allreduce, each local rank carrying half its host's
+  // ring (the whole buffer between two hosts).
+  const double average = P / 2 / 4;
+  EXPECT_NEAR(local(0).wire_bytes_per_step, average, 1);
+  EXPECT_NEAR(local(2).wire_bytes_per_step, average, 1);
+  EXPECT_GT(local(2).step_ms, local(0).step_ms);  // the host's sums
+  EXPECT_NEAR(local(4).wire_bytes_per_step, average + P / 2, 1);
+  EXPECT_GT(local(2).memory.host_shared, local(0).memory.host_shared);  // the group's own slots
+  EXPECT_THROW(local(3), c10::Error);
+}
+
 // Two ranks per host: DDP's allreduce is hierarchical, each local rank carrying half the host's
 // between-host ring; ZeRO-2's reduce-scatter and allgather go flat, each rank sending half its
 // buffer to the other host over the one link the host's ranks share.
@@ -376,6 +427,64 @@ TEST(Plan, AProfileRoundTripsAsADescription) {
     EXPECT_DOUBLE_EQ(a.step_ms, b.step_ms) << c.strategy << "/" << c.hook;
     EXPECT_EQ(a.memory.total(), b.memory.total()) << c.strategy << "/" << c.hook;
   }
+}
+
+// FSDP's mixed precision: compute is the bf16 profile's; units travel in bf16 (gathered as
+// collectives even on one host: only fp32 shards lie in shared memory), and gradients in the
+// reduce dtype.
+TEST(Plan, MixedPrecisionComputesInBf16AndHalvesWhatUnitsSend) {
+  ModelProfile model = four_layers();
+  Candidate mixed = with("full_shard", "none");
+  mixed.param_dtype = "bf16";
+  JobSpec job = two_hosts_at_1gbit();
+  const auto m = machine(4);
+  EXPECT_THROW(predict(model, job, m, mixed), c10::Error);  // no bf16 compute profiled
+  ComputeProfile bf16;
+  bf16.forward_ms = 60;
+  bf16.backward_ms = 120;
+  for (const auto& p : model.params) bf16.grad_ready_ms.push_back(3 * p.grad_ready_ms);
+  bf16.activation_bytes = 3 << 20;
+  model.bf16 = bf16;
+  const Prediction fp32 = predict(model, job, m, with("full_shard", "none"));
+  const Prediction low = predict(model, job, m, mixed);
+  EXPECT_EQ(low.candidate.label(), "none+mp_bf16");
+  EXPECT_EQ(measured_extra_key(low.candidate), "full_shard/none+mp_bf16");
+  EXPECT_NEAR(low.compute_ms, 60 + 120 + 8 / 2, 1e-9);  // the fp32 shard's step: the optimizer's half
+  EXPECT_EQ(low.memory.activations, 3 << 20);
+  EXPECT_NEAR(low.wire_bytes_per_step, fp32.wire_bytes_per_step / 2, 1);
+  // Between hosts both gather privately: the unit computing, the one prefetched, the flat gradient.
+  EXPECT_EQ(low.memory.communication, fp32.memory.communication / 2);
+  Candidate reduce32 = mixed;
+  reduce32.reduce_dtype = "fp32";
+  const Prediction r32 = predict(model, job, m, reduce32);
+  EXPECT_GT(r32.wire_bytes_per_step, low.wire_bytes_per_step);
+  EXPECT_LT(r32.wire_bytes_per_step, fp32.wire_bytes_per_step);
+  EXPECT_EQ(r32.candidate.label(), "none+mp_bf16_reduce_fp32");
+  // On one host fp32 units are gathered in place, bf16 ones by a collective.
+  JobSpec one_host;
+  one_host.world_size = 2;
+  EXPECT_EQ(predict(model, one_host, m, with("full_shard", "none")).wire_bytes_per_step, 0);
+  EXPECT_GT(predict(model, one_host, m, mixed).exposed_comm_ms, 0);
+  Candidate ddp = with("ddp", "none");
+  ddp.param_dtype = "bf16";
+  EXPECT_THROW(predict(model, job, m, ddp), c10::Error);
+  Candidate hooked = with("full_shard", "bf16");
+  hooked.param_dtype = "bf16";
+  EXPECT_THROW(predict(model, job, m, hooked), c10::Error);
+  // A description carries it; left out, backward is twice the forward and activations the fp32 ones.
+  const ModelProfile back = model_profile_from_json(to_json(model), m, "sgd");
+  ASSERT_TRUE(back.bf16.has_value());
+  EXPECT_DOUBLE_EQ(predict(back, job, m, mixed).step_ms, low.step_ms);
+  const ModelProfile described = model_profile_from_json(
+      R"({"forward_ms": 10, "activation_bytes": 1000, "layers": [{"params": [[64, 64]]}], "bf16": {"forward_ms": 30}})", m,
+      "sgd");
+  ASSERT_TRUE(described.bf16.has_value());
+  EXPECT_DOUBLE_EQ(described.bf16->backward_ms, 60);
+  EXPECT_EQ(described.bf16->activation_bytes, 1000);
+  EXPECT_DOUBLE_EQ(described.bf16->grad_ready_ms.at(0), 60);
+  EXPECT_THROW(model_profile_from_json(R"({"forward_ms": 10, "layers": [{"params": [[4]]}], "bf16": {"backward_ms": 3}})",
+                                       m, "sgd"),
+               c10::Error);
 }
 
 TEST(Plan, ADescribedModelFillsInWhatItLeavesOut) {

@@ -49,6 +49,10 @@ std::vector<Candidate> candidates(const JobSpec& job) {
   return out;
 }
 
+std::string measured_extra_key(const Candidate& c) {
+  return c.strategy + "/" + c.hook + (c.mixed_precision() ? "+mp_" + c.param_dtype : "");
+}
+
 std::vector<Candidate> other_hook_candidates() {
   std::vector<Candidate> out;
   for (const char* h : {"fp16_wrapper", "bf16_wrapper", "quantize_per_tensor", "quantize_per_channel",
@@ -261,8 +265,9 @@ Comm batched_powersgd_bucket(const Bucket& b, int r, const Network& net) {
   return total;
 }
 
+// `subgroup`: post_local_sgd's group of consecutive ranks (subgroup_job).
 Comm ddp_bucket(const ModelProfile& model, const JobSpec& job, const Candidate& c, const Bucket& b,
-                const Network& net) {
+                const Network& net, const Network& subgroup) {
   const double bytes = 4.0 * b.numel;
   Comm comm;
   const std::string& h = c.hook;
@@ -300,11 +305,23 @@ Comm ddp_bucket(const ModelProfile& model, const JobSpec& job, const Candidate& 
   } else if (h == "batched_powersgd") {
     comm += batched_powersgd_bucket(b, powersgd_rank_of(c), net);
   } else if (h == "post_local_sgd") {
-    // Past its start the hook leaves each rank's gradient local: the bucket's copies alone.
+    // Past its start the hook allreduces the bucket within the rank's group (--local-sgd-group-size),
+    // else leaves it local: the bucket's copies alone.
+    if (c.local_sgd_group_size > 1) comm += subgroup.collective(Op::kAllreduce, bytes);
   } else {
     DDPKIT_CHECK(false, "the cost model has no hook '", h, "'");
   }
   return comm;
+}
+
+// post_local_sgd's subgroups: `size` consecutive ranks, within a host where they fit in one, else
+// whole hosts of them.
+JobSpec subgroup_job(const JobSpec& job, int size) {
+  JobSpec g = job;
+  g.world_size = std::max(1, size);
+  g.hosts = std::max(1, g.world_size / job.ranks_per_host());
+  if (g.world_size % g.hosts) g.hosts = 1;
+  return g;
 }
 
 // ---- FSDP units ----------------------------------------------------------------------------
@@ -426,6 +443,25 @@ Prediction predict(const ModelProfile& model, const JobSpec& job, const MachineC
   DDPKIT_CHECK(!fsdp || c.hook == "none" || c.hook == "fp16" || c.hook == "bf16",
                "plan: FSDP takes hook none, fp16 or bf16, got '", c.hook, "'");
   DDPKIT_CHECK(s == "ddp" || fsdp || c.hook == "none", "plan: ", s, " takes no hook, got '", c.hook, "'");
+  DDPKIT_CHECK(!c.optimizer_in_hook || s == "ddp", "plan: the optimizer runs in DDP's hook only, not with ", s);
+  const std::string reduce_dtype = c.reduce_dtype.empty() ? c.param_dtype : c.reduce_dtype;
+  DDPKIT_CHECK((c.param_dtype == "fp32" || c.param_dtype == "bf16") && (reduce_dtype == "fp32" || reduce_dtype == "bf16"),
+               "plan: mixed precision's dtypes are fp32 or bf16, got param '", c.param_dtype, "' reduce '",
+               c.reduce_dtype, "'");
+  DDPKIT_CHECK(c.mixed_precision() || reduce_dtype == "fp32", "plan: with fp32 parameters, reduce in bf16 with ",
+               "hook bf16 (the reduce dtype alone is not modelled)");
+  DDPKIT_CHECK(!c.mixed_precision() || (fsdp && c.hook == "none"), "plan: mixed precision is FSDP's, with hook none (",
+               s, " / ", c.hook, ")");
+  DDPKIT_CHECK(!c.mixed_precision() || model.bf16, "plan: the profile has no bf16 compute for mixed precision ",
+               "(ddpkit plan --fsdp-param-dtype bf16 profiles it; a description gives it as \"bf16\")");
+  if (c.optimizer_in_hook && c.hook == "none") c.hook = "allreduce";  // what train registers
+  if (c.hook == "post_local_sgd") {
+    const int g = c.local_sgd_group_size;
+    DDPKIT_CHECK(g >= 0 && (g == 0 || job.world_size % g == 0), "plan: the local SGD group size (", g,
+                 ") must divide the world size (", job.world_size, ")");
+    DDPKIT_CHECK(g <= job.ranks_per_host() || g % job.ranks_per_host() == 0, "plan: a local SGD group of ", g,
+                 " ranks must be whole hosts of ", job.ranks_per_host(), " when it spans hosts");
+  }
 
   const int world = job.world_size, rph = job.ranks_per_host();
   // Cores: busy threads beyond them stretch everything that runs on the CPU.
@@ -438,7 +474,20 @@ Prediction predict(const ModelProfile& model, const JobSpec& job, const MachineC
   const bool steals = busy >= cores;
   const double cpu_scale = std::max(1.0, busy / cores);
   const Network net(job, machine, cpu_scale);
-  const double F = model.forward_ms * scale, B = model.backward_ms * scale, O = model.optimizer_ms * scale;
+  const JobSpec local_sgd_group = subgroup_job(job, c.local_sgd_group_size);
+  const Network subgroup(local_sgd_group, machine, cpu_scale);
+  // Under mixed precision forward and backward are the bf16 profile's; the fp32 shards' step is not.
+  ModelProfile in_bf16;
+  if (c.mixed_precision()) {
+    in_bf16 = model;
+    in_bf16.forward_ms = model.bf16->forward_ms;
+    in_bf16.backward_ms = model.bf16->backward_ms;
+    in_bf16.activation_bytes = model.bf16->activation_bytes;
+    for (size_t k = 0; k < in_bf16.params.size() && k < model.bf16->grad_ready_ms.size(); ++k)
+      in_bf16.params[k].grad_ready_ms = model.bf16->grad_ready_ms[k];
+  }
+  const ModelProfile& computed = c.mixed_precision() ? in_bf16 : model;
+  const double F = computed.forward_ms * scale, B = computed.backward_ms * scale, O = model.optimizer_ms * scale;
   const double P = static_cast<double>(model.param_bytes());
   const double shard = 1.0 / world;
   double optimizer_ms = O;  // the step over what this rank updates
@@ -448,7 +497,7 @@ Prediction predict(const ModelProfile& model, const JobSpec& job, const MachineC
   mem.process = machine.process_bytes;
   mem.data = model.data_bytes;
   mem.loading = machine.process_bytes + model.data_load_bytes;
-  mem.activations = model.activation_bytes;
+  mem.activations = computed.activation_bytes;
   mem.parameters = static_cast<int64_t>(P);
   const double state = state_per_param(job.optimizer) * P;
   const double temporaries = step_temporaries(model, job.optimizer);
@@ -470,14 +519,18 @@ Prediction predict(const ModelProfile& model, const JobSpec& job, const MachineC
         rs += net.collective(Op::kReduceScatter, 4.0 * b.numel);
         t.issue(rs);
       } else {
-        t.issue(ddp_bucket(model, job, c, b, net));
+        Comm comm = ddp_bucket(model, job, c, b, net, subgroup);
+        // In the hook, the bucket's share of the optimizer's step follows its communication, on
+        // the thread that completes it (holding the next bucket's collective back).
+        if (c.optimizer_in_hook) comm.cpu_ms += O * 4.0 * b.numel / P;
+        t.issue(comm);
       }
     }
     t.compute(std::max(0.0, B - at));
     t.wait_all();
     mem.gradients = static_cast<int64_t>(P);
     if (s == "ddp") {
-      t.compute(optimizer_ms);
+      if (!c.optimizer_in_hook) t.compute(optimizer_ms);
       if (c.hook == "post_local_sgd" && world > 1) {
         // Every local_sgd_period steps the parameters are averaged: one flat copy (cat, divide,
         // and back) and an allreduce of all of them. The step predicted is the mean step.
@@ -522,10 +575,12 @@ Prediction predict(const ModelProfile& model, const JobSpec& job, const MachineC
       mem.communication = static_cast<int64_t>(s == "zero1" ? P * (world - 1) / world + P : 2 * P + P * shard);
     }
   } else {
-    const auto units = fsdp_units(model, F, B);
+    const auto units = fsdp_units(computed, F, B);
     const bool reshard_after_forward = s == "full_shard" || s == "hybrid_shard";
     const bool sharded = s != "no_shard";
     const bool low = c.hook == "fp16" || c.hook == "bf16";
+    // Element sizes of the gathered units and of the gradients reduced.
+    const double unit_elt = c.mixed_precision() ? 2 : 4, reduce_elt = reduce_dtype == "bf16" ? 2 : 4;
     // hybrid_shard shards within a host and allreduces the shard between hosts.
     JobSpec shard_job = job;
     if (s == "hybrid_shard") {
@@ -537,27 +592,37 @@ Prediction predict(const ModelProfile& model, const JobSpec& job, const MachineC
     across.world_size = job.hosts;
     const Network between(across, machine, cpu_scale);
     const int shard_world = shard_job.world_size;
-    // Sharded over one host's ranks, every shard lies in memory they share and a unit is gathered
-    // where it lies, after a barrier at forward: no copy (docs/fsdp.md, "Gathers on one host").
-    const bool in_place = sharded && shard_world > 1 && (job.hosts == 1 || s == "hybrid_shard");
+    // Sharded over one host's ranks in fp32, every shard lies in memory they share and a unit is
+    // gathered where it lies, after a barrier at forward: no copy (docs/fsdp.md, "Gathers on one
+    // host"). Mixed precision gathers bf16 copies of the shards.
+    const bool in_place = sharded && shard_world > 1 && (job.hosts == 1 || s == "hybrid_shard") && !c.mixed_precision();
     auto gather = [&](const Unit& u) {
-      return in_place ? Comm{} : shard_net.collective(Op::kAllgather, 4.0 * u.numel);
+      if (in_place) return Comm{};
+      Comm g = shard_net.collective(Op::kAllgather, unit_elt * u.numel);
+      if (c.mixed_precision()) g.cpu_ms += net.cast_ms(4.0 * u.numel / shard_world);  // the shard into bf16
+      return g;
     };
     auto reduce = [&](const Unit& u) {
       const double bytes = 4.0 * u.numel;
-      Comm r;  // gradients are born in the flat gradient on the CPU (docs/fsdp.md): no copy
+      // Gradients are born in the flat gradient on the CPU (docs/fsdp.md): no copy, unless they
+      // are computed in bf16 and reduced in fp32 (cast into it).
+      Comm r;
+      if (c.mixed_precision() && reduce_elt == 4) r.cpu_ms += net.cast_ms(bytes);
       if (!sharded) {
-        r += net.collective(Op::kAllreduce, bytes);
+        r += net.collective(Op::kAllreduce, reduce_elt * u.numel);
         return r;
       }
       if (low) r.cpu_ms += net.cast_ms(bytes);
-      r += shard_net.collective(Op::kReduceScatter, low ? bytes / 2 : bytes);
-      if (s == "hybrid_shard" && job.hosts > 1) r += between.collective(Op::kAllreduce, bytes / shard_world);
+      r += shard_net.collective(Op::kReduceScatter, low ? bytes / 2 : reduce_elt * u.numel);
+      if (reduce_elt == 2 && !low) r.cpu_ms += net.cast_ms(bytes / shard_world);  // the shard's into fp32
+      if (s == "hybrid_shard" && job.hosts > 1) r += between.collective(Op::kAllreduce, reduce_elt * u.numel / shard_world);
       return r;
     };
-    // Forward: each unit gathered as it starts (no forward prefetch).
+    // Forward: each unit gathered as it starts (no forward prefetch); unsharded under mixed
+    // precision, cast from the fp32 parameters.
     for (const auto& u : units) {
       if (sharded) t.wait_until(t.issue(gather(u)));
+      else if (c.mixed_precision()) t.compute(net.cast_ms(4.0 * u.numel));
       t.compute(u.forward_ms);
     }
     // Backward, last unit first: the next unit's gather goes out before this one computes
@@ -575,17 +640,25 @@ Prediction predict(const ModelProfile& model, const JobSpec& job, const MachineC
     t.compute(optimizer_ms);
     int64_t largest = 0;
     for (const auto& u : units) largest = std::max(largest, u.numel);
-    const double L = 4.0 * largest;
+    const double L = 4.0 * largest, Lu = unit_elt * largest, Lg = reduce_elt * largest;
     const double held = sharded ? P / shard_world : P;
     mem.parameters = static_cast<int64_t>(held);
     mem.gradients = static_cast<int64_t>(held);
     mem.optimizer_state = static_cast<int64_t>(state_per_param(job.optimizer) * held +
                                                (sharded ? temporaries / shard_world : temporaries));
     // Gathered in place: only the flat gradients, the unit's whose backward runs and the one
-    // being reduced. Gathered privately (across hosts): full_shard holds the unit computing, the
-    // one prefetched and the flat gradient; shard_grad_op every gathered unit from forward to the
-    // end of backward. no_shard: its flat gradient per unit.
-    mem.communication = static_cast<int64_t>(in_place ? 2 * L : reshard_after_forward ? 3 * L : P + L);
+    // being reduced. Gathered privately (across hosts, or in bf16): full_shard holds the unit
+    // computing, the one prefetched and the flat gradient; shard_grad_op every gathered unit from
+    // forward to the end of backward. no_shard: its flat gradient per unit (and, in bf16, its
+    // parameters' bf16 copy). Gradients computed in bf16 and reduced in fp32 are born outside the
+    // flat gradient: a unit's worth of them beside it.
+    if (!c.mixed_precision()) {
+      mem.communication = static_cast<int64_t>(in_place ? 2 * L : reshard_after_forward ? 3 * L : P + L);
+    } else {
+      const double born = reduce_elt == 4 ? Lu : 0;
+      mem.communication = static_cast<int64_t>(
+          (reshard_after_forward ? 2 * Lu : P * unit_elt / 4) + Lg + born + (sharded ? 0 : P * reduce_elt / 4 - Lg));
+    }
     // The peers' shards of every unit, read where they lie.
     if (in_place) mem.host_shared += static_cast<int64_t>(P * (shard_world - 1) / shard_world);
   }
@@ -594,13 +667,16 @@ Prediction predict(const ModelProfile& model, const JobSpec& job, const MachineC
   if (rph > 1) {
     const double slot = static_cast<double>(ProcessGroupOptions().shm_slot_bytes());
     mem.host_shared += static_cast<int64_t>(rph * 2 * std::min(slot, P));
+    // post_local_sgd's group is a process group of its own, with its own slots.
+    const int in_group = local_sgd_group.ranks_per_host();
+    if (c.hook == "post_local_sgd" && in_group > 1) mem.host_shared += static_cast<int64_t>(in_group * 2 * std::min(slot, P));
   }
   // Ranks that share no memory with a peer (between hosts, or a job of one) hold Gloo's buffers.
   const bool over_gloo = job.hosts > 1 || world == 1;
   const auto& extras = over_gloo && !machine.extra_bytes_per_param_byte_gloo.empty()
                            ? machine.extra_bytes_per_param_byte_gloo
                            : machine.extra_bytes_per_param_byte;
-  const auto extra = extras.find(s + "/" + c.hook);
+  const auto extra = extras.find(measured_extra_key(c));
   if (extra != extras.end()) mem.measured_extra = static_cast<int64_t>(extra->second * P);
   out.step_ms = t.now();
   out.compute_ms = F + B + optimizer_ms;

@@ -5,6 +5,7 @@
 
 #include <ddpkit/error.h>
 
+#include <algorithm>
 #include <set>
 
 #include <nlohmann/json.hpp>
@@ -92,6 +93,9 @@ std::string to_json(const std::vector<Prediction>& rows) {
     const auto& m = r.memory;
     out.push_back({{"strategy", r.candidate.strategy},
                    {"hook", r.candidate.hook},
+                   {"optimizer_in_hook", r.candidate.optimizer_in_hook},
+                   {"param_dtype", r.candidate.param_dtype},
+                   {"reduce_dtype", r.candidate.reduce_dtype.empty() ? r.candidate.param_dtype : r.candidate.reduce_dtype},
                    {"bucket_cap_mb", r.candidate.bucket_cap_mb},
                    {"predicted_step_ms", r.step_ms},
                    {"compute_ms", r.compute_ms},
@@ -136,6 +140,31 @@ double positive(const json& j, const char* key) {
   return j.at(key).get<double>();
 }
 
+// "bf16": the compute under FSDP's mixed precision. Left out: backward twice the forward,
+// activations the fp32 ones (a real process's are mostly heap that does not shrink with the
+// dtype), gradients ready at the fp32 times scaled to its backward.
+ComputeProfile bf16_compute_from_json(const json& j, const ModelProfile& m) {
+  DDPKIT_CHECK(j.is_object() && j.contains("forward_ms"), "model description: 'bf16' must be an object with ",
+               "forward_ms (and optionally backward_ms, activation_bytes, grad_ready_ms)");
+  for (const auto& kv : j.items())
+    DDPKIT_CHECK(kv.key() == "forward_ms" || kv.key() == "backward_ms" || kv.key() == "activation_bytes" ||
+                     kv.key() == "grad_ready_ms",
+                 "model description: bf16 has an unknown key '", kv.key(), "'");
+  ComputeProfile c;
+  c.forward_ms = positive(j, "forward_ms");
+  c.backward_ms = j.contains("backward_ms") ? positive(j, "backward_ms") : 2 * c.forward_ms;
+  c.activation_bytes = j.value("activation_bytes", m.activation_bytes);
+  DDPKIT_CHECK(c.activation_bytes >= 0, "model description: bf16.activation_bytes must be >= 0");
+  if (j.contains("grad_ready_ms")) {
+    DDPKIT_CHECK(j.at("grad_ready_ms").is_array() && j.at("grad_ready_ms").size() == m.params.size(),
+                 "model description: bf16.grad_ready_ms needs one time per parameter (", m.params.size(), ")");
+    c.grad_ready_ms = j.at("grad_ready_ms").get<std::vector<double>>();
+  } else {
+    for (const auto& p : m.params) c.grad_ready_ms.push_back(p.grad_ready_ms * c.backward_ms / std::max(m.backward_ms, 1e-9));
+  }
+  return c;
+}
+
 }  // namespace
 
 std::string to_json(const ModelProfile& model) {
@@ -161,6 +190,11 @@ std::string to_json(const ModelProfile& model) {
             {"data_bytes", model.data_bytes},
             {"data_load_bytes", model.data_load_bytes},
             {"layers", layers}};
+  if (model.bf16)
+    j["bf16"] = {{"forward_ms", model.bf16->forward_ms},
+                 {"backward_ms", model.bf16->backward_ms},
+                 {"activation_bytes", model.bf16->activation_bytes},
+                 {"grad_ready_ms", model.bf16->grad_ready_ms}};
   return j.dump(1);
 }
 
@@ -175,7 +209,7 @@ ModelProfile model_profile_from_json(const std::string& text, const MachineConst
   DDPKIT_CHECK(j.is_object(), "model description: expected an object, got ", j.dump().substr(0, 80));
   const std::set<std::string> known = {"name", "batch", "threads", "concurrent", "forward_ms", "forward_gflop",
                                        "backward_ms", "backward_gflop", "optimizer_ms", "activation_bytes",
-                                       "data_bytes", "data_load_bytes", "layers"};
+                                       "data_bytes", "data_load_bytes", "layers", "bf16"};
   for (const auto& kv : j.items())
     DDPKIT_CHECK(known.count(kv.key()), "model description: unknown key '", kv.key(), "' (docs/plan.md lists them)");
   ModelProfile m;
@@ -270,6 +304,7 @@ ModelProfile model_profile_from_json(const std::string& text, const MachineConst
       it->grad_ready_ms = m.backward_ms * after / parameters;
     }
   }
+  if (j.contains("bf16")) m.bf16 = bf16_compute_from_json(j.at("bf16"), m);
   return m;
 }
 

@@ -98,7 +98,9 @@ struct GptImpl : torch::nn::Module {
   at::Tensor forward(const at::Tensor& x) {
     const int64_t t = x.size(1);
     at::Tensor h = tokens(x) + positions(torch::arange(t, x.options().dtype(torch::kLong)));
-    at::Tensor mask = torch::full({t, t}, -std::numeric_limits<float>::infinity()).triu(1);
+    // In the activations' dtype: a model computed in bf16 (the plan's profile of FSDP's mixed
+    // precision) adds it to bf16 scores.
+    at::Tensor mask = torch::full({t, t}, -std::numeric_limits<float>::infinity(), h.options()).triu(1);
     for (const auto& block : *blocks) h = fsdp::forward_unit(block->as<GptBlockImpl>(), h, mask);
     return head(ln_f(h));
   }

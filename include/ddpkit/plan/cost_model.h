@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -20,6 +21,13 @@ struct ParamProfile {
   int unit = -1;              // FSDP unit (index into ModelProfile::unit_numel), -1: the root's
   double grad_ready_ms = 0;   // when backward produced its gradient, from the start of backward
 };
+// The model's compute in another dtype (FSDP's mixed precision: parameters gathered and computed in
+// bf16), timed as ModelProfile's: grad_ready_ms per parameter in ModelProfile::params' order.
+struct ComputeProfile {
+  double forward_ms = 0, backward_ms = 0;
+  std::vector<double> grad_ready_ms;
+  int64_t activation_bytes = 0;
+};
 struct ModelProfile {
   std::string name;
   std::vector<ParamProfile> params;  // in the module's parameters() order (DDP buckets them reversed)
@@ -31,6 +39,7 @@ struct ModelProfile {
   int64_t data_load_bytes = 0;       // resident memory loading it added (its transient peak)
   int batch = 0, threads = 1;
   int concurrent = 1;                // copies that ran at once while compute was timed (contention)
+  std::optional<ComputeProfile> bf16;  // when profiled: the same steps computed in bf16
   int64_t param_bytes() const;
 };
 
@@ -94,6 +103,8 @@ struct JobSpec {
 // hook: none (DDP's built-in allreduce), allreduce, fp16, bf16, int8, powersgd, noop, and, predicted
 // when asked for (candidates() leaves them out), fp16_wrapper, bf16_wrapper, quantize_per_tensor,
 // quantize_per_channel, batched_powersgd, post_local_sgd (DDP); none, fp16, bf16 (FSDP); none (ZeRO).
+// label() names it in a row: the hook, with "+optimizer" when the optimizer runs in it and
+// "+mp_bf16" (and "_reduce_fp32") under mixed precision.
 struct Candidate {
   std::string strategy = "ddp";
   std::string hook = "none";
@@ -105,8 +116,26 @@ struct Candidate {
   static constexpr double kChooseBucketCap = -1;
   int powersgd_rank = 0;        // 0: ddpkit train's default for the hook (4; batched_powersgd 32)
   int local_sgd_period = 4;     // post_local_sgd: parameters averaged every this many steps
+  // post_local_sgd: gradients allreduced within groups of this many consecutive ranks (0: kept
+  // local), as `ddpkit train --local-sgd-group-size`.
+  int local_sgd_group_size = 0;
+  // DDP: the optimizer steps each bucket's parameters as its communication completes, on the
+  // thread that completes it (`ddpkit train --optimizer-in-hook`); with hook none the hook is
+  // allreduce, as train registers it.
+  bool optimizer_in_hook = false;
+  // FSDP's mixed precision (`ddpkit train --fsdp-param-dtype/--fsdp-reduce-dtype`): the dtype units
+  // are gathered and computed in, fp32 or bf16 (which needs the profile's bf16 compute), and the
+  // one gradients are reduced in ("": the param dtype). Hook none only.
+  std::string param_dtype = "fp32", reduce_dtype;
+  bool mixed_precision() const { return param_dtype != "fp32"; }
   // DDP and ZeRO-1 reduce in buckets whose cap is chosen and given to `ddpkit train`.
   bool has_bucket_cap() const { return strategy == "ddp" || strategy == "zero1"; }
+  std::string label() const {
+    std::string l = optimizer_in_hook ? hook + "+optimizer" : hook;
+    if (mixed_precision()) l += "+mp_" + param_dtype;
+    if (mixed_precision() && !reduce_dtype.empty() && reduce_dtype != param_dtype) l += "_reduce_" + reduce_dtype;
+    return l;
+  }
 };
 
 struct MemoryBreakdown {
@@ -135,6 +164,10 @@ struct Prediction {
   bool fits = true;
   std::string note;                 // why it does not apply, when it does not
 };
+
+// The key of MachineConstants' extras a candidate's memory takes: "strategy/hook", and "+mp_bf16"
+// under mixed precision (the optimizer in the hook holds what its hook does).
+std::string measured_extra_key(const Candidate& c);
 
 // Strategies and the hooks each takes, as the CLI names them: the rows `ddpkit plan` ranks.
 std::vector<Candidate> candidates(const JobSpec& job);
