@@ -322,6 +322,9 @@ TEST(Plan, MeasuredExtrasAddPerParameterByte) {
   EXPECT_EQ(predict(model, job, m, with("zero1", "none")).memory.measured_extra, model.param_bytes() / 2);
   m.extra_bytes_per_param_byte_gloo["zero1/none"] = 1.0;
   EXPECT_EQ(predict(model, job, m, with("zero1", "none")).memory.measured_extra, model.param_bytes());
+  // One rank communicates nothing: no extra at all.
+  job.world_size = job.hosts = 1;
+  EXPECT_EQ(predict(model, job, m, with("zero1", "none")).memory.measured_extra, 0);
 }
 
 TEST(Plan, ConstantsRoundTripAndNameWhatIsMissing) {

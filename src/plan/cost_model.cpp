@@ -671,13 +671,14 @@ Prediction predict(const ModelProfile& model, const JobSpec& job, const MachineC
     const int in_group = local_sgd_group.ranks_per_host();
     if (c.hook == "post_local_sgd" && in_group > 1) mem.host_shared += static_cast<int64_t>(in_group * 2 * std::min(slot, P));
   }
-  // Ranks that share no memory with a peer (between hosts, or a job of one) hold Gloo's buffers.
-  const bool over_gloo = job.hosts > 1 || world == 1;
-  const auto& extras = over_gloo && !machine.extra_bytes_per_param_byte_gloo.empty()
+  // Ranks that share no memory with a peer (between hosts) hold Gloo's buffers. A job of one rank
+  // communicates nothing (every collective is the identity): neither's extras, which are what two
+  // communicating ranks hold beyond the accounting. With Gloo's, one-rank DDP came out 12-22 % over.
+  const auto& extras = job.hosts > 1 && !machine.extra_bytes_per_param_byte_gloo.empty()
                            ? machine.extra_bytes_per_param_byte_gloo
                            : machine.extra_bytes_per_param_byte;
   const auto extra = extras.find(measured_extra_key(c));
-  if (extra != extras.end()) mem.measured_extra = static_cast<int64_t>(extra->second * P);
+  if (extra != extras.end() && world > 1) mem.measured_extra = static_cast<int64_t>(extra->second * P);
   out.step_ms = t.now();
   out.compute_ms = F + B + optimizer_ms;
   out.exposed_comm_ms = std::max(0.0, out.step_ms - out.compute_ms);
