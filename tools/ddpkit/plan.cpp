@@ -45,7 +45,10 @@ model, its inputs and how well it predicts.
   --memory-limit-gb X     per rank (default 0: no limit)
   --strategy S            only this one: ddp, zero1, zero2, full_shard, shard_grad_op, no_shard,
                           hybrid_shard (default: all)
-  --hook H                only this hook (default: all each strategy takes)
+  --hook H                only this hook (default: all each strategy takes); DDP's hooks beyond
+                          the default rows (fp16_wrapper, bf16_wrapper, quantize_per_tensor,
+                          quantize_per_channel, batched_powersgd, post_local_sgd, noop) are
+                          predicted when --hook names one
   --bucket-cap-mb X|auto  DDP and ZeRO-1 bucket cap (default: ddpkit train's for the hook); auto:
                           of the caps ddpkit train --bucket-cap-mb auto tries (1-64 MiB), the one
                           predicted fastest, kept only when 3 % faster than the default
@@ -60,9 +63,6 @@ model, its inputs and how well it predicts.
   --fsdp-param-dtype fp32|bf16, --fsdp-reduce-dtype fp32|bf16
                           FSDP's rows under mixed precision, as ddpkit train takes them (hook
                           none); bf16 profiles the model's compute in bf16 too
-                          DDP's hooks beyond the default rows (fp16_wrapper, bf16_wrapper,
-                          quantize_per_tensor, quantize_per_channel, batched_powersgd,
-                          post_local_sgd) are predicted when --hook names one
   --json                  one JSON array, best first: strategy, hook, predicted_step_ms,
                           memory_per_rank_bytes, fits, and the breakdowns
   --calibrate             measure this machine's constants (about 4 minutes), store them, print them
