@@ -444,7 +444,7 @@ Prediction predict(const ModelProfile& model, const JobSpec& job, const MachineC
                "plan: FSDP takes hook none, fp16 or bf16, got '", c.hook, "'");
   DDPKIT_CHECK(s == "ddp" || fsdp || c.hook == "none", "plan: ", s, " takes no hook, got '", c.hook, "'");
   DDPKIT_CHECK(!c.optimizer_in_hook || s == "ddp", "plan: the optimizer runs in DDP's hook only, not with ", s);
-  const std::string reduce_dtype = c.reduce_dtype.empty() ? c.param_dtype : c.reduce_dtype;
+  const std::string& reduce_dtype = c.reduced_in();
   DDPKIT_CHECK((c.param_dtype == "fp32" || c.param_dtype == "bf16") && (reduce_dtype == "fp32" || reduce_dtype == "bf16"),
                "plan: mixed precision's dtypes are fp32 or bf16, got param '", c.param_dtype, "' reduce '",
                c.reduce_dtype, "'");

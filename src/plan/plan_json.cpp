@@ -95,7 +95,7 @@ std::string to_json(const std::vector<Prediction>& rows) {
                    {"hook", r.candidate.hook},
                    {"optimizer_in_hook", r.candidate.optimizer_in_hook},
                    {"param_dtype", r.candidate.param_dtype},
-                   {"reduce_dtype", r.candidate.reduce_dtype.empty() ? r.candidate.param_dtype : r.candidate.reduce_dtype},
+                   {"reduce_dtype", r.candidate.reduced_in()},
                    {"bucket_cap_mb", r.candidate.bucket_cap_mb},
                    {"predicted_step_ms", r.step_ms},
                    {"compute_ms", r.compute_ms},

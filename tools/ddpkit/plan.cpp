@@ -156,8 +156,8 @@ std::vector<std::string> train_flags(const plan::Candidate& c) {
     out.insert(out.end(), {"--local-sgd-group-size", std::to_string(c.local_sgd_group_size)});
   if (c.optimizer_in_hook) out.push_back("--optimizer-in-hook");
   if (c.mixed_precision()) out.insert(out.end(), {"--fsdp-param-dtype", c.param_dtype});
-  if (c.mixed_precision() && !c.reduce_dtype.empty() && c.reduce_dtype != c.param_dtype)
-    out.insert(out.end(), {"--fsdp-reduce-dtype", c.reduce_dtype});
+  if (c.mixed_precision() && c.reduced_in() != c.param_dtype)
+    out.insert(out.end(), {"--fsdp-reduce-dtype", c.reduced_in()});
   return out;
 }
 
@@ -319,8 +319,8 @@ plan::ModelProfile profile_job(const Flags& f, const std::vector<std::string>& a
   DDPKIT_CHECK(data.train.inputs.size(0) >= batch, "plan: --batch-size ", batch, " is larger than the data set");
 
   const std::string optimizer = job.optimizer;
-  at::ScalarType dtype = busy && f.str("busy-dtype") == "bf16" ? at::kBFloat16 : at::kFloat;
-  auto make = [&]() {
+  // A replica in `dtype` (bf16: FSDP's mixed precision, its optimizer not timed).
+  auto make_in = [&](at::ScalarType dtype) {
     Model model = build_model(f, model_name, run_data.dims, data.train.num_classes);
     if (dtype != at::kFloat) model.module->to(dtype);
     plan::ProfileTarget t;
@@ -346,7 +346,8 @@ plan::ModelProfile profile_job(const Flags& f, const std::vector<std::string>& a
   };
   if (busy) {
     std::signal(SIGTERM, stop_busy);
-    plan::step_until(make, job.threads, g_stop_busy, [] {
+    const at::ScalarType dtype = f.str("busy-dtype") == "bf16" ? at::kBFloat16 : at::kFloat;
+    plan::step_until([&] { return make_in(dtype); }, job.threads, g_stop_busy, [] {
       const char c = 'r';
       if (::write(STDOUT_FILENO, &c, 1) != 1) std::_Exit(1);
     });
@@ -364,15 +365,14 @@ plan::ModelProfile profile_job(const Flags& f, const std::vector<std::string>& a
   plan::ModelProfile profile;
   {
     BusyReplicas others(po.busy_replicas - 1, args);
-    profile = plan::profile_model(make, po);
+    profile = plan::profile_model([&] { return make_in(at::kFloat); }, po);
   }
   const int64_t fp32_in_process = profile.activation_bytes;
   if (bf16) {
-    dtype = at::kBFloat16;
     std::vector<std::string> busy_args = args;
     busy_args.insert(busy_args.end(), {"--busy-dtype", "bf16"});
     BusyReplicas others(po.busy_replicas - 1, busy_args);
-    const plan::ModelProfile low = plan::profile_model(make, po);
+    const plan::ModelProfile low = plan::profile_model([&] { return make_in(at::kBFloat16); }, po);
     plan::ComputeProfile c;
     c.forward_ms = low.forward_ms;
     c.backward_ms = low.backward_ms;
@@ -638,11 +638,12 @@ int run_plan(const std::vector<std::string>& args) {
   std::cout << (described ? "# described: forward " : "# measured alone: forward ") << std::setprecision(1) << profile.forward_ms << " ms, backward "
             << profile.backward_ms << " ms, optimizer " << profile.optimizer_ms << " ms (" << profile.concurrent
             << " replica(s) at once); constants: " << p.constants_path << "\n";
-  std::cout << std::left << std::setw(15) << "strategy" << std::setw(hook_width(rows)) << "hook" << std::right << std::setw(7)
+  const int hook_column = hook_width(rows);
+  std::cout << std::left << std::setw(15) << "strategy" << std::setw(hook_column) << "hook" << std::right << std::setw(7)
             << "cap_MB" << std::setw(10) << "step_ms" << std::setw(10) << "comm_ms" << std::setw(12) << "memory_MB" << std::setw(12) << "wire_MB"
             << "  fits\n";
   for (const auto& r : rows) {
-    std::cout << std::left << std::setw(15) << r.candidate.strategy << std::setw(hook_width(rows)) << r.candidate.label() << std::right
+    std::cout << std::left << std::setw(15) << r.candidate.strategy << std::setw(hook_column) << r.candidate.label() << std::right
               << std::setw(7) << cap_column(r.candidate) << std::setw(10) << std::setprecision(1) << r.step_ms << std::setw(10) << r.exposed_comm_ms << std::setw(12)
               << mb(r.memory.total()) << std::setw(12) << std::setprecision(1) << r.wire_bytes_per_step / (1 << 20)
               << "  " << (r.fits ? "yes" : "no") << "\n";
@@ -705,7 +706,8 @@ int run_tune(const std::vector<std::string>& all_args) {
     throw UsageError("tune trains the CLI's models; a described model is for ddpkit plan (--describe)");
   // Trials at the cap the plan predicts best (--bucket-cap-mb auto unless a cap is given).
   const Planned p = make_plan(f, args, "auto");
-  std::cout << std::left << std::setw(15) << "strategy" << std::setw(hook_width(p.rows)) << "hook" << std::right << std::setw(7)
+  const int hook_column = hook_width(p.rows);
+  std::cout << std::left << std::setw(15) << "strategy" << std::setw(hook_column) << "hook" << std::right << std::setw(7)
             << "cap_MB" << std::setw(14) << "predicted_ms" << std::setw(12) << "measured_ms" << std::setw(12) << "memory_MB" << "  trial\n";
   double best_ms = 0;
   std::vector<std::string> best;
@@ -716,7 +718,7 @@ int run_tune(const std::vector<std::string>& all_args) {
     std::vector<std::string> train = train_args(args, p.job, r.candidate);
     train.insert(train.end(), {"--steps", std::to_string(trial_steps)});
     train.insert(train.end(), kHooksFromTheThirdStep.begin(), kHooksFromTheThirdStep.end());
-    std::cout << std::left << std::setw(15) << r.candidate.strategy << std::setw(hook_width(p.rows)) << r.candidate.label() << std::right
+    std::cout << std::left << std::setw(15) << r.candidate.strategy << std::setw(hook_column) << r.candidate.label() << std::right
               << std::setw(7) << cap_column(r.candidate) << std::fixed << std::setprecision(1) << std::setw(14)
               << r.step_ms << std::flush;
     try {

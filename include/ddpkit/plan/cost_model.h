@@ -128,12 +128,13 @@ struct Candidate {
   // one gradients are reduced in ("": the param dtype). Hook none only.
   std::string param_dtype = "fp32", reduce_dtype;
   bool mixed_precision() const { return param_dtype != "fp32"; }
+  const std::string& reduced_in() const { return reduce_dtype.empty() ? param_dtype : reduce_dtype; }
   // DDP and ZeRO-1 reduce in buckets whose cap is chosen and given to `ddpkit train`.
   bool has_bucket_cap() const { return strategy == "ddp" || strategy == "zero1"; }
   std::string label() const {
     std::string l = optimizer_in_hook ? hook + "+optimizer" : hook;
     if (mixed_precision()) l += "+mp_" + param_dtype;
-    if (mixed_precision() && !reduce_dtype.empty() && reduce_dtype != param_dtype) l += "_reduce_" + reduce_dtype;
+    if (mixed_precision() && reduced_in() != param_dtype) l += "_reduce_" + reduced_in();
     return l;
   }
 };
