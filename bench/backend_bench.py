@@ -2,11 +2,13 @@
 """torch.distributed collectives on the ddpkit backend against gloo, nccl-tests style (issue 32).
 
     PYTHONPATH=build/python bench/backend_bench.py [--nproc 2,4] [--max-mb 256] [--ops all_reduce,...]
-                                                   [--train ddp,fsdp] [--steps 10]
+                                                   [--train ddp,fsdp] [--steps 10] [--timing blocks]
 
 Each rank is a process running the Python's own torch; both backends run side by side in one job
 (a gloo default group and a ddpkit group over the same ranks), one compute thread per rank, glibc's
-thresholds pinned on both sides. Per size: time (median of the iterations, the slowest rank's),
+thresholds pinned on both sides. Per size: time (as nccl-tests: iterations back to back, a block's
+time over its count (3-12 iterations); the median of four blocks a backend, the backends' blocks alternating; the
+slowest rank's; --timing alternate times single iterations instead, the backends taking turns),
 algbw = bytes / time and busbw = algbw x the collective's factor: 2(n-1)/n for all_reduce, (n-1)/n
 for all_gather_into_tensor and reduce_scatter_tensor (what each rank must send, as nccl-tests).
 Where gloo lacks the operation (1.13: all_gather_into_tensor, reduce_scatter_tensor) its column
@@ -125,7 +127,7 @@ class CollectiveClock:
             setattr(dist, name, fn)
 
 
-def rank_main(rank, world, port, sizes, ops, results, train, steps):
+def rank_main(rank, world, port, sizes, ops, results, train, steps, timing):
     # USE_LIBUV=0: Debian's torch 2.x is built without libuv, which its TCPStore asks for by default.
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), USE_LIBUV="0")
     torch.set_num_threads(1)
@@ -145,15 +147,29 @@ def rank_main(rank, world, port, sizes, ops, results, train, steps):
                 else:
                     bufs[backend] = (torch.ones(n), None)
                 run_op(op, groups[backend], backend, *bufs[backend], world)  # warm-up
-            # The two backends' iterations alternate, so both see the same moments of this machine.
-            iters = max(3, min(50, int(2e8 // max(size, 1))))
             times = {"ddpkit": [], "gloo": []}
-            for _ in range(iters):
-                for backend in ("ddpkit", "gloo"):
-                    dist.barrier(group=groups["ddpkit"])
-                    t0 = time.perf_counter()
-                    run_op(op, groups[backend], backend, *bufs[backend], world)
-                    times[backend].append(time.perf_counter() - t0)
+            if timing == "blocks":
+                # nccl-tests' way: iterations back to back, the time a block took over its count; the
+                # two backends' blocks alternate (ddpkit, gloo, gloo, ddpkit, ...), so both see the
+                # same moments of this machine.
+                blocks, per_block = 4, max(3, min(12, int(2.5e8 // max(size, 1))))
+                for i in range(blocks):
+                    for backend in (("ddpkit", "gloo") if i % 2 == 0 else ("gloo", "ddpkit")):
+                        dist.barrier(group=groups["ddpkit"])
+                        t0 = time.perf_counter()
+                        for _ in range(per_block):
+                            run_op(op, groups[backend], backend, *bufs[backend], world)
+                        times[backend].append((time.perf_counter() - t0) / per_block)
+            else:
+                iters = max(3, min(50, int(2e8 // max(size, 1))))
+                # One iteration at a time after a barrier, the backends alternating: each starts with
+                # the other's data in the caches and its own threads asleep.
+                for _ in range(iters):
+                    for backend in ("ddpkit", "gloo"):
+                        dist.barrier(group=groups["ddpkit"])
+                        t0 = time.perf_counter()
+                        run_op(op, groups[backend], backend, *bufs[backend], world)
+                        times[backend].append(time.perf_counter() - t0)
             for backend in ("ddpkit", "gloo"):
                 t = torch.tensor([statistics.median(times[backend])], dtype=torch.float64)
                 dist.all_reduce(t, op=dist.ReduceOp.MAX, group=groups["ddpkit"])
@@ -192,6 +208,9 @@ def main():
     ap.add_argument("--ops", default="all_reduce,all_gather_into_tensor,reduce_scatter_tensor")
     ap.add_argument("--train", default="", help="ddp,fsdp: training steps of PyTorch's wrappers on each group")
     ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--timing", choices=("blocks", "alternate"), default="blocks",
+                    help="blocks: iterations back to back, as nccl-tests (default); alternate: one at a time, "
+                         "the backends taking turns")
     a = ap.parse_args()
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # pytorch_ddp's and pytorch_fsdp's MLPs
     # One compute thread per rank, BLAS included (the ranks inherit this before importing torch).
@@ -205,7 +224,9 @@ def main():
         s *= 4
     ops = [o for o in a.ops.split(",") if o]
     train = [t for t in a.train.split(",") if t]
-    print(f"torch {torch.__version__}; fp32; time = median over iterations of the slowest rank; "
+    how = ("the median block of back-to-back iterations (time / count)" if a.timing == "blocks"
+           else "the median iteration, one at a time")
+    print(f"torch {torch.__version__}; fp32; time = {how}, slowest rank; "
           "busbw factor 2(n-1)/n (all_reduce), (n-1)/n (gather/scatter)")
     for world in [int(x) for x in a.nproc.split(",")]:
         ctx = mp.get_context("spawn")
@@ -214,7 +235,7 @@ def main():
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]
-        procs = [ctx.Process(target=rank_main, args=(r, world, port, sizes, ops, q, train, a.steps)) for r in range(world)]
+        procs = [ctx.Process(target=rank_main, args=(r, world, port, sizes, ops, q, train, a.steps, a.timing)) for r in range(world)]
         for p in procs:
             p.start()
         rows = None

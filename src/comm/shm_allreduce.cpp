@@ -135,16 +135,20 @@ void Domain::allreduce_impl(void* data, int64_t numel, c10::ScalarType dtype, do
       return allreduce_in_place(*shared, call_.offset, numel, dtype, scale, s, parts, listed);
     if (first && parts) copy_parts(*parts, base, elt, first_chunk, numel, true);
     if (len(me) > 0) {
+      // My slice is summed where it lies and copied to my slot for the peers while still in cache:
+      // a cold read of the slice less than summing into the slot and copying it back out.
+      uint8_t* own = base + (off + me * q) * elt;
       int k = 0;
-      inputs[k++] = base + (off + me * q) * elt;
+      inputs[k++] = own;
       for (int p = 0; p < L; ++p)
         if (p != me) inputs[k++] = slot(p, s) + me * q * elt;
-      codecs::sum_raw(dtype, inputs, k, mine + me * q * elt, len(me), scale);
+      codecs::sum_raw(dtype, inputs, k, own, len(me), scale);
+      std::memcpy(mine + me * q * elt, own, len(me) * elt);
     }
     publish(kReduced, s + 1);
     wait_all(kReduced, s + 1);
     for (int j = 0; j < L; ++j)
-      if (len(j) > 0) std::memcpy(base + (off + j * q) * elt, slot(j, s) + j * q * elt, len(j) * elt);
+      if (j != me && len(j) > 0) std::memcpy(base + (off + j * q) * elt, slot(j, s) + j * q * elt, len(j) * elt);
     finish(s);
     off += c;
   }
