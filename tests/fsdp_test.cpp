@@ -320,6 +320,37 @@ TEST(FSDP, GradientsAreBornInPlaceAndTemporariesOfTheirSizeChangeNothing) {
   });
 }
 
+TEST(FSDP, NoShardKeepsTheFlatGradientItReducedInPlace) {
+  spawn_ranks(2, [&](int rank, std::shared_ptr<ProcessGroup> pg) {
+    auto model = testing::make_mlp(5, {4, 4, 4, 4, 4});
+    FullyShardedDataParallel<torch::nn::Sequential> fsdp(
+        model, pg,
+        FullyShardedDataParallelOptions().sharding_strategy(ShardingStrategy::kNoShard).auto_wrap_policy(
+            size_based_auto_wrap_policy(20)));
+    std::vector<const void*> reduced;  // each unit's flat gradient, as the hook got it
+    const fsdp::DefaultState state(pg);
+    fsdp.register_comm_hook(
+        [&](const at::Tensor& grad, const at::Tensor&) {
+          reduced.push_back(grad.data_ptr());
+          return fsdp::allreduce_hook(state, grad);
+        },
+        /*takes_output=*/false);
+    torch::optim::SGD opt(fsdp.parameters(), torch::optim::SGDOptions(0.1));
+    for (int step = 0; step < 2; ++step) {
+      reduced.clear();
+      for (auto& shard : fsdp.parameters()) shard.mutable_grad().reset();  // as ddpkit train (set to none)
+      fsdp.forward(seeded_randn({4, 4}, 90 + 10 * step + rank)).pow(2).mean().backward();
+      // Every unit's gradient is the flat gradient its hook reduced: kept, not copied into a new one.
+      for (const auto& shard : fsdp.parameters()) {
+        if (shard.numel() == 0) continue;  // the root holds no parameter of its own
+        ASSERT_TRUE(shard.grad().defined());
+        EXPECT_NE(std::find(reduced.begin(), reduced.end(), shard.grad().data_ptr()), reduced.end()) << "step " << step;
+      }
+      opt.step();
+    }
+  });
+}
+
 TEST(FSDP, UnitsAreFreedOutsideTheirCallsUnderFullShard) {
   spawn_ranks(2, [&](int rank, std::shared_ptr<ProcessGroup> pg) {
     Net net = make_net();

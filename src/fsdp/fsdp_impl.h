@@ -169,6 +169,7 @@ class FsdpImpl {
   void launch_reduce(FlatUnit& u);
   void prepare_gradient_places(FlatUnit& u);
   at::Tensor take_gradient_block(FlatUnit& u);
+  at::Tensor new_gradient_block(const FlatUnit& u);
   void stop_gradient_places();
   void check_forward_order();
   std::string failure_context() const;

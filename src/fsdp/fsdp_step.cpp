@@ -273,7 +273,7 @@ void FsdpImpl::prepare_gradient_places(FlatUnit& u) {
   if (!device.is_cpu() || !require_sync || !u.trainable || u.numel == 0 || compute_dtype != reduce_dtype ||
       u.grad_arena)
     return;
-  u.grad_block = pool.take(u.shard_numel * shard_world, reduce_dtype, device);
+  u.grad_block = new_gradient_block(u);
   const size_t elt = c10::elementSize(reduce_dtype);
   std::vector<GradientArena::Place> places;
   for (const auto& fp : u.params)
@@ -300,7 +300,16 @@ at::Tensor FsdpImpl::take_gradient_block(FlatUnit& u) {
     u.grad_arena.reset();
     u.grad_block = at::Tensor();
   }
-  return block.defined() ? block : pool.take(u.shard_numel * shard_world, reduce_dtype, device);
+  return block.defined() ? block : new_gradient_block(u);
+}
+
+// kNoShard's flat gradient, reduced in place, becomes the shard's gradient (finish_backward): a
+// tensor of its own rather than a pool block, which .grad would keep from the pool.
+at::Tensor FsdpImpl::new_gradient_block(const FlatUnit& u) {
+  const int64_t numel = u.shard_numel * shard_world;
+  if (options.sharding_strategy() == ShardingStrategy::kNoShard)
+    return at::empty({numel}, at::TensorOptions().dtype(reduce_dtype).device(device));
+  return pool.take(numel, reduce_dtype, device);
 }
 
 void FsdpImpl::stop_gradient_places() {
@@ -434,6 +443,7 @@ void FsdpImpl::finish_backward() {
     if (replicate_pg && replicate_pg->size() > 1) across[u.index] = fsdp::allreduce_hook(fsdp::DefaultState(replicate_pg), u.grad_out);
   }
   torch::NoGradGuard no_grad;
+  const bool no_shard = options.sharding_strategy() == ShardingStrategy::kNoShard;
   for (auto& u : units) {
     if (!u.reduce) continue;
     if (across[u.index]) ProcessGroup::wait(across[u.index]);
@@ -441,6 +451,8 @@ void FsdpImpl::finish_backward() {
     at::Tensor& g = u.shard.mutable_grad();
     if (u.reduces_into_grad) {
       g = u.grad_out;  // itself, not a view of it: zero_grad() detaches gradients in place
+    } else if (!g.defined() && no_shard && u.grad_out.scalar_type() == at::kFloat && u.grad_out.numel() == u.shard_numel) {
+      g = u.grad_out;  // kNoShard: the flat gradient, reduced in place, is the gradient
     } else if (!g.defined()) {
       g = result.scalar_type() == at::kFloat ? result.clone() : result.to(at::kFloat);
     } else {
