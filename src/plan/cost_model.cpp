@@ -649,15 +649,19 @@ Prediction predict(const ModelProfile& model, const JobSpec& job, const MachineC
     // Gathered in place: only the flat gradients, the unit's whose backward runs and the one
     // being reduced. Gathered privately (across hosts, or in bf16): full_shard holds the unit
     // computing, the one prefetched and the flat gradient; shard_grad_op every gathered unit from
-    // forward to the end of backward. no_shard: its flat gradient per unit (and, in bf16, its
-    // parameters' bf16 copy). Gradients computed in bf16 and reduced in fp32 are born outside the
-    // flat gradient: a unit's worth of them beside it.
-    if (!c.mixed_precision()) {
+    // forward to the end of backward. no_shard: its flat gradients are the gradients (allreduced
+    // in place and kept) unless reduced in bf16 (then beside them); fp16/bf16 hooks allreduce a
+    // unit's copy; in bf16, the parameters' bf16 copy. Gradients computed in bf16 and reduced in
+    // fp32 are born outside the flat gradient: a unit's worth of them beside it.
+    if (!sharded) {
+      const double flats = reduce_elt == 4 ? 0 : P * reduce_elt / 4;
+      mem.communication = static_cast<int64_t>(
+          c.mixed_precision() ? P * unit_elt / 4 + flats + (reduce_elt == 4 ? Lu : 0) : low ? L / 2 : 0);
+    } else if (!c.mixed_precision()) {
       mem.communication = static_cast<int64_t>(in_place ? 2 * L : reshard_after_forward ? 3 * L : P + L);
     } else {
       const double born = reduce_elt == 4 ? Lu : 0;
-      mem.communication = static_cast<int64_t>(
-          (reshard_after_forward ? 2 * Lu : P * unit_elt / 4) + Lg + born + (sharded ? 0 : P * reduce_elt / 4 - Lg));
+      mem.communication = static_cast<int64_t>((reshard_after_forward ? 2 * Lu : P * unit_elt / 4) + Lg + born);
     }
     // The peers' shards of every unit, read where they lie.
     if (in_place) mem.host_shared += static_cast<int64_t>(P * (shard_world - 1) / shard_world);
