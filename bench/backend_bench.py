@@ -7,8 +7,9 @@
 Each rank is a process running the Python's own torch; both backends run side by side in one job
 (a gloo default group and a ddpkit group over the same ranks), one compute thread per rank, glibc's
 thresholds pinned on both sides. Per size: time (as nccl-tests: iterations back to back, a block's
-time over its count (3-12 iterations); the median of four blocks a backend, the backends' blocks alternating; the
-slowest rank's; --timing alternate times single iterations instead, the backends taking turns),
+time over its count (3-12 iterations); the median of four blocks a backend, the backends' blocks
+alternating; the slowest rank's; --timing alternate times single iterations instead, the backends
+taking turns),
 algbw = bytes / time and busbw = algbw x the collective's factor: 2(n-1)/n for all_reduce, (n-1)/n
 for all_gather_into_tensor and reduce_scatter_tensor (what each rank must send, as nccl-tests).
 Where gloo lacks the operation (1.13: all_gather_into_tensor, reduce_scatter_tensor) its column
