@@ -451,7 +451,8 @@ void FsdpImpl::finish_backward() {
     at::Tensor& g = u.shard.mutable_grad();
     if (u.reduces_into_grad) {
       g = u.grad_out;  // itself, not a view of it: zero_grad() detaches gradients in place
-    } else if (!g.defined() && no_shard && u.grad_out.scalar_type() == at::kFloat && u.grad_out.numel() == u.shard_numel) {
+    } else if (!g.defined() && no_shard && u.grad_out.scalar_type() == at::kFloat &&
+               u.grad_out.numel() == u.shard_numel) {
       g = u.grad_out;  // kNoShard: the flat gradient, reduced in place, is the gradient
     } else if (!g.defined()) {
       g = result.scalar_type() == at::kFloat ? result.clone() : result.to(at::kFloat);
