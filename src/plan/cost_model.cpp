@@ -436,7 +436,7 @@ Prediction predict(const ModelProfile& model, const JobSpec& job, const MachineC
   Candidate& c = out.candidate;
   if (c.bucket_cap_mb <= 0) c.bucket_cap_mb = hooks::default_bucket_cap_mb(c.hook);
   const std::string& s = c.strategy;
-  const bool fsdp = s == "full_shard" || s == "shard_grad_op" || s == "no_shard" || s == "hybrid_shard";
+  const bool fsdp = c.is_fsdp();
   const bool ddp = s == "ddp" || s == "zero1" || s == "zero2";
   DDPKIT_CHECK(fsdp || ddp, "plan: unknown strategy '", s, "' (ddp, zero1, zero2, full_shard, shard_grad_op, ",
                "no_shard, hybrid_shard)");
@@ -653,14 +653,13 @@ Prediction predict(const ModelProfile& model, const JobSpec& job, const MachineC
     // in place and kept) unless reduced in bf16 (then beside them); fp16/bf16 hooks allreduce a
     // unit's copy; in bf16, the parameters' bf16 copy. Gradients computed in bf16 and reduced in
     // fp32 are born outside the flat gradient: a unit's worth of them beside it.
+    const double born = c.mixed_precision() && reduce_elt == 4 ? Lu : 0;
     if (!sharded) {
       const double flats = reduce_elt == 4 ? 0 : P * reduce_elt / 4;
-      mem.communication = static_cast<int64_t>(
-          c.mixed_precision() ? P * unit_elt / 4 + flats + (reduce_elt == 4 ? Lu : 0) : low ? L / 2 : 0);
+      mem.communication = static_cast<int64_t>(c.mixed_precision() ? P * unit_elt / 4 + flats + born : low ? L / 2 : 0);
     } else if (!c.mixed_precision()) {
       mem.communication = static_cast<int64_t>(in_place ? 2 * L : reshard_after_forward ? 3 * L : P + L);
     } else {
-      const double born = reduce_elt == 4 ? Lu : 0;
       mem.communication = static_cast<int64_t>((reshard_after_forward ? 2 * Lu : P * unit_elt / 4) + Lg + born);
     }
     // The peers' shards of every unit, read where they lie.

@@ -112,7 +112,7 @@ std::string plain(double x) {
 
 // A row's bucket cap; "-" where the strategy has no DDP buckets (FSDP).
 std::string cap_column(const plan::Candidate& c) {
-  if (c.strategy != "ddp" && c.strategy != "zero1" && c.strategy != "zero2") return "-";
+  if (c.is_fsdp()) return "-";
   return plain(c.bucket_cap_mb);
 }
 
@@ -479,9 +479,6 @@ plan::MachineConstants load_or_calibrate(const std::string& path) {
     stale = "before the rate of a layer's products was";
   else if (j.is_object() && j.contains("int8_gbyte_per_s") && !j.contains("uint8_encode_gbyte_per_s"))
     stale = "before the quantization hooks' codec was";
-  else if (j.is_object() && j.contains("extra_bytes_per_param_byte") && j.at("extra_bytes_per_param_byte").is_object() &&
-           !j.at("extra_bytes_per_param_byte").contains("full_shard/none+mp_bf16"))
-    stale = "before FSDP's mixed precision was";
   if (stale) {
     std::cerr << "ddpkit plan: " << path << " was measured " << stale << "; measuring again\n";
     return calibrate(path);
@@ -570,9 +567,8 @@ Planned make_plan(const Flags& f, const std::vector<std::string>& args, const st
     // registers allreduce for it) unless asked for by name.
     if (in_hook && (c.strategy != "ddp" || (hook.empty() && c.hook == "none"))) continue;
     // Mixed precision: FSDP's rows, hook none (DDP's and ZeRO's rows stay, as they are).
-    const bool fsdp = c.strategy != "ddp" && c.strategy != "zero1" && c.strategy != "zero2";
-    if (mixed && fsdp && c.hook != "none") continue;
-    if (mixed && fsdp) {
+    if (mixed && c.is_fsdp() && c.hook != "none") continue;
+    if (mixed && c.is_fsdp()) {
       c.param_dtype = param_dtype;
       c.reduce_dtype = reduce_dtype;
     }

@@ -131,6 +131,10 @@ struct Candidate {
   const std::string& reduced_in() const { return reduce_dtype.empty() ? param_dtype : reduce_dtype; }
   // DDP and ZeRO-1 reduce in buckets whose cap is chosen and given to `ddpkit train`.
   bool has_bucket_cap() const { return strategy == "ddp" || strategy == "zero1"; }
+  bool is_fsdp() const {
+    return strategy == "full_shard" || strategy == "shard_grad_op" || strategy == "no_shard" ||
+           strategy == "hybrid_shard";
+  }
   std::string label() const {
     std::string l = optimizer_in_hook ? hook + "+optimizer" : hook;
     if (mixed_precision()) l += "+mp_" + param_dtype;
