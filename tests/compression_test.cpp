@@ -180,6 +180,44 @@ TEST(QuantizationHooks, BlocksKeepPyTorchsWholeBucketArithmetic) {
   }
 }
 
+// The uint8 codec's one-pass kernels against PyTorch's operations, one ATen kernel each, on every
+// SIMD level: the same codes (clamped ones included: a scale too small for the values), and the
+// same mean of decoded parts, bit for bit (a fused multiply-add would change the last bit).
+TEST(Uint8AffineCodec, EveryLevelGivesPyTorchsOperationsBitForBit) {
+  const auto before = codecs::simd_level();
+  for (auto level : supported_levels()) {
+    codecs::set_simd_level(level);
+    for (int64_t numel : {int64_t{1}, int64_t{13}, int64_t{1001}, int64_t{70003}}) {
+      for (int64_t cols : {int64_t{512}, numel}) {
+        const int64_t rows = (numel + cols - 1) / cols;
+        std::vector<at::Tensor> parts, values;
+        at::Tensor want = at::zeros({rows, cols});
+        for (int world = 0; world < 3; ++world) {
+          at::Tensor x = randn({numel}, 90 + world) * (1 + world);
+          at::Tensor padded = at::zeros({rows * cols});
+          padded.narrow(0, 0, numel).copy_(x);
+          auto qp = codecs::uint8_affine_qparams(x, cols);
+          at::Tensor scale = world == 2 ? qp.first / 3 : qp.first;  // the third part clamps
+          at::Tensor codes = at::clamp(at::round(padded.view({rows, cols}) / scale.unsqueeze(1)) + qp.second.unsqueeze(1), 0, 255)
+                                 .to(at::kByte);
+          at::Tensor packed = codecs::uint8_affine_encode(x, rows, cols, scale, qp.second);
+          ASSERT_TRUE(at::equal(packed.narrow(0, 8 * rows, rows * cols), codes.view({-1})))
+              << "level " << static_cast<int>(level) << " numel " << numel << " cols " << cols;
+          want.add_((codes.to(at::kFloat) - qp.second.unsqueeze(1)) * scale.unsqueeze(1));
+          parts.push_back(packed);
+        }
+        want.div_(3);
+        at::Tensor got = at::empty({numel});
+        codecs::uint8_affine_decode_mean(parts, rows, cols, got);
+        EXPECT_TRUE(at::equal(got, want.view({-1}).narrow(0, 0, numel)))
+            << "level " << static_cast<int>(level) << " numel " << numel << " cols " << cols << " max difference "
+            << (got - want.view({-1}).narrow(0, 0, numel)).abs().max().item<float>();
+      }
+    }
+  }
+  codecs::set_simd_level(before);
+}
+
 // The documented bound of int8_allreduce_hook: sum_r max_block|g_r| / (254 n) + max_block|avg| / 254.
 TEST(QuantizationHooks, Int8AllreduceWithinDocumentedBound) {
   for (int world : {1, 2, 3}) {

@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <vector>
 
 namespace ddpkit {
 namespace codecs {
@@ -268,32 +269,192 @@ void int8_decode_aten(const at::Tensor& encoded, int64_t numel, int64_t block, c
 
 }  // namespace detail
 // ---- PyTorch's quantization hooks' format: uint8 affine --------------------------------------------
+namespace {
 
-std::pair<at::Tensor, at::Tensor> uint8_affine_qparams(const at::Tensor& x2d) {
-  auto mm = at::aminmax(x2d, 1);
-  at::Tensor min_neg = at::clamp_max(std::get<0>(mm), 0.0);
-  at::Tensor max_pos = at::clamp_min(std::get<1>(mm), 0.0);
+// PyTorch's hook runs these as separate ATen kernels, each rounding to float32: quantize is
+// clamp(round_half_even(x / scale) + zero_point, 0, 255), decode is (code - zero_point) * scale,
+// summed into the result in the parts' order and divided at the end. The kernels below run the
+// same operations per element in one pass. They are compiled without FMA (target "avx2" alone):
+// a contracted multiply-add would round once where ATen rounds twice. NaN gives code 0.
+void affine_encode_scalar(const float* x, int64_t n, float scale, float zero_point, uint8_t* q) {
+  for (int64_t i = 0; i < n; ++i) {
+    float v = std::nearbyint(x[i] / scale) + zero_point;
+    v = v > 0.f ? v : 0.f;
+    v = v < 255.f ? v : 255.f;
+    q[i] = static_cast<uint8_t>(v);
+  }
+}
+// out = (first ? 0 : out) + decode(q), divided by `divide_by` unless it is 0.
+void affine_decode_scalar(const uint8_t* q, int64_t n, float scale, float zero_point, float* out, bool first,
+                          float divide_by) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float t = (static_cast<float>(q[i]) - zero_point) * scale;
+    const float a = first ? t : out[i] + t;
+    out[i] = divide_by != 0.f ? a / divide_by : a;
+  }
+}
+
+#define DDPKIT_AVX2_NO_FMA __attribute__((target("avx2")))
+
+DDPKIT_AVX2_NO_FMA void affine_encode_avx2(const float* x, int64_t n, float scale, float zero_point, uint8_t* q) {
+  const __m256 s = _mm256_set1_ps(scale), z = _mm256_set1_ps(zero_point), lo = _mm256_setzero_ps(),
+               hi = _mm256_set1_ps(255.f);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    __m256 v = _mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(x + i), s), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    v = _mm256_min_ps(_mm256_max_ps(_mm256_add_ps(v, z), lo), hi);  // max_ps gives its second operand for NaN
+    const __m256i c = _mm256_cvtps_epi32(v);
+    const __m128i w = _mm_packus_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(q + i), _mm_packus_epi16(w, w));
+  }
+  affine_encode_scalar(x + i, n - i, scale, zero_point, q + i);
+}
+DDPKIT_AVX2_NO_FMA void affine_decode_avx2(const uint8_t* q, int64_t n, float scale, float zero_point, float* out,
+                                           bool first, float divide_by) {
+  const __m256 s = _mm256_set1_ps(scale), z = _mm256_set1_ps(zero_point), d = _mm256_set1_ps(divide_by);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256i c = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + i)));
+    const __m256 t = _mm256_mul_ps(_mm256_sub_ps(_mm256_cvtepi32_ps(c), z), s);
+    __m256 a = first ? t : _mm256_add_ps(_mm256_loadu_ps(out + i), t);
+    if (divide_by != 0.f) a = _mm256_div_ps(a, d);
+    _mm256_storeu_ps(out + i, a);
+  }
+  affine_decode_scalar(q + i, n - i, scale, zero_point, out + i, first, divide_by);
+}
+
+using AffineEncode = void (*)(const float*, int64_t, float, float, uint8_t*);
+using AffineDecode = void (*)(const uint8_t*, int64_t, float, float, float*, bool, float);
+AffineEncode affine_encode_kernel() {
+  return simd_level() == SimdLevel::Scalar ? affine_encode_scalar : affine_encode_avx2;
+}
+AffineDecode affine_decode_kernel() {
+  return simd_level() == SimdLevel::Scalar ? affine_decode_scalar : affine_decode_avx2;
+}
+
+// Elements per parallel task, and per pass over the parts (a slice that stays in cache while
+// every part is added into it).
+constexpr int64_t kAffineGrain = 32768;
+constexpr int64_t kAffineSlice = 4096;
+
+// Calls fn(row, offset, len) for the segments of elements [begin, end) of a rows x cols block
+// stored row after row: within one row, at most kAffineSlice long.
+template <typename Fn>
+void for_row_segments(int64_t begin, int64_t end, int64_t cols, Fn&& fn) {
+  while (begin < end) {
+    const int64_t row = begin / cols, col = begin % cols;
+    const int64_t len = std::min({cols - col, end - begin, kAffineSlice});
+    fn(row, begin, len);
+    begin += len;
+  }
+}
+
+struct AffineParts {
+  const float* scale;
+  const float* zero_point;
+  const uint8_t* codes;
+};
+AffineParts affine_parts(const at::Tensor& packed, int64_t rows, int64_t cols, const char* what) {
+  DDPKIT_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.numel() == rows * cols + 8 * rows,
+               what, ": a payload must be a contiguous uint8 tensor of ", rows * cols + 8 * rows, " bytes (", rows,
+               " x ", cols, " codes and ", rows, " scales and zero points), got ", packed.numel());
+  const uint8_t* base = packed.data_ptr<uint8_t>();
+  return {reinterpret_cast<const float*>(base), reinterpret_cast<const float*>(base + 4 * rows), base + 8 * rows};
+}
+
+}  // namespace
+
+std::pair<at::Tensor, at::Tensor> uint8_affine_qparams(const at::Tensor& values, int64_t cols) {
+  DDPKIT_CHECK(values.dim() == 1 && cols >= 1, "uint8_affine_qparams: takes a 1-D tensor and cols >= 1, got ",
+               values.dim(), "-D and cols ", cols);
+  const int64_t numel = values.numel(), full = numel / cols, rows = std::max<int64_t>((numel + cols - 1) / cols, 1);
+  at::Tensor lows = at::zeros({rows}, values.options()), highs = at::zeros({rows}, values.options());
+  if (full > 0) {
+    auto mm = at::aminmax(values.narrow(0, 0, full * cols).view({full, cols}), 1);
+    lows.narrow(0, 0, full).copy_(std::get<0>(mm));
+    highs.narrow(0, 0, full).copy_(std::get<1>(mm));
+  }
+  // The last row's zero padding changes nothing below: the minimum is clamped to <= 0 and the
+  // maximum to >= 0 anyway.
+  if (full * cols < numel) {
+    auto mm = at::aminmax(values.narrow(0, full * cols, numel - full * cols));
+    lows[full] = std::get<0>(mm);
+    highs[full] = std::get<1>(mm);
+  }
+  at::Tensor min_neg = at::clamp_max(lows, 0.0);
+  at::Tensor max_pos = at::clamp_min(highs, 0.0);
   at::Tensor scale = (max_pos - min_neg) / 255.0;
   scale = at::clamp_min(scale, std::numeric_limits<float>::epsilon());
   at::Tensor zero_point = at::clamp(0 - at::round(min_neg / scale).to(at::kInt), 0, 255);
   return {scale, zero_point.to(at::kFloat)};
 }
 
-at::Tensor uint8_affine_encode(const at::Tensor& block, const at::Tensor& scale, const at::Tensor& zero_point) {
-  const int64_t rows = block.size(0), cols = block.size(1);
-  at::Tensor packed = at::empty({rows * cols + 2 * rows * 4}, block.options().dtype(at::kByte));
+at::Tensor uint8_affine_encode(const at::Tensor& values, int64_t rows, int64_t cols, const at::Tensor& scale,
+                               const at::Tensor& zero_point) {
+  DDPKIT_CHECK(values.dim() == 1 && values.scalar_type() == at::kFloat && values.is_contiguous() &&
+                   values.numel() <= rows * cols,
+               "uint8_affine_encode: values must be a contiguous 1-D float32 tensor of at most ", rows, " x ", cols,
+               " elements, got ", values.sizes(), " ", values.scalar_type());
+  DDPKIT_CHECK(scale.numel() == rows && zero_point.numel() == rows, "uint8_affine_encode: need ", rows,
+               " scales and zero points, got ", scale.numel(), " and ", zero_point.numel());
+  at::Tensor packed = at::empty({rows * cols + 8 * rows}, values.options().dtype(at::kByte));
   packed.narrow(0, 0, rows * 4).view(at::kFloat).copy_(scale);
   packed.narrow(0, rows * 4, rows * 4).view(at::kFloat).copy_(zero_point);
-  at::Tensor codes = packed.narrow(0, 8 * rows, rows * cols).view({rows, cols});
-  codes.copy_(at::clamp(at::round(block / scale.unsqueeze(1)) + zero_point.unsqueeze(1), 0, 255));
+  at::Tensor codes = packed.narrow(0, 8 * rows, rows * cols);
+  if (!values.device().is_cpu()) {  // GPU: the same operations in ATen
+    at::Tensor x = at::zeros({rows * cols}, values.options());
+    x.narrow(0, 0, values.numel()).copy_(values);
+    codes.view({rows, cols}).copy_(
+        at::clamp(at::round(x.view({rows, cols}) / scale.view({rows, 1})) + zero_point.view({rows, 1}), 0, 255));
+    return packed;
+  }
+  const AffineParts part = affine_parts(packed, rows, cols, "uint8_affine_encode");
+  uint8_t* q = packed.data_ptr<uint8_t>() + 8 * rows;
+  const float* x = values.data_ptr<float>();
+  const int64_t valid = values.numel();
+  const AffineEncode encode = affine_encode_kernel();
+  at::parallel_for(0, rows * cols, kAffineGrain, [&](int64_t begin, int64_t end) {
+    for_row_segments(begin, end, cols, [&](int64_t row, int64_t at, int64_t len) {
+      const int64_t real = std::max<int64_t>(0, std::min(len, valid - at));
+      encode(x + at, real, part.scale[row], part.zero_point[row], q + at);
+      if (real < len) {  // the zero padding past the values
+        const float zero = 0.f;
+        uint8_t code;
+        affine_encode_scalar(&zero, 1, part.scale[row], part.zero_point[row], &code);
+        std::memset(q + at + real, code, static_cast<size_t>(len - real));
+      }
+    });
+  });
   return packed;
 }
 
-void uint8_affine_decode_add(const at::Tensor& packed, int64_t rows, int64_t cols, at::Tensor& acc) {
-  at::Tensor scale = packed.narrow(0, 0, rows * 4).view(at::kFloat).unsqueeze(1);
-  at::Tensor zero_point = packed.narrow(0, rows * 4, rows * 4).view(at::kFloat).unsqueeze(1);
-  at::Tensor codes = packed.narrow(0, 8 * rows, rows * cols).view({rows, cols});
-  acc.add_((codes.to(at::kFloat) - zero_point) * scale);
+void uint8_affine_decode_mean(const std::vector<at::Tensor>& parts, int64_t rows, int64_t cols, const at::Tensor& out) {
+  DDPKIT_CHECK(!parts.empty(), "uint8_affine_decode_mean: no payloads");
+  DDPKIT_CHECK(out.dim() == 1 && out.scalar_type() == at::kFloat && out.is_contiguous() && out.numel() <= rows * cols,
+               "uint8_affine_decode_mean: out must be a contiguous 1-D float32 tensor of at most ", rows, " x ", cols,
+               " elements, got ", out.sizes(), " ", out.scalar_type());
+  const float divide_by = static_cast<float>(parts.size());
+  if (!out.device().is_cpu()) {  // GPU: the same operations in ATen
+    at::Tensor acc = at::zeros({rows, cols}, out.options());
+    for (const auto& p : parts) {
+      at::Tensor scale = p.narrow(0, 0, rows * 4).view(at::kFloat).unsqueeze(1);
+      at::Tensor zero_point = p.narrow(0, rows * 4, rows * 4).view(at::kFloat).unsqueeze(1);
+      acc.add_((p.narrow(0, 8 * rows, rows * cols).view({rows, cols}).to(at::kFloat) - zero_point) * scale);
+    }
+    out.copy_(acc.div_(divide_by).view({-1}).narrow(0, 0, out.numel()));
+    return;
+  }
+  std::vector<AffineParts> in;
+  for (const auto& p : parts) in.push_back(affine_parts(p, rows, cols, "uint8_affine_decode_mean"));
+  float* y = out.data_ptr<float>();
+  const AffineDecode decode = affine_decode_kernel();
+  at::parallel_for(0, out.numel(), kAffineGrain, [&](int64_t begin, int64_t end) {
+    for_row_segments(begin, end, cols, [&](int64_t row, int64_t at, int64_t len) {
+      for (size_t k = 0; k < in.size(); ++k)
+        decode(in[k].codes + at, len, in[k].scale[row], in[k].zero_point[row], y + at, k == 0,
+               k + 1 == in.size() ? divide_by : 0.f);
+    });
+  });
 }
 
 }  // namespace codecs

@@ -46,16 +46,10 @@ CommHook gathered_uint8_hook(std::shared_ptr<ProcessGroup> pg, int64_t cols, con
     const int64_t c = cols > 0 ? cols : std::max<int64_t>(numel, 1);
     const int64_t rows = std::max<int64_t>((numel + c - 1) / c, 1);
     DDPKIT_CHECK(buffer.is_contiguous(), name, ": bucket ", bucket.index(), "'s buffer is not contiguous");
+    // The bucket as a rows x c matrix, its last row padded with zeros (never materialized: the
+    // codecs take the padding as read).
     at::Tensor flat = buffer.view({-1});
-    at::Tensor x2d;
-    if (rows * c == numel) {
-      x2d = flat.view({rows, c});
-    } else {
-      x2d = at::zeros({rows * c}, buffer.options());
-      x2d.narrow(0, 0, numel).copy_(flat);
-      x2d = x2d.view({rows, c});
-    }
-    const auto params = codecs::uint8_affine_qparams(x2d);
+    const auto params = codecs::uint8_affine_qparams(flat, c);
     const int world = pg->size();
     // An allgather sends this rank's payload to each of the world - 1 peers.
     const auto blocks = cut_blocks(rows, c, pg->pieces_for(static_cast<uint64_t>(rows * c) * (world - 1)));
@@ -80,27 +74,26 @@ CommHook gathered_uint8_hook(std::shared_ptr<ProcessGroup> pg, int64_t cols, con
       else result->markCompleted(c10::IValue(buffer));
     };
     for (const Block& b : blocks) {
+      // The block's elements in the bucket: its rows' span, or its columns of the one row, less
+      // the zero padding past the bucket's end.
+      const int64_t first = b.row * c + b.col;
+      const int64_t count = std::max<int64_t>(0, std::min(first + b.rows * b.cols, numel) - first);
       at::Tensor mine;
       try {
-        mine = codecs::uint8_affine_encode(x2d.narrow(0, b.row, b.rows).narrow(1, b.col, b.cols),
-                              params.first.narrow(0, b.row, b.rows), params.second.narrow(0, b.row, b.rows));
+        mine = codecs::uint8_affine_encode(flat.narrow(0, first, count), b.rows, b.cols,
+                                           params.first.narrow(0, b.row, b.rows), params.second.narrow(0, b.row, b.rows));
       } catch (...) {
         finish_one(std::current_exception());
         continue;
       }
       std::vector<at::Tensor> parts;
       for (int r = 0; r < world; ++r) parts.push_back(at::empty_like(mine));
-      pg->allgather(parts, mine)->addCallback([parts, b, c, numel, world, flat, finish_one](c10::ivalue::Future& f) {
+      // Decoded straight into the bucket: the callback, on the thread that completes the
+      // allgather, allocates nothing (a temporary there would grow that thread's malloc arena).
+      pg->allgather(parts, mine)->addCallback([parts, b, first, count, flat, finish_one](c10::ivalue::Future& f) {
         if (f.hasError()) return finish_one(f.exception_ptr());
         try {
-          at::Tensor acc = at::zeros({b.rows, b.cols}, flat.options());
-          for (const auto& p : parts) codecs::uint8_affine_decode_add(p, b.rows, b.cols, acc);
-          acc.div_(world);
-          // The block's elements in the bucket: its rows' span, or its columns of the one row,
-          // less the zero padding past the bucket's end.
-          const int64_t first = b.row * c + b.col;
-          const int64_t count = std::min(first + b.rows * b.cols, numel) - first;
-          if (count > 0) flat.narrow(0, first, count).copy_(acc.view({-1}).narrow(0, 0, count));
+          codecs::uint8_affine_decode_mean(parts, b.rows, b.cols, flat.narrow(0, first, count));
           finish_one(nullptr);
         } catch (...) {
           finish_one(std::current_exception());

@@ -263,23 +263,23 @@ MachineConstants calibrate_machine(int world) {
                                           codecs::int8_decode(enc, n, block, b, n, 1.0f, true);
                                         }) * 1e6);
           // PyTorch's quantization hooks' uint8 codec, per channel (rows of 512) as the slower of
-          // the two: the bucket's parameters, then codes and one part decoded into a sum, in
-          // blocks of 1 MiB as the hook moves them (whole-tensor temporaries would time page
-          // faults the hook does not take).
+          // the two: the bucket's parameters, then codes, and two ranks' parts decoded into their
+          // mean, in blocks of 1 MiB as the hook moves them.
           {
-            const int64_t cols = 512, block_rows = 512, rows = n / cols;
-            at::Tensor x2d = a.view({rows, cols}), acc = at::zeros({block_rows, cols});
+            const int64_t cols = 512, block_rows = 512, rows = n / cols, block = block_rows * cols;
             std::vector<at::Tensor> packed(static_cast<size_t>(rows / block_rows));
             std::pair<at::Tensor, at::Tensor> qp;
             encode_rate = bytes / (timed_ms(3, [&] {
-                                    qp = codecs::uint8_affine_qparams(x2d);
+                                    qp = codecs::uint8_affine_qparams(a, cols);
                                     for (int64_t k = 0; k < rows / block_rows; ++k)
-                                      packed[k] = codecs::uint8_affine_encode(x2d.narrow(0, k * block_rows, block_rows),
+                                      packed[k] = codecs::uint8_affine_encode(a.narrow(0, k * block, block), block_rows, cols,
                                                                                qp.first.narrow(0, k * block_rows, block_rows),
                                                                                qp.second.narrow(0, k * block_rows, block_rows));
                                   }) * 1e6);
-            decode_rate = bytes / (timed_ms(3, [&] {
-                                    for (const auto& p : packed) codecs::uint8_affine_decode_add(p, block_rows, cols, acc);
+            decode_rate = 2 * bytes / (timed_ms(3, [&] {  // per part decoded
+                                    for (int64_t k = 0; k < rows / block_rows; ++k)
+                                      codecs::uint8_affine_decode_mean({packed[k], packed[k]}, block_rows, cols,
+                                                                       b.narrow(0, k * block, block));
                                   }) * 1e6);
           }
           // A layer's products as training runs them (a Linear 1024 -> 4096 at batch 128: forward,

@@ -13,6 +13,7 @@
 
 #include <cstdint>
 #include <utility>
+#include <vector>
 
 namespace ddpkit {
 namespace codecs {
@@ -34,15 +35,21 @@ void int8_decode(const at::Tensor& encoded, int64_t numel, int64_t block, const 
 
 // ---- PyTorch's quantization hooks' format: uint8 affine, per row --------------------------------
 // MinMaxObserver / PerChannelMinMaxObserver.calculate_qparams for quint8 (0..255), in the same
-// float32 operations, per row of `x2d` (a 2-D tensor; one row for per-tensor): {scale, zero_point}.
-std::pair<at::Tensor, at::Tensor> uint8_affine_qparams(const at::Tensor& x2d);
+// float32 operations, per row of `values` (1-D) cut into rows of `cols`, the last row padded with
+// zeros (one row of all of them for per-tensor): {scale, zero_point}, one each per row.
+std::pair<at::Tensor, at::Tensor> uint8_affine_qparams(const at::Tensor& values, int64_t cols);
 
-// The payload of `block` (rows x cols) under one scale/zero point per row: [rows scales][rows zero
-// points] (float32, first so they stay aligned) then [rows * cols codes].
-at::Tensor uint8_affine_encode(const at::Tensor& block, const at::Tensor& scale, const at::Tensor& zero_point);
+// The payload of the rows x cols block whose elements are `values` (1-D, contiguous, at most
+// rows * cols of them; the rest are zeros) under one scale and zero point per row: [rows scales]
+// [rows zero points] (float32, first so they stay aligned), then [rows * cols codes]. One pass,
+// no temporaries: on the CPU, the float32 operations of PyTorch's hook bit for bit.
+at::Tensor uint8_affine_encode(const at::Tensor& values, int64_t rows, int64_t cols, const at::Tensor& scale,
+                               const at::Tensor& zero_point);
 
-// acc (rows x cols, float32) += decode(packed).
-void uint8_affine_decode_add(const at::Tensor& packed, int64_t rows, int64_t cols, at::Tensor& acc);
+// out = the mean of the payloads' decoded values (each rows x cols; `out` holds the first
+// out.numel() of them, 1-D): summed in the payloads' order from zero, then divided by their count,
+// in one pass as PyTorch's hook does in several.
+void uint8_affine_decode_mean(const std::vector<at::Tensor>& parts, int64_t rows, int64_t cols, const at::Tensor& out);
 
 namespace detail {
 void int8_encode_aten(const at::Tensor& src, int64_t valid, int64_t numel, int64_t block, const at::Tensor& out,
