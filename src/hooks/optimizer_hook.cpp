@@ -1,5 +1,6 @@
 #include <ddpkit/hooks/optimizer_hook.h>
 
+#include <ddpkit/optim/adam.h>
 #include <ddpkit/optim/sgd.h>
 
 #include <torch/csrc/autograd/grad_mode.h>
@@ -60,7 +61,7 @@ struct AdamState {
   at::Tensor exp_avg, exp_avg_sq, max_exp_avg_sq;
 };
 
-// torch::optim::Adam::step / AdamW::step, per parameter (decoupled: AdamW's weight decay).
+// ddpkit::optim::Adam / AdamW (libtorch's results), per parameter (decoupled: AdamW's weight decay).
 class FunctionalAdam : public FunctionalOptimizer {
  public:
   FunctionalAdam(double lr, std::tuple<double, double> betas, double eps, double weight_decay, bool amsgrad,
@@ -78,7 +79,6 @@ class FunctionalAdam : public FunctionalOptimizer {
     DDPKIT_CHECK(!grad_in.is_sparse(), name(), " does not support sparse gradients");
     at::NoGradGuard no_grad;
     at::Tensor p = param.detach();
-    at::Tensor grad = grad_in;
     bool created;
     AdamState& s = state_.get(param, created);
     if (created) {
@@ -87,26 +87,8 @@ class FunctionalAdam : public FunctionalOptimizer {
       if (amsgrad_) s.max_exp_avg_sq = at::zeros_like(p, at::MemoryFormat::Preserve);
     }
     s.step += 1;
-    const double beta1 = std::get<0>(betas_), beta2 = std::get<1>(betas_);
-    const double bias_correction1 = 1 - std::pow(beta1, s.step);
-    const double bias_correction2 = 1 - std::pow(beta2, s.step);
-    if (weight_decay_ != 0) {
-      if (decoupled_) {
-        p.mul_(1 - lr_ * weight_decay_);
-      } else {
-        grad = grad.add(p, weight_decay_);
-      }
-    }
-    s.exp_avg.mul_(beta1).add_(grad, 1 - beta1);
-    s.exp_avg_sq.mul_(beta2).addcmul_(grad, grad, 1 - beta2);
-    at::Tensor denom;
-    if (amsgrad_) {
-      at::max_out(s.max_exp_avg_sq, s.exp_avg_sq, s.max_exp_avg_sq);
-      denom = (s.max_exp_avg_sq.sqrt() / std::sqrt(bias_correction2)).add_(eps_);
-    } else {
-      denom = (s.exp_avg_sq.sqrt() / std::sqrt(bias_correction2)).add_(eps_);
-    }
-    p.addcdiv_(s.exp_avg, denom, -lr_ / bias_correction1);
+    optim::adam_update(p, grad_in, s.exp_avg, s.exp_avg_sq, s.max_exp_avg_sq, s.step,
+                       {lr_, std::get<0>(betas_), std::get<1>(betas_), eps_, weight_decay_, amsgrad_, decoupled_});
   }
 
  private:

@@ -297,8 +297,8 @@ Comm ddp_bucket(const ModelProfile& model, const JobSpec& job, const Candidate& 
     comm += net.collective(Op::kAllreduce, bytes / 2);
   } else if (h == "quantize_per_tensor" || h == "quantize_per_channel") {
     // PyTorch's hooks: uint8 codes of the bucket gathered from every rank, each rank's decoded
-    // into the sum, divided and copied back.
-    comm.cpu_ms += net.uint8_encode_ms(bytes) + net.world() * net.uint8_decode_ms(bytes) + net.copy_ms(2 * bytes);
+    // into their mean in the bucket (one pass).
+    comm.cpu_ms += net.uint8_encode_ms(bytes) + net.world() * net.uint8_decode_ms(bytes);
     comm += net.collective(Op::kAllgather, net.world() * bytes / 4);
   } else if (h == "powersgd") {
     comm += powersgd_bucket(model, b, powersgd_rank_of(c), net);
@@ -402,12 +402,12 @@ Prediction predict_choosing_bucket_cap(const ModelProfile& model, const JobSpec&
   return fastest.step_ms < by_default.step_ms * (1 - tuning.min_gain()) ? fastest : by_default;
 }
 
-// Adam's step makes two temporaries the size of the parameter it updates (the bias-corrected
-// square root and the update), the largest parameter's at the peak.
+// ddpkit's Adam/AdamW build their denominator a slice at a time (include/ddpkit/optim/adam.h):
+// two 64K-element scratch slices, not libtorch's two tensors the size of the largest parameter.
 double step_temporaries(const ModelProfile& model, const std::string& optimizer) {
   int64_t largest_param = 0;
   for (const auto& p : model.params) largest_param = std::max(largest_param, 4 * p.numel);
-  return optimizer == "sgd" ? 0 : 2.0 * static_cast<double>(largest_param);
+  return optimizer == "sgd" ? 0 : 2.0 * static_cast<double>(std::min<int64_t>(largest_param, 4 * 65536));
 }
 
 }  // namespace
@@ -551,8 +551,8 @@ Prediction predict(const ModelProfile& model, const JobSpec& job, const MachineC
       if (c.hook == "fp16" || c.hook == "bf16") comm += largest / 2 * 2;
       if (c.hook == "fp16_wrapper" || c.hook == "bf16_wrapper") comm += largest / 2;
       if (c.hook == "int8") comm += largest / 4 * 2;
-      // The codes from every rank, and the sum they are decoded into.
-      if (c.hook == "quantize_per_tensor" || c.hook == "quantize_per_channel") comm += largest / 4 * (world + 1) + largest;
+      // The codes from every rank (decoded straight into the bucket).
+      if (c.hook == "quantize_per_tensor" || c.hook == "quantize_per_channel") comm += largest / 4 * (world + 1);
       if (c.hook == "powersgd") comm += P;  // error feedback
       // Per bucket, kept: its padded square, the error fed back and the input's copy.
       if (c.hook == "batched_powersgd")

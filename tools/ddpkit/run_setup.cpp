@@ -2,6 +2,7 @@
 #include "cli.h"
 #include "training.h"
 
+#include <ddpkit/optim/adam.h>
 #include <ddpkit/optim/sgd.h>
 
 namespace ddpkit {
@@ -78,11 +79,11 @@ OptimizerChoice choose_optimizer(const std::string& name, double lr) {
   }
   if (name == "adam") {
     const auto o = torch::optim::AdamOptions(lr);
-    return {optimizer_factory<torch::optim::Adam>(o), hooks::functional_adam(o)};
+    return {optimizer_factory<optim::Adam>(o), hooks::functional_adam(o)};  // libtorch's results, no temporaries
   }
   if (name == "adamw") {
     const auto o = torch::optim::AdamWOptions(lr);
-    return {optimizer_factory<torch::optim::AdamW>(o), hooks::functional_adamw(o)};
+    return {optimizer_factory<optim::AdamW>(o), hooks::functional_adamw(o)};
   }
   throw UsageError("--optimizer must be sgd, adam or adamw, got '" + name + "'");
 }

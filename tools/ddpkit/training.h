@@ -185,7 +185,8 @@ struct RunData {
 RunData load_run_data(const Flags& f, const std::string& model_name, const std::string& dataset);
 Model build_model(const Flags& f, const std::string& model_name, const std::vector<int64_t>& dims, int64_t num_classes);
 // --optimizer sgd|adam|adamw at `lr`, as train steps it (SGD: momentum 0.9, ddpkit's one-pass
-// optim::SGD): the factory (plain and ZeRO) and the per-parameter twin for --optimizer-in-hook.
+// optim::SGD; optim::Adam/AdamW, without temporaries): the factory (plain and ZeRO) and the
+// per-parameter twin for --optimizer-in-hook.
 struct OptimizerChoice {
   OptimizerFactory factory;
   std::shared_ptr<hooks::FunctionalOptimizer> functional;

@@ -15,6 +15,7 @@
 #pragma once
 
 #include <ddpkit/comm/process_group.h>
+#include <ddpkit/optim/adam.h>
 #include <ddpkit/optim/sgd.h>
 
 #include <torch/arg.h>
@@ -67,6 +68,10 @@ struct optimizer_types<torch::optim::AdamW> {
   using State = torch::optim::AdamWParamState;
   static std::vector<at::Tensor> tensors(const State& s) { return {s.exp_avg(), s.exp_avg_sq(), s.max_exp_avg_sq()}; }
 };
+template <>
+struct optimizer_types<optim::Adam> : optimizer_types<torch::optim::Adam> {};  // same options and state
+template <>
+struct optimizer_types<optim::AdamW> : optimizer_types<torch::optim::AdamW> {};
 template <>
 struct optimizer_types<torch::optim::Adagrad> {
   using Options = torch::optim::AdagradOptions;
