@@ -160,18 +160,21 @@ def restart(tmp, trials=3):
             cmd = [BIN, "train"] + BASE + flags + ["--checkpoint-dir", d, "--max-restarts", "3"]
             job = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             kills = 0
+            killed_generation = set()
             deadline = time.time() + 240
             while kills < 2 and job.poll() is None and time.time() < deadline:
                 time.sleep(rng.uniform(0.3, 0.6) * duration)
+                # (Re)starting: wait for three ranks, none of them from the generation killed last
+                # (a second kill among ranks the launcher is already stopping is no second restart).
                 ranks = children_of(job.pid)
-                while len(ranks) != 3 and job.poll() is None and time.time() < deadline:  # (re)starting
+                while (len(ranks) != 3 or killed_generation & set(ranks)) and job.poll() is None and time.time() < deadline:
                     time.sleep(0.05)
                     ranks = children_of(job.pid)
-                if len(ranks) == 3:
+                if len(ranks) == 3 and not killed_generation & set(ranks):
                     victim = rng.choice(ranks)
                     os.kill(victim, signal.SIGKILL)
                     kills += 1
-                    time.sleep(1.0)  # let the launcher notice before choosing again
+                    killed_generation = set(ranks)
             out, err = job.communicate(timeout=300)
             if job.returncode != 0:
                 sys.exit(f"FAILED: {name} trial {t}: the job exited {job.returncode} after {kills} kills:\n{err[-3000:]}")
