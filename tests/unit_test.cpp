@@ -513,6 +513,28 @@ TEST(DivergenceGuard, ExplosionAndLostProgressAreCaughtAndTrainingIsNot) {
             std::string::npos);
 }
 
+// Steps `fused` and `reference` (over equal copies `ours` and `theirs`) four times with the same
+// gradients: parameter 1 has none (skipped by both), and at step 2 parameter `transposed` (64 x 33)
+// gets a non-contiguous one (libtorch's operations). Every parameter must stay bit-identical.
+void expect_same_steps(std::vector<at::Tensor>& ours, std::vector<at::Tensor>& theirs, torch::optim::Optimizer& fused,
+                       torch::optim::Optimizer& reference, size_t transposed, const std::string& label) {
+  for (int step = 0; step < 4; ++step) {
+    for (size_t i = 0; i < ours.size(); ++i) {
+      at::Tensor g = at::randn(ours[i].sizes(), ours[i].options().requires_grad(false));
+      if (step == 2 && i == transposed) g = at::randn({33, 64}).t();
+      ours[i].mutable_grad() = g.clone();
+      theirs[i].mutable_grad() = g.clone();
+    }
+    ours[1].mutable_grad().reset();
+    theirs[1].mutable_grad().reset();
+    fused.step();
+    reference.step();
+    for (size_t i = 0; i < ours.size(); ++i)
+      ASSERT_TRUE(at::equal(ours[i], theirs[i])) << label << ", step " << step << ", parameter " << i
+                                                << ": max difference " << (ours[i] - theirs[i]).abs().max().item<double>();
+  }
+}
+
 // ---- ddpkit::optim::SGD ----------------------------------------------------------------------------
 // One pass per parameter must give torch::optim::SGD's bits: every option, sizes with and without
 // a vector tail, sizes split across threads, and the cases that take libtorch's operations.
@@ -540,23 +562,7 @@ TEST(FusedSGD, MatchesTorchSGDBitForBit) {
       theirs.push_back(ours.back().detach().clone().requires_grad_(true));
       optim::SGD fused(ours, c.options);
       torch::optim::SGD reference(theirs, c.options);
-      for (int step = 0; step < 4; ++step) {
-        for (size_t i = 0; i < ours.size(); ++i) {
-          at::Tensor g = at::randn(ours[i].sizes(), ours[i].options().requires_grad(false));
-          // A transposed (non-contiguous) gradient on the 2-d parameter at step 2: libtorch's ops.
-          if (step == 2 && i == 3) g = at::randn({33, 64}).t();
-          ours[i].mutable_grad() = g.clone();
-          theirs[i].mutable_grad() = g.clone();
-        }
-        ours[1].mutable_grad().reset();  // no gradient: skipped by both
-        theirs[1].mutable_grad().reset();
-        fused.step();
-        reference.step();
-        for (size_t i = 0; i < ours.size(); ++i)
-          ASSERT_TRUE(at::equal(ours[i], theirs[i])) << c.name << ", " << threads << " threads, step " << step
-                                                    << ", parameter " << i << ": max difference "
-                                                    << (ours[i] - theirs[i]).abs().max().item<double>();
-      }
+      expect_same_steps(ours, theirs, fused, reference, 3, std::string(c.name) + ", " + std::to_string(threads) + " threads");
       // The state is torch::optim::SGD's: it saves from one and loads into the other.
       std::stringstream saved;
       torch::serialize::OutputArchive out;
@@ -588,22 +594,7 @@ void expect_adam_matches(const char* name, const Options& options) {
     }
     Ours fused(ours, options);
     Theirs reference(theirs, options);
-    for (int step = 0; step < 4; ++step) {
-      for (size_t i = 0; i < ours.size(); ++i) {
-        at::Tensor g = at::randn(ours[i].sizes());
-        if (step == 2 && i == 2) g = at::randn({33, 64}).t();  // non-contiguous
-        ours[i].mutable_grad() = g.clone();
-        theirs[i].mutable_grad() = g.clone();
-      }
-      ours[1].mutable_grad().reset();  // no gradient: skipped by both
-      theirs[1].mutable_grad().reset();
-      fused.step();
-      reference.step();
-      for (size_t i = 0; i < ours.size(); ++i)
-        ASSERT_TRUE(at::equal(ours[i], theirs[i])) << name << ", " << threads << " threads, step " << step
-                                                  << ", parameter " << i << ": max difference "
-                                                  << (ours[i] - theirs[i]).abs().max().item<double>();
-    }
+    expect_same_steps(ours, theirs, fused, reference, 2, std::string(name) + ", " + std::to_string(threads) + " threads");
     std::stringstream saved;
     torch::serialize::OutputArchive out;
     fused.save(out);
