@@ -6,7 +6,9 @@
 #include <ATen/Parallel.h>
 #include <torch/csrc/autograd/grad_mode.h>
 
+#include <algorithm>
 #include <cmath>
+#include <initializer_list>
 #include <memory>
 
 namespace ddpkit {
@@ -29,8 +31,10 @@ bool sliceable(const at::Tensor& p, std::initializer_list<const at::Tensor*> oth
 // libtorch's operations, on the whole tensors or on one slice of each. `scratch` holds the
 // denominator; `decayed` (when decaying into the gradient) grad + weight_decay * param.
 void update(const at::Tensor& p, at::Tensor g, const at::Tensor& m, const at::Tensor& v, at::Tensor vmax,
-            const AdamHyper& h, double bias_correction1, double bias_correction2, at::Tensor scratch, at::Tensor decayed) {
-  if (!h.decoupled && h.weight_decay != 0) g = decayed.defined() ? at::add_out(decayed, g, p, h.weight_decay) : g.add(p, h.weight_decay);
+            const AdamHyper& h, double bias_correction1, double bias_correction2, at::Tensor scratch,
+            at::Tensor decayed) {
+  if (!h.decoupled && h.weight_decay != 0)
+    g = decayed.defined() ? at::add_out(decayed, g, p, h.weight_decay) : g.add(p, h.weight_decay);
   m.mul_(h.beta1).add_(g, 1 - h.beta1);
   v.mul_(h.beta2).addcmul_(g, g, 1 - h.beta2);
   if (h.amsgrad) at::max_out(vmax, v, vmax);
