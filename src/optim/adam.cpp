@@ -15,9 +15,7 @@ namespace ddpkit {
 namespace optim {
 namespace {
 
-// Elements per slice: a multiple of every vector width ATen's kernels step by (2 x 16 floats),
-// so each element takes the path (vector or scalar tail) it takes over the whole tensor.
-constexpr int64_t kSlice = 65536;
+constexpr int64_t kSlice = kAdamSliceElements;  // include/ddpkit/optim/adam.h says why
 
 bool sliceable(const at::Tensor& p, std::initializer_list<const at::Tensor*> others) {
   if (!p.device().is_cpu() || p.layout() != at::kStrided || !p.is_contiguous() || p.numel() <= kSlice) return false;

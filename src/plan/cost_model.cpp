@@ -16,6 +16,7 @@
 #include <ddpkit/ddp/online_tuning.h>
 #include <ddpkit/error.h>
 #include <ddpkit/hooks/default_hooks.h>
+#include <ddpkit/optim/adam.h>
 #include <ddpkit/reducer/bucket_assignment.h>
 
 #include <algorithm>
@@ -407,7 +408,8 @@ Prediction predict_choosing_bucket_cap(const ModelProfile& model, const JobSpec&
 double step_temporaries(const ModelProfile& model, const std::string& optimizer) {
   int64_t largest_param = 0;
   for (const auto& p : model.params) largest_param = std::max(largest_param, 4 * p.numel);
-  return optimizer == "sgd" ? 0 : 2.0 * static_cast<double>(std::min<int64_t>(largest_param, 4 * 65536));
+  const int64_t slice = 4 * optim::kAdamSliceElements;
+  return optimizer == "sgd" ? 0 : 2.0 * static_cast<double>(std::min(largest_param, slice));
 }
 
 }  // namespace

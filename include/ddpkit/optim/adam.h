@@ -33,6 +33,11 @@ class AdamW : public torch::optim::AdamW {
   at::Tensor step(LossClosure closure = nullptr) override;
 };
 
+// Elements per slice: a multiple of every vector width ATen's kernels step by (2 x 16 floats),
+// so each element takes the path (vector or scalar tail) it takes over the whole tensor. A step
+// holds at most two scratch slices per thread (the denominator, and grad + weight_decay * param).
+constexpr int64_t kAdamSliceElements = 65536;
+
 // One parameter's update as Adam::step (decoupled = false) or AdamW::step (true) makes it, the
 // step count already advanced to `step`. max_exp_avg_sq is used when `amsgrad`. Used by the
 // classes above and by the optimizer-after-hook's functional_adam/functional_adamw.
