@@ -1,6 +1,11 @@
 // Real processes: the test re-executes itself as workers (DDPKIT_TEST_WORKER=role) that
-// rendezvous over TCPStore on loopback.
+// rendezvous over TCPStore on loopback; and the process-wide allocator tuning, which a worker
+// installs where the test's own process must stay as it is.
 #include "harness.h"
+
+#include <ddpkit/runtime/block_cache.h>
+
+#include <c10/core/CPUAllocator.h>
 
 #include <torch/nn/modules/linear.h>
 
@@ -13,6 +18,7 @@
 
 #include <chrono>
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
 #include <iostream>
 
@@ -134,8 +140,119 @@ TEST(Processes, MissingPeerTimesOutAtRendezvous) {
   std::remove((out + "0").c_str());
 }
 
+TEST(LargeBlockCache, ReusesItsOwnSizeThenCutsTheSmallestLargerBlock) {
+  constexpr size_t MB = 1 << 20;
+  LargeBlockCache cache(MB, 64 * MB);
+  EXPECT_FALSE(cache.serves(MB - 1));
+  EXPECT_TRUE(cache.serves(MB));
+  void* three = cache.take(3 * MB);
+  void* five = cache.take(5 * MB);
+  ASSERT_TRUE(three && five);
+  std::memset(three, 1, 3 * MB);
+  std::memset(five, 2, 5 * MB);
+  EXPECT_TRUE(cache.give_back(three));
+  EXPECT_EQ(cache.take(3 * MB - 100), three) << "the same page-rounded size is the kept block";
+  EXPECT_TRUE(cache.give_back(three));
+  EXPECT_TRUE(cache.give_back(five));
+  EXPECT_EQ(cache.stats().idle_bytes, 8 * MB);
+  EXPECT_EQ(cache.take(2 * MB), three) << "the smallest larger kept block";
+  const LargeBlockCache::Stats s = cache.stats();
+  EXPECT_EQ(s.mapped_bytes, 7 * MB) << "its last MB unmapped";
+  EXPECT_EQ(s.idle_bytes, 5 * MB);
+  EXPECT_EQ(s.mapped, 2);
+  EXPECT_EQ(s.reused, 2);
+  std::memset(three, 3, 2 * MB);
+  int on_stack = 0;
+  EXPECT_FALSE(cache.give_back(&on_stack)) << "not the cache's";
+  EXPECT_TRUE(cache.give_back(three));
+  EXPECT_FALSE(cache.give_back(three)) << "given back twice";
+}
+
+TEST(LargeBlockCache, KeepsNoMoreThanItsIdleLimitOldestGoingFirst) {
+  constexpr size_t MB = 1 << 20;
+  LargeBlockCache cache(MB, 5 * MB);
+  void* a = cache.take(2 * MB);
+  void* b = cache.take(2 * MB);
+  void* c = cache.take(2 * MB);
+  for (void* p : {a, b, c}) EXPECT_TRUE(cache.give_back(p));
+  LargeBlockCache::Stats s = cache.stats();
+  EXPECT_EQ(s.idle_bytes, 4 * MB);
+  EXPECT_EQ(s.unmapped, 1);
+  EXPECT_EQ(s.mapped_bytes, 4 * MB);
+  EXPECT_EQ(cache.take(2 * MB), c) << "the most recently kept of a size first";
+  EXPECT_EQ(cache.take(2 * MB), b);
+  cache.give_back(b);
+  cache.release_idle();
+  s = cache.stats();
+  EXPECT_EQ(s.idle_bytes, 0u);
+  EXPECT_EQ(s.mapped_bytes, 2 * MB) << "c is still out";
+  cache.give_back(c);
+}
+
+// Installed by tune_allocator_for_training, in front of libtorch's allocator and behind DDP's
+// gradient arena: large tensors come back at the same address, raw allocations free either way,
+// and a DDP job computes the same gradients as without it.
+TEST(Processes, LargeBlockCacheServesLibtorchAndDdpGradientsAreUnchanged) {
+  const std::string out = "/tmp/ddpkit_pt_cache_" + std::to_string(getpid()) + "_";
+  std::vector<std::string> gradients;
+  for (const char* tuning : {"1", "0"}) {
+    setenv("DDPKIT_MALLOC_TUNING", tuning, 1);
+    auto pids = start_workers("cached_train", 2, 2, free_port(), out);
+    unsetenv("DDPKIT_MALLOC_TUNING");
+    for (pid_t p : pids) EXPECT_EQ(wait_exit(p), 0) << slurp(out + "0") << slurp(out + "1");
+    EXPECT_EQ(slurp(out + "0"), slurp(out + "1"));
+    gradients.push_back(slurp(out + "0"));
+  }
+  EXPECT_THAT(gradients[0], ::testing::HasSubstr("cache on"));
+  EXPECT_THAT(gradients[1], ::testing::HasSubstr("cache off"));
+  EXPECT_EQ(gradients[0].substr(gradients[0].find('\n')), gradients[1].substr(gradients[1].find('\n')));
+  for (int r = 0; r < 2; ++r) std::remove((out + std::to_string(r)).c_str());
+}
+
 // ---- workers -------------------------------------------------------------------------------------
+int cached_train_worker() {
+  const AllocatorTuning tuning = tune_allocator_for_training();
+  set_compute_threads(1);
+  std::ofstream out(std::getenv("DDPKIT_TEST_OUT"));
+  LargeBlockCache* cache = installed_large_block_cache();
+  if (tuning.large_block_cache != (cache != nullptr)) {
+    out << "tune_allocator_for_training said " << tuning.large_block_cache << " of an installed cache";
+    return 1;
+  }
+  out << (cache ? "cache on" : "cache off") << "\n";
+  if (cache) {
+    const void* first = at::empty({1 << 20}).data_ptr();  // 4 MB, freed at once
+    if (at::empty({1 << 20}).data_ptr() != first) {
+      out << "a 4 MB tensor freed and made again was not its kept block";
+      return 1;
+    }
+    c10::Allocator* cpu = c10::GetCPUAllocator();
+    for (size_t n : {size_t{64}, size_t{8} << 20}) cpu->raw_deallocate(cpu->raw_allocate(n));
+  }
+  try {
+    auto pg = init_process_group(InitOptions().timeout(std::chrono::seconds(60)));
+    torch::manual_seed(5);
+    auto model = std::make_shared<torch::nn::LinearImpl>(1024, 768);  // a 3 MB gradient
+    DistributedDataParallel<std::shared_ptr<torch::nn::LinearImpl>> ddp(model, pg);
+    for (int step = 0; step < 3; ++step) {
+      for (auto& p : model->parameters()) p.mutable_grad() = at::Tensor();
+      torch::manual_seed(100 * step + pg->rank());
+      ddp.forward(at::randn({8, 1024})).pow(2).sum().backward();
+      for (auto& p : model->parameters()) out << p.grad().sum().item<double>() << "\n";
+    }
+    if (cache && cache->stats().reused == 0) {
+      out << "the cache reused no block";
+      return 1;
+    }
+    return 0;
+  } catch (const std::exception& e) {
+    out << e.what();
+    return 1;
+  }
+}
+
 int worker(const std::string& role) {
+  if (role == "cached_train") return cached_train_worker();
   set_compute_threads(1);
   std::ofstream out(std::getenv("DDPKIT_TEST_OUT"));
   const auto timeout = std::chrono::seconds(role == "missing_peer" ? 3 : kKilledPeerTimeoutS);

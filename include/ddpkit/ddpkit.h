@@ -6,6 +6,7 @@
 #include <ddpkit/comm/gradient_arena.h>
 #include <ddpkit/comm/host_topology.h>
 #include <ddpkit/comm/process_group.h>
+#include <ddpkit/runtime/block_cache.h>
 #include <ddpkit/runtime/checkpoint.h>
 #include <ddpkit/runtime/runtime.h>
 #include <ddpkit/ddp/distributed_data_parallel.h>

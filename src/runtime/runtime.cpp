@@ -1,4 +1,5 @@
 #include <ddpkit/error.h>
+#include <ddpkit/runtime/block_cache.h>
 #include <ddpkit/runtime/runtime.h>
 
 #include <ATen/Parallel.h>
@@ -17,6 +18,12 @@
 
 namespace ddpkit {
 
+namespace {
+// Where the heap's layout moved peaks by whole blocks (gradients of a few MB and up), and below
+// which blocks are many and small enough for glibc's bins.
+constexpr std::size_t kLargeBlockBytes = std::size_t{1} << 20;
+}  // namespace
+
 AllocatorTuning tune_allocator_for_training(std::size_t threshold_bytes) {
   AllocatorTuning done;
 #if defined(__GLIBC__)
@@ -26,6 +33,8 @@ AllocatorTuning tune_allocator_for_training(std::size_t threshold_bytes) {
   const int value = threshold_bytes > static_cast<std::size_t>(INT_MAX) ? INT_MAX : static_cast<int>(threshold_bytes);
   if (!std::getenv("MALLOC_MMAP_THRESHOLD_")) done.mmap_threshold = mallopt(M_MMAP_THRESHOLD, value) == 1;
   if (!std::getenv("MALLOC_TRIM_THRESHOLD_")) done.trim_threshold = mallopt(M_TRIM_THRESHOLD, value) == 1;
+  if (!std::getenv("MALLOC_MMAP_THRESHOLD_"))
+    done.large_block_cache = install_large_block_cache(kLargeBlockBytes, threshold_bytes);
 #else
   (void)threshold_bytes;
 #endif
