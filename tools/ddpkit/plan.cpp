@@ -443,15 +443,13 @@ plan::MachineConstants calibrate(const std::string& path) {
     flags.insert(flags.end(), {"--nproc", "2", "--steps", "5"});
     for (const auto& a : kHooksFromTheThirdStep) flags.push_back(a);
     for (const auto& a : train_flags(c)) flags.push_back(a);
-    // A job's peak moves by a few per cent from run to run (the heap's shape): the mean of two.
-    auto mean_peak = [&](const std::string& env) {
-      return (static_cast<double>(train_result(flags, env).peak_rss_bytes) +
-              static_cast<double>(train_result(flags, env).peak_rss_bytes)) / 2;
-    };
+    // One run each: with large blocks in the LargeBlockCache a job's peak repeats to 1-2 MB (in
+    // glibc's heap it moved by whole blocks from run to run, and two runs were averaged).
+    auto peak = [&](const std::string& env) { return static_cast<double>(train_result(flags, env).peak_rss_bytes); };
     m.extra_bytes_per_param_byte[key] =
-        (mean_peak("") - static_cast<double>(plan::predict(profile, job, m, c).memory.total())) / P;
+        (peak("") - static_cast<double>(plan::predict(profile, job, m, c).memory.total())) / P;
     m.extra_bytes_per_param_byte_gloo[key] =
-        (mean_peak("DDPKIT_SHM=0") - static_cast<double>(plan::predict(profile, two_hosts, m, c).memory.total())) / P;
+        (peak("DDPKIT_SHM=0") - static_cast<double>(plan::predict(profile, two_hosts, m, c).memory.total())) / P;
   }
   m.memory_model = plan::MachineConstants::kMemoryModel;
   make_parent_dirs(path);

@@ -83,7 +83,7 @@ struct MachineConstants {
   // The memory accounting the extras were measured against (kMemoryModel when current): an
   // extra is a residual, so one measured against another accounting is refused, not misused.
   int memory_model = 0;
-  static constexpr int kMemoryModel = 7;
+  static constexpr int kMemoryModel = 8;
   std::string measured_on;          // host and date, for the record
 };
 
