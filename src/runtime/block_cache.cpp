@@ -3,7 +3,6 @@
 #include <ddpkit/runtime/block_cache.h>
 
 #include <ddpkit/compat.h>
-#include <ddpkit/error.h>
 
 #include <c10/core/CPUAllocator.h>
 
