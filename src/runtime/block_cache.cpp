@@ -33,8 +33,8 @@ void* LargeBlockCache::take(size_t n) {
     // Its own size, the most recently kept (its pages are the likeliest still resident); else the
     // smallest larger one, its tail unmapped: pages the larger block touched would stay resident
     // behind a smaller one (DDP's 96 MB broadcast buffer under a 64 MB momentum held 32 MB more).
-    auto [first, last] = by_size_.equal_range(bytes);
-    auto hit = first != last ? std::prev(last) : by_size_.lower_bound(bytes);
+    auto [first, last] = by_size_.equal_range(bytes);  // first: the smallest kept size >= bytes
+    auto hit = first != last ? std::prev(last) : first;
     if (hit != by_size_.end()) {
       const Idle block = *hit->second;
       idle_.erase(hit->second);
