@@ -15,8 +15,10 @@ With --describe (e.g. mlp25=bench/described/mlp25.json), configurations named PR
 predicted from that description of their model (`ddpkit plan --describe`: shapes and GFLOP, no
 profile) and measured as usual: the check of a described model against the real one.
 
-Measured steps on this 2-core VM vary by up to +-40 % between runs of the same job; each job is
-run once, after one warm-up job that is not scored.
+Measured steps on this 2-core VM vary by up to +-40 % between runs of the same job, and so does the
+profile a prediction rests on. So every configuration is predicted and measured --repeats times
+(default 3), in rounds over all of them, after one warm-up job that is not scored; the row scored
+takes the median of each figure over its runs. Each run's row is printed as it comes.
 """
 import argparse
 import json
@@ -228,27 +230,63 @@ def predict(ddpkit, world, flags, constants, extra=(), description=None):
     return rows[0]
 
 
-def score(n, world, flags, pred, meas, seconds, a, failed):
-    row = {"name": n, "world": world, "flags": flags, "measured_step_ms": meas["median_step_ms"],
-           "measured_peak_rss_bytes": meas["peak_rss_bytes"], "measured_forward_ms": meas["median_forward_ms"],
-           "measured_backward_ms": meas["median_backward_ms"], "measured_optimizer_ms": meas["median_optimizer_ms"],
-           "measured_bytes_sent_per_step": meas["bytes_sent_per_step"], "seconds": round(seconds, 1)}
+def run_once(a, n, net):
+    """One prediction and one measured job of configuration n: (world, flags, pred, meas, seconds)."""
+    t0 = time.time()
+    if n in NETNS_CONFIGS:
+        hosts, per_host, rate, gbit, flags = NETNS_CONFIGS[n]
+        world = hosts * per_host
+        extra = ["--hosts", str(hosts), "--link-gbit", str(gbit), "--cores-per-host", "1"]
+        pred = None if a.measure_only else predict(a.ddpkit, world, flags, a.constants, extra)
+        net.set_rate(rate)
+        meas = net.train(a.ddpkit, hosts, per_host, flags, a.steps)
+    else:
+        world, flags = CONFIGS[n]
+        described = [d.split("=", 1)[1] for d in a.describe if n.startswith(d.split("=", 1)[0] + "-")]
+        pred = None if a.measure_only else predict(a.ddpkit, world, flags, a.constants,
+                                                   description=described[0] if described else None)
+        meas = train(a.ddpkit, world, flags, a.steps)
+    return world, flags, pred, meas, time.time() - t0
+
+
+def median(values):
+    v = sorted(values)
+    return v[len(v) // 2] if len(v) % 2 else (v[len(v) // 2 - 1] + v[len(v) // 2]) / 2
+
+
+def score(n, world, flags, runs, a, failed, flag=True):
+    """The row of configuration n over its runs [(pred, meas, seconds)]: each figure the median of
+    its runs, the measured step's spread beside it."""
+    preds = [p for p, _, _ in runs if p]
+    meas = [m for _, m, _ in runs]
+    steps = [m["median_step_ms"] for m in meas]
+    row = {"name": n, "world": world, "flags": flags, "runs": len(runs),
+           "measured_step_ms": median(steps), "measured_step_ms_runs": steps,
+           "measured_peak_rss_bytes": median([m["peak_rss_bytes"] for m in meas]),
+           "seconds": round(sum(s for _, _, s in runs), 1)}
+    for key in ("forward", "backward", "optimizer"):
+        row[f"measured_{key}_ms"] = median([m[f"median_{key}_ms"] for m in meas])
+    row["measured_bytes_sent_per_step"] = median([m["bytes_sent_per_step"] for m in meas])
+    spread = f"{min(steps):7.1f}-{max(steps):<7.1f}" if len(steps) > 1 else ""
     line = f"{n:24} "
-    if pred:
-        row.update(predicted_step_ms=pred["predicted_step_ms"], predicted_memory_bytes=pred["memory_per_rank_bytes"],
-                   predicted_wire_bytes=pred["wire_bytes_per_step"])
-        step_err = pred["predicted_step_ms"] / meas["median_step_ms"] - 1
-        mem_err = pred["memory_per_rank_bytes"] / meas["peak_rss_bytes"] - 1
+    if preds:
+        pred_steps = [p["predicted_step_ms"] for p in preds]
+        row.update(predicted_step_ms=median(pred_steps), predicted_step_ms_runs=pred_steps,
+                   predicted_memory_bytes=median([p["memory_per_rank_bytes"] for p in preds]),
+                   predicted_wire_bytes=median([p["wire_bytes_per_step"] for p in preds]))
+        step_err = row["predicted_step_ms"] / row["measured_step_ms"] - 1
+        mem_err = row["predicted_memory_bytes"] / row["measured_peak_rss_bytes"] - 1
         row.update(step_error=step_err, memory_error=mem_err)
-        line += f"{pred['predicted_step_ms']:8.1f} {meas['median_step_ms']:8.1f} {step_err:+6.1%}  "
-        line += f"{pred['memory_per_rank_bytes'] / 2**20:8.0f} {meas['peak_rss_bytes'] / 2**20:8.0f} {mem_err:+6.1%}"
+        line += f"{row['predicted_step_ms']:8.1f} {row['measured_step_ms']:8.1f} {step_err:+6.1%}  "
+        line += f"{row['predicted_memory_bytes'] / 2**20:8.0f} {row['measured_peak_rss_bytes'] / 2**20:8.0f} {mem_err:+6.1%}"
+        line += f"  {spread}"
         if abs(step_err) > a.max_step_error or abs(mem_err) > a.max_memory_error:
             failed.append(n)
-            line += "  <- beyond the limits"
+            line += "  <- beyond the limits" if flag else ""
     else:
-        line += f"{'':8} {meas['median_step_ms']:8.1f} {'':6}  {'':8} {meas['peak_rss_bytes'] / 2**20:8.0f}"
-    print(line, flush=True)
-    return row
+        line += f"{'':8} {row['measured_step_ms']:8.1f} {'':6}  {'':8} {row['measured_peak_rss_bytes'] / 2**20:8.0f}"
+        line += f"{'':7}  {spread}"
+    return row, line
 
 
 def main():
@@ -256,6 +294,8 @@ def main():
     ap.add_argument("ddpkit")
     ap.add_argument("--only", default="", help="comma-separated names, or 'subset'")
     ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="runs of every configuration, in rounds; each figure scored is the median of its runs")
     ap.add_argument("--out", default="")
     ap.add_argument("--constants", default="")
     ap.add_argument("--measure-only", action="store_true")
@@ -272,32 +312,39 @@ def main():
         if n not in known:
             sys.exit(f"unknown configuration {n!r}; known: {', '.join(known)}")
     train(a.ddpkit, 2, MLP8, 10)  # warm-up: page cache, first-run costs; not scored
-    print(f"{'configuration':24} {'pred_ms':>8} {'meas_ms':>8} {'err':>6}  {'pred_MB':>8} {'meas_MB':>8} {'err':>6}")
-    rows, failed = [], []
+    header = f"{'configuration':24} {'pred_ms':>8} {'meas_ms':>8} {'err':>6}  {'pred_MB':>8} {'meas_MB':>8} {'err':>6}"
+    runs = {n: [] for n in names}
+    shapes, rows, failed = {}, [], []
     net = Hosts().__enter__() if any(n in NETNS_CONFIGS for n in names) else None
     try:
-        for n in names:
-            t0 = time.time()
-            if n in NETNS_CONFIGS:
-                hosts, per_host, rate, gbit, flags = NETNS_CONFIGS[n]
-                world = hosts * per_host
-                extra = ["--hosts", str(hosts), "--link-gbit", str(gbit), "--cores-per-host", "1"]
-                pred = None if a.measure_only else predict(a.ddpkit, world, flags, a.constants, extra)
-                net.set_rate(rate)
-                meas = net.train(a.ddpkit, hosts, per_host, flags, a.steps)
-            else:
-                world, flags = CONFIGS[n]
-                described = [d.split("=", 1)[1] for d in a.describe if n.startswith(d.split("=", 1)[0] + "-")]
-                pred = None if a.measure_only else predict(a.ddpkit, world, flags, a.constants,
-                                                           description=described[0] if described else None)
-                meas = train(a.ddpkit, world, flags, a.steps)
-            rows.append(score(n, world, flags, pred, meas, time.time() - t0, a, failed))
-            if a.out:  # after every row: a run cut short keeps what it measured
-                with open(a.out, "w") as f:
-                    json.dump(rows, f, indent=1)
+        # Round after round over every configuration: a slow spell of this shared VM lands on one
+        # run of several configurations rather than on every run of one.
+        for rnd in range(a.repeats):
+            if a.repeats > 1:
+                print(f"# round {rnd + 1} of {a.repeats}", flush=True)
+            print(header, flush=True)
+            for n in names:
+                world, flags, pred, meas, seconds = run_once(a, n, net)
+                shapes[n] = (world, flags)
+                runs[n].append((pred, meas, seconds))
+                _, line = score(n, world, flags, runs[n][-1:], a, [], flag=a.repeats == 1)
+                print(line, flush=True)
+                if a.out:  # after every run: a run cut short keeps what it measured
+                    with open(a.out, "w") as f:
+                        json.dump([score(m, *shapes[m], runs[m], a, [])[0] for m in names if runs[m]], f, indent=1)
     finally:
         if net:
             net.__exit__(None, None, None)
+    if a.repeats > 1:
+        print(f"# medians of {a.repeats} runs (predicted and measured), the measured steps' range last", flush=True)
+        print(header + f"  {'meas_ms range':>15}", flush=True)
+        for n in names:
+            row, line = score(n, *shapes[n], runs[n], a, failed)
+            rows.append(row)
+            print(line, flush=True)
+    else:
+        for n in names:
+            rows.append(score(n, *shapes[n], runs[n], a, failed)[0])
     if failed:
         print(f"beyond {a.max_step_error:.0%} step / {a.max_memory_error:.0%} memory: {', '.join(failed)}")
         return 1
