@@ -3,6 +3,7 @@
 // installs where the test's own process must stay as it is.
 #include "harness.h"
 
+#include <ddpkit/comm/gradient_arena.h>
 #include <ddpkit/runtime/block_cache.h>
 
 #include <c10/core/CPUAllocator.h>
@@ -209,6 +210,16 @@ TEST(Processes, LargeBlockCacheServesLibtorchAndDdpGradientsAreUnchanged) {
   for (int r = 0; r < 2; ++r) std::remove((out + std::to_string(r)).c_str());
 }
 
+// ddpkit's CPU allocator asks the thread's gradient arena before the large block cache, whichever
+// of them came first: here the arena is in use before tune_allocator_for_training puts the cache in.
+TEST(Processes, GradientArenaComesBeforeTheCacheInstalledAfterIt) {
+  const std::string out = "/tmp/ddpkit_pt_order_" + std::to_string(getpid()) + "_";
+  auto pids = start_workers("arena_then_cache", 1, 1, free_port(), out);
+  EXPECT_EQ(wait_exit(pids[0]), 0) << slurp(out + "0");
+  EXPECT_EQ(slurp(out + "0"), "ok");
+  std::remove((out + "0").c_str());
+}
+
 // ---- workers -------------------------------------------------------------------------------------
 int cached_train_worker() {
   const AllocatorTuning tuning = tune_allocator_for_training();
@@ -251,8 +262,46 @@ int cached_train_worker() {
   }
 }
 
+// An arena with one 4 MB place, used on this thread; then the cache; each block from its stage.
+int arena_then_cache_worker() {
+  std::ofstream out(std::getenv("DDPKIT_TEST_OUT"));
+  unsetenv("MALLOC_MMAP_THRESHOLD_");  // either would keep the cache out
+  unsetenv("DDPKIT_MALLOC_TUNING");
+  constexpr size_t kBlock = size_t{4} << 20;
+  auto memory = std::shared_ptr<void>(std::malloc(2 * kBlock), &std::free);
+  auto arena = std::make_shared<GradientArena>(memory, static_cast<uint8_t*>(memory.get()), 2 * kBlock,
+                                               std::vector<GradientArena::Place>{{kBlock, 0}});
+  GradientArena::use(arena);
+  at::Tensor in_arena = at::empty({static_cast<int64_t>(kBlock / 4)});
+  if (!arena->contains(in_arena.data_ptr())) return out << "the arena did not serve its size", 1;
+  const AllocatorTuning tuning = tune_allocator_for_training();
+  LargeBlockCache* cache = installed_large_block_cache();
+  if (!tuning.large_block_cache || !cache) return out << "no cache after an arena was in use", 1;
+  // The arena's one place is out: the same size goes on to the cache.
+  at::Tensor in_cache = at::empty({static_cast<int64_t>(kBlock / 4)});
+  if (arena->contains(in_cache.data_ptr()) || cache->stats().mapped_bytes < kBlock)
+    return out << "the second 4 MB block did not come from the cache", 1;
+  const void* place = in_arena.data_ptr();
+  in_arena = at::Tensor();
+  if (at::empty({static_cast<int64_t>(kBlock / 4)}).data_ptr() != place)
+    return out << "the freed place was not served again before the cache's kept block", 1;
+  // raw_allocate's blocks, each stage's and the default's, freed through raw_deleter.
+  c10::Allocator* cpu = c10::GetCPUAllocator();
+  void* from_arena = cpu->raw_allocate(kBlock);
+  if (!arena->contains(from_arena)) return out << "raw_allocate did not go to the arena", 1;
+  for (size_t n : {size_t{64}, size_t{8} << 20}) cpu->raw_deallocate(cpu->raw_allocate(n));
+  cpu->raw_deallocate(from_arena);
+  if (arena->bytes_in_use() != 0) return out << "raw_deallocate did not give the arena its place back", 1;
+  GradientArena::use(nullptr);
+  if (arena->contains(at::empty({static_cast<int64_t>(kBlock / 4)}).data_ptr()))
+    return out << "the arena served a thread that no longer uses it", 1;
+  out << "ok";
+  return 0;
+}
+
 int worker(const std::string& role) {
   if (role == "cached_train") return cached_train_worker();
+  if (role == "arena_then_cache") return arena_then_cache_worker();
   set_compute_threads(1);
   std::ofstream out(std::getenv("DDPKIT_TEST_OUT"));
   const auto timeout = std::chrono::seconds(role == "missing_peer" ? 3 : kKilledPeerTimeoutS);

@@ -1,4 +1,4 @@
-// GradientArena and the forwarding CPU allocator that serves it (include/ddpkit/comm/gradient_arena.h).
+// GradientArena, and its stage of ddpkit's CPU allocator (include/ddpkit/comm/gradient_arena.h).
 //
 // Blocks are handed out by exact size: DDP's gradients come back at the same sizes every
 // iteration, so a freed block is reused as is and nothing needs coalescing. A DataPtr's context
@@ -7,11 +7,9 @@
 // until its last block is freed.
 #include <ddpkit/comm/gradient_arena.h>
 
-#include <ddpkit/compat.h>
+#include <ddpkit/runtime/cpu_allocator.h>
 
 #include "shm_domain.h"
-
-#include <c10/core/CPUAllocator.h>
 
 #include <algorithm>
 #include <numeric>
@@ -47,35 +45,17 @@ void unregister(const GradientArena* arena) {
 
 thread_local std::weak_ptr<GradientArena> current;
 
-c10::DeleterFnPtr next_raw_deleter = nullptr;
-
-void free_block(void* p) {
-  if (!p) return;
-  if (auto arena = arena_of(p)) return arena->give_back(p);
-  if (next_raw_deleter) next_raw_deleter(p);
+// Its stage of ddpkit's CPU allocator (runtime/cpu_allocator.h): the calling thread's arena, for
+// the sizes it serves.
+void* take_from_arena(size_t n) {
+  std::shared_ptr<GradientArena> arena = current.lock();
+  return arena && arena->serves(n) ? arena->take(n) : nullptr;
 }
 
-struct ForwardingAllocator final : compat::CpuAllocatorBase {
-  c10::Allocator* next = nullptr;
-  c10::DataPtr allocate_bytes(size_t n) const {
-    if (n > 0) {
-      if (std::shared_ptr<GradientArena> arena = current.lock(); arena && arena->serves(n))
-        if (void* p = arena->take(n)) return {p, p, &free_block, c10::Device(c10::DeviceType::CPU)};
-    }
-    // The allocator we replaced (allocate is const in 1.13 and not in 2.x: call it through the base).
-    return static_cast<c10::Allocator*>(next)->allocate(n);
-  }
-  c10::DeleterFnPtr raw_deleter() const { return next_raw_deleter ? &free_block : nullptr; }
-};
-
-void install_forwarding_allocator() {
-  static std::once_flag once;
-  std::call_once(once, [] {
-    static ForwardingAllocator* forwarding = new ForwardingAllocator();
-    forwarding->next = c10::GetCPUAllocator();
-    next_raw_deleter = forwarding->next->raw_deleter();
-    c10::SetCPUAllocator(forwarding, /*priority=*/0);
-  });
+bool give_back_to_arena(void* p) {
+  std::shared_ptr<GradientArena> arena = arena_of(p);
+  if (arena) arena->give_back(p);
+  return arena != nullptr;
 }
 
 }  // namespace
@@ -97,7 +77,7 @@ GradientArena::~GradientArena() = default;
 
 void GradientArena::use(const std::shared_ptr<GradientArena>& arena) {
   if (arena) {
-    install_forwarding_allocator();
+    set_cpu_allocator_stage(CpuAllocatorStage::kGradientArena, {&take_from_arena, &give_back_to_arena});
     Registry& r = registry();
     std::lock_guard<std::mutex> lock(r.mutex);
     if (std::find(r.arenas.begin(), r.arenas.end(), arena) == r.arenas.end()) r.arenas.push_back(arena);

@@ -1,10 +1,7 @@
-// LargeBlockCache, and the CPU allocator that puts libtorch's large blocks in it
-// (include/ddpkit/runtime/block_cache.h).
+// LargeBlockCache, and its stage of ddpkit's CPU allocator (include/ddpkit/runtime/block_cache.h).
 #include <ddpkit/runtime/block_cache.h>
 
-#include <ddpkit/compat.h>
-
-#include <c10/core/CPUAllocator.h>
+#include <ddpkit/runtime/cpu_allocator.h>
 
 #include <sys/mman.h>
 #include <unistd.h>
@@ -95,48 +92,22 @@ LargeBlockCache::Stats LargeBlockCache::stats() const {
   return stats_;
 }
 
-// ---- behind libtorch's CPU allocator ----------------------------------------------------------
+// ---- a stage of ddpkit's CPU allocator -------------------------------------------------------
 
 namespace {
+LargeBlockCache* installed = nullptr;  // never destroyed: tensors may be freed during exit
 
-// Never destroyed: tensors may be freed during exit.
-LargeBlockCache* installed = nullptr;
-c10::DeleterFnPtr next_raw_deleter = nullptr;
-
-void free_cached(void* p) { installed->give_back(p); }
-
-// raw_allocate's blocks come back here without their DataPtr: ours, or the replaced allocator's.
-void free_any(void* p) {
-  if (p && !installed->give_back(p) && next_raw_deleter) next_raw_deleter(p);
-}
-
-struct CachingCpuAllocator final : compat::CpuAllocatorBase {
-  c10::Allocator* next = nullptr;
-  c10::DataPtr allocate_bytes(size_t n) const {
-    if (installed->serves(n))
-      if (void* p = installed->take(n)) return {p, p, &free_cached, c10::Device(c10::DeviceType::CPU)};
-    // The allocator we replaced (allocate is const in 1.13 and not in 2.x: call it through the base).
-    return static_cast<c10::Allocator*>(next)->allocate(n);
-  }
-  c10::DeleterFnPtr raw_deleter() const { return &free_any; }
-};
-
+void* take_large(size_t n) { return installed->serves(n) ? installed->take(n) : nullptr; }
+bool give_back_large(void* p) { return installed->give_back(p); }
 }  // namespace
 
 bool install_large_block_cache(size_t min_bytes, size_t idle_limit_bytes) {
   static std::mutex mutex;
   std::lock_guard<std::mutex> lock(mutex);
-  if (installed) return false;
-  // Only in front of c10's own allocator: one installed later (GradientArena's forwarding one)
-  // passes on to what it found, and would be bypassed if this went in front of it.
-  c10::Allocator* current = c10::GetCPUAllocator();
-  if (current != c10::GetDefaultCPUAllocator()) return false;
+  // A user's own CPU allocator keeps its large blocks.
+  if (installed || !cpu_allocator_fronts_c10_default()) return false;
   installed = new LargeBlockCache(min_bytes, idle_limit_bytes);
-  static CachingCpuAllocator* allocator = new CachingCpuAllocator();
-  allocator->next = current;
-  next_raw_deleter = current->raw_deleter();
-  c10::SetCPUAllocator(allocator, /*priority=*/0);
-  return true;
+  return set_cpu_allocator_stage(CpuAllocatorStage::kLargeBlockCache, {&take_large, &give_back_large});
 }
 
 LargeBlockCache* installed_large_block_cache() { return installed; }

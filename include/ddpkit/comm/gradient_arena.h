@@ -1,7 +1,8 @@
 // Memory that autograd's gradients are born in. While an arena is in use on a thread, CPU
 // allocations of exactly one of its block sizes come from it (as long as it has room); everything
-// else, and everything on other threads, comes from the CPU allocator that was installed before
-// (ddpkit installs a forwarding allocator once, the first time an arena is made). Two kinds:
+// else, and everything on other threads, goes on to the large block cache, if any, and libtorch's
+// own allocator (the arena is the first stage of ddpkit's CPU allocator, runtime/cpu_allocator.h,
+// installed the first time an arena is used). Two kinds:
 // - DDP's (docs/shared_memory.md, "Gradients born in shared memory"): over memory every rank on
 //   the host maps, blocks anywhere in it: a parameter's gradient is born where the peers can read
 //   it and write their shares of the sum into it, so the bucket's allreduce copies nothing.
@@ -50,7 +51,7 @@ class GradientArena : public std::enable_shared_from_this<GradientArena> {
   // The owner lets go: the arena goes once its last block is freed.
   void retire();
 
-  // The forwarding allocator's side; not for callers.
+  // The allocator stage's side; not for callers.
   void* take(size_t n);
   void give_back(void* p);
   bool serves(size_t n) const { return sizes_.count(n) > 0; }

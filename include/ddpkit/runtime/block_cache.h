@@ -62,10 +62,12 @@ class LargeBlockCache {
   Stats stats_;
 };
 
-// The cache tune_allocator_for_training installed in front of libtorch's CPU allocator; null if none.
+// The cache tune_allocator_for_training made a stage of ddpkit's CPU allocator (cpu_allocator.h),
+// serving libtorch's large blocks; null if none.
 LargeBlockCache* installed_large_block_cache();
-// tune_allocator_for_training's side, not for callers: installs the cache in front of c10's own CPU
-// allocator, once; false when one is installed or another allocator replaced c10's already.
+// tune_allocator_for_training's side, not for callers: makes the cache that stage, once; false
+// when one is installed already, or when the allocator ddpkit's stands in front of is a user's own
+// rather than c10's (it keeps its large blocks).
 bool install_large_block_cache(size_t min_bytes, size_t idle_limit_bytes);
 
 }  // namespace ddpkit
