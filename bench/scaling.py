@@ -19,7 +19,7 @@ import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from plan_validation import MLP8, FSDP_UNITS, TwoHosts  # noqa: E402
+from plan_validation import MLP8, FSDP_UNITS, Hosts  # noqa: E402
 
 # (label, train flags beyond the model, plan's strategy, plan's hook)
 RUNS = [
@@ -70,7 +70,7 @@ def main():
     setups = [] if a.projection_only else [(w, 1, 0, None) for w in (1, 2, 4, 8)]
     if a.netns and not a.projection_only:
         setups += [(2, 2, 1, "1gbit"), (4, 2, 1, "1gbit"), (2, 2, 10, "10gbit")]
-    hosts_env = TwoHosts().__enter__() if a.netns else None
+    hosts_env = Hosts().__enter__() if a.netns else None
     try:
         for world, hosts, link, rate in setups:
             predicted = plan(a.ddpkit, world, hosts, link or 10, 1 if rate else 0, a.constants)
@@ -80,7 +80,7 @@ def main():
                 if world == 1 and label != "ddp":
                     continue  # one rank: nothing to communicate or shard
                 if rate:
-                    r = hosts_env.train(a.ddpkit, world // 2, MLP8 + flags, a.steps)
+                    r = hosts_env.train(a.ddpkit, 2, world // 2, MLP8 + flags, a.steps)
                 else:
                     r = json.loads(run([a.ddpkit, "train", "--quiet", "--no-eval", "--nproc", str(world), "--steps",
                                         str(a.steps)] + MLP8 + flags).strip().splitlines()[-1])
