@@ -49,6 +49,7 @@ MachineConstants machine(int cores) {
   c.gemm_gflop_per_s = 1e6;
   c.tcp_latency_us = 0;
   c.tcp_efficiency = 1;
+  c.tcp_gbyte_per_s = 1e6;  // sockets free too
   c.process_bytes = 100 << 20;
   return c;
 }
@@ -108,6 +109,27 @@ TEST(Plan, ALinkCarriesWhatEachHookSends) {
   EXPECT_LT(fp16.step_ms, fp32.step_ms);
   job.link_gbit = 100;
   EXPECT_LT(predict(four_layers(), job, m, with("ddp", "allreduce")).step_ms, fp32.step_ms / 2);
+}
+
+// Gloo's sockets take CPU at each end (MachineConstants::tcp_gbyte_per_s): out of compute where a
+// rank fills its host's core, and beside the wire, the transfer lasting the longer of the two.
+TEST(Plan, TcpTakesTheCoresBesideTheWire) {
+  JobSpec job = two_hosts_at_1gbit();
+  job.cores_per_host = 1;
+  MachineConstants m = machine(1);
+  const double sockets = 16.0 * (1 << 20) / 1e6;  // each rank sends the 16 MiB once: 16.8 ms at 1 GB/s
+  auto step = [&](double link_gbit, double tcp_gbyte_per_s) {
+    job.link_gbit = link_gbit;
+    m.tcp_gbyte_per_s = tcp_gbyte_per_s;
+    return predict(four_layers(), job, m, with("ddp", "none", 4)).step_ms;
+  };
+  // A fast link: the sockets' CPU is the transfer, and every bucket's comes out of compute.
+  EXPECT_NEAR(step(1000, 1), 68 + sockets, 0.2);
+  EXPECT_NEAR(step(1000, 1e6), 68, 0.2);
+  // A slow link: the wire is the transfer (134 ms for 16 MiB at 1 Gbit/s); the sockets' CPU runs
+  // beside it, adding nothing to the step (added to the wire, it would add 16.8 ms).
+  EXPECT_GT(step(1, 1), 134);
+  EXPECT_NEAR(step(1, 1), step(1, 1e6), 0.5);
 }
 
 // The hooks outside the default rows, by what each sends between two hosts of one rank each.

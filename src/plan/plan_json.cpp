@@ -35,6 +35,7 @@ const std::vector<std::pair<const char*, PathCost MachineConstants::*>> kPaths =
 const std::vector<std::pair<const char*, double MachineConstants::*>> kRates = {
     {"tcp_latency_us", &MachineConstants::tcp_latency_us},
     {"tcp_efficiency", &MachineConstants::tcp_efficiency},
+    {"tcp_gbyte_per_s", &MachineConstants::tcp_gbyte_per_s},
     {"copy_gbyte_per_s", &MachineConstants::copy_gbyte_per_s},
     {"cast_gbyte_per_s", &MachineConstants::cast_gbyte_per_s},
     {"int8_gbyte_per_s", &MachineConstants::int8_gbyte_per_s},

@@ -227,7 +227,7 @@ MachineConstants calibrate_machine(int world) {
   // Collectives: ranks as threads over one store, through shared memory, and Gloo's loopback
   // latency with shared memory off.
   auto store = c10::make_intrusive<c10d::HashStore>();
-  std::vector<std::vector<std::pair<double, double>>> samples(7);
+  std::vector<std::vector<std::pair<double, double>>> samples(8);
   double tcp_ms = 0;
   std::vector<std::exception_ptr> errors(world);
   std::vector<std::thread> threads;
@@ -363,6 +363,12 @@ MachineConstants calibrate_machine(int world) {
         at::Tensor small = at::ones({1024});
         const double ms = time_op(21, [&] { ProcessGroup::wait(tcp->allreduce(small)); });
         if (r == 0) tcp_ms = ms;
+        // What Gloo's TCP costs the cores, where no wire limits it (MachineConstants::tcp_gbyte_per_s).
+        for (int64_t bytes : {int64_t(4) << 20, int64_t(16) << 20, int64_t(32) << 20}) {
+          at::Tensor f = at::ones({bytes / 4 / world * world});
+          const double tcp_large_ms = time_op(5, [&] { ProcessGroup::wait(tcp->allreduce(f)); });
+          if (r == 0) samples[7].push_back({2 * (w - 1) / w * 4.0 * f.numel(), tcp_large_ms});
+        }
         sync();
       } catch (...) {
         errors[r] = std::current_exception();
@@ -380,6 +386,7 @@ MachineConstants calibrate_machine(int world) {
   m.shm_allgather = fit(samples[4]);
   m.shm_broadcast = fit(samples[5]);
   m.shm_alltoall = fit(samples[6]);
+  m.tcp_gbyte_per_s = fit(samples[7]).gbyte_per_s;
   // A ring allreduce of 4 KB over 2 ranks is 2(n-1) = 2 latencies.
   m.tcp_latency_us = tcp_ms * 1e3 / (2 * (world - 1));
   return m;

@@ -62,6 +62,11 @@ struct MachineConstants {
   // (JobSpec::link_gbit), of which TCP carries tcp_efficiency as payload.
   double tcp_latency_us = 100;
   double tcp_efficiency = 0.94;
+  // What Gloo's TCP costs the cores: bus bytes per second of a large allreduce between two ranks
+  // over loopback, where no wire limits it (sends, receives and sums, each rank on a core). A
+  // link's bytes take that CPU at each end, beside the compute on the same cores; the transfer
+  // lasts the longer of it and the wire.
+  double tcp_gbyte_per_s = 2;
   double copy_gbyte_per_s = 5;      // memcpy of large buffers
   double cast_gbyte_per_s = 5;      // fp32 -> fp16/bf16 and back, per fp32 byte
   double int8_gbyte_per_s = 2;      // int8 block quantize + dequantize-and-sum, per fp32 byte
