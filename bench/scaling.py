@@ -17,6 +17,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from plan_validation import MLP8, FSDP_UNITS, Hosts  # noqa: E402
@@ -42,10 +43,10 @@ def run(cmd, timeout=900):
     return out.stdout
 
 
-def plan(ddpkit, world, hosts, link, cores, constants):
+def plan(ddpkit, world, hosts, link, cores, constants, model=PLAN_MODEL):
     cmd = [ddpkit, "plan", "--json", "--world-size", str(world), "--hosts", str(hosts), "--link-gbit", str(link)]
     cmd += (["--cores-per-host", str(cores)] if cores else []) + (["--constants", constants] if constants else [])
-    rows = json.loads(run(cmd + PLAN_MODEL))
+    rows = json.loads(run(cmd + model))
     return {(r["strategy"], r["hook"]): r for r in rows}
 
 
@@ -97,8 +98,17 @@ def main():
         return
     print("\n# projected by `ddpkit plan`: 8 ranks and 8 cores per host; step ms / between-host MB per rank")
     worlds = [8, 32, 128, 512, 1024]
+    # One profile for every cell (a host of 8 cores, as many replicas busy as this machine has),
+    # so the cells differ by the model's projection alone, not by this VM's noise between profiles.
+    with tempfile.TemporaryDirectory() as tmp:
+        profile = os.path.join(tmp, "mlp8.json")
+        run([a.ddpkit, "plan", "--world-size", "8", "--cores-per-host", "8", "--save-profile", profile]
+            + (["--constants", a.constants] if a.constants else []) + PLAN_MODEL)
+        described = ["--describe", profile]
+        tables = {link: {w: plan(a.ddpkit, w, w // 8, link, 8, a.constants, described) for w in worlds}
+                  for link in (10, 100)}
     for link in (10, 100):
-        table = {w: plan(a.ddpkit, w, w // 8, link, 8, a.constants) for w in worlds}
+        table = tables[link]
         print(f"\n## {link} Gbit/s")
         print(f"{'config':15} " + " ".join(f"{w:>16}" for w in worlds))
         for label, _, strategy, hook in RUNS:

@@ -65,7 +65,7 @@ model, its inputs and how well it predicts.
                           none); bf16 profiles the model's compute in bf16 too
   --json                  one JSON array, best first: strategy, hook, predicted_step_ms,
                           memory_per_rank_bytes, fits, and the breakdowns
-  --calibrate             measure this machine's constants (about 4 minutes), store them, print them
+  --calibrate             measure this machine's constants (about 8 minutes), store them, print them
   --constants FILE        where they are kept (default $XDG_CACHE_HOME/ddpkit/plan-constants.json,
                           or ~/.cache/...); measured on first use when missing
   --profile-steps N       timed steps of the profile (default 8)
