@@ -2,7 +2,7 @@
 """`ddpkit tune`'s pick against every configuration measured (issue 33's target: within 5 % of the
 best), on three workloads.
 
-  bench/tune_check.py DDPKIT [--constants FILE] [--trial-steps 30] [--top 4]
+  bench/tune_check.py DDPKIT [--constants FILE] [--trial-steps 30] [--top 4] [--only WORKLOAD,...]
 
 Per workload: `ddpkit tune --top 99` trials every configuration the plan lists that fits (the
 exhaustive measurement), then `ddpkit tune --top K` picks; the pick's step in the exhaustive table
@@ -20,7 +20,8 @@ WORKLOADS = {
                 "--fsdp-min-unit-params", "1000"],
     "gpt x2": ["--model", "transformer", "--batch-size", "16", "--world-size", "2"],
 }
-ROW = re.compile(r"^(\S+)\s+(\S+)\s+([\d.]+)\s+([\d.]+|-)\s+(\d+|-)\s+(ok|diverged|failed)$")
+# strategy, hook, cap_MB, predicted_ms, measured_ms, memory_MB, trial
+ROW = re.compile(r"^(\S+)\s+(\S+)\s+(\S+)\s+([\d.]+)\s+([\d.]+|-)\s+(\d+|-)\s+(ok|diverged|failed)$")
 
 
 def tune(ddpkit, flags, top, steps, constants):
@@ -33,8 +34,10 @@ def tune(ddpkit, flags, top, steps, constants):
     rows = {}
     for line in out.stdout.splitlines():
         m = ROW.match(line.strip())
-        if m and m.group(6) == "ok":
-            rows[(m.group(1), m.group(2))] = float(m.group(4))
+        if m and m.group(7) == "ok":
+            rows[(m.group(1), m.group(2))] = float(m.group(5))
+    if not rows:
+        raise RuntimeError(f"{' '.join(cmd)}: no trial that finished ok in its output:\n{out.stdout[-1500:]}")
     return rows, out.stdout
 
 
@@ -44,9 +47,16 @@ def main():
     ap.add_argument("--constants", default="")
     ap.add_argument("--trial-steps", type=int, default=30)
     ap.add_argument("--top", type=int, default=4)
+    ap.add_argument("--only", default="", help="comma-separated workloads (default: all): " + ", ".join(WORKLOADS))
     a = ap.parse_args()
+    only = [w for w in a.only.split(",") if w]
+    for w in only:
+        if w not in WORKLOADS:
+            sys.exit(f"unknown workload {w!r}; known: {', '.join(WORKLOADS)}")
     worst = 0
     for name, flags in WORKLOADS.items():
+        if only and name not in only:
+            continue
         every, table = tune(a.ddpkit, flags, 99, a.trial_steps, a.constants)
         print(f"## {name}: every configuration that fits\n{table}", flush=True)
         trials, _ = tune(a.ddpkit, flags, a.top, a.trial_steps, a.constants)
