@@ -379,6 +379,21 @@ TEST(Plan, ConstantsRoundTripAndNameWhatIsMissing) {
   }
 }
 
+// A file an older ddpkit wrote lacks the rates measured since: named, so `ddpkit plan` measures
+// again; a file that is no constants file at all is left to machine_constants_from_json's errors.
+TEST(Plan, ConstantsFromBeforeARateNameIt) {
+  const std::string current = to_json(machine(2));
+  EXPECT_EQ(rate_missing_from(current), "");
+  const std::string key = "\"tcp_gbyte_per_s\"";
+  const size_t at = current.find(key);
+  ASSERT_NE(at, std::string::npos);
+  std::string older = current;
+  older.replace(at, key.size(), "\"unknown_rate\"");
+  EXPECT_EQ(rate_missing_from(older), "tcp_gbyte_per_s");
+  EXPECT_EQ(rate_missing_from("{\"cores\": 2}"), "");
+  EXPECT_EQ(rate_missing_from("not json"), "");
+}
+
 TEST(Plan, ZeroOneHoldsTheLargestGreedyShare) {
   // Four equal tensors over 3 ranks: ZeRO-1 gives one rank two of them, so that rank holds half
   // the momentum and steps half the parameters; ZeRO-2's flat shards are a third each.

@@ -58,6 +58,14 @@ std::string to_json(const MachineConstants& m) {
   return j.dump(1);
 }
 
+std::string rate_missing_from(const std::string& text) {
+  const json j = json::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (!j.is_object() || !j.contains("tcp_latency_us")) return "";  // every version wrote it
+  for (const auto& r : kRates)
+    if (!j.contains(r.first)) return r.first;
+  return "";
+}
+
 MachineConstants machine_constants_from_json(const std::string& text) {
   json j;
   try {

@@ -466,20 +466,16 @@ plan::MachineConstants load_or_calibrate(const std::string& path) {
     return calibrate(path);
   }
   // Constants from an older ddpkit are measured again rather than refused: extras measured against
-  // another memory accounting would count memory twice or not at all, and a file from before the
-  // layer-product rate (the uint8 codec's, TCP's CPU) lacks it.
+  // another memory accounting would count memory twice or not at all, and a file from before a
+  // rate was measured (a layer's products, the uint8 codec, TCP's CPU) lacks it.
   const nlohmann::json j = nlohmann::json::parse(*text, nullptr, /*allow_exceptions=*/false);
-  const char* stale = nullptr;
+  std::string stale;
   if (j.is_object() && j.contains("extra_bytes_per_param_byte") &&
       j.value("memory_model", 1) != plan::MachineConstants::kMemoryModel)
     stale = "against an older memory model";
-  else if (j.is_object() && j.contains("matmul_gflop_per_s") && !j.contains("gemm_gflop_per_s"))
-    stale = "before the rate of a layer's products was";
-  else if (j.is_object() && j.contains("int8_gbyte_per_s") && !j.contains("uint8_encode_gbyte_per_s"))
-    stale = "before the quantization hooks' codec was";
-  else if (j.is_object() && j.contains("tcp_latency_us") && !j.contains("tcp_gbyte_per_s"))
-    stale = "before what TCP costs the cores was";
-  if (stale) {
+  else if (const std::string rate = plan::rate_missing_from(*text); !rate.empty())
+    stale = "before its '" + rate + "' was";
+  if (!stale.empty()) {
     std::cerr << "ddpkit plan: " << path << " was measured " << stale << "; measuring again\n";
     return calibrate(path);
   }

@@ -200,6 +200,10 @@ int64_t activations_from_peak(const ModelProfile& model, const MachineConstants&
 // JSON, for --calibrate's file and for --json.
 std::string to_json(const MachineConstants& m);
 MachineConstants machine_constants_from_json(const std::string& text);
+// The first rate this ddpkit reads (tcp_gbyte_per_s, say) that a constants file written by an
+// older one lacks, the file otherwise one ddpkit wrote; empty when none is missing or `text` is no
+// such file. `ddpkit plan` measures such a file again rather than refusing it.
+std::string rate_missing_from(const std::string& text);
 std::string to_json(const std::vector<Prediction>& rows);
 
 // A model as JSON: what `ddpkit plan --save-profile` writes, and what a user writes for a model
