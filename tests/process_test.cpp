@@ -4,6 +4,7 @@
 #include "harness.h"
 
 #include <ddpkit/comm/gradient_arena.h>
+#include <ddpkit/plan/profile.h>
 #include <ddpkit/runtime/block_cache.h>
 
 #include <c10/core/CPUAllocator.h>
@@ -21,7 +22,10 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <iomanip>
 #include <iostream>
+#include <sstream>
+#include <thread>
 
 namespace ddpkit {
 namespace {
@@ -299,7 +303,85 @@ int arena_then_cache_worker() {
   return 0;
 }
 
+// The profile's replicas in lockstep (plan::StepBarrier): a worker process joins the parent's
+// barrier by address and records, per round, when it arrived and when it left.
+constexpr int kBarrierRounds = 20;
+
+double monotonic_ms() {
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+// Arrives after a nap that differs by party and round, so each round someone else is last.
+std::vector<std::pair<double, double>> meet(plan::StepBarrier& barrier, int party) {
+  std::vector<std::pair<double, double>> times;
+  for (int k = 0; k < kBarrierRounds; ++k) {
+    std::this_thread::sleep_for(std::chrono::microseconds(300 * ((k + party) % 4)));
+    const double arrived = monotonic_ms();
+    barrier.arrive_and_wait();
+    times.emplace_back(arrived, monotonic_ms());
+  }
+  return times;
+}
+
+int step_barrier_worker() {
+  std::ofstream out(std::getenv("DDPKIT_TEST_OUT"));
+  plan::StepBarrier barrier(std::string(std::getenv("DDPKIT_TEST_BARRIER")));
+  for (const auto& t : meet(barrier, std::atoi(std::getenv("RANK")) + 1))
+    out << std::setprecision(17) << t.first << " " << t.second << "\n";
+  out.flush();
+  // The parent meets no more: this wait ends in an error, not a hang.
+  try {
+    barrier.arrive_and_wait(nullptr, std::chrono::seconds(1));
+  } catch (const std::exception& e) {
+    out << e.what();
+    return 42;
+  }
+  return 1;
+}
+
+TEST(Processes, ProfileReplicasMeetAtEveryPhase) {
+  plan::StepBarrier barrier(3);
+  const std::string prefix = ::testing::TempDir() + "step_barrier_" + std::to_string(getpid()) + "_";
+  setenv("DDPKIT_TEST_BARRIER", barrier.address().c_str(), 1);
+  const auto pids = start_workers("step_barrier", 2, 2, 0, prefix);
+  unsetenv("DDPKIT_TEST_BARRIER");
+  std::vector<std::vector<std::pair<double, double>>> parties{meet(barrier, 0)};
+  std::vector<std::string> errors;
+  for (size_t r = 0; r < pids.size(); ++r) {
+    EXPECT_EQ(wait_exit(pids[r]), 42);
+    std::istringstream in(slurp(prefix + std::to_string(r)));
+    std::vector<std::pair<double, double>> times(kBarrierRounds);
+    for (auto& t : times) in >> t.first >> t.second;
+    parties.push_back(times);
+    std::string rest;
+    std::getline(in >> std::ws, rest);
+    errors.push_back(rest);
+  }
+  for (int k = 0; k < kBarrierRounds; ++k) {
+    double last_arrival = 0, first_departure = 1e300;
+    for (const auto& p : parties) {
+      last_arrival = std::max(last_arrival, p[k].first);
+      first_departure = std::min(first_departure, p[k].second);
+    }
+    EXPECT_LE(last_arrival, first_departure) << "round " << k << ": a party left before the last arrived";
+  }
+  for (const auto& e : errors) EXPECT_THAT(e, ::testing::HasSubstr("stopped meeting at the end of backward"));
+}
+
+TEST(Processes, AStoppedReplicaLeavesTheStepBarrier) {
+  plan::StepBarrier barrier(2);
+  std::atomic<bool> stop{false};
+  std::thread stopper([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    stop = true;
+  });
+  EXPECT_FALSE(barrier.arrive_and_wait(&stop));
+  stopper.join();
+  EXPECT_THROW(plan::StepBarrier("not an address"), std::exception);
+}
+
 int worker(const std::string& role) {
+  if (role == "step_barrier") return step_barrier_worker();
   if (role == "cached_train") return cached_train_worker();
   if (role == "arena_then_cache") return arena_then_cache_worker();
   set_compute_threads(1);

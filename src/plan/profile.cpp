@@ -7,11 +7,15 @@
 #include <ddpkit/error.h>
 #include <ddpkit/runtime/runtime.h>
 
+#include "../comm/futex.h"
+#include "../comm/peer_memory.h"
+
 #include <ATen/Parallel.h>
 #include <torch/version.h>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 
 #include <malloc.h>
+#include <sys/mman.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -44,7 +48,18 @@ struct StepTimes {
   std::vector<std::vector<double>> ready;  // per step, per parameter
 };
 
-StepTimes run_steps(ProfileTarget& t, int warmup, int steps, bool record_ready) {
+// How run_steps steps a replica.
+struct StepRun {
+  int warmup = 0, steps = 0;
+  // More steps than `steps` where they are short: the timed ones then span this long at least
+  // (8 steps of a 4 ms model were 32 ms of a VM whose slow spells last longer).
+  double min_timed_ms = 0;
+  bool record_ready = false;
+  std::function<void()> after_backward;  // ProfileOptions::after_backward
+};
+
+StepTimes run_steps(ProfileTarget& t, const StepRun& run) {
+  const bool record_ready = run.record_ready;
   StepTimes out;
   auto params = t.module->parameters();
   std::vector<double> ready(params.size(), 0);
@@ -72,17 +87,25 @@ StepTimes run_steps(ProfileTarget& t, int warmup, int steps, bool record_ready) 
       }));
     }
   }
-  for (int i = 0; i < warmup + steps; ++i) {
+  int steps = run.steps;
+  double warmup_ms = 0;
+  for (int i = 0; i < run.warmup + steps; ++i) {
     clear_grads(*t.module);
     const auto t0 = Clock::now();
     at::Tensor loss = t.loss();
     const auto t1 = Clock::now();
     backward_start = t1;
     loss.backward();
+    if (run.after_backward) run.after_backward();
     const auto t2 = Clock::now();
     t.optimizer_step();
     const auto t3 = Clock::now();
-    if (i < warmup) continue;
+    if (i < run.warmup) {
+      warmup_ms += std::chrono::duration<double, std::milli>(t3 - t0).count();
+      if (i + 1 == run.warmup && run.min_timed_ms > 0 && warmup_ms > 0)
+        steps = std::max(steps, std::min(500, static_cast<int>(std::ceil(run.min_timed_ms * run.warmup / warmup_ms))));
+      continue;
+    }
     out.forward.push_back(std::chrono::duration<double, std::milli>(t1 - t0).count());
     out.backward.push_back(std::chrono::duration<double, std::milli>(t2 - t1).count());
     out.optimizer.push_back(std::chrono::duration<double, std::milli>(t3 - t2).count());
@@ -129,7 +152,7 @@ ModelProfile profile_model(const std::function<ProfileTarget()>& make, const Pro
       pp.unit = it == unit_of.end() ? -1 : it->second;
       prof.params.push_back(pp);
     }
-    run_steps(t, 2, 0, false);  // optimizer state exists, workspaces are warm
+    run_steps(t, StepRun{2, 0, 0, false, {}});  // optimizer state exists, workspaces are warm
     // What forward leaves for backward, and what backward holds beyond the gradients it has made
     // so far, looked at as each gradient is born (attention's backward, for one, needs more).
     int64_t before = 0, grads_so_far = 0, backward_extra = 0;
@@ -153,7 +176,7 @@ ModelProfile profile_model(const std::function<ProfileTarget()>& make, const Pro
 
   // Timed on a replica of its own, while the caller keeps the other cores as busy as the job will.
   ProfileTarget t = make();
-  const StepTimes times = run_steps(t, o.warmup, o.steps, true);
+  const StepTimes times = run_steps(t, StepRun{o.warmup, o.steps, o.min_timed_ms, true, o.after_backward});
   at::set_num_threads(saved_threads);
   prof.forward_ms = timed_median(times.forward);
   prof.backward_ms = timed_median(times.backward);
@@ -167,12 +190,67 @@ ModelProfile profile_model(const std::function<ProfileTarget()>& make, const Pro
 }
 
 void step_until(const std::function<ProfileTarget()>& make, int threads, const std::atomic<bool>& stop,
-                const std::function<void()>& started) {
+                const std::function<void()>& started, const std::function<void()>& after_backward) {
   set_compute_threads(threads);
   ProfileTarget t = make();
-  run_steps(t, 1, 0, false);
+  run_steps(t, StepRun{1, 0, 0, false, {}});
   started();
-  while (!stop.load()) run_steps(t, 1, 0, false);
+  while (!stop.load()) run_steps(t, StepRun{1, 0, 0, false, after_backward});
+}
+
+struct StepBarrier::Shared {
+  std::atomic<int> arrived;
+  std::atomic<uint32_t> generation;  // a futex word: waiters sleep on it
+  int parties;
+};
+
+StepBarrier::StepBarrier(int parties) {
+  DDPKIT_CHECK(parties >= 1, "plan: a step barrier needs at least one party, got ", parties);
+  void* base = nullptr;
+  std::string error;
+  fd_ = detail::create_peer_memory("ddpkit-plan-step-barrier", sizeof(Shared), &base, &error);
+  DDPKIT_CHECK(fd_ >= 0, "plan: the replicas' step barrier: ", error);
+  shared_ = new (base) Shared;
+  shared_->arrived.store(0);
+  shared_->generation.store(0);
+  shared_->parties = parties;
+  address_ = detail::peer_memory_address(fd_);
+}
+
+StepBarrier::StepBarrier(const std::string& address) : address_(address) {
+  detail::PeerMemoryAddress a;
+  DDPKIT_CHECK(detail::parse_peer_memory_address(address, &a) && a.bytes == sizeof(Shared),
+               "plan: '", address, "' is no step barrier's address");
+  std::string error;
+  void* base = detail::map_peer_memory(a, &error);
+  DDPKIT_CHECK(base, "plan: cannot join the replicas' step barrier: ", error);
+  shared_ = static_cast<Shared*>(base);
+}
+
+StepBarrier::~StepBarrier() {
+  if (shared_) ::munmap(shared_, sizeof(Shared));
+  if (fd_ >= 0) ::close(fd_);
+}
+
+bool StepBarrier::arrive_and_wait(const std::atomic<bool>* stop, std::chrono::seconds timeout) {
+  Shared& s = *shared_;
+  const uint32_t generation = s.generation.load(std::memory_order_acquire);
+  if (s.arrived.fetch_add(1, std::memory_order_acq_rel) + 1 == s.parties) {
+    s.arrived.store(0, std::memory_order_relaxed);  // before the release: no one arrives again earlier
+    s.generation.fetch_add(1, std::memory_order_release);
+    detail::futex_wake_all(s.generation);
+    return true;
+  }
+  // Asleep on the generation word; awake every 10 ms to see `stop` (a signal handler's flag).
+  const auto deadline = Clock::now() + timeout;
+  const timespec nap{0, 10 * 1000 * 1000};
+  while (s.generation.load(std::memory_order_acquire) == generation) {
+    if (stop && stop->load()) return false;
+    DDPKIT_CHECK(Clock::now() < deadline, "plan: the profile's replicas stopped meeting at the end of backward ",
+                 "(waited ", timeout.count(), " s for ", s.parties, " of them)");
+    detail::futex_wait(s.generation, generation, nap);
+  }
+  return true;
 }
 
 // ---- machine constants -----------------------------------------------------------------------

@@ -134,7 +134,7 @@ Flags plan_flags(const std::vector<std::string>& args) {
           with_model_flag_defaults({{"world-size", "2"}, {"hosts", "1"}, {"link-gbit", "10"}, {"cores-per-host", "0"},
                                     {"memory-limit-gb", "0"}, {"strategy", ""}, {"hook", ""}, {"bucket-cap-mb", ""},
                                     {"powersgd-rank", "0"}, {"local-sgd-period", "4"}, {"local-sgd-group-size", "0"},
-                                    {"fsdp-param-dtype", "fp32"}, {"fsdp-reduce-dtype", ""}, {"busy-dtype", "fp32"},
+                                    {"fsdp-param-dtype", "fp32"}, {"fsdp-reduce-dtype", ""}, {"busy-dtype", "fp32"}, {"busy-barrier", ""},
                                     {"constants", ""}, {"profile-steps", "8"}, {"describe", ""}, {"save-profile", ""}}),
           {"json", "calibrate", "busy-replica", "optimizer-in-hook"});
 }
@@ -200,15 +200,16 @@ std::atomic<bool> g_stop_busy{false};
 void stop_busy(int) { g_stop_busy = true; }
 
 // Replicas that keep the other cores of a host as busy as the job's other ranks will, each a
-// process of its own (`ddpkit plan ... --busy-replica`) as ranks are.
+// process of its own (`ddpkit plan ... --busy-replica`) as ranks are, stepping in lockstep with
+// the timed one through `barrier` (plan::StepBarrier) as ranks do.
 class BusyReplicas {
  public:
-  BusyReplicas(int n, const std::vector<std::string>& args) {
+  BusyReplicas(int n, const std::vector<std::string>& args, const plan::StepBarrier& barrier) {
     const std::string self = self_path();
     // Built before fork: the child may only exec (this process has threads).
     std::vector<std::string> all{self, "plan"};
     all.insert(all.end(), args.begin(), args.end());
-    all.push_back("--busy-replica");
+    all.insert(all.end(), {"--busy-replica", "--busy-barrier", barrier.address()});
     std::vector<char*> argv;
     for (auto& a : all) argv.push_back(const_cast<char*>(a.c_str()));
     argv.push_back(nullptr);
@@ -347,10 +348,17 @@ plan::ModelProfile profile_job(const Flags& f, const std::vector<std::string>& a
   if (busy) {
     std::signal(SIGTERM, stop_busy);
     const at::ScalarType dtype = f.str("busy-dtype") == "bf16" ? at::kBFloat16 : at::kFloat;
-    plan::step_until([&] { return make_in(dtype); }, job.threads, g_stop_busy, [] {
-      const char c = 'r';
-      if (::write(STDOUT_FILENO, &c, 1) != 1) std::_Exit(1);
-    });
+    if (f.str("busy-barrier").empty()) throw UsageError("--busy-replica needs --busy-barrier (ddpkit plan starts replicas)");
+    plan::StepBarrier barrier(f.str("busy-barrier"));  // joined before it reports itself started
+    plan::step_until(
+        [&] { return make_in(dtype); }, job.threads, g_stop_busy,
+        [] {
+          const char c = 'r';
+          if (::write(STDOUT_FILENO, &c, 1) != 1) std::_Exit(1);
+        },
+        [&] {
+          if (!barrier.arrive_and_wait(&g_stop_busy)) std::exit(0);  // stopped: no step more
+        });
     std::exit(0);
   }
   plan::ProfileOptions po;
@@ -362,17 +370,21 @@ plan::ModelProfile profile_job(const Flags& f, const std::vector<std::string>& a
   const int cores = job.cores_per_host > 0 ? job.cores_per_host : machine_cores;
   const int fill = cores > machine_cores ? std::max(1, machine_cores / job.threads) : job.ranks_per_host();
   po.busy_replicas = std::max(1, std::min({job.ranks_per_host(), fill, 8}));
-  plan::ModelProfile profile;
-  {
-    BusyReplicas others(po.busy_replicas - 1, args);
-    profile = plan::profile_model([&] { return make_in(at::kFloat); }, po);
-  }
+  // Timed in lockstep with the replicas, meeting them at the end of every backward as the job's
+  // ranks meet at the gradients' last allreduce.
+  auto in_lockstep = [&](const std::vector<std::string>& replica_args, at::ScalarType dtype) {
+    plan::StepBarrier barrier(po.busy_replicas);
+    BusyReplicas others(po.busy_replicas - 1, replica_args, barrier);
+    plan::ProfileOptions o = po;
+    if (po.busy_replicas > 1) o.after_backward = [&] { barrier.arrive_and_wait(); };
+    return plan::profile_model([&] { return make_in(dtype); }, o);
+  };
+  plan::ModelProfile profile = in_lockstep(args, at::kFloat);
   const int64_t fp32_in_process = profile.activation_bytes;
   if (bf16) {
     std::vector<std::string> busy_args = args;
     busy_args.insert(busy_args.end(), {"--busy-dtype", "bf16"});
-    BusyReplicas others(po.busy_replicas - 1, busy_args);
-    const plan::ModelProfile low = plan::profile_model([&] { return make_in(at::kBFloat16); }, po);
+    const plan::ModelProfile low = in_lockstep(busy_args, at::kBFloat16);
     plan::ComputeProfile c;
     c.forward_ms = low.forward_ms;
     c.backward_ms = low.backward_ms;
@@ -494,7 +506,7 @@ std::vector<std::string> train_args(const std::vector<std::string>& args, const 
                                            "--memory-limit-gb", "--strategy", "--hook", "--bucket-cap-mb",
                                            "--powersgd-rank", "--local-sgd-period", "--local-sgd-group-size", "--constants",
                                            "--profile-steps", "--describe", "--save-profile", "--fsdp-param-dtype",
-                                           "--fsdp-reduce-dtype", "--busy-dtype"};
+                                           "--fsdp-reduce-dtype", "--busy-dtype", "--busy-barrier"};
   std::vector<std::string> out = {"--nproc", std::to_string(job.ranks_per_host())};
   for (size_t i = 0; i < args.size(); ++i) {
     const std::string name = args[i].substr(0, args[i].find('='));
