@@ -42,6 +42,7 @@ MachineConstants machine(int cores) {
     *p = PathCost{0, 1.0};  // 1 GB/s: 1 ms per MB of bus bytes
   c.copy_gbyte_per_s = 1e6;  // copies and codecs free, to read the transfers alone
   c.cast_gbyte_per_s = 1e6;
+  c.fp16_div_gbyte_per_s = 1e6;
   c.int8_gbyte_per_s = 1e6;
   c.uint8_encode_gbyte_per_s = 1e6;
   c.uint8_decode_gbyte_per_s = 1e6;
@@ -63,6 +64,20 @@ Candidate with(const std::string& strategy, const std::string& hook, double cap_
 }
 
 }  // namespace
+
+TEST(Plan, Fp16WrapperPaysAtenFloat16Division) {
+  JobSpec job;
+  job.world_size = 2;
+  MachineConstants slow = machine(2);
+  slow.fp16_div_gbyte_per_s = 1;  // 1 ms per MB of fp32 gradients
+  const double P = 16.0 * (1 << 20);
+  for (const char* hook : {"fp16_wrapper", "bf16_wrapper"}) {
+    const double fast_ms = predict(four_layers(), job, machine(2), with("ddp", hook)).step_ms;
+    const double slow_ms = predict(four_layers(), job, slow, with("ddp", hook)).step_ms;
+    // Two ranks on two cores: the division comes out of the rank's compute, whole.
+    EXPECT_NEAR(slow_ms - fast_ms, std::string(hook) == "fp16_wrapper" ? P / 1e6 : 0, 1e-3) << hook;
+  }
+}
 
 TEST(Plan, RanksThatFillTheCoresPayForTheirSumsInTheStep) {
   JobSpec job;

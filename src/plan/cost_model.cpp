@@ -148,6 +148,7 @@ class Network {
   double copy_ms(double bytes) const { return scale_ * bytes / (m_.copy_gbyte_per_s * 1e6); }
   double cast_ms(double fp32_bytes) const { return scale_ * fp32_bytes / (m_.cast_gbyte_per_s * 1e6); }
   double int8_ms(double fp32_bytes) const { return scale_ * fp32_bytes / (m_.int8_gbyte_per_s * 1e6); }
+  double fp16_div_ms(double fp32_bytes) const { return scale_ * fp32_bytes / (m_.fp16_div_gbyte_per_s * 1e6); }
   double uint8_encode_ms(double fp32_bytes) const {
     return scale_ * fp32_bytes / (m_.uint8_encode_gbyte_per_s * 1e6);
   }
@@ -298,9 +299,10 @@ Comm ddp_bucket(const ModelProfile& model, const JobSpec& job, const Candidate& 
     comm += net.collective(Op::kAlltoall, payload);
     comm += net.collective(Op::kAlltoall, payload);
   } else if (h == "fp16_wrapper" || h == "bf16_wrapper") {
-    // compress_wrapper around allreduce_hook: a 16-bit copy of the bucket, divided, allreduced
-    // through the slots (not cast in pieces there, as fp16/bf16 are), cast back.
-    comm.cpu_ms += net.cast_ms(bytes) + net.copy_ms(bytes / 2);
+    // compress_wrapper around allreduce_hook: a 16-bit copy of the bucket, divided by ATen (a
+    // pass at the copy rate in bf16, far slower in float16), allreduced through the slots (not
+    // cast in pieces there, as fp16/bf16 are), cast back.
+    comm.cpu_ms += net.cast_ms(bytes) + (h == "fp16_wrapper" ? net.fp16_div_ms(bytes) : net.copy_ms(bytes / 2));
     comm += net.collective(Op::kAllreduce, bytes / 2);
   } else if (h == "quantize_per_tensor" || h == "quantize_per_channel") {
     // PyTorch's hooks: uint8 codes of the bucket gathered from every rank, each rank's decoded

@@ -38,6 +38,7 @@ const std::vector<std::pair<const char*, double MachineConstants::*>> kRates = {
     {"tcp_gbyte_per_s", &MachineConstants::tcp_gbyte_per_s},
     {"copy_gbyte_per_s", &MachineConstants::copy_gbyte_per_s},
     {"cast_gbyte_per_s", &MachineConstants::cast_gbyte_per_s},
+    {"fp16_div_gbyte_per_s", &MachineConstants::fp16_div_gbyte_per_s},
     {"int8_gbyte_per_s", &MachineConstants::int8_gbyte_per_s},
     {"uint8_encode_gbyte_per_s", &MachineConstants::uint8_encode_gbyte_per_s},
     {"uint8_decode_gbyte_per_s", &MachineConstants::uint8_decode_gbyte_per_s},

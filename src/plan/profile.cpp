@@ -323,7 +323,7 @@ MachineConstants calibrate_machine(int world) {
         {
           // Copies, codecs and products, every rank at once: in a step the other ranks are busy
           // too, and share the memory bandwidth.
-          double copy_rate, cast_rate, int8_rate, encode_rate, decode_rate, gemm_rate, matmul_rate = 0;
+          double copy_rate, cast_rate, fp16_div_rate, int8_rate, encode_rate, decode_rate, gemm_rate, matmul_rate = 0;
           sync();
           const int64_t n = 16 << 20;  // 64 MB of fp32
           at::Tensor a = at::rand({n}), b = at::empty({n});
@@ -334,6 +334,11 @@ MachineConstants calibrate_machine(int world) {
                                           h.copy_(a);
                                           b.copy_(h);
                                         }) * 1e6);
+          // Halved and doubled: the values stay where they are (no subnormals), two passes.
+          fp16_div_rate = 2 * bytes / (timed_ms(3, [&] {
+                                         h.div_(2);
+                                         h.div_(0.5);
+                                       }) * 1e6);
           const int64_t block = 512;
           at::Tensor enc = at::empty({codecs::int8_encoded_bytes(n, block)}, at::kByte);
           int8_rate = bytes / (timed_ms(5, [&] {
@@ -388,6 +393,7 @@ MachineConstants calibrate_machine(int world) {
           if (r == 0) {
             m.copy_gbyte_per_s = copy_rate;
             m.cast_gbyte_per_s = cast_rate;
+            m.fp16_div_gbyte_per_s = fp16_div_rate;
             m.int8_gbyte_per_s = int8_rate;
             m.uint8_encode_gbyte_per_s = encode_rate;
             m.uint8_decode_gbyte_per_s = decode_rate;
