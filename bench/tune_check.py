@@ -2,12 +2,13 @@
 """`ddpkit tune`'s pick against every configuration measured (issue 33's target: within 5 % of the
 best), on three workloads.
 
-  bench/tune_check.py DDPKIT [--constants FILE] [--trial-steps 30] [--top 4] [--only WORKLOAD,...]
+  bench/tune_check.py DDPKIT [--constants FILE] [--trial-steps 30] [--trial-rounds 3] [--top 4] [--only WORKLOAD,...]
 
 Per workload: `ddpkit tune --top 99` trials every configuration the plan lists that fits (the
 exhaustive measurement), then `ddpkit tune --top K` picks; the pick's step in the exhaustive table
-is compared with the fastest there. Both runs measure with the same trial length; this 2-core VM's
-run-to-run noise (10-20 % on some jobs) is in both.
+is compared with the fastest there. Both runs measure with the same trial length and rounds (each
+configuration's step the median of its trials, one per round); this 2-core VM's run-to-run noise
+(10-20 % on some jobs) is in both.
 """
 import argparse
 import re
@@ -24,8 +25,8 @@ WORKLOADS = {
 ROW = re.compile(r"^(\S+)\s+(\S+)\s+(\S+)\s+([\d.]+)\s+([\d.]+|-)\s+(\d+|-)\s+(ok|diverged|failed)$")
 
 
-def tune(ddpkit, flags, top, steps, constants):
-    cmd = [ddpkit, "tune", "--top", str(top), "--trial-steps", str(steps)] + flags
+def tune(ddpkit, flags, top, steps, rounds, constants):
+    cmd = [ddpkit, "tune", "--top", str(top), "--trial-steps", str(steps), "--trial-rounds", str(rounds)] + flags
     if constants:
         cmd += ["--constants", constants]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
@@ -46,6 +47,7 @@ def main():
     ap.add_argument("ddpkit")
     ap.add_argument("--constants", default="")
     ap.add_argument("--trial-steps", type=int, default=30)
+    ap.add_argument("--trial-rounds", type=int, default=3)
     ap.add_argument("--top", type=int, default=4)
     ap.add_argument("--only", default="", help="comma-separated workloads (default: all): " + ", ".join(WORKLOADS))
     a = ap.parse_args()
@@ -57,9 +59,9 @@ def main():
     for name, flags in WORKLOADS.items():
         if only and name not in only:
             continue
-        every, table = tune(a.ddpkit, flags, 99, a.trial_steps, a.constants)
+        every, table = tune(a.ddpkit, flags, 99, a.trial_steps, a.trial_rounds, a.constants)
         print(f"## {name}: every configuration that fits\n{table}", flush=True)
-        trials, _ = tune(a.ddpkit, flags, a.top, a.trial_steps, a.constants)
+        trials, _ = tune(a.ddpkit, flags, a.top, a.trial_steps, a.trial_rounds, a.constants)
         pick = min(trials, key=trials.get)  # the trial tune found fastest: its pick
         best = min(every, key=every.get)
         ratio = every[pick] / every[best] if pick in every else float("nan")

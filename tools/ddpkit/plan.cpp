@@ -664,7 +664,7 @@ int run_plan(const std::vector<std::string>& args) {
   return 0;
 }
 
-const char* kTuneUsage = R"(usage: ddpkit tune [--top 4] [--trial-steps 30] [ddpkit plan's flags]
+const char* kTuneUsage = R"(usage: ddpkit tune [--top 4] [--trial-steps 30] [--trial-rounds 3] [ddpkit plan's flags]
 
 Runs short `ddpkit train` trials of the configurations `ddpkit plan` ranks best among those that
 fit (--top of them), on this host, and prints each one's measured step and peak memory next to the
@@ -673,12 +673,23 @@ divergence guard on: a trial that diverges or fails is reported and left out. DD
 trials run at the bucket cap the plan predicts fastest (plan's --bucket-cap-mb auto) unless
 --bucket-cap-mb is given. The job must run on this host (--hosts 1).
 
-  --top K                 trials to run (default 4)
+  --top K                 configurations to try (default 4)
   --trial-steps N         steps per trial; its median step is what is compared (default 30)
+  --trial-rounds R        every configuration tried once per round, R rounds; each is scored by
+                          the median of its trials (default 3: a slow spell of a shared machine
+                          then lands on one trial of several configurations, not on one's only)
 )";
 
+// One configuration's trials: its median step over the rounds, its highest peak.
+struct Trials {
+  plan::Prediction row;
+  std::vector<double> step_ms;
+  int64_t peak_rss_bytes = 0;
+  std::string failed;  // "diverged" or "failed": left out from then on
+};
+
 int run_tune(const std::vector<std::string>& all_args) {
-  int top = 4, trial_steps = 30;
+  int top = 4, trial_steps = 30, rounds = 3;
   std::vector<std::string> args;
   for (size_t i = 0; i < all_args.size(); ++i) {
     const std::string& a = all_args[i];
@@ -697,12 +708,15 @@ int run_tune(const std::vector<std::string>& all_args) {
       }
       throw UsageError(name + " must be an integer, got '" + v + "'");
     };
-    if (a == "--top" || a.rfind("--top=", 0) == 0) top = number("--top");
-    else if (a == "--trial-steps" || a.rfind("--trial-steps=", 0) == 0) trial_steps = number("--trial-steps");
+    auto is = [&](const std::string& name) { return a == name || a.rfind(name + "=", 0) == 0; };
+    if (is("--top")) top = number("--top");
+    else if (is("--trial-steps")) trial_steps = number("--trial-steps");
+    else if (is("--trial-rounds")) rounds = number("--trial-rounds");
     else args.push_back(a);
   }
   if (top < 1) throw UsageError("--top must be >= 1");
   if (trial_steps < 10) throw UsageError("--trial-steps must be >= 10 (a median of fewer steps is mostly warm-up)");
+  if (rounds < 1) throw UsageError("--trial-rounds must be >= 1");
   const Flags f = plan_flags(args);
   if (f.on("json") || f.on("calibrate")) throw UsageError("tune takes neither --json nor --calibrate (ddpkit plan does)");
   if (f.integer("hosts") != 1) throw UsageError("tune runs its trials on this host: --hosts must be 1");
@@ -710,40 +724,53 @@ int run_tune(const std::vector<std::string>& all_args) {
     throw UsageError("tune trains the CLI's models; a described model is for ddpkit plan (--describe)");
   // Trials at the cap the plan predicts best (--bucket-cap-mb auto unless a cap is given).
   const Planned p = make_plan(f, args, "auto");
-  const int hook_column = hook_width(p.rows);
-  std::cout << std::left << std::setw(15) << "strategy" << std::setw(hook_column) << "hook" << std::right << std::setw(7)
-            << "cap_MB" << std::setw(14) << "predicted_ms" << std::setw(12) << "measured_ms" << std::setw(12) << "memory_MB" << "  trial\n";
-  double best_ms = 0;
-  std::vector<std::string> best;
-  int tried = 0;
+  std::vector<Trials> tried;
   for (const auto& r : p.rows) {
-    if (!r.fits || tried == top) break;
-    ++tried;
-    std::vector<std::string> train = train_args(args, p.job, r.candidate);
-    train.insert(train.end(), {"--steps", std::to_string(trial_steps)});
-    train.insert(train.end(), kHooksFromTheThirdStep.begin(), kHooksFromTheThirdStep.end());
-    std::cout << std::left << std::setw(15) << r.candidate.strategy << std::setw(hook_column) << r.candidate.label() << std::right
-              << std::setw(7) << cap_column(r.candidate) << std::fixed << std::setprecision(1) << std::setw(14)
-              << r.step_ms << std::flush;
-    try {
-      const TrainResult t = train_result(train);
-      std::cout << std::setw(12) << t.median_step_ms << std::setw(12) << mb(t.peak_rss_bytes) << "  ok\n";
-      if (best.empty() || t.median_step_ms < best_ms) {
-        best_ms = t.median_step_ms;
-        best = train_args(args, p.job, r.candidate);
+    if (!r.fits || static_cast<int>(tried.size()) == top) break;
+    tried.push_back(Trials{r, {}, 0, ""});
+  }
+  for (int round = 1; round <= rounds; ++round) {
+    for (auto& t : tried) {
+      if (!t.failed.empty()) continue;
+      std::vector<std::string> train = train_args(args, p.job, t.row.candidate);
+      train.insert(train.end(), {"--steps", std::to_string(trial_steps)});
+      train.insert(train.end(), kHooksFromTheThirdStep.begin(), kHooksFromTheThirdStep.end());
+      std::cout << "# round " << round << " of " << rounds << ": " << t.row.candidate.strategy << " "
+                << t.row.candidate.label() << " " << std::flush;
+      try {
+        const TrainResult result = train_result(train);
+        t.step_ms.push_back(result.median_step_ms);
+        t.peak_rss_bytes = std::max(t.peak_rss_bytes, result.peak_rss_bytes);
+        std::cout << std::fixed << std::setprecision(1) << result.median_step_ms << " ms\n";
+      } catch (const std::exception& e) {
+        t.failed = std::string(e.what()).find("training diverged") != std::string::npos ? "diverged" : "failed";
+        std::cout << t.failed << "\n";
       }
-    } catch (const std::exception& e) {
-      std::string why = e.what();
-      const auto diverged = why.find("training diverged");
-      why = diverged != std::string::npos ? "diverged" : "failed";
-      std::cout << std::setw(12) << "-" << std::setw(12) << "-" << "  " << why << "\n";
     }
   }
-  if (best.empty()) {
+  std::vector<plan::Prediction> rows;
+  for (const auto& t : tried) rows.push_back(t.row);
+  const int hook_column = hook_width(rows);
+  std::cout << std::left << std::setw(15) << "strategy" << std::setw(hook_column) << "hook" << std::right << std::setw(7)
+            << "cap_MB" << std::setw(14) << "predicted_ms" << std::setw(12) << "measured_ms" << std::setw(12) << "memory_MB" << "  trial\n";
+  const Trials* best = nullptr;
+  for (const auto& t : tried) {
+    std::cout << std::left << std::setw(15) << t.row.candidate.strategy << std::setw(hook_column) << t.row.candidate.label()
+              << std::right << std::setw(7) << cap_column(t.row.candidate) << std::fixed << std::setprecision(1)
+              << std::setw(14) << t.row.step_ms;
+    if (!t.failed.empty()) {
+      std::cout << std::setw(12) << "-" << std::setw(12) << "-" << "  " << t.failed << "\n";
+      continue;
+    }
+    const double step = median(t.step_ms);
+    std::cout << std::setw(12) << step << std::setw(12) << mb(t.peak_rss_bytes) << "  ok\n";
+    if (!best || step < median(best->step_ms)) best = &t;
+  }
+  if (!best) {
     std::cout << "# no trial completed\n";
     return 1;
   }
-  std::cout << "# fastest: ddpkit train " << joined(best) << "\n";
+  std::cout << "# fastest: ddpkit train " << joined(train_args(args, p.job, best->row.candidate)) << "\n";
   return 0;
 }
 
