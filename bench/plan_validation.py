@@ -1,12 +1,13 @@
 #!/usr/bin/env python3
 """`ddpkit plan`'s predictions against measured `ddpkit train` steps (issue 33, docs/plan.md).
 
-  bench/plan_validation.py DDPKIT [--only NAME,...] [--steps N] [--out FILE] [--max-step-error X]
+  bench/plan_validation.py DDPKIT [--only NAME,...] [--steps N] [--min-timed-s S] [--out FILE] [--max-step-error X]
                            [--max-memory-error X] [--constants FILE] [--describe PREFIX=FILE]
 
 For each configuration: `ddpkit plan --json` predicts the step time and peak memory per rank of
 exactly that job (same model, world size, strategy, hook, bucket cap, batch, optimizer), then
-`ddpkit train` runs it for --steps steps and reports its median step and the largest rank's peak
+`ddpkit train` runs it for --steps steps (more where the predicted step is short, so that they
+span --min-timed-s) and reports its median step and the largest rank's peak
 resident memory. Prints one row per configuration with both and the relative errors, and exits 1
 when any error is beyond the limits (default 20 % step, 10 % memory): the test that fails when the
 model drifts (ctest plan.validation runs a fixed subset).
@@ -22,6 +23,7 @@ takes the median of each figure over its runs. Each run's row is printed as it c
 """
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -239,14 +241,23 @@ def run_once(a, n, net):
         extra = ["--hosts", str(hosts), "--link-gbit", str(gbit), "--cores-per-host", "1"]
         pred = None if a.measure_only else predict(a.ddpkit, world, flags, a.constants, extra)
         net.set_rate(rate)
-        meas = net.train(a.ddpkit, hosts, per_host, flags, a.steps)
+        meas = net.train(a.ddpkit, hosts, per_host, flags, steps_for(a, pred))
     else:
         world, flags = CONFIGS[n]
         described = [d.split("=", 1)[1] for d in a.describe if n.startswith(d.split("=", 1)[0] + "-")]
         pred = None if a.measure_only else predict(a.ddpkit, world, flags, a.constants,
                                                    description=described[0] if described else None)
-        meas = train(a.ddpkit, world, flags, a.steps)
+        meas = train(a.ddpkit, world, flags, steps_for(a, pred))
     return world, flags, pred, meas, time.time() - t0
+
+
+def steps_for(a, pred):
+    """--steps, or more where the predicted steps are short: the median then spans at least
+    --min-timed-s of training, longer than this VM's slow spells (fashion's 4 ms steps measured
+    2.9-5.8 ms over 25 steps, 3.9-4.3 over 200)."""
+    if not pred or pred["predicted_step_ms"] <= 0:
+        return a.steps
+    return max(a.steps, math.ceil(a.min_timed_s * 1000 / pred["predicted_step_ms"]))
 
 
 def median(values):
@@ -296,6 +307,8 @@ def main():
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--repeats", type=int, default=3,
                     help="runs of every configuration, in rounds; each figure scored is the median of its runs")
+    ap.add_argument("--min-timed-s", type=float, default=1.0,
+                    help="more steps than --steps where the predicted ones are short, so that a job's timed steps span this long")
     ap.add_argument("--out", default="")
     ap.add_argument("--constants", default="")
     ap.add_argument("--measure-only", action="store_true")
