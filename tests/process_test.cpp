@@ -339,7 +339,7 @@ int step_barrier_worker() {
   return 1;
 }
 
-TEST(Processes, ProfileReplicasMeetAtEveryPhase) {
+TEST(Processes, StepBarrierHoldsEveryPartyUntilTheLastArrives) {
   plan::StepBarrier barrier(3);
   const std::string prefix = ::testing::TempDir() + "step_barrier_" + std::to_string(getpid()) + "_";
   setenv("DDPKIT_TEST_BARRIER", barrier.address().c_str(), 1);
