@@ -68,7 +68,8 @@ model, its inputs and how well it predicts.
   --calibrate             measure this machine's constants (about 8 minutes), store them, print them
   --constants FILE        where they are kept (default $XDG_CACHE_HOME/ddpkit/plan-constants.json,
                           or ~/.cache/...); measured on first use when missing
-  --profile-steps N       timed steps of the profile (default 8)
+  --profile-steps N       timed steps of the profile (default 8; more where steps are short, so
+                          that they span a second)
   --describe FILE         plan for the model this JSON describes (layers' parameter shapes, FSDP
                           units, forward time or GFLOP) instead of profiling one: a model too big
                           for this machine, say (docs/plan.md, "Describing a model")
@@ -748,12 +749,11 @@ int run_tune(const std::vector<std::string>& all_args) {
       }
     }
   }
-  std::vector<plan::Prediction> rows;
-  for (const auto& t : tried) rows.push_back(t.row);
-  const int hook_column = hook_width(rows);
+  const int hook_column = hook_width(p.rows);
   std::cout << std::left << std::setw(15) << "strategy" << std::setw(hook_column) << "hook" << std::right << std::setw(7)
             << "cap_MB" << std::setw(14) << "predicted_ms" << std::setw(12) << "measured_ms" << std::setw(12) << "memory_MB" << "  trial\n";
   const Trials* best = nullptr;
+  double best_ms = 0;
   for (const auto& t : tried) {
     std::cout << std::left << std::setw(15) << t.row.candidate.strategy << std::setw(hook_column) << t.row.candidate.label()
               << std::right << std::setw(7) << cap_column(t.row.candidate) << std::fixed << std::setprecision(1)
@@ -764,7 +764,7 @@ int run_tune(const std::vector<std::string>& all_args) {
     }
     const double step = median(t.step_ms);
     std::cout << std::setw(12) << step << std::setw(12) << mb(t.peak_rss_bytes) << "  ok\n";
-    if (!best || step < median(best->step_ms)) best = &t;
+    if (!best || step < best_ms) best = &t, best_ms = step;
   }
   if (!best) {
     std::cout << "# no trial completed\n";
