@@ -444,9 +444,18 @@ MachineConstants calibrate_machine(int world) {
           add(5, part * b, [&] { ProcessGroup::wait(shm->broadcast(f, 0)); });
           add(6, part * b, [&] { ProcessGroup::wait(shm->alltoall(out, f)); });
         }
+        // Gloo's latency: the mean of back-to-back small allreduces, not a median after a barrier.
+        // A step pays every collective's wait, and on this VM about one in five waits a scheduler
+        // tick (4 ms) for a rank's thread to run again: a 4 KB allreduce's median was 0.5 ms, its
+        // mean 1.7 ms, and steps of many small buckets between hosts came out 10-20 % over plans
+        // built on the median.
         at::Tensor small = at::ones({1024});
-        const double ms = time_op(21, [&] { ProcessGroup::wait(tcp->allreduce(small)); });
-        if (r == 0) tcp_ms = ms;
+        for (int i = 0; i < 10; ++i) ProcessGroup::wait(tcp->allreduce(small));
+        sync();
+        const auto t0 = Clock::now();
+        const int latency_reps = 200;
+        for (int i = 0; i < latency_reps; ++i) ProcessGroup::wait(tcp->allreduce(small));
+        if (r == 0) tcp_ms = ms_since(t0) / latency_reps;
         // What Gloo's TCP costs the cores, where no wire limits it (MachineConstants::tcp_gbyte_per_s).
         for (int64_t bytes : {int64_t(4) << 20, int64_t(16) << 20, int64_t(32) << 20}) {
           at::Tensor f = at::ones({bytes / 4 / world * world});

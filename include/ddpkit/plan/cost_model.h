@@ -58,7 +58,8 @@ struct MachineConstants {
   // buckets summed where they lie (its default); allreduce: through the shared slots (hooks).
   PathCost shm_allreduce_in_place, shm_allreduce, shm_allreduce_16bit, shm_reduce_scatter, shm_allgather,
       shm_broadcast, shm_alltoall;
-  // Gloo over TCP: its per-collective latency on loopback; a link's bandwidth is the job's input
+  // Gloo over TCP: its per-hop latency on loopback, the mean over back-to-back collectives (with
+  // the waits for a descheduled thread a step pays); a link's bandwidth is the job's input
   // (JobSpec::link_gbit), of which TCP carries tcp_efficiency as payload.
   double tcp_latency_us = 100;
   double tcp_efficiency = 0.94;
@@ -105,6 +106,10 @@ struct JobSpec {
   int cores_per_host = 0;          // 0: this machine's (network namespaces on one machine share it)
   std::string optimizer = "sgd";   // sgd (momentum), adam, adamw
   int64_t memory_limit_bytes = 0;  // per rank; 0: no limit
+  // The hosts are network namespaces (or containers) of this one machine, as in a rehearsal of a
+  // multi-host job: their ranks compute at once on its cores and share its caches and memory
+  // bandwidth, which the profile then includes (`ddpkit plan --hosts-on-this-machine`).
+  bool hosts_on_this_machine = false;
   int ranks_per_host() const { return (world_size + hosts - 1) / hosts; }
 };
 
