@@ -238,7 +238,7 @@ def run_once(a, n, net):
     if n in NETNS_CONFIGS:
         hosts, per_host, rate, gbit, flags = NETNS_CONFIGS[n]
         world = hosts * per_host
-        extra = ["--hosts", str(hosts), "--link-gbit", str(gbit), "--cores-per-host", "1"]
+        extra = ["--hosts", str(hosts), "--link-gbit", str(gbit), "--cores-per-host", "1", "--hosts-on-this-machine"]
         pred = None if a.measure_only else predict(a.ddpkit, world, flags, a.constants, extra)
         net.set_rate(rate)
         meas = net.train(a.ddpkit, hosts, per_host, flags, steps_for(a, pred))
