@@ -22,6 +22,7 @@ import argparse
 import json
 import subprocess
 import sys
+from statistics import median
 
 WORKLOADS = {
     "mlp25 x2": ["--dataset", "synthetic", "--world-size", "2", "--fsdp-min-unit-params", "1000"],
@@ -64,11 +65,6 @@ def train_step(ddpkit, args, steps):
     if out.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed ({out.returncode}): {out.stderr[-2000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])["median_step_ms"]
-
-
-def median(values):
-    v = sorted(values)
-    return (v[(len(v) - 1) // 2] + v[len(v) // 2]) / 2
 
 
 def head_to_head(ddpkit, pick, best, steps, rounds):

@@ -514,17 +514,18 @@ plan::MachineConstants load_or_calibrate(const std::string& path) {
 // (`args`), then the candidate's.
 std::vector<std::string> train_args(const std::vector<std::string>& args, const plan::JobSpec& job,
                                     const plan::Candidate& c) {
+  // The plan's own flags, with a value and without: not train's.
   const std::set<std::string> plan_only = {"--world-size", "--hosts", "--link-gbit", "--cores-per-host",
                                            "--memory-limit-gb", "--strategy", "--hook", "--bucket-cap-mb",
                                            "--powersgd-rank", "--local-sgd-period", "--local-sgd-group-size", "--constants",
                                            "--profile-steps", "--describe", "--save-profile", "--fsdp-param-dtype",
                                            "--fsdp-reduce-dtype", "--busy-dtype", "--busy-barrier"};
+  const std::set<std::string> plan_only_switches = {"--json", "--calibrate", "--busy-replica", "--optimizer-in-hook",
+                                                    "--hosts-on-this-machine"};
   std::vector<std::string> out = {"--nproc", std::to_string(job.ranks_per_host())};
   for (size_t i = 0; i < args.size(); ++i) {
     const std::string name = args[i].substr(0, args[i].find('='));
-    if (name == "--json" || name == "--calibrate" || name == "--busy-replica" || name == "--optimizer-in-hook" ||
-        name == "--hosts-on-this-machine")
-      continue;
+    if (plan_only_switches.count(name)) continue;
     if (plan_only.count(name)) {
       if (args[i].find('=') == std::string::npos) ++i;  // its value
       continue;
