@@ -68,6 +68,8 @@ CONFIGS = {
     "mlp25-w2-quantize_per_tensor": (2, MLP25 + ["--hook", "quantize_per_tensor"]),
     "mlp25-w2-quantize_per_channel": (2, MLP25 + ["--hook", "quantize_per_channel"]),
     "mlp25-w2-batched_powersgd": (2, MLP25 + ["--hook", "batched_powersgd", "--powersgd-start-iter", "2"]),
+    # A rank between the two the products are calibrated at (4 and 32).
+    "mlp25-w2-powersgd-r16": (2, MLP25 + ["--hook", "powersgd", "--powersgd-rank", "16", "--powersgd-start-iter", "2"]),
     # Averaging every step: a median step is then the mean step the plan predicts.
     "mlp25-w2-post_local_sgd": (2, MLP25 + ["--hook", "post_local_sgd", "--local-sgd-start-iter", "2",
                                             "--local-sgd-period", "1"]),

@@ -47,6 +47,7 @@ MachineConstants machine(int cores) {
   c.uint8_encode_gbyte_per_s = 1e6;
   c.uint8_decode_gbyte_per_s = 1e6;
   c.matmul_gflop_per_s = 1e6;
+  c.matmul_rank32_gflop_per_s = 1e6;
   c.gemm_gflop_per_s = 1e6;
   c.tcp_latency_us = 0;
   c.tcp_efficiency = 1;
@@ -76,6 +77,29 @@ TEST(Plan, Fp16WrapperPaysAtenFloat16Division) {
     const double slow_ms = predict(four_layers(), job, slow, with("ddp", hook)).step_ms;
     // Two ranks on two cores: the division comes out of the rank's compute, whole.
     EXPECT_NEAR(slow_ms - fast_ms, std::string(hook) == "fp16_wrapper" ? P / 1e6 : 0, 1e-3) << hook;
+  }
+}
+
+// PowerSGD's thin products: per element, as calibrated at ranks 4 and 32, along the line through
+// them elsewhere, and never faster than a layer's products.
+TEST(Plan, PowerSgdsProductsCostWhatTheRankCalibratedThem) {
+  JobSpec job;
+  job.world_size = 2;
+  MachineConstants slow = machine(2);
+  slow.matmul_gflop_per_s = 8;          // rank 4: 8 flops an element, 1 ns
+  slow.matmul_rank32_gflop_per_s = 32;  // rank 32: 64 flops an element, 2 ns
+  slow.gemm_gflop_per_s = 40;           // a layer's: 2r/40 ns an element, above the line at rank 64
+  const double elements = 4.0 * 1024 * 1024;  // four 1024 x 1024 matrices, all compressed
+  for (const auto& [rank, ns] : std::vector<std::pair<int, double>>{{4, 1}, {32, 2}, {18, 1.5}, {64, 3.2}}) {
+    Candidate c = with("ddp", "powersgd");
+    c.powersgd_rank = rank;
+    const double fast_ms = predict(four_layers(), job, machine(2), c).step_ms;
+    const double slow_ms = predict(four_layers(), job, slow, c).step_ms;
+    // Two ranks on two cores: the three products, and P's orthogonalization (2 n r^2 flops a
+    // matrix at the rank-4 rate), come out of the rank's compute whole.
+    const double orthogonalization_ms = 4 * 2.0 * 1024 * rank * rank / (8 * 1e6);
+    // (The free machine's own products: under 2 us.)
+    EXPECT_NEAR(slow_ms - fast_ms, 3 * elements * ns / 1e6 + orthogonalization_ms, 0.01) << "rank " << rank;
   }
 }
 

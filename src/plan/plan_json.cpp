@@ -43,6 +43,7 @@ const std::vector<std::pair<const char*, double MachineConstants::*>> kRates = {
     {"uint8_encode_gbyte_per_s", &MachineConstants::uint8_encode_gbyte_per_s},
     {"uint8_decode_gbyte_per_s", &MachineConstants::uint8_decode_gbyte_per_s},
     {"matmul_gflop_per_s", &MachineConstants::matmul_gflop_per_s},
+    {"matmul_rank32_gflop_per_s", &MachineConstants::matmul_rank32_gflop_per_s},
     {"gemm_gflop_per_s", &MachineConstants::gemm_gflop_per_s}};
 }  // namespace
 

@@ -323,7 +323,8 @@ MachineConstants calibrate_machine(int world) {
         {
           // Copies, codecs and products, every rank at once: in a step the other ranks are busy
           // too, and share the memory bandwidth.
-          double copy_rate, cast_rate, fp16_div_rate, int8_rate, encode_rate, decode_rate, gemm_rate, matmul_rate = 0;
+          double copy_rate, cast_rate, fp16_div_rate, int8_rate, encode_rate, decode_rate, gemm_rate;
+          double matmul_rate = 0, matmul_rank32_rate = 0;
           sync();
           const int64_t n = 16 << 20;  // 64 MB of fp32
           at::Tensor a = at::rand({n}), b = at::empty({n});
@@ -380,14 +381,21 @@ MachineConstants calibrate_machine(int world) {
           // rank 0 alone: they stream the matrix, and in a step the other ranks are mostly
           // computing meanwhile, not streaming. (Timed with every rank at once, the rate was
           // 5 GFLOP/s and PowerSGD's step came out 36 % over the measured one.)
+          // At rank 4 (powerSGD_hook's default) and 32 (batched_powerSGD_hook's): per flop, the
+          // second runs 3-4x faster here, so one rate cannot stand for both.
           sync();
           if (r == 0) {
-            at::Tensor mat = at::rand({4096, 4096}), q = at::rand({4096, 4});
-            const double ms = timed_ms(5, [&] {
-              at::Tensor p = at::mm(mat, q);
-              at::Tensor back = at::mm(mat.t(), p);
-            });
-            matmul_rate = 2 * 2.0 * 4096 * 4096 * 4 / (ms * 1e6);
+            at::Tensor mat = at::rand({4096, 4096});
+            auto rate_at = [&](int64_t rank) {
+              at::Tensor q = at::rand({4096, rank});
+              const double ms = timed_ms(5, [&] {
+                at::Tensor p = at::mm(mat, q);
+                at::Tensor back = at::mm(mat.t(), p);
+              });
+              return 2 * 2.0 * 4096 * 4096 * rank / (ms * 1e6);
+            };
+            matmul_rate = rate_at(4);
+            matmul_rank32_rate = rate_at(32);
           }
           sync();
           if (r == 0) {
@@ -398,6 +406,7 @@ MachineConstants calibrate_machine(int world) {
             m.uint8_encode_gbyte_per_s = encode_rate;
             m.uint8_decode_gbyte_per_s = decode_rate;
             m.matmul_gflop_per_s = matmul_rate;
+            m.matmul_rank32_gflop_per_s = matmul_rank32_rate;
             m.gemm_gflop_per_s = gemm_rate;
           }
         }

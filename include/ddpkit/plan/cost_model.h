@@ -78,7 +78,9 @@ struct MachineConstants {
   // PyTorch's quantization hooks' uint8 codec (ATen operations), per fp32 byte: the parameters and
   // codes of one bucket, and one rank's part decoded into the sum (a bucket decodes world parts).
   double uint8_encode_gbyte_per_s = 1, uint8_decode_gbyte_per_s = 1;
-  double matmul_gflop_per_s = 10;   // PowerSGD's products (a matrix against a few columns)
+  // PowerSGD's products (a matrix against r columns and back) at rank 4 and at rank 32: thin
+  // products, far below a layer's rate, and faster per flop as r grows.
+  double matmul_gflop_per_s = 10, matmul_rank32_gflop_per_s = 30;
   double gemm_gflop_per_s = 50;     // a layer's products, every rank at once: a described model's GFLOP
   double optimizer_gbyte_per_s = 5; // unused when the profile times the optimizer itself
   int64_t process_bytes = 0;        // a training process before its model, data and activations
