@@ -3,6 +3,7 @@
 and host count, measured here, next to `ddpkit plan`'s projection to 8-1024 ranks.
 
   bench/scaling.py DDPKIT [--steps N] [--netns] [--no-projection | --projection-only] [--constants FILE]
+                         [--link-latency-us X]
 
 Model: the 8.4M-parameter MLP (1024,2048,2048,1024, synthetic data, batch 64 per rank, SGD).
 1. Measured on one host, 1-8 ranks (processes sharing this machine's cores), and with --netns on two
@@ -62,6 +63,8 @@ def main():
     ap.add_argument("--no-projection", action="store_true")
     ap.add_argument("--projection-only", action="store_true")
     ap.add_argument("--constants", default="")
+    ap.add_argument("--link-latency-us", type=float, default=0,
+                    help="the projection's Gloo time per message between hosts (default 0: the calibrated loopback one)")
     a = ap.parse_args()
 
     print("# measured: median step of `ddpkit train` (ms), bytes each rank sent per step between hosts and")
@@ -96,7 +99,8 @@ def main():
 
     if a.no_projection:
         return
-    print("\n# projected by `ddpkit plan`: 8 ranks and 8 cores per host; step ms / between-host MB per rank")
+    print("\n# projected by `ddpkit plan`: 8 ranks and 8 cores per host; step ms / between-host MB per rank"
+          + (f"; {a.link_latency_us:g} us a message between hosts" if a.link_latency_us else ""))
     worlds = [8, 32, 128, 512, 1024]
     # One profile for every cell (a host of 8 cores, as many replicas busy as this machine has),
     # so the cells differ by the model's projection alone, not by this VM's noise between profiles.
@@ -104,7 +108,7 @@ def main():
         profile = os.path.join(tmp, "mlp8.json")
         run([a.ddpkit, "plan", "--world-size", "8", "--cores-per-host", "8", "--save-profile", profile]
             + (["--constants", a.constants] if a.constants else []) + PLAN_MODEL)
-        described = ["--describe", profile]
+        described = ["--describe", profile] + (["--link-latency-us", str(a.link_latency_us)] if a.link_latency_us else [])
         tables = {link: {w: plan(a.ddpkit, w, w // 8, link, 8, a.constants, described) for w in worlds}
                   for link in (10, 100)}
     for link in (10, 100):

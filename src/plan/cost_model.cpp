@@ -134,14 +134,14 @@ class Network {
       const double n = job_.world_size;
       const double remote = (n - rph_) / n * bytes, loopback = (rph_ - 1) / n * bytes;
       c.wire_bytes += remote;
-      tcp(c, remote + loopback, m_.tcp_latency_us * 1e-3 * (hosts_ - 1) + remote * rph_ / link_bytes_per_ms());
+      tcp(c, remote + loopback, latency_ms() * (hosts_ - 1) + remote * rph_ / link_bytes_per_ms());
     } else if (hosts_ > 1) {
       // Allreduce between hosts: a ring of 2(h-1)/h of the buffer per host, split among the host's
       // ranks (each carries the slice it reduced locally).
       const double h = hosts_;
       const double host_wire = 2 * (h - 1) / h * bytes;
       c.wire_bytes += host_wire / rph_;
-      tcp(c, host_wire / rph_, m_.tcp_latency_us * 1e-3 * 2 * (h - 1) + host_wire / link_bytes_per_ms());
+      tcp(c, host_wire / rph_, latency_ms() * 2 * (h - 1) + host_wire / link_bytes_per_ms());
     }
     return c;
   }
@@ -191,6 +191,7 @@ class Network {
     c.wire_ms += std::max(0.0, wire_ms - cpu);
   }
   double link_bytes_per_ms() const { return job_.link_gbit * 1e9 / 8 * m_.tcp_efficiency / 1e3; }
+  double latency_ms() const { return (job_.link_latency_us > 0 ? job_.link_latency_us : m_.tcp_latency_us) * 1e-3; }
   const JobSpec& job_;
   const MachineConstants& m_;
   double scale_;
@@ -255,8 +256,8 @@ Comm powersgd_bucket(const ModelProfile& model, const Bucket& b, int r, const Ne
   // The hook works a matrix in cache-sized blocks of rows: last step's error is added to a block
   // the first product then reads from cache, and the third product's block is written back to
   // the bucket and subtracted into the new error from cache. Beyond the products, one pass over
-  // the compressed matrices (timed alone for 4096 x 4096 at rank 4: 48-54 ms in all, the products
-  // 41 of them at the calibrated rate).
+  // the compressed matrices (bench/powersgd_passes.py, 4096 x 4096 at rank 4: 56-59 ms in all,
+  // of which the products at the calibrated rate are 41).
   total.cpu_ms += products_ms + net.flops_ms(flops) + net.copy_ms(compressed);
   if (plain > 0) total += net.collective(Op::kAllreduce, plain);
   if (p_bytes > 0) total += net.collective(Op::kAllreduce, p_bytes);

@@ -382,7 +382,7 @@ MachineConstants calibrate_machine(int world) {
           // computing meanwhile, not streaming. (Timed with every rank at once, the rate was
           // 5 GFLOP/s and PowerSGD's step came out 36 % over the measured one.)
           // At rank 4 (powerSGD_hook's default) and 32 (batched_powerSGD_hook's): per flop, the
-          // second runs 3-4x faster here, so one rate cannot stand for both.
+          // second runs about 4x faster here, so one rate cannot stand for both.
           sync();
           if (r == 0) {
             at::Tensor mat = at::rand({4096, 4096});

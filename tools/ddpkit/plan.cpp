@@ -41,6 +41,9 @@ model, its inputs and how well it predicts.
   --world-size N          ranks in all (default 2)
   --hosts H               hosts they are spread over, evenly (default 1)
   --link-gbit X           bandwidth between hosts (default 10)
+  --link-latency-us X     Gloo's time per message between hosts: half the mean of many back-to-back
+                          small allreduces between two of them (default 0: this machine's loopback
+                          figure from --calibrate, which projections to other networks rest on)
   --cores-per-host N      cores per host (default: this machine's)
   --hosts-on-this-machine the hosts are network namespaces or containers of this machine (a
                           rehearsal of a multi-host job): the profile computes the ranks of every
@@ -136,8 +139,8 @@ std::string mb(int64_t bytes) {
 
 Flags plan_flags(const std::vector<std::string>& args) {
   return Flags(args,
-          with_model_flag_defaults({{"world-size", "2"}, {"hosts", "1"}, {"link-gbit", "10"}, {"cores-per-host", "0"},
-                                    {"memory-limit-gb", "0"}, {"strategy", ""}, {"hook", ""}, {"bucket-cap-mb", ""},
+          with_model_flag_defaults({{"world-size", "2"}, {"hosts", "1"}, {"link-gbit", "10"}, {"link-latency-us", "0"},
+                                    {"cores-per-host", "0"}, {"memory-limit-gb", "0"}, {"strategy", ""}, {"hook", ""}, {"bucket-cap-mb", ""},
                                     {"powersgd-rank", "0"}, {"local-sgd-period", "4"}, {"local-sgd-group-size", "0"},
                                     {"fsdp-param-dtype", "fp32"}, {"fsdp-reduce-dtype", ""}, {"busy-dtype", "fp32"}, {"busy-barrier", ""},
                                     {"constants", ""}, {"profile-steps", "8"}, {"describe", ""}, {"save-profile", ""}}),
@@ -261,6 +264,7 @@ plan::JobSpec job_of(const Flags& f) {
   job.world_size = f.integer("world-size");
   job.hosts = f.integer("hosts");
   job.link_gbit = f.real("link-gbit");
+  job.link_latency_us = f.real("link-latency-us");
   job.cores_per_host = f.integer("cores-per-host");
   job.threads = f.integer("threads");
   job.optimizer = f.str("optimizer");
@@ -269,6 +273,7 @@ plan::JobSpec job_of(const Flags& f) {
   if (job.world_size < 1) throw UsageError("--world-size must be >= 1");
   if (job.hosts < 1 || job.world_size % job.hosts) throw UsageError("--hosts must be >= 1 and divide --world-size");
   if (!(job.link_gbit > 0)) throw UsageError("--link-gbit must be positive");
+  if (!(job.link_latency_us >= 0)) throw UsageError("--link-latency-us must be >= 0");
   if (job.cores_per_host < 0) throw UsageError("--cores-per-host must be >= 0");
   if (job.threads < 1) throw UsageError("--threads must be >= 1");
   if (job.optimizer != "sgd" && job.optimizer != "adam" && job.optimizer != "adamw")
@@ -515,7 +520,7 @@ plan::MachineConstants load_or_calibrate(const std::string& path) {
 std::vector<std::string> train_args(const std::vector<std::string>& args, const plan::JobSpec& job,
                                     const plan::Candidate& c) {
   // The plan's own flags, with a value and without: not train's.
-  const std::set<std::string> plan_only = {"--world-size", "--hosts", "--link-gbit", "--cores-per-host",
+  const std::set<std::string> plan_only = {"--world-size", "--hosts", "--link-gbit", "--link-latency-us", "--cores-per-host",
                                            "--memory-limit-gb", "--strategy", "--hook", "--bucket-cap-mb",
                                            "--powersgd-rank", "--local-sgd-period", "--local-sgd-group-size", "--constants",
                                            "--profile-steps", "--describe", "--save-profile", "--fsdp-param-dtype",
@@ -653,6 +658,7 @@ int run_plan(const std::vector<std::string>& args) {
             << profile.params.size() << " tensors, " << std::fixed << std::setprecision(1)
             << static_cast<double>(profile.param_bytes()) / 4e6 << "M parameters; " << job.world_size << " ranks on "
             << job.hosts << " host(s)" << (job.hosts > 1 ? " at " + plain(job.link_gbit) + " Gbit/s" : "")
+            << (job.hosts > 1 && job.link_latency_us > 0 ? ", " + plain(job.link_latency_us) + " us a message" : "")
             << "; batch " << profile.batch << " per rank; " << job.optimizer << "\n";
   std::cout << (described ? "# described: forward " : "# measured alone: forward ") << std::setprecision(1) << profile.forward_ms << " ms, backward "
             << profile.backward_ms << " ms, optimizer " << profile.optimizer_ms << " ms (" << profile.concurrent

@@ -104,6 +104,9 @@ struct JobSpec {
   int world_size = 2;
   int hosts = 1;
   double link_gbit = 10;           // between hosts
+  // Gloo's time per message between hosts, in microseconds (half a small allreduce between two
+  // of them); 0: this machine's loopback figure, MachineConstants::tcp_latency_us.
+  double link_latency_us = 0;
   int threads = 1;                 // intra-op threads per rank
   int cores_per_host = 0;          // 0: this machine's (network namespaces on one machine share it)
   std::string optimizer = "sgd";   // sgd (momentum), adam, adamw
