@@ -8,6 +8,7 @@
 
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
@@ -137,14 +138,19 @@ std::string mb(int64_t bytes) {
   return os.str();
 }
 
+// The plan's own flags, beyond train's model and data flags: with a value (and its default), and
+// switches. train_args leaves both out of the train command it prints.
+const std::map<std::string, std::string> kPlanFlagDefaults = {
+    {"world-size", "2"}, {"hosts", "1"}, {"link-gbit", "10"}, {"link-latency-us", "0"}, {"cores-per-host", "0"},
+    {"memory-limit-gb", "0"}, {"strategy", ""}, {"hook", ""}, {"bucket-cap-mb", ""}, {"powersgd-rank", "0"},
+    {"local-sgd-period", "4"}, {"local-sgd-group-size", "0"}, {"fsdp-param-dtype", "fp32"}, {"fsdp-reduce-dtype", ""},
+    {"busy-dtype", "fp32"}, {"busy-barrier", ""}, {"constants", ""}, {"profile-steps", "8"}, {"describe", ""},
+    {"save-profile", ""}};
+const std::vector<std::string> kPlanSwitches = {"json", "calibrate", "busy-replica", "optimizer-in-hook",
+                                                "hosts-on-this-machine"};
+
 Flags plan_flags(const std::vector<std::string>& args) {
-  return Flags(args,
-          with_model_flag_defaults({{"world-size", "2"}, {"hosts", "1"}, {"link-gbit", "10"}, {"link-latency-us", "0"},
-                                    {"cores-per-host", "0"}, {"memory-limit-gb", "0"}, {"strategy", ""}, {"hook", ""}, {"bucket-cap-mb", ""},
-                                    {"powersgd-rank", "0"}, {"local-sgd-period", "4"}, {"local-sgd-group-size", "0"},
-                                    {"fsdp-param-dtype", "fp32"}, {"fsdp-reduce-dtype", ""}, {"busy-dtype", "fp32"}, {"busy-barrier", ""},
-                                    {"constants", ""}, {"profile-steps", "8"}, {"describe", ""}, {"save-profile", ""}}),
-          {"json", "calibrate", "busy-replica", "optimizer-in-hook", "hosts-on-this-machine"});
+  return Flags(args, with_model_flag_defaults(kPlanFlagDefaults), kPlanSwitches);
 }
 
 // The `ddpkit train` flags that run a candidate.
@@ -519,19 +525,11 @@ plan::MachineConstants load_or_calibrate(const std::string& path) {
 // (`args`), then the candidate's.
 std::vector<std::string> train_args(const std::vector<std::string>& args, const plan::JobSpec& job,
                                     const plan::Candidate& c) {
-  // The plan's own flags, with a value and without: not train's.
-  const std::set<std::string> plan_only = {"--world-size", "--hosts", "--link-gbit", "--link-latency-us", "--cores-per-host",
-                                           "--memory-limit-gb", "--strategy", "--hook", "--bucket-cap-mb",
-                                           "--powersgd-rank", "--local-sgd-period", "--local-sgd-group-size", "--constants",
-                                           "--profile-steps", "--describe", "--save-profile", "--fsdp-param-dtype",
-                                           "--fsdp-reduce-dtype", "--busy-dtype", "--busy-barrier"};
-  const std::set<std::string> plan_only_switches = {"--json", "--calibrate", "--busy-replica", "--optimizer-in-hook",
-                                                    "--hosts-on-this-machine"};
   std::vector<std::string> out = {"--nproc", std::to_string(job.ranks_per_host())};
   for (size_t i = 0; i < args.size(); ++i) {
-    const std::string name = args[i].substr(0, args[i].find('='));
-    if (plan_only_switches.count(name)) continue;
-    if (plan_only.count(name)) {
+    const std::string name = args[i].rfind("--", 0) == 0 ? args[i].substr(2, args[i].find('=') - 2) : "";
+    if (std::find(kPlanSwitches.begin(), kPlanSwitches.end(), name) != kPlanSwitches.end()) continue;
+    if (kPlanFlagDefaults.count(name)) {
       if (args[i].find('=') == std::string::npos) ++i;  // its value
       continue;
     }
