@@ -16,6 +16,8 @@ using testing::error_of;
 using testing::relative_error;
 using testing::seed_mutex;
 using testing::seeded_randn;
+using testing::spawn_groups;
+using testing::make_group;
 using testing::spawn_ranks;
 using testing::spawn_ranks_with;
 using ::testing::HasSubstr;
@@ -622,6 +624,81 @@ TEST(FSDP, BadUseGetsANamedError) {
                 }),
                 HasSubstr("units differ across ranks"));
   });
+}
+
+TEST(FSDP, AUnitCalledOutsideForwardUnitFailsAtWorldSizeOneAsAtTwo) {
+  // At W=1 a unit's shard is the whole unit: its parameters still are empty outside its calls, so
+  // a program that bypasses forward_unit fails here, not first at W=2.
+  for (auto strategy : {ShardingStrategy::kFullShard, ShardingStrategy::kShardGradOp, ShardingStrategy::kHybridShard}) {
+    spawn_ranks(1, [&](int, std::shared_ptr<ProcessGroup> pg) {
+      Net net = make_net();
+      FullyShardedDataParallel<Net> fsdp(
+          net, pg, FullyShardedDataParallelOptions().sharding_strategy(strategy).auto_wrap_policy(size_based_auto_wrap_policy(40)));
+      EXPECT_EQ(net->blocks[0]->as<BlockImpl>()->fc->weight.numel(), 0) << to_string(strategy);
+      const std::string outside = error_of([&] {
+        fsdp.forward_with([&] { return net->blocks[0]->as<BlockImpl>()->forward(at::randn({2, 11})); });
+      });
+      EXPECT_THAT(outside, HasSubstr("ddpkit::fsdp::forward_unit")) << to_string(strategy);
+      // Called through forward_unit it trains, and its unit is empty again afterwards.
+      fsdp.forward(input_of(0, 0), false).sum().backward();
+      EXPECT_EQ(net->blocks[0]->as<BlockImpl>()->fc->weight.numel(), 0) << to_string(strategy);
+      for (const auto& p : fsdp.parameters()) EXPECT_TRUE(p.grad().defined()) << to_string(strategy);
+    });
+  }
+  // kNoShard keeps every parameter whole at every world size: a direct call works at W=1 as at W=2.
+  for (int world : {1, 2}) {
+    spawn_ranks(world, [&](int, std::shared_ptr<ProcessGroup> pg) {
+      Net net = make_net();
+      FullyShardedDataParallel<Net> fsdp(net, pg, FullyShardedDataParallelOptions()
+                                                      .sharding_strategy(ShardingStrategy::kNoShard)
+                                                      .auto_wrap_policy(size_based_auto_wrap_policy(40)));
+      EXPECT_EQ(net->blocks[0]->as<BlockImpl>()->forward(at::randn({2, 11})).sizes(), (std::vector<int64_t>{2, 11}));
+    });
+  }
+}
+
+TEST(FSDP, HybridShardBuiltAgainInOneJobTrainsAsTheFirst) {
+  // Default hybrid groups are made per construction: a second instance (a reload, a second model)
+  // neither meets the first one's store keys nor leaves its own. Rank 0 comes late to the second
+  // construction, so rank 1 would read what the first left under the same names.
+  const auto want = reference(2, "sgd", 2);
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  spawn_groups(
+      2, [&](const c10::intrusive_ptr<c10d::Store>&, int r) { return make_group(store, r, 2, 2, std::chrono::seconds(20)); },
+      [&](int rank, std::shared_ptr<ProcessGroup> pg) {
+        set_compute_threads(1);
+        FsdpRun run;
+        run.strategy = ShardingStrategy::kHybridShard;
+        auto train = [&] {
+          Net net = make_net();
+          FullyShardedDataParallel<Net> fsdp(
+              net, pg, FullyShardedDataParallelOptions().sharding_strategy(run.strategy).auto_wrap_policy(size_based_auto_wrap_policy(40)));
+          EXPECT_EQ(fsdp.process_group().size(), 2);
+          auto opt = make_optimizer("sgd", fsdp.parameters());
+          for (int step = 0; step < 2; ++step) {
+            opt->zero_grad();
+            torch::mse_loss(fsdp.forward(input_of(step, rank), step % 2 == 1), target_of(step, rank)).backward();
+            opt->step();
+          }
+          std::map<std::string, at::Tensor> out;
+          const auto dict = fsdp.full_state_dict(/*rank0_only=*/false);
+          for (const auto& kv : dict.items()) out[kv.key()] = kv.value();
+          return out;
+        };
+        // The store's keys once every rank is here (and before any goes on).
+        auto keys = [&] {
+          ProcessGroup::wait(pg->barrier());
+          const int64_t n = store->getNumKeys();
+          ProcessGroup::wait(pg->barrier());
+          return n;
+        };
+        const int64_t keys_before = keys();
+        expect_close(train(), want, 1e-6, "first instance, rank " + std::to_string(rank));
+        EXPECT_EQ(keys(), keys_before) << "the first instance left store keys behind";
+        if (rank == 0) std::this_thread::sleep_for(std::chrono::milliseconds(500));
+        expect_close(train(), want, 1e-6, "second instance, rank " + std::to_string(rank));
+        EXPECT_EQ(keys(), keys_before) << "the second instance left store keys behind";
+      });
 }
 
 TEST(FSDP, SequentialRootIsWrappedTransparently) {

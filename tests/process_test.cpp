@@ -9,7 +9,10 @@
 
 #include <c10/core/CPUAllocator.h>
 
+#include <torch/nn/modules/container/functional.h>
+#include <torch/nn/modules/container/sequential.h>
 #include <torch/nn/modules/linear.h>
+#include <torch/optim/sgd.h>
 
 #include <arpa/inet.h>
 #include <netinet/in.h>
@@ -132,6 +135,27 @@ TEST(Processes, SharedMemoryPeerSigkilledGivesSurvivorsAnError) {
 
 TEST(Processes, SharedMemoryPeerSigstoppedGivesSurvivorsAnErrorWithinTheTimeout) {
   expect_survivors_fail("sigstop_peer", SIGSTOP, "did not take its part in shared-memory allreduce");
+}
+
+TEST(Processes, HybridShardBuiltTwiceInOneJobTrainsAlikeAndLeavesNoKeys) {
+  for (int world : {2, 3}) {
+    const std::string out = "/tmp/ddpkit_pt_hybrid_" + std::to_string(getpid()) + "_";
+    auto pids = start_workers("fsdp_hybrid_twice", world, world, free_port(), out);
+    for (int r = 0; r < world; ++r) EXPECT_EQ(wait_exit(pids[r]), 0) << "rank " << r << ": " << slurp(out + std::to_string(r));
+    for (int r = 0; r < world; ++r) {
+      std::istringstream said(slurp(out + std::to_string(r)));
+      std::string first, second, keys;
+      std::getline(said, first);
+      std::getline(said, second);
+      std::getline(said, keys);
+      EXPECT_EQ(first.substr(6), second.substr(7)) << "W=" << world << " rank " << r << ": the second instance trained otherwise";
+      int64_t before = -1, between = -2, after = -3;
+      std::istringstream(keys.substr(5)) >> before >> between >> after;
+      EXPECT_EQ(before, between) << "W=" << world << ": the first instance left store keys";
+      EXPECT_EQ(before, after) << "W=" << world << ": the second instance left store keys";
+      std::remove((out + std::to_string(r)).c_str());
+    }
+  }
 }
 
 TEST(Processes, MissingPeerTimesOutAtRendezvous) {
@@ -380,10 +404,58 @@ TEST(Processes, AStoppedReplicaLeavesTheStepBarrier) {
   EXPECT_THROW(plan::StepBarrier("not an address"), std::exception);
 }
 
+// Issue 52: a FullyShardedDataParallel with the default hybrid groups, trained, destroyed and built
+// again in one job over TCPStore (a reload into a fresh instance). Writes each instance's losses
+// and the store's key count before, between and after; rank 0 comes late to the second.
+int fsdp_hybrid_twice_worker() {
+  set_compute_threads(1);
+  std::ofstream out(std::getenv("DDPKIT_TEST_OUT"));
+  try {
+    auto pg = init_process_group(InitOptions().timeout(std::chrono::seconds(20)));
+    auto train = [&] {
+      torch::manual_seed(3);
+      auto seq = torch::nn::Sequential(torch::nn::Linear(16, 32), torch::nn::Functional(torch::relu),
+                                       torch::nn::Linear(32, 16), torch::nn::Linear(16, 4));
+      FullyShardedDataParallel<torch::nn::Sequential> fsdp(
+          seq, pg,
+          FullyShardedDataParallelOptions().sharding_strategy(ShardingStrategy::kHybridShard).auto_wrap_policy(
+              size_based_auto_wrap_policy(100)));
+      torch::optim::SGD opt(fsdp.parameters(), 0.1);
+      std::ostringstream losses;
+      for (int step = 0; step < 3; ++step) {
+        opt.zero_grad();
+        at::Tensor loss = fsdp.forward(testing::seeded_randn({4, 16}, 100 * step + pg->rank())).pow(2).mean();
+        loss.backward();
+        opt.step();
+        losses << std::setprecision(9) << loss.item<double>() << " ";
+      }
+      return losses.str();
+    };
+    auto keys = [&] {  // once every rank is here, and before any goes on
+      ProcessGroup::wait(pg->barrier());
+      const int64_t n = pg->store()->getNumKeys();
+      ProcessGroup::wait(pg->barrier());
+      return n;
+    };
+    const int64_t before = keys();
+    const std::string first = train();
+    const int64_t between = keys();
+    if (pg->rank() == 0) std::this_thread::sleep_for(std::chrono::milliseconds(500));
+    const std::string second = train();
+    const int64_t after = keys();
+    out << "first " << first << "\nsecond " << second << "\nkeys " << before << " " << between << " " << after << "\n";
+    return 0;
+  } catch (const std::exception& e) {
+    out << e.what();
+    return 1;
+  }
+}
+
 int worker(const std::string& role) {
   if (role == "step_barrier") return step_barrier_worker();
   if (role == "cached_train") return cached_train_worker();
   if (role == "arena_then_cache") return arena_then_cache_worker();
+  if (role == "fsdp_hybrid_twice") return fsdp_hybrid_twice_worker();
   set_compute_threads(1);
   std::ofstream out(std::getenv("DDPKIT_TEST_OUT"));
   const auto timeout = std::chrono::seconds(role == "missing_peer" ? 3 : kKilledPeerTimeoutS);

@@ -473,6 +473,61 @@ TEST(ProcessGroup, FileStoreRendezvous) {
   EXPECT_EQ(ok.load(), 2);
 }
 
+TEST(ProcessGroup, SubgroupsMadeAgainAreNewGroups) {
+  // new_subgroups twice in one job: the second set are groups of their own (new names), not the
+  // first set's Gloo addresses. Rank 0 comes late, so rank 1 would read what the first left.
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  testing::spawn_groups(
+      2, [&](const c10::intrusive_ptr<c10d::Store>&, int r) { return testing::make_group(store, r, 2, 2, std::chrono::seconds(10)); },
+      [&](int rank, std::shared_ptr<ProcessGroup> pg) {
+        std::string first_name;
+        {
+          auto pair = new_subgroups(*pg, 2);
+          first_name = pair->options().group_name();
+          at::Tensor t = at::full({5}, static_cast<float>(rank + 1));
+          ProcessGroup::wait(pair->allreduce(t));
+          EXPECT_TRUE(at::equal(t, at::full({5}, 3.f)));
+        }
+        if (rank == 0) std::this_thread::sleep_for(std::chrono::milliseconds(500));
+        auto again = new_subgroups(*pg, 2);
+        EXPECT_NE(again->options().group_name(), first_name);
+        EXPECT_EQ(again->options().group_name().rfind(pg->options().group_name() + "/subgroup2-0.", 0), 0u)
+            << again->options().group_name();
+        at::Tensor t = at::full({5}, static_cast<float>(rank + 1));
+        ProcessGroup::wait(again->allreduce(t));
+        EXPECT_TRUE(at::equal(t, at::full({5}, 3.f)));
+        // Singletons: each rank its own group, both made in the same call.
+        auto alone = new_subgroups(*pg, 1);
+        EXPECT_EQ(alone->size(), 1);
+        EXPECT_NE(alone->options().group_name(), again->options().group_name());
+      });
+  EXPECT_THAT(testing::error_of([&] { new_subgroups(*testing::make_group(c10::make_intrusive<c10d::HashStore>(), 0, 1), 2); }),
+              ::testing::HasSubstr("must be positive and divide the world size 1"));
+}
+
+TEST(ProcessGroup, AGroupLeavesNoStoreKeysBehind) {
+  // Construction's keys (Gloo's rendezvous, topology, the shared-memory choice and segment) and a
+  // shared buffer's are deleted once every rank has read them, with shared memory on and off.
+  for (bool shared_memory : {true, false}) {
+    auto store = c10::make_intrusive<c10d::HashStore>();
+    testing::spawn_groups(
+        3,
+        [&](const c10::intrusive_ptr<c10d::Store>&, int r) {
+          return std::make_shared<ProcessGroup>(
+              store, r, 3, ProcessGroupOptions().gloo_hostname("127.0.0.1").shared_memory(shared_memory).group_name("keys"));
+        },
+        [&](int rank, std::shared_ptr<ProcessGroup> pg) {
+          EXPECT_EQ(pg->uses_shared_memory(), shared_memory);
+          at::Tensor buffer = pg->allreduce_buffer(1000, at::kFloat);
+          buffer.fill_(static_cast<float>(rank));
+          ProcessGroup::wait(pg->allreduce(buffer));
+          EXPECT_TRUE(at::equal(buffer, at::full({1000}, 3.f)));
+          ProcessGroup::wait(pg->barrier());
+          EXPECT_EQ(store->getNumKeys(), 0) << "shared memory " << shared_memory;
+        });
+  }
+}
+
 // Issue 14: the divergence guard decides on every rank alike, at the same step.
 TEST(DivergenceGuard, NonFiniteLossOnOneRankStopsEveryRankAtTheSameStep) {
   spawn_ranks(2, [](int rank, std::shared_ptr<ProcessGroup> pg) {

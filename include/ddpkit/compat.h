@@ -10,12 +10,14 @@
 
 #include <c10/core/Allocator.h>
 
+#include <chrono>
 #include <cstring>
 #include <functional>
 #include <sstream>
 #include <string>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 #define DDPKIT_TORCH_AT_LEAST(major, minor) \
   (TORCH_VERSION_MAJOR > (major) ||         \
@@ -78,6 +80,36 @@ inline c10d::TCPStoreOptions tcp_store_options() {
   detail::use_classic_store(o, 0);
   return o;
 }
+
+// A c10d::Store that hands every call to another. 2.x adds append/multiGet/multiSet to the base,
+// with defaults built on the calls forwarded here; later releases add a pure virtual clone(),
+// declared here without `override` so that it overrides only where the base has it. This store
+// keeps no state of its own, so a clone is the same object.
+class ForwardingStore : public c10d::Store {
+ public:
+  explicit ForwardingStore(c10::intrusive_ptr<c10d::Store> inner)
+      : c10d::Store(inner->getTimeout()), inner_(std::move(inner)) {}
+  void set(const std::string& key, const std::vector<uint8_t>& value) override { inner_->set(key, value); }
+  std::vector<uint8_t> compareSet(const std::string& key, const std::vector<uint8_t>& expected,
+                                  const std::vector<uint8_t>& desired) override {
+    return inner_->compareSet(key, expected, desired);
+  }
+  std::vector<uint8_t> get(const std::string& key) override { return inner_->get(key); }
+  int64_t add(const std::string& key, int64_t value) override { return inner_->add(key, value); }
+  bool deleteKey(const std::string& key) override { return inner_->deleteKey(key); }
+  bool check(const std::vector<std::string>& keys) override { return inner_->check(keys); }
+  int64_t getNumKeys() override { return inner_->getNumKeys(); }
+  void wait(const std::vector<std::string>& keys) override { inner_->wait(keys); }
+  void wait(const std::vector<std::string>& keys, const std::chrono::milliseconds& timeout) override {
+    inner_->wait(keys, timeout);
+  }
+  const std::chrono::milliseconds& getTimeout() const noexcept override { return inner_->getTimeout(); }
+  void setTimeout(const std::chrono::milliseconds& timeout) override { inner_->setTimeout(timeout); }
+  c10::intrusive_ptr<c10d::Store> clone() { return c10::intrusive_ptr<c10d::Store>::reclaim_copy(this); }
+
+ protected:
+  c10::intrusive_ptr<c10d::Store> inner_;
+};
 
 // A post hook on a grad accumulator. operator() is unchanged from 1.13 to 2.x; compiled_args
 // (added ~2.1, later const) is deliberately not overridden.

@@ -13,6 +13,7 @@
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdlib>
 #include <mutex>
@@ -77,6 +78,11 @@ class DdpkitBackend : public compat::Backend {
   }
 
   const std::string getBackendName() const override { return "ddpkit"; }
+
+  // Sequence numbers: every collective counts one, from 0 on every rank, so ranks agree on them
+  // (PyTorch's debug wrapper, TORCH_DISTRIBUTED_DEBUG=DETAIL, compares them across the group).
+  void setSequenceNumberForGroup() override { sequence_ = 0; }
+  uint64_t getSequenceNumberForGroup() override { return sequence_.load(); }
   const std::shared_ptr<ddpkit::ProcessGroup>& group() const { return pg_; }
 
   WorkPtr broadcast(std::vector<at::Tensor>& tensors, const c10d::BroadcastOptions& opts) override {
@@ -90,9 +96,19 @@ class DdpkitBackend : public compat::Backend {
   }
 
   WorkPtr allreduce(std::vector<at::Tensor>& tensors, const c10d::AllreduceOptions& opts) override {
+    if (tensors.size() == 1 && tensors[0].defined() && tensors[0].is_sparse()) return sparse_allreduce(tensors[0], opts);
     const at::Tensor t = one(tensors, "allreduce");
     const ReduceOp op = opts.reduceOp;
     return work(OpType::ALLREDUCE, {t}, Shape{t.numel(), t.scalar_type(), op_code(op)}, [this, t, op] { return reduce_in_place(t, op, "allreduce"); });
+  }
+
+  // Sparse COO on the CPU, summed as Gloo sums it (its own sparse allreduce; SUM only, as there).
+  WorkPtr sparse_allreduce(const at::Tensor& t, const c10d::AllreduceOptions& opts) {
+    DDPKIT_CHECK(t.device().is_cpu(), "ddpkit backend: allreduce got a sparse tensor on ", t.device(),
+                 "; this backend serves CPU tensors");
+    DDPKIT_CHECK(opts.reduceOp == ReduceOp::SUM, "ddpkit backend: a sparse allreduce supports SUM only, got ",
+                 op_name(opts.reduceOp));
+    return work(OpType::ALLREDUCE, {t}, Shape{-1, t.scalar_type()}, [this, t] { return pg_->allreduce(t); });
   }
 
   WorkPtr allreduce_coalesced(std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) override {
@@ -130,20 +146,27 @@ class DdpkitBackend : public compat::Backend {
     return work(OpType::_ALLGATHER_BASE, {out}, Shape{in.numel(), in.scalar_type()}, [this, out, in] { return gather_flat(out, in); });
   }
 
+  // outputs[r][i] receives rank r's inputs[i] (one list per rank, as PyTorch passes them and Gloo
+  // takes them).
   WorkPtr allgather_coalesced(std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
                               const c10d::AllgatherOptions&) override {
-    DDPKIT_CHECK(outputs.size() == inputs.size(), "ddpkit backend: allgather_coalesced has ", outputs.size(),
-                 " output lists for ", inputs.size(), " inputs");
+    DDPKIT_CHECK(!inputs.empty(), "ddpkit backend: allgather_coalesced has no input tensors");
+    DDPKIT_CHECK(static_cast<int>(outputs.size()) == getSize(), "ddpkit backend: allgather_coalesced needs one output "
+                 "list per rank (", getSize(), "), got ", outputs.size());
+    for (size_t r = 0; r < outputs.size(); ++r)
+      DDPKIT_CHECK(outputs[r].size() == inputs.size(), "ddpkit backend: allgather_coalesced: output list ", r, " has ",
+                   outputs[r].size(), " tensors for ", inputs.size(), " inputs");
+    std::vector<std::vector<at::Tensor>> by_input(inputs.size());  // by_input[i][r] = outputs[r][i]
     std::vector<at::Tensor> all;
     for (size_t i = 0; i < inputs.size(); ++i) {
-      check_list(outputs[i], cpu(inputs[i], "allgather_coalesced"), "allgather_coalesced");
-      all.insert(all.end(), outputs[i].begin(), outputs[i].end());
+      for (const auto& list : outputs) by_input[i].push_back(list[i]);
+      check_list(by_input[i], cpu(inputs[i], "allgather_coalesced"), "allgather_coalesced");
     }
-    std::vector<std::vector<at::Tensor>> outs = outputs;
+    for (const auto& list : outputs) all.insert(all.end(), list.begin(), list.end());
     std::vector<at::Tensor> ins = inputs;
-    return work(OpType::ALLGATHER_COALESCED, all, Shape::of(ins), [this, outs, ins] {
+    return work(OpType::ALLGATHER_COALESCED, all, Shape::of(ins), [this, by_input, ins] {
       std::vector<FuturePtr> parts;
-      for (size_t i = 0; i < ins.size(); ++i) parts.push_back(gather_list(outs[i], ins[i]));
+      for (size_t i = 0; i < ins.size(); ++i) parts.push_back(gather_list(by_input[i], ins[i]));
       return when_all(parts, at::Tensor());
     });
   }
@@ -305,6 +328,15 @@ class DdpkitBackend : public compat::Backend {
   WorkPtr barrier(const c10d::BarrierOptions&) override {
     return work(OpType::BARRIER, {}, Shape{0, at::kByte}, [this] { return pg_->barrier(); });
   }
+  // A group's own monitored_barrier (torch.distributed.monitored_barrier itself refuses every
+  // backend not named gloo). Blocks, as Gloo's does. Not compared across ranks first: it is there
+  // to find the rank that does not come.
+  void monitoredBarrier(const c10d::BarrierOptions& opts, bool wait_all_ranks) override {
+    const std::chrono::milliseconds timeout = opts.timeout == c10d::kUnsetTimeout ? pg_->timeout() : opts.timeout;
+    auto w = work(OpType::BARRIER, {}, Shape{-1, at::kByte},
+                  [this, timeout, wait_all_ranks] { return pg_->monitored_barrier(timeout, wait_all_ranks); });
+    w->wait();
+  }
 
   // Point to point: Gloo's own (tags keep them apart from collectives).
   WorkPtr send(std::vector<at::Tensor>& tensors, int dst, int tag) override {
@@ -424,6 +456,7 @@ class DdpkitBackend : public compat::Backend {
   // The work of the collective `start` issues, in the order IssueOrder keeps (backend_work.h).
   // Arguments are checked before, so that bad input is named at the call.
   WorkPtr work(OpType type, std::vector<at::Tensor> outputs, const Shape& shape, std::function<FuturePtr()> start) {
+    ++sequence_;
     if (check_collectives_ && shape.numel >= 0) {
       start = [this, type, shape, start = std::move(start)] {
         check_same_call(type, shape);
@@ -610,6 +643,7 @@ class DdpkitBackend : public compat::Backend {
   std::mutex coalescing_mutex_;
   bool coalescing_ = false;
   std::vector<FuturePtr> coalesced_;
+  std::atomic<uint64_t> sequence_{0};
 };
 
 }  // namespace

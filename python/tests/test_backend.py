@@ -182,6 +182,24 @@ def all_collectives(rank, world):
         for k in range(3):
             close(cs[k], reduce_local([data(r, k + 3, torch.float32, 900 + k) for r in range(world)], "SUM"),
                   "all_reduce_coalesced")
+    if hasattr(dist, "all_gather_coalesced"):
+        # One output list per rank, each as long as the inputs (PyTorch's and Gloo's layout), of
+        # mixed shapes with an empty tensor; one dtype per call (2.x requires it).
+        for dtype, shapes in ((torch.float32, [(2, 3), (0,), (5,), (1, 1, 4)]), (torch.int64, [(3,), (2, 2)])):
+            mine = [data(rank, torch.Size(s).numel(), dtype, 950 + k).view(s) for k, s in enumerate(shapes)]
+            outs = [[torch.full(s, -1, dtype=dtype) for s in shapes] for _ in range(world)]
+            dist.all_gather_coalesced(outs, mine, group=dk)
+            for r in range(world):
+                for k, s in enumerate(shapes):
+                    close(outs[r][k], data(r, torch.Size(s).numel(), dtype, 950 + k).view(s),
+                          f"all_gather_coalesced {dtype} rank {r} tensor {k}")
+
+            def on_gloo():
+                g = [[torch.full(s, -1, dtype=dtype) for s in shapes] for _ in range(world)]
+                dist.all_gather_coalesced(g, mine)
+                return torch.cat([t.reshape(-1) for lst in g for t in lst])
+            gloo_agrees(on_gloo, torch.cat([t.reshape(-1) for lst in outs for t in lst]), f"all_gather_coalesced {dtype}",
+                        log)
     # non-contiguous tensors are written back
     base = data(rank, 40, torch.float32, 77).view(8, 5)
     view = base.t()
@@ -303,6 +321,43 @@ def callbacks_that_issue(rank, world):
 def test_collectives_issued_by_callbacks_keep_one_order(world):
     for _ in range(3):
         run_ranks(callbacks_that_issue, world, backend="ddpkit")
+
+
+def monitored_and_sparse(rank, world):
+    """A group's own monitored_barrier (passing; then rank 2 stays away and is named) and a sparse
+    COO all_reduce, as Gloo has them."""
+    import torch.distributed as dist
+    import ddpkit  # noqa: F401
+    assert dist.get_backend() == "ddpkit"
+    group = dist.new_group(list(range(world)))  # a ddpkit group too
+    out = {}
+    group.monitored_barrier(timedelta(seconds=20))
+    # Sparse: rank r holds value r+1 at index r and at index 0; the sum coalesced.
+    i = torch.tensor([[0, rank]])
+    t = torch.sparse_coo_tensor(i, torch.tensor([1.0, float(rank + 1)]), (world,))
+    dist.all_reduce(t)
+    out["sparse"] = t.coalesce().to_dense()
+    try:
+        dist.all_reduce(torch.sparse_coo_tensor(i, torch.ones(2), (world,)), op=dist.ReduceOp.MAX)
+    except RuntimeError as e:
+        out["sparse_max"] = str(e)
+    if rank != 2:  # rank 2 does not come
+        try:
+            group.monitored_barrier(timedelta(seconds=2), wait_all_ranks=rank == 0)
+        except RuntimeError as e:
+            out["missing"] = str(e)
+    return out
+
+
+def test_monitored_barrier_names_the_missing_rank_and_sparse_allreduce_sums():
+    outs = run_ranks(monitored_and_sparse, 3, backend="ddpkit", timeout=120)
+    expected = torch.tensor([3.0 + 1, 2.0, 3.0])  # index 0: 1 from each rank, plus rank 0's own 1
+    for rank, out in enumerate(outs):
+        assert torch.equal(out["sparse"], expected), (rank, out["sparse"])
+        assert "sparse allreduce supports SUM only" in out["sparse_max"], out
+    assert "Rank 2 failed to pass monitoredBarrier in 2000 ms" in outs[0]["missing"], outs[0]
+    assert "Rank 1 successfully reached monitoredBarrier, but received errors" in outs[1]["missing"], outs[1]
+    assert "missing" not in outs[2]
 
 
 def init_with(rank, world, method, where):

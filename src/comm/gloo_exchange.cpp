@@ -9,6 +9,7 @@
 #include "job_thread.h"
 #include "process_group_internal.h"
 
+#include <algorithm>
 #include <chrono>
 #include <stdexcept>
 
@@ -26,6 +27,10 @@ namespace {
 // both ends of each message.
 constexpr uint32_t kExchangeTagBase = static_cast<uint32_t>(ProcessGroup::kFirstInternalTag);
 constexpr uint32_t kExchangeTags = 0x00FFFFFFu;
+// monitored_barrier's two messages, above the exchanges': a rank that never calls it (the barrier
+// is there to catch one) must not shift the exchanges' numbering.
+constexpr int kArriveTag = static_cast<int>(kExchangeTagBase + kExchangeTags);
+constexpr int kReleaseTag = kArriveTag + 1;
 
 at::Tensor as_bytes(const at::Tensor& t) { return t.reshape({-1}).view(at::kByte); }
 
@@ -134,6 +139,74 @@ void ProcessGroup::gloo_alltoall(const at::Tensor& output, const at::Tensor& inp
   const at::Tensor mine_in = in.narrow(0, rank_ * block, block), mine_out = out.narrow(0, rank_ * block, block);
   gloo_exchange(sends, recvs, what, output, result, [mine_out, mine_in] { mine_out.copy_(mine_in); },
                 putting_back(std::move(put_back)));
+}
+
+FuturePtr ProcessGroup::monitored_barrier(std::chrono::milliseconds timeout, bool wait_all_ranks) {
+  DDPKIT_CHECK(options_.backend() == "gloo", "monitored_barrier needs a gloo group; '", options_.group_name(), "' is ",
+               options_.backend());
+  DDPKIT_CHECK(timeout.count() >= 0, "monitored_barrier: the timeout must not be negative, got ", timeout.count(), " ms");
+  return run_ordered([this, timeout, wait_all_ranks] {
+    try {
+      run_monitored_barrier(timeout, wait_all_ranks);
+    } catch (const std::exception&) {
+      throw CommError(describe_comm_failure("monitored_barrier", rank_, world_size_, std::current_exception()));
+    }
+    return at::Tensor();
+  });
+}
+
+void ProcessGroup::run_monitored_barrier(std::chrono::milliseconds timeout, bool wait_all_ranks) {
+  using clock = std::chrono::steady_clock;
+  at::Tensor token = at::zeros({1}, at::kByte);
+  auto message = [&](bool send, int peer, int tag) {
+    std::vector<at::Tensor> t{token};
+    return with_backend([&](compat::Backend& b) { return send ? b.send(t, peer, tag) : b.recv(t, peer, tag); });
+  };
+  if (rank_ != 0) {
+    auto arrive = message(true, 0, kArriveTag);
+    auto release = message(false, 0, kReleaseTag);
+    try {
+      arrive->wait(options_.timeout());
+      release->wait(options_.timeout());
+    } catch (const std::exception& e) {
+      throw std::runtime_error("Rank " + std::to_string(rank_) +
+                               " successfully reached monitoredBarrier, but received errors while waiting for "
+                               "send/recv from rank 0. Please check rank 0 logs for faulty rank. (" + e.what() + ")");
+    }
+    return;
+  }
+  const auto start = clock::now();
+  const std::string in = " failed to pass monitoredBarrier in " + std::to_string(timeout.count()) + " ms";
+  // Waits for each rank's message in rank order: within what is left of `timeout`, or (all
+  // ranks) within the whole of it each, so that every late rank is found.
+  auto wait_each = [&](std::vector<c10::intrusive_ptr<c10d::Work>>& works) {
+    std::vector<int> failed;
+    std::string passed;
+    for (int peer = 1; peer < world_size_; ++peer) {
+      auto left = std::chrono::duration_cast<std::chrono::milliseconds>(timeout - (clock::now() - start));
+      if (!wait_all_ranks && left.count() <= 0)
+        throw std::runtime_error("Rank 0 timed out in monitoredBarrier after " + std::to_string(timeout.count()) +
+                                 " ms. Ranks that passed: " + (passed.empty() ? "none" : passed));
+      try {
+        // (A Gloo wait of 0 ms waits for ever.)
+        works[peer]->wait(std::max(wait_all_ranks ? timeout : left, std::chrono::milliseconds(1)));
+        passed += (passed.empty() ? "" : ", ") + std::to_string(peer);
+      } catch (const std::exception& e) {
+        if (!wait_all_ranks) throw std::runtime_error("[Rank 0]: Rank " + std::to_string(peer) + in + " (" + e.what() + ")");
+        failed.push_back(peer);
+      }
+    }
+    if (failed.empty()) return;
+    std::string ranks;
+    for (int r : failed) ranks += (ranks.empty() ? "" : ", ") + std::to_string(r);
+    throw std::runtime_error("[Rank 0]: Rank" + std::string(failed.size() > 1 ? "s " : " ") + ranks + in);
+  };
+  std::vector<c10::intrusive_ptr<c10d::Work>> works(world_size_);
+  for (int peer = 1; peer < world_size_; ++peer) works[peer] = message(false, peer, kArriveTag);
+  wait_each(works);
+  // Every rank came: let them all go (all leave the barrier or none does).
+  for (int peer = 1; peer < world_size_; ++peer) works[peer] = message(true, peer, kReleaseTag);
+  wait_each(works);
 }
 
 }  // namespace ddpkit

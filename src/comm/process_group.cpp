@@ -2,6 +2,7 @@
 #include <ddpkit/comm/process_group.h>
 
 #include "process_group_internal.h"
+#include "setup_keys.h"
 
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #ifdef USE_C10D_NCCL
@@ -121,7 +122,11 @@ ProcessGroup::ProcessGroup(c10::intrusive_ptr<c10d::Store> store, int rank, int 
   DDPKIT_CHECK(options_.piece_bytes() >= 1, "piece_bytes must be >= 1, got ", options_.piece_bytes());
   DDPKIT_CHECK(options_.backend() == "gloo" || options_.backend() == "nccl", "unknown backend '", options_.backend(),
                "' (expected gloo or nccl)");
-  auto prefixed = c10::make_intrusive<c10d::PrefixStore>(options_.group_name() + "/", store_);
+  // Every key construction touches passes through `setup`, so the last rank done can delete them.
+  // (NCCL's rendezvous is lazy, at its first collective: it gets the group's store itself.)
+  c10::intrusive_ptr<c10d::Store> group_store = c10::make_intrusive<c10d::PrefixStore>(options_.group_name() + "/", store_);
+  auto setup = c10::make_intrusive<detail::SetupKeysStore>(group_store);
+  c10::intrusive_ptr<c10d::Store> prefixed = setup;
   const std::string what = "rendezvous of process group '" + options_.group_name() + "' (" +
                            options_.backend() + ", timeout " +
                            std::to_string(options_.timeout().count()) + " ms)";
@@ -137,7 +142,7 @@ ProcessGroup::ProcessGroup(c10::intrusive_ptr<c10d::Store> store, int rank, int 
 #ifdef USE_C10D_NCCL
       auto nopts = c10d::ProcessGroupNCCL::Options::create();
       nopts->timeout = options_.timeout();
-      backend_ = c10::make_intrusive<c10d::ProcessGroupNCCL>(prefixed, rank_, world_size_, nopts);
+      backend_ = c10::make_intrusive<c10d::ProcessGroupNCCL>(group_store, rank_, world_size_, nopts);
 #else
       DDPKIT_CHECK(false, "backend 'nccl' is not available: this libtorch was built without CUDA/NCCL"
                    " (available: gloo)");
@@ -151,6 +156,15 @@ ProcessGroup::ProcessGroup(c10::intrusive_ptr<c10d::Store> store, int rank, int 
   setup_shared_memory(prefixed);
   sequencer_ = std::make_unique<JobThread>();
   if (options_.backend() == "gloo") exchange_waiter_ = std::make_unique<JobThread>();
+  // Gloo's lazy connections (TORCH_GLOO_LAZY_INIT, libtorch 2.8+) read the rendezvous keys at the
+  // first collective: they stay then.
+  const char* lazy = std::getenv("TORCH_GLOO_LAZY_INIT");
+  if (lazy && !std::string(lazy).empty() && std::string(lazy) != "0") return;
+  try {
+    setup->finish(world_size_, options_.timeout());
+  } catch (const std::exception&) {
+    throw CommError(describe_comm_failure(what, rank_, world_size_, std::current_exception()));
+  }
 }
 
 ProcessGroup::~ProcessGroup() {

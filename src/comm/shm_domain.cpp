@@ -47,19 +47,28 @@ std::string text(const std::vector<uint8_t>& v) { return std::string(v.begin(), 
 std::vector<uint8_t> bytes(const std::string& s) { return std::vector<uint8_t>(s.begin(), s.end()); }
 
 // After each local rank has mapped what its peers created (or failed to, `failure`): the last
-// to say so lets everyone on, and then owners may close the fds peers opened through /proc. Returns the failure some rank published
-// under `prefix`, or that the ranks did not all get there within `timeout`; empty if none.
+// to say so lets everyone on, and then owners may close the fds peers opened through /proc. Returns
+// the failure some rank published under `prefix`, or that the ranks did not all get there within
+// `timeout`; empty if none. Every rank has read the `published` addresses before it comes, so the
+// last to leave deletes them with the meeting's own keys.
 std::string meet_once_mapped(c10d::Store& store, const std::string& prefix, int local_size,
-                             std::chrono::milliseconds timeout, const std::string& failure, const std::string& what) {
+                             std::chrono::milliseconds timeout, const std::string& failure, const std::string& what,
+                             const std::vector<std::string>& published) {
   if (!failure.empty()) store.set(prefix + "error", bytes(failure));
   if (store.add(prefix + "mapped", 1) == local_size) store.set(prefix + "ready", bytes("1"));
+  std::string result;
   try {
     store.wait({prefix + "ready"}, timeout);
-    return store.check({prefix + "error"}) ? text(store.get(prefix + "error")) : std::string();
+    result = store.check({prefix + "error"}) ? text(store.get(prefix + "error")) : std::string();
   } catch (const std::exception& e) {
     return "not every local rank mapped " + what + " within " + std::to_string(timeout.count()) + " ms (" + e.what() +
            ")";
   }
+  if (store.add(prefix + "left", 1) == local_size) {
+    for (const auto& key : published) store.deleteKey(key);
+    for (const char* key : {"error", "mapped", "ready", "left"}) store.deleteKey(prefix + key);
+  }
+  return result;
 }
 
 }  // namespace
@@ -111,7 +120,8 @@ std::unique_ptr<Domain> Domain::create(c10d::Store& store, const std::string& ke
   if (error.empty() && !lock_byte(fd, o.local_rank)) error = "cannot lock the segment: " + errno_text(errno);
   const std::string failure =
       meet_once_mapped(store, key + "/", o.local_size, o.timeout,
-                       error.empty() ? "" : "local rank " + std::to_string(o.local_rank) + ": " + error, "the segment");
+                       error.empty() ? "" : "local rank " + std::to_string(o.local_rank) + ": " + error, "the segment",
+                       {key + "/address"});
   if (!failure.empty()) {
     if (base) munmap(base, size);
     if (fd >= 0) close(fd);
@@ -191,7 +201,7 @@ void Domain::wait_peer(int peer, int counter, uint32_t target) {
       fail("rank " + std::to_string(group_rank(peer)) + " (on this host) died during shared-memory " + describe(call_));
     if (std::chrono::steady_clock::now() > deadline_)
       fail("rank " + std::to_string(group_rank(peer)) + " (on this host) did not take its part in shared-memory " +
-           describe(call_) + " within " + std::to_string(options_.timeout.count()) +
+           describe(call_) + " within the group's timeout of " + std::to_string(options_.timeout.count()) +
            " ms (stopped, hung, or not calling the same collective)");
   }
 }
@@ -403,7 +413,9 @@ std::shared_ptr<SharedBuffer> Domain::allocate(c10d::Store& store, const std::st
       failure = "local rank " + std::to_string(me) + ": rank " + std::to_string(group_rank(p)) + "'s buffer: " + why_not;
     }
   }
-  failure = meet_once_mapped(store, prefix, L, options_.timeout, failure, what);
+  std::vector<std::string> published;
+  for (int p = 0; p < L; ++p) published.push_back(prefix + std::to_string(p));
+  failure = meet_once_mapped(store, prefix, L, options_.timeout, failure, what, published);
   if (!failure.empty()) {
     if (why) *why = failure;
     return nullptr;

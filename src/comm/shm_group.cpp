@@ -56,9 +56,8 @@ void ProcessGroup::setup_shared_memory(const c10::intrusive_ptr<c10d::Store>& gr
   if (hosts.size() > 1) {
     // Rank h of this group is the rank with this local rank on host h: it allreduces shards.
     ProcessGroupOptions across = options_;
-    across.shared_memory(false).group_name(options_.group_name() + "/across-hosts-" + std::to_string(o.local_rank));
-    engine->across = std::make_shared<ProcessGroup>(store_, topology_.host_of_rank[rank_],
-                                                    static_cast<int>(hosts.size()), across);
+    across.shared_memory(false).group_name("across-hosts-" + std::to_string(o.local_rank));
+    engine->across = new_subgroup(topology_.host_of_rank[rank_], static_cast<int>(hosts.size()), across);
   }
   shm_ = std::move(engine);
 }

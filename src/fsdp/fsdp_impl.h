@@ -66,7 +66,13 @@ struct FlatUnit {
   // [S * shard world] fp32 in memory this host's ranks share, where every rank's shard of the unit
   // lies (place_shards_in_shared_memory): gathered by pointing `full` at it. Undefined elsewhere.
   at::Tensor host_full;
-  bool aliases_shard = false;  // kNoShard in fp32: the parameters are views of the shard itself
+  // One rank's unit in fp32 (kNoShard, or a shard group of one): `full` is the shard itself, so a
+  // gather only points the parameters at it.
+  bool aliases_shard = false;
+  // kNoShard in fp32, or nothing to gather: the parameters point at the shard for life. A sharded
+  // unit of one rank is not: its parameters are empty outside its calls as at any world size, so
+  // a call that bypasses forward_unit fails at W=1 as it does at W=2.
+  bool stays_gathered = false;
   State state = State::kSharded;
   FuturePtr gather;         // in flight
   at::Tensor gather_input;  // the low-precision copy of the shard being gathered
@@ -136,7 +142,7 @@ class FsdpImpl {
   std::vector<int> position_in_order;  // unit -> first position in forward_order (-1: never)
   bool backward_queued = false;
   std::shared_ptr<int> alive = std::make_shared<int>(0);  // hooks hold it weakly
-  int gathered_units = 0;  // gathered or gathering, root and aliases excluded
+  int gathered_units = 0;  // gathered or gathering, the root and units that stay gathered excluded
   bool gathers_in_place = false;  // every unit has host_full: each forward begins with a host barrier
   BufferPool pool;
   // The arena autograd's allocations on this thread go to between FSDP's hooks (the unit whose

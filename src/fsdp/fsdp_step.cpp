@@ -41,8 +41,13 @@ class OwnAllocations {
 void FsdpImpl::start_gather(FlatUnit& u) {
   if (u.state != FlatUnit::State::kSharded) return;
   torch::NoGradGuard no_grad;
-  attach_full(u);
   if (u.index != 0) max_gathered = std::max(max_gathered, ++gathered_units);
+  if (u.aliases_shard) {  // the shard is the whole unit
+    u.state = FlatUnit::State::kGathered;
+    point_params_at_full(u);
+    return;
+  }
+  attach_full(u);
   if (u.host_full.defined()) {  // every rank's shard already lies in place
     u.state = FlatUnit::State::kGathered;
     point_params_at_full(u);
@@ -104,7 +109,7 @@ void FsdpImpl::prefetch(int unit) {
 }
 
 void FsdpImpl::reshard(FlatUnit& u) {
-  if (u.aliases_shard || u.state == FlatUnit::State::kSharded) return;
+  if (u.stays_gathered || u.state == FlatUnit::State::kSharded) return;
   if (u.state == FlatUnit::State::kGathering) {
     try {
       wait_gather(u);  // the collective writes into this memory
@@ -112,7 +117,7 @@ void FsdpImpl::reshard(FlatUnit& u) {
     }
   }
   for (auto& fp : u.params) fp.param.set_data(at::empty({0}, on_device(compute_dtype)));
-  detach_full(u);
+  if (!u.aliases_shard) detach_full(u);
   u.state = FlatUnit::State::kSharded;
   if (u.index != 0) --gathered_units;
 }

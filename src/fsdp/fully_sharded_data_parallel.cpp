@@ -170,12 +170,11 @@ void FsdpImpl::make_groups() {
         DDPKIT_CHECK(static_cast<int>(h.size()) == local, "FullyShardedDataParallel: kHybridShard needs the same "
                      "number of ranks on every host; host sizes differ (", h.size(), " vs ", local,
                      "): pass shard_group and replicate_group");
-      ProcessGroupOptions o = pg->options();
-      ProcessGroupOptions within = o, across = o;
-      within.group_name(o.group_name() + "/fsdp-shard-host" + std::to_string(topo.host()));
-      across.group_name(o.group_name() + "/fsdp-replicate-" + std::to_string(topo.local_rank())).shared_memory(false);
-      shard_pg = std::make_shared<ProcessGroup>(pg->store(), topo.local_rank(), local, within);
-      replicate_pg = std::make_shared<ProcessGroup>(pg->store(), topo.host(), topo.hosts(), across);
+      ProcessGroupOptions within = pg->options(), across = pg->options();
+      within.group_name("fsdp-shard-host" + std::to_string(topo.host()));
+      across.group_name("fsdp-replicate-" + std::to_string(topo.local_rank())).shared_memory(false);
+      shard_pg = pg->new_subgroup(topo.local_rank(), local, within);
+      replicate_pg = pg->new_subgroup(topo.host(), topo.hosts(), across);
     }
   }
   if (s == ShardingStrategy::kNoShard) {
@@ -356,6 +355,8 @@ void FsdpImpl::shard_parameters() {
     u.shard.set_requires_grad(u.trainable);
     // Without sharding in fp32, or with nothing to gather, the parameters are views of the shard.
     u.aliases_shard = (shard_world == 1 && compute_dtype == at::kFloat) || u.numel == 0;
+    u.stays_gathered =
+        u.numel == 0 || (u.aliases_shard && options.sharding_strategy() == ShardingStrategy::kNoShard);
     if (u.aliases_shard) {
       u.full = u.shard.detach();
     } else {
@@ -377,7 +378,7 @@ void FsdpImpl::shard_parameters() {
       }
       fp.param.mutable_grad() = at::Tensor();
     }
-    if (u.aliases_shard) {
+    if (u.stays_gathered) {
       u.state = FlatUnit::State::kGathered;
       point_params_at_full(u);
     } else {
@@ -463,7 +464,7 @@ int FsdpImpl::unit_of(const torch::nn::Module& m) const {
 }
 
 bool FsdpImpl::frees_after_forward(const FlatUnit& u) const {
-  if (u.aliases_shard) return false;
+  if (u.stays_gathered) return false;
   if (!at::GradMode::is_enabled()) return true;  // no backward will need it
   if (u.index == 0) return false;                // the root is needed first in backward
   const ShardingStrategy s = options.sharding_strategy();

@@ -329,13 +329,13 @@ int run_trainer_rank(const Setup& s, ProcessGroup& world, const std::string& hoo
   const int rank = world.rank();
   set_compute_threads(s.threads);
   auto store = world.store();
-  auto pg = std::make_shared<ProcessGroup>(
-      store, rank, s.ntrainer,
+  // The trainers are the world's first ranks (servers make no subgroups, so the trainers agree).
+  auto pg = world.new_subgroup(
+      rank, s.ntrainer,
       ProcessGroupOptions().backend(s.backend).timeout(s.timeout).group_name("trainers").gloo_hostname(world.options().gloo_hostname()));
   std::shared_ptr<ProcessGroup> sparse_pg;
   if (hook_name == "hybrid")
-    sparse_pg = std::make_shared<ProcessGroup>(store, rank, s.ntrainer,
-                                               ProcessGroupOptions(pg->options()).backend("gloo").group_name("trainers_sparse"));
+    sparse_pg = world.new_subgroup(rank, s.ntrainer, ProcessGroupOptions(pg->options()).backend("gloo").group_name("trainers_sparse"));
   auto log = std::make_shared<metrics::MetricsLogger>(rank);
   auto client_options = [&](int server, int trainer) {
     return ps::ClientOptions()

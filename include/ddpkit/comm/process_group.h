@@ -148,6 +148,14 @@ class ProcessGroup {
   // and whether allreduce across hosts is hierarchical.
   bool uses_shared_memory() const;
   bool hierarchical() const;
+  // A group of some of this group's ranks, over this group's store (torch.distributed.new_group):
+  // rank `rank` of `world_size`, with `options` as given but named "<this group's name>/<label>.<n>",
+  // where `label` is options.group_name() and n counts the subgroups made from this group so far.
+  // A construction never meets the store keys of another, earlier or later, as when a
+  // FullyShardedDataParallel is built again. The ranks of one subgroup pass the same label, ranks
+  // of different subgroups made in the same call different ones ("host0", "host1"), and each rank
+  // makes this group's subgroups in the same order (as new_group requires), so that they agree on n.
+  std::shared_ptr<ProcessGroup> new_subgroup(int rank, int world_size, ProcessGroupOptions options) const;
   // A zeroed CPU tensor of `numel` elements for this group's allreduce. Where this host's ranks
   // share memory (and the group is on one host) it lives in a segment every local rank maps, so
   // an allreduce that every local rank issues on the same part of its own such tensor (DDP's
@@ -200,6 +208,14 @@ class ProcessGroup {
   // way each rank sends (n-1)/n of its input.
   FuturePtr reduce_scatter(const at::Tensor& output, const at::Tensor& input);
   FuturePtr barrier();
+  // torch.distributed.monitored_barrier, as Gloo runs it: every other rank reports to rank 0,
+  // which waits up to `timeout` in all and then lets them go. A rank that does not come within it
+  // fails rank 0's barrier with "Rank 2 failed to pass monitoredBarrier in T ms" (the first such
+  // rank; with wait_all_ranks each gets `timeout` and all are named: "Ranks 1, 2 failed ..."),
+  // and the others' with "Rank 1 successfully reached monitoredBarrier, but received errors while
+  // waiting for send/recv from rank 0". Gloo point to point, in order with this group's
+  // collectives; Gloo groups only. The future's value is an empty tensor.
+  FuturePtr monitored_barrier(std::chrono::milliseconds timeout, bool wait_all_ranks = false);
   // Runs `job` (see TwoPhaseJob) on the sequencer: phase 1 of the first pieces goes out at once,
   // and as each lands it is reduced and its phase 2 sent while later pieces travel. The future
   // completes with `value` once every piece is decoded; a failure names `what`. Per piece each
@@ -263,6 +279,7 @@ class ProcessGroup {
   void gloo_allgather(const std::vector<at::Tensor>& outputs, const at::Tensor& input, const at::Tensor& value,
                       const FuturePtr& result);
   void gloo_alltoall(const at::Tensor& output, const at::Tensor& input, const FuturePtr& result);
+  void run_monitored_barrier(std::chrono::milliseconds timeout, bool wait_all_ranks);  // on the sequencer
   // Shared memory (src/comm/shm_domain.h): set up at construction, run on the group's shm thread.
   struct Shm;
   void setup_shared_memory(const c10::intrusive_ptr<c10d::Store>& store);
@@ -283,6 +300,7 @@ class ProcessGroup {
   void give_workspace(at::Tensor t);
 
   c10::intrusive_ptr<c10d::Store> store_;
+  mutable std::atomic<int64_t> subgroups_made_{0};  // numbers new_subgroup's names
   int rank_;
   int world_size_;
   ProcessGroupOptions options_;

@@ -112,7 +112,8 @@ struct FullyShardedDataParallelOptions {
   // Start from rank 0's parameters and buffers (broadcast at construction).
   TORCH_ARG(bool, sync_module_states) = true;
   // kHybridShard: the group a unit is sharded over and the group its shards are replicated over.
-  // Unset: this host's ranks, and the ranks with this local rank on every host (equal-sized hosts).
+  // Unset: this host's ranks, and the ranks with this local rank on every host (equal-sized hosts),
+  // made anew for each instance (ProcessGroup::new_subgroup) and gone with it.
   TORCH_ARG(std::shared_ptr<ProcessGroup>, shard_group) = nullptr;
   TORCH_ARG(std::shared_ptr<ProcessGroup>, replicate_group) = nullptr;
 };
