@@ -253,6 +253,56 @@ TEST(DDP, BuiltInAllreduceReducesGradientsWhereTheyLie) {
     for (size_t i = 0; i < 6; ++i) EXPECT_TRUE(at::equal(grads[k][i], grads[k][6 + i])) << "ranks differ, " << i;
 }
 
+TEST(DDP, OneRankLeavesGradientsWhereAutogradPutThem) {
+  // At world size 1 the built-in allreduce is the identity: no copy into the buckets and back,
+  // with or without gradient_as_bucket_view; a hook still sees whole buckets.
+  for (const bool as_view : {false, true}) {
+    spawn_ranks(1, [&](int, std::shared_ptr<ProcessGroup> pg) {
+      auto model = make_mlp(1, {8, 300, 200, 4});
+      auto ref = make_mlp(1, {8, 300, 200, 4});
+      DistributedDataParallel<torch::nn::Sequential> ddp(model, pg,
+                                                         DistributedDataParallelOptions().gradient_as_bucket_view(as_view));
+      const auto params = model->parameters();
+      std::vector<void*> born(params.size(), nullptr);
+      for (size_t i = 0; i < params.size(); ++i)
+        params[i].register_hook([&born, i](const at::Tensor& g) { born[i] = g.data_ptr(); });
+      for (int step = 0; step < 3; ++step) {  // across the bucket rebuild
+        for (auto& p : params) p.mutable_grad() = at::Tensor();
+        for (auto& p : ref->parameters()) p.mutable_grad() = at::Tensor();
+        ddp.forward(batch_for(step, 4)).pow(2).mean().backward();
+        ref->forward(batch_for(step, 4)).pow(2).mean().backward();
+        for (size_t i = 0; i < params.size(); ++i) {
+          EXPECT_EQ(params[i].grad().data_ptr(), born[i]) << "parameter " << i << ", step " << step << ", view " << as_view;
+          EXPECT_TRUE(at::equal(params[i].grad(), ref->parameters()[i].grad())) << "parameter " << i;
+        }
+      }
+    });
+  }
+}
+
+TEST(Reducer, TimesCountEachSynchronizedBackwardAndResetWithTraffic) {
+  spawn_ranks(2, [](int rank, std::shared_ptr<ProcessGroup> pg) {
+    auto model = make_mlp(1, {8, 300, 200, 4});
+    DistributedDataParallel<torch::nn::Sequential> ddp(model, pg, DistributedDataParallelOptions());
+    ddp.register_comm_hook(hooks::noop_hook(), "noop");
+    for (int step = 0; step < 3; ++step) ddp.forward(batch_for(step + rank, 4)).sum().backward();
+    {
+      torch::NoGradGuard no_grad;  // not synchronized: not counted
+      ddp.forward(batch_for(9, 4));
+    }
+    ReducerTimes t = ddp.reducer().times();
+    EXPECT_EQ(t.iterations, 3);
+    EXPECT_GT(t.copy_in_ms, 0);   // the noop hook takes whole buckets: every gradient is copied in
+    EXPECT_GT(t.copy_out_ms, 0);  // and back
+    EXPECT_GE(t.launch_ms, 0);
+    EXPECT_GE(t.wait_ms, 0);
+    ddp.reducer().reset_traffic();
+    t = ddp.reducer().times();
+    EXPECT_EQ(t.iterations, 0);
+    EXPECT_EQ(t.copy_in_ms + t.launch_ms + t.wait_ms + t.copy_out_ms, 0);
+  });
+}
+
 TEST(Hooks, SecondRegistrationIsAnError) {
   spawn_ranks(1, [](int, std::shared_ptr<ProcessGroup> pg) {
     auto model = make_mlp(1);

@@ -9,11 +9,30 @@
 #include <torch/csrc/autograd/variable.h>
 
 #include <algorithm>
+#include <chrono>
 #include <map>
 #include <sstream>
 #include <unordered_set>
 
 namespace ddpkit {
+namespace {
+
+// Adds the milliseconds since construction to *total when it goes.
+class PhaseTimer {
+ public:
+  explicit PhaseTimer(double* total) : total_(total), start_(std::chrono::steady_clock::now()) {}
+  ~PhaseTimer() {
+    *total_ += std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start_).count();
+  }
+  PhaseTimer(const PhaseTimer&) = delete;
+  PhaseTimer& operator=(const PhaseTimer&) = delete;
+
+ private:
+  double* total_;
+  std::chrono::steady_clock::time_point start_;
+};
+
+}  // namespace
 
 // ---- GradBucket ----------------------------------------------------------------------------------
 GradBucket::GradBucket(size_t index, size_t bucket_count, at::Tensor buffer, std::vector<int64_t> offsets,
@@ -158,6 +177,7 @@ Reducer::Reducer(std::vector<at::Tensor> params, std::vector<std::string> names,
                  "' must be a leaf tensor that requires grad");
   }
   divisor_ = at::scalar_tensor(static_cast<double>(pg_->size()), at::kDouble);
+  divisor_value_ = static_cast<double>(pg_->size());
 
   // Initial buckets: reverse registration order approximates gradient-ready order.
   std::vector<size_t> reversed(params_.size());
@@ -225,6 +245,7 @@ std::string Reducer::hook_name() const { return hook_ ? "comm hook '" + hook_nam
 void Reducer::set_divisor(int64_t divisor) {
   DDPKIT_CHECK(divisor >= 1, "gradient divisor must be >= 1, got ", divisor);
   divisor_ = at::scalar_tensor(static_cast<double>(divisor), at::kDouble);
+  divisor_value_ = static_cast<double>(divisor);
 }
 
 void Reducer::build_buckets(const BucketAssignment& assignment) {
@@ -488,14 +509,22 @@ void Reducer::mark_var_ready(size_t var, bool unused) {
   if (!rebuilt_ && !unused) ready_order_.push_back(var);
   const auto [b, slot] = locator_[var];
   Bucket& bucket = buckets_[b];
+  {
+    PhaseTimer timer(&times_.copy_in_ms);
+    place_gradient(bucket, slot, var, !unused && params_[var].grad().defined());
+  }
+  if (--bucket.pending == 0) launch_ready_buckets();
+}
+
+// Puts var's gradient where its bucket's launch will find it: its slot (scaled on the no-hook
+// path), its own memory (summed where it lies), or nowhere (the identity reduction).
+void Reducer::place_gradient(Bucket& bucket, size_t slot, size_t var, bool has_grad) {
   at::Tensor& param = params_[var];
   const at::Tensor& grad = param.grad();
-  const bool has_grad = !unused && grad.defined();
-
   if (bucket.sparse) {
     if (has_grad) {
       DDPKIT_CHECK(grad.is_sparse(), "parameter '", names_[var], "' was expected to produce a sparse gradient");
-      bucket.buffer = hook_ ? grad : grad.div(divisor_.item<double>());
+      bucket.buffer = hook_ || divisor_value_ == 1 ? grad : grad.div(divisor_value_);
     } else {
       bucket.buffer = sparse_zeros_like(param);
     }
@@ -504,7 +533,10 @@ void Reducer::mark_var_ready(size_t var, bool unused) {
                  "' produced a sparse gradient; DistributedDataParallel detects sparse Embedding/EmbeddingBag "
                  "modules, or pass expect_sparse_gradients");
     at::Tensor& view = bucket.views[slot];
-    if (reduces_gradients_in_place(bucket)) {
+    if (reduction_is_identity()) {
+      // Left where it lies (a view of the bucket or not); finalize_backward gives a used
+      // parameter without one zeros.
+    } else if (reduces_gradients_in_place(bucket)) {
       // The gradient is reduced where it lies (ProcessGroup::allreduce_parts); one that cannot be
       // (another layout or dtype, or part of a graph), or none, goes through its view.
       if (bucket.parts.empty()) bucket.parts.resize(bucket.vars.size());
@@ -524,9 +556,9 @@ void Reducer::mark_var_ready(size_t var, bool unused) {
     } else {
       const bool is_view = grad.data_ptr() == view.data_ptr() && grad.strides() == view.strides();
       if (is_view) {
-        if (!hook_) view.div_(divisor_);
+        if (!hook_ && divisor_value_ != 1) view.div_(divisor_);
       } else {
-        if (hook_) {
+        if (hook_ || divisor_value_ == 1) {
           view.copy_(grad);
         } else {
           at::div_out(view, grad, divisor_);
@@ -535,18 +567,20 @@ void Reducer::mark_var_ready(size_t var, bool unused) {
       }
     }
   }
-  if (--bucket.pending == 0) launch_ready_buckets();
 }
 
 bool Reducer::reduces_gradients_in_place(const Bucket& bucket) const {
   return bucket.in_place && !hook_ && !options_.gradient_as_bucket_view;
 }
 
+bool Reducer::reduction_is_identity() const { return pg_->size() == 1 && !hook_ && divisor_value_ == 1; }
+
 void Reducer::launch_ready_buckets() {
   while (next_bucket_ < buckets_.size() && buckets_[next_bucket_].pending == 0) launch_bucket(next_bucket_++);
 }
 
 void Reducer::launch_bucket(size_t index) {
+  PhaseTimer timer(&times_.launch_ms);
   Bucket& bucket = buckets_[index];
   TrafficScope traffic(static_cast<int64_t>(index));  // this bucket's collectives count towards it
   if (!bucket.sparse) {
@@ -562,6 +596,10 @@ void Reducer::launch_bucket(size_t index) {
     return;
   }
   if (!hook_) {
+    if (reduction_is_identity()) {
+      bucket.future = completed_future(bucket.buffer);  // nothing to sum, nothing to scale
+      return;
+    }
     bucket.future = pg_->allreduce(bucket.buffer);
     return;
   }
@@ -616,21 +654,34 @@ void Reducer::finalize_backward() {
                  ". If some parameters are unused in forward, construct DistributedDataParallel with "
                  "find_unused_parameters(true); make sure the loss depends on all forward outputs");
   }
-  if (used_map_future_) apply_used_map();
+  if (used_map_future_) {
+    PhaseTimer timer(&times_.wait_ms);
+    apply_used_map();
+  }
   try {
     for (size_t b = 0; b < buckets_.size(); ++b) {
       Bucket& bucket = buckets_[b];
-      at::Tensor result = wait_bucket(b);
+      at::Tensor result;
+      {
+        PhaseTimer timer(&times_.wait_ms);
+        result = wait_bucket(b);
+      }
+      PhaseTimer timer(&times_.copy_out_ms);
       if (bucket.sparse) {
         if (!globally_unused_[bucket.vars.front()]) params_[bucket.vars.front()].mutable_grad() = result;
         continue;
       }
       const at::Tensor flat = result.reshape({-1});
       const bool in_place = result.data_ptr() == bucket.buffer.data_ptr();
+      const bool stayed_put = reduction_is_identity();
       for (size_t slot = 0; slot < bucket.vars.size(); ++slot) {
         const size_t var = bucket.vars[slot];
         if (globally_unused_[var]) continue;  // keeps no gradient, as in PyTorch
         at::Tensor& grad = params_[var].mutable_grad();
+        if (stayed_put) {
+          if (!grad.defined()) grad = at::zeros_like(params_[var], at::MemoryFormat::Contiguous);
+          continue;
+        }
         if (!bucket.parts.empty() && bucket.parts[slot].data_ptr() != bucket.views[slot].data_ptr())
           continue;  // the gradient itself was reduced
         if (options_.gradient_as_bucket_view) {
@@ -655,6 +706,7 @@ void Reducer::finalize_backward() {
   }
   reset_iteration_state();
   ++iterations_;
+  ++times_.iterations;
   if (!rebuilt_) rebuild_pending_ = true;
 }
 
@@ -689,7 +741,13 @@ void Reducer::shadow_backward() {
 void Reducer::reset_traffic() {
   std::lock_guard<std::mutex> lock(mutex_);
   allreduce_bytes_.clear();
+  times_ = ReducerTimes{};
   pg_->reset_stats();
+}
+
+ReducerTimes Reducer::times() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return times_;
 }
 
 std::vector<BucketTraffic> Reducer::bucket_traffic() const {

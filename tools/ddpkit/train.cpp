@@ -7,6 +7,7 @@
 #include <ddpkit/runtime/divergence_guard.h>
 
 #include <ATen/CPUGeneratorImpl.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -18,6 +19,16 @@
 
 namespace ddpkit {
 namespace cli {
+namespace {
+
+// This process's minor page faults so far (each step's count goes in the JSON summary).
+int64_t minor_page_faults() {
+  rusage usage{};
+  getrusage(RUSAGE_SELF, &usage);
+  return static_cast<int64_t>(usage.ru_minflt);
+}
+
+}  // namespace
 
 const char* kTrainUsage = R"(usage: ddpkit train [flags]
 
@@ -450,7 +461,7 @@ int run_train(const std::vector<std::string>& args, const std::vector<std::strin
   // Every rank checks the loss every 20 steps, together: a diverged run stops with advice.
   std::unique_ptr<DivergenceGuard> guard;
   if (!f.on("no-divergence-guard")) guard = std::make_unique<DivergenceGuard>(pg);
-  std::vector<double> step_ms, forward_ms, backward_ms, optimizer_ms;
+  std::vector<double> step_ms, forward_ms, backward_ms, optimizer_ms, minor_faults;
   int64_t tuned_from = -1;  // first step after online tuning (-1: none, or not finished)
   double accuracy = -1, test_loss = -1, last_loss = 0;
   const int64_t first_step = step;
@@ -472,6 +483,7 @@ int run_train(const std::vector<std::string>& args, const std::vector<std::strin
       auto ms_between = [](clock::time_point a, clock::time_point b) {
         return std::chrono::duration<double, std::milli>(b - a).count();
       };
+      const int64_t faults_before = minor_page_faults();
       const auto t0 = clock::now();
       // Set-to-none (PyTorch 2.x's default): autograd then hands over each new gradient instead of
       // zeroing and accumulating into the old one, saving two passes over all gradients.
@@ -490,6 +502,7 @@ int run_train(const std::vector<std::string>& args, const std::vector<std::strin
       forward_ms.push_back(ms_between(t0, t1));
       backward_ms.push_back(ms_between(t1, t2));
       optimizer_ms.push_back(ms_between(t2, t3));
+      minor_faults.push_back(static_cast<double>(minor_page_faults() - faults_before));
       const double ms = ms_between(t0, t3);
       step_ms.push_back(ms);
       // This step ran with the choice online tuning made at its forward: steady state from here.
@@ -561,6 +574,7 @@ int run_train(const std::vector<std::string>& args, const std::vector<std::strin
     r.forward_ms = forward_ms;
     r.backward_ms = backward_ms;
     r.optimizer_ms = optimizer_ms;
+    r.minor_faults = minor_faults;
     r.tuned_from = tuned_from;
     r.traffic = traffic;
     r.shared_memory = pg && pg->uses_shared_memory() ? (pg->hierarchical() ? "hierarchical" : "host") : "";
@@ -571,6 +585,7 @@ int run_train(const std::vector<std::string>& args, const std::vector<std::strin
       if (!ddp->online_tuning().trials.empty()) std::cerr << tuning_table(ddp->online_tuning());
       r.bucket_cap_mb = static_cast<double>(ddp->reducer().bucket_cap()) / (1 << 20);
       r.tuning = &ddp->online_tuning();
+      r.reducer = ddp->reducer().times();
     }
     r.accuracy = accuracy;
     if (model.language_model && test_loss >= 0) r.test_perplexity = std::exp(test_loss);

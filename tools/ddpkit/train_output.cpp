@@ -122,7 +122,16 @@ std::string report_json(const TrainReport& r) {
   if (r.test_perplexity >= 0) js << std::setprecision(4) << r.test_perplexity; else js << "null";
   js << ", \"final_loss\": " << std::setprecision(4) << r.final_loss << ", \"median_forward_ms\": "
      << std::setprecision(3) << median(r.forward_ms) << ", \"median_backward_ms\": " << median(r.backward_ms)
-     << ", \"median_optimizer_ms\": " << median(r.optimizer_ms) << ", \"optimizer\": \"" << r.optimizer
+     << ", \"median_optimizer_ms\": " << median(r.optimizer_ms) << ", \"median_minor_faults_per_step\": "
+     << std::setprecision(0) << median(r.minor_faults) << std::setprecision(3) << ", \"reducer_ms_per_step\": ";
+  if (r.reducer.iterations > 0) {
+    const double n = static_cast<double>(r.reducer.iterations);
+    js << "{\"copy_in\": " << r.reducer.copy_in_ms / n << ", \"launch\": " << r.reducer.launch_ms / n
+       << ", \"wait\": " << r.reducer.wait_ms / n << ", \"copy_out\": " << r.reducer.copy_out_ms / n << "}";
+  } else {
+    js << "null";
+  }
+  js << ", \"optimizer\": \"" << r.optimizer
      << "\", \"zero\": \"" << r.zero << "\", \"optimizer_state_bytes\": " << r.optimizer_state_bytes
      << ", \"model\": \"" << r.model << "\", \"fsdp\": \"" << r.fsdp << "\", \"peak_rss_bytes\": " << r.peak_rss_bytes
      << ", \"resumed_from_step\": ";

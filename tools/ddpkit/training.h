@@ -217,6 +217,8 @@ struct TrainReport {
   int64_t steps = 0, steps_run = 0;  // the step reached; the steps this process ran
   double train_seconds = 0;
   std::vector<double> step_ms, forward_ms, backward_ms, optimizer_ms;
+  std::vector<double> minor_faults;  // per step, this rank's minor page faults
+  ReducerTimes reducer;              // DDP: rank 0's Reducer, summed over the steps run
   int64_t tuned_from = -1;  // first step under online tuning's choice (-1: none)
   CommStats traffic;
   double compression_ratio = 0;

@@ -45,6 +45,16 @@ struct BucketTraffic {
   }
 };
 
+// Where one rank's Reducer spent its time, summed over the synchronized backward passes since
+// construction or reset_traffic(): what DDP adds to a backward beyond autograd's own work.
+struct ReducerTimes {
+  int64_t iterations = 0;
+  double copy_in_ms = 0;    // gradients into bucket slots (and the no-hook path's scaling)
+  double launch_ms = 0;     // issuing each bucket: the comm hook's call, or the built-in allreduce
+  double wait_ms = 0;       // end of backward: waiting for the buckets' results
+  double copy_out_ms = 0;   // end of backward: results into .grad
+};
+
 class Reducer {
  public:
   // params: leaf tensors that require grad; names: for error messages; expect_sparse: per param.
@@ -98,8 +108,9 @@ class Reducer {
   // Bytes per bucket of the current assignment (keys = bucket index in the process group's
   // TrafficScope accounting).
   std::vector<BucketTraffic> bucket_traffic() const;
-  // Zeroes the counters above and the process group's stats.
+  // Zeroes the counters above, times() and the process group's stats.
   void reset_traffic();
+  ReducerTimes times() const;
 
  private:
   struct Bucket {
@@ -122,9 +133,13 @@ class Reducer {
   void autograd_hook(size_t var);
   void on_backward_start();
   void mark_var_ready(size_t var, bool unused);
+  void place_gradient(Bucket& bucket, size_t slot, size_t var, bool has_grad);
   void launch_ready_buckets();
   void launch_bucket(size_t index);
   bool reduces_gradients_in_place(const Bucket& bucket) const;
+  // One rank, no hook, divisor 1: the built-in allreduce would hand every gradient back as it is,
+  // so gradients stay where autograd put them (no copy into the bucket and back).
+  bool reduction_is_identity() const;
   void finalize_backward();
   void apply_used_map();  // waits for the used-map allreduce; records globally unused parameters
   void reset_iteration_state();
@@ -157,6 +172,7 @@ class Reducer {
   FuturePtr used_map_future_;
   at::Tensor used_map_;
   at::Tensor divisor_;                  // 0-dim, for the no-hook path
+  double divisor_value_ = 1;            // the same, as a number
 
   // Across iterations.
   int64_t iterations_ = 0;
@@ -167,6 +183,7 @@ class Reducer {
   std::vector<bool> globally_unused_;   // from the last used-map allreduce
   bool static_unused_known_ = false;
   std::vector<uint64_t> allreduce_bytes_;  // per bucket index
+  ReducerTimes times_;
   // Where the built-in allreduce reduces gradients in place: memory they are born in, which
   // every local rank maps (made at the first forward; dropped when a hook is registered).
   std::shared_ptr<GradientArena> arena_;
