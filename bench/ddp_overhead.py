@@ -23,11 +23,12 @@ runs under the same environment: ddpkit's own allocator settings, and OPENBLAS_C
 (set it: OpenBLAS may not recognise a new CPU).
 """
 import argparse
-import json
 import os
 import statistics
 import subprocess
 import sys
+
+from pytorch_peer import last_json
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -41,13 +42,6 @@ CONFIGS = {
 }
 PHASES = ["median_step_ms", "median_forward_ms", "median_backward_ms", "median_optimizer_ms",
           "median_minor_faults_per_step"]
-
-
-def last_json(text):
-    for line in reversed(text.strip().splitlines()):
-        if line.strip().startswith("{"):
-            return json.loads(line)
-    return None
 
 
 def run(binary, name, args):

@@ -19,25 +19,16 @@ without DDP, two processes side by side as the two ranks run: the floor a DDP st
 this machine, which splits a ratio into what DDP costs and what the training loop costs.
 """
 import argparse
-import json
 import os
 import statistics
 import subprocess
 import sys
 
-from pytorch_peer import PEER_ENV, fused_cpu_sgd_available, torch_version_or_exit
+from pytorch_peer import PEER_ENV, fused_cpu_sgd_available, last_json, torch_version_or_exit
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 HOOKS = ["local", "local-pair", "none", "allreduce", "fp16", "bf16", "noop"]
-
-
-def last_json(text):
-    for line in reversed(text.strip().splitlines()):
-        line = line.strip()
-        if line.startswith("{"):
-            return json.loads(line)
-    return None
 
 
 def ddpkit_torch(binary):

@@ -1,5 +1,6 @@
-"""What the side-by-side benchmarks need to run PyTorch as a fair peer (imported by
-ddp_vs_pytorch.py and ps_vs_pytorch.py, which run from this folder)."""
+"""What the side-by-side benchmarks need to run PyTorch as a fair peer, and to read the runs
+(imported by the bench scripts, which run from this folder)."""
+import json
 import os
 import subprocess
 import sys
@@ -8,6 +9,14 @@ import sys
 # 13's 2.6), so limit it as ddpkit::set_compute_threads does; and Debian's 2.6 is built without
 # libuv, which torch.distributed's TCPStore asks for unless USE_LIBUV=0.
 PEER_ENV = dict(os.environ, OPENBLAS_NUM_THREADS="1", USE_LIBUV="0")
+
+
+def last_json(text):
+    """The last line of a run's output that is a JSON object (`ddpkit train`'s summary), or None."""
+    for line in reversed(text.strip().splitlines()):
+        if line.strip().startswith("{"):
+            return json.loads(line)
+    return None
 
 
 def torch_version_or_exit():

@@ -15,11 +15,12 @@ Targets (issue 4): state per rank <= 1/world + 5% of the unsharded state; overla
 non-overlapped step.
 """
 import argparse
-import json
 import os
 import statistics
 import subprocess
 import sys
+
+from pytorch_peer import last_json
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -36,13 +37,6 @@ CONFIGS = [
     ("pytorch ddp+adam", None),
     ("pytorch zero1", None),
 ]
-
-
-def last_json(text):
-    for line in reversed(text.strip().splitlines()):
-        if line.strip().startswith("{"):
-            return json.loads(line)
-    return None
 
 
 def run(name, extra, args):
