@@ -108,7 +108,7 @@ def main():
         print(row)
     ddp = [n for n in names if runs[n][0]["reducer"]]
     if ddp:
-        print("\nDDP's Reducer, ms per step (rank 0; median over reps): copy_in = gradients into bucket slots, "
+        print("\nDDP's Reducer, ms per step (rank 0: its median step; median over reps): copy_in = gradients into bucket slots, "
               "launch = issuing buckets (hook call or built-in allreduce), wait = end of backward until every "
               "bucket's result is in, copy_out = results into .grad")
         print(f"{'config':<11}{'copy_in':>9}{'launch':>9}{'wait':>9}{'copy_out':>10}")

@@ -467,6 +467,8 @@ int run_train(const std::vector<std::string>& args, const std::vector<std::strin
   const int64_t first_step = step;
   double train_seconds = 0;
   if (ddp) ddp->reducer().reset_traffic();
+  std::vector<ReducerTimes> reducer_steps;  // each step's Reducer time: the report takes medians
+  ReducerTimes reducer_so_far;
   for (int epoch = static_cast<int>(start_epoch); epoch < run_epochs && step < total_steps; ++epoch) {
     // DistributedSampler: one permutation for all ranks (same seed), rank r takes r, r+W, ...
     auto gen = at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(f.integer("seed")) * 1000 + epoch);
@@ -503,6 +505,13 @@ int run_train(const std::vector<std::string>& args, const std::vector<std::strin
       backward_ms.push_back(ms_between(t1, t2));
       optimizer_ms.push_back(ms_between(t2, t3));
       minor_faults.push_back(static_cast<double>(minor_page_faults() - faults_before));
+      if (ddp) {
+        const ReducerTimes now = ddp->reducer().times();
+        reducer_steps.push_back({now.iterations - reducer_so_far.iterations, now.copy_in_ms - reducer_so_far.copy_in_ms,
+                                 now.launch_ms - reducer_so_far.launch_ms, now.wait_ms - reducer_so_far.wait_ms,
+                                 now.copy_out_ms - reducer_so_far.copy_out_ms});
+        reducer_so_far = now;
+      }
       const double ms = ms_between(t0, t3);
       step_ms.push_back(ms);
       // This step ran with the choice online tuning made at its forward: steady state from here.
@@ -585,7 +594,7 @@ int run_train(const std::vector<std::string>& args, const std::vector<std::strin
       if (!ddp->online_tuning().trials.empty()) std::cerr << tuning_table(ddp->online_tuning());
       r.bucket_cap_mb = static_cast<double>(ddp->reducer().bucket_cap()) / (1 << 20);
       r.tuning = &ddp->online_tuning();
-      r.reducer = ddp->reducer().times();
+      r.reducer = reducer_steps;
     }
     r.accuracy = accuracy;
     if (model.language_model && test_loss >= 0) r.test_perplexity = std::exp(test_loss);

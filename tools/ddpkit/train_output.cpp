@@ -124,10 +124,17 @@ std::string report_json(const TrainReport& r) {
      << std::setprecision(3) << median(r.forward_ms) << ", \"median_backward_ms\": " << median(r.backward_ms)
      << ", \"median_optimizer_ms\": " << median(r.optimizer_ms) << ", \"median_minor_faults_per_step\": "
      << std::setprecision(0) << median(r.minor_faults) << std::setprecision(3) << ", \"reducer_ms_per_step\": ";
-  if (r.reducer.iterations > 0) {
-    const double n = static_cast<double>(r.reducer.iterations);
-    js << "{\"copy_in\": " << r.reducer.copy_in_ms / n << ", \"launch\": " << r.reducer.launch_ms / n
-       << ", \"wait\": " << r.reducer.wait_ms / n << ", \"copy_out\": " << r.reducer.copy_out_ms / n << "}";
+  if (!r.reducer.empty()) {
+    // Medians over steps, like the phases above: the first steps' one-time costs (buckets' first
+    // touch, the rebuild) do not stand for every step.
+    auto med = [&](double ReducerTimes::*field) {
+      std::vector<double> v;
+      for (const auto& t : r.reducer) v.push_back(t.*field);
+      return median(v);
+    };
+    js << "{\"copy_in\": " << med(&ReducerTimes::copy_in_ms) << ", \"launch\": " << med(&ReducerTimes::launch_ms)
+       << ", \"wait\": " << med(&ReducerTimes::wait_ms) << ", \"copy_out\": " << med(&ReducerTimes::copy_out_ms)
+       << "}";
   } else {
     js << "null";
   }

@@ -218,7 +218,7 @@ struct TrainReport {
   double train_seconds = 0;
   std::vector<double> step_ms, forward_ms, backward_ms, optimizer_ms;
   std::vector<double> minor_faults;  // per step, this rank's minor page faults
-  ReducerTimes reducer;              // DDP: rank 0's Reducer, summed over the steps run
+  std::vector<ReducerTimes> reducer;  // DDP: rank 0's Reducer, each step's own times
   int64_t tuned_from = -1;  // first step under online tuning's choice (-1: none)
   CommStats traffic;
   double compression_ratio = 0;
