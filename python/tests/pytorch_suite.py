@@ -20,6 +20,7 @@ with --compare-gloo on a test that passes on Gloo but not on ddpkit (KNOWN ones 
 import argparse
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -140,10 +141,13 @@ def _setup_environment(args):
     os.environ["BACKEND"] = "gloo"  # what the suite gates on (see the module's doc)
     os.environ["WORLD_SIZE"] = str(args.world)
     os.environ[_SUITE_BACKEND] = args.backend
-    os.environ.setdefault("TEMP_DIR", tempfile.mkdtemp(prefix="ddpkit-suite-"))
+    made = None
+    if "TEMP_DIR" not in os.environ:
+        made = os.environ["TEMP_DIR"] = tempfile.mkdtemp(prefix="ddpkit-suite-")
     os.environ.setdefault(_SUITE_LOG, os.path.join(os.environ["TEMP_DIR"], "groups.log"))
     os.environ["USE_LIBUV"] = "0"  # Debian's 2.6 has no libuv TCPStore
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    return made
 
 
 def _suite_classes():
@@ -218,7 +222,15 @@ def main():
     args = p.parse_args()
     if args.world < 2:
         p.error(f"--world must be at least 2, got {args.world}")
-    _setup_environment(args)
+    made = _setup_environment(args)
+    try:
+        return _run(args)
+    finally:
+        if made:  # the suite's files and the group log are this run's; nothing is left in /tmp
+            shutil.rmtree(made, ignore_errors=True)
+
+
+def _run(args):
     _use_shims_where_missing()
     open(os.environ[_SUITE_LOG], "w").close()
     global TestDistBackendWithSpawn
@@ -259,11 +271,13 @@ def gloo_passes(args):
     env = {k: v for k, v in os.environ.items() if k not in ("TEMP_DIR", _SUITE_LOG, _SUITE_BACKEND)}
     print("pytorch_suite: the same tests on Gloo first:", " ".join(cmd[1:]), flush=True)
     import subprocess
-    log = os.path.join(os.environ["TEMP_DIR"], "gloo-run.log")  # this run's TEMP_DIR, kept
+    log = os.path.join(os.environ["TEMP_DIR"], "gloo-run.log")
     with open(log, "w") as f:
         subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT)
     if not os.path.exists(out):
-        raise SystemExit(f"pytorch_suite: the Gloo run wrote no results; its output: {log}")
+        with open(log) as f:
+            tail = f.read()[-4000:]
+        raise SystemExit(f"pytorch_suite: the Gloo run wrote no results; the end of its output:\n{tail}")
     with open(out) as f:
         gloo = json.load(f)
     counts = gloo["counts"]
