@@ -380,6 +380,7 @@ TEST(Processes, StepBarrierHoldsEveryPartyUntilTheLastArrives) {
     std::string rest;
     std::getline(in >> std::ws, rest);
     errors.push_back(rest);
+    std::remove((prefix + std::to_string(r)).c_str());
   }
   for (int k = 0; k < kBarrierRounds; ++k) {
     double last_arrival = 0, first_departure = 1e300;
