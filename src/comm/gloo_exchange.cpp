@@ -1,9 +1,8 @@
 // Allgather and alltoall on Gloo as point-to-point messages: every block a rank sends or receives
-// is one message per peer, all posted at once. Gloo's own alltoall moved the same bytes at half the
-// rate of a 1 Gbit/s link shaped with tc tbf between two namespaces (8 MiB a rank: 124-131 ms
-// against 71 ms at the link's rate, which isend/irecv reach: 73 ms), and 30 % slower than
-// isend/irecv on loopback (64 MiB a rank: 54 against 39 ms). FSDP's gathers and reduce-scatters,
-// ZeRO's, and the torch.distributed backend's all ride on these between hosts.
+// is one message per peer, all posted at once. Gloo's own alltoall goes round by round and
+// reached about half a shaped link's rate, where these reach the link's rate
+// (bench/exchange_bench.py, bench/results/gloo-exchange-2026-11-26.txt). FSDP's gathers and
+// reduce-scatters, ZeRO's, and the torch.distributed backend's all ride on these between hosts.
 #include <ddpkit/comm/process_group.h>
 
 #include "job_thread.h"

@@ -256,8 +256,7 @@ Comm powersgd_bucket(const ModelProfile& model, const Bucket& b, int r, const Ne
   // The hook works a matrix in cache-sized blocks of rows: last step's error is added to a block
   // the first product then reads from cache, and the third product's block is written back to
   // the bucket and subtracted into the new error from cache. Beyond the products, one pass over
-  // the compressed matrices (bench/powersgd_passes.py, 4096 x 4096 at rank 4: 56-59 ms in all,
-  // of which the products at the calibrated rate are 41).
+  // the compressed matrices (bench/powersgd_passes.py times the hook's passes alone).
   total.cpu_ms += products_ms + net.flops_ms(flops) + net.copy_ms(compressed);
   if (plain > 0) total += net.collective(Op::kAllreduce, plain);
   if (p_bytes > 0) total += net.collective(Op::kAllreduce, p_bytes);

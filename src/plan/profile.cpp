@@ -52,7 +52,8 @@ struct StepTimes {
 struct StepRun {
   int warmup = 0, steps = 0;
   // More steps than `steps` where they are short: the timed ones then span this long at least
-  // (8 steps of a 4 ms model were 32 ms of a VM whose slow spells last longer).
+  // (a few steps of a small model would sample one moment of a machine whose slow spells last
+  // longer).
   double min_timed_ms = 0;
   bool record_ready = false;
   std::function<void()> after_backward;  // ProfileOptions::after_backward
@@ -382,7 +383,7 @@ MachineConstants calibrate_machine(int world) {
           // computing meanwhile, not streaming. (Timed with every rank at once, the rate was
           // 5 GFLOP/s and PowerSGD's step came out 36 % over the measured one.)
           // At rank 4 (powerSGD_hook's default) and 32 (batched_powerSGD_hook's): per flop, the
-          // second runs about 4x faster here, so one rate cannot stand for both.
+          // second runs several times faster, so one rate cannot stand for both.
           sync();
           if (r == 0) {
             at::Tensor mat = at::rand({4096, 4096});
@@ -454,9 +455,8 @@ MachineConstants calibrate_machine(int world) {
           add(6, part * b, [&] { ProcessGroup::wait(shm->alltoall(out, f)); });
         }
         // Gloo's latency: the mean of back-to-back small allreduces, not a median after a barrier.
-        // A step pays every collective's wait, and on this VM about one in five waits a scheduler
-        // tick (4 ms) for a rank's thread to run again: a 4 KB allreduce's median was 0.5 ms, its
-        // mean 1.7-2.2 ms.
+        // A step pays every collective's wait, including the ones that wait a scheduler tick for
+        // a rank's thread to run again, which a median leaves out.
         at::Tensor small = at::ones({1024});
         for (int i = 0; i < 10; ++i) ProcessGroup::wait(tcp->allreduce(small));
         sync();

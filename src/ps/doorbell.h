@@ -7,8 +7,8 @@
 // learns the other is gone), carries everything that does not fit a mailbox, and carries all
 // traffic between hosts.
 //
-// Why: on one host a gRPC unary call costs 0.3-0.5 ms of thread hand-offs and epoll between
-// three processes on this VM's two cores, most of a 1 MB round; a futex wake is one hand-off.
+// Why: on one host a gRPC unary call costs several thread hand-offs and an epoll wake-up, more
+// than a 1 MB round's memory traffic; a futex wake is one hand-off.
 //
 // A mailbox goes Empty -> Request (trainer) -> Taken -> Reply (server) -> Empty (trainer). The
 // trainer's deadline is its own: when it passes, the call fails there with DEADLINE_EXCEEDED,

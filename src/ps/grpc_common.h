@@ -27,8 +27,8 @@ inline void hold_grpc_runtime() {
 
 // HTTP/2 settings for multi-megabyte messages, applied to both ends (`set(name, value)`):
 // gRPC's defaults (16 KB frames, a 64 KB initial window grown by BDP probing) cap a loopback
-// connection well below memory bandwidth for gradient-sized messages (16 MB rounds between two
-// trainers and a server: 45 ms with the defaults, 33 ms with these; build/ps_server_bench).
+// connection well below memory bandwidth for gradient-sized messages (build/ps_server_bench
+// compares).
 template <typename Set>
 void apply_bulk_transport_args(Set&& set) {
   set(GRPC_ARG_HTTP2_MAX_FRAME_SIZE, 16 * 1024 * 1024 - 1);

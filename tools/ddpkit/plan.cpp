@@ -385,9 +385,8 @@ plan::ModelProfile profile_job(const Flags& f, const std::vector<std::string>& a
   // cores costs more than their ratio (caches, switches), so it is measured rather than scaled.
   // A host with more cores than this machine: only as many as its cores are busy.
   // Hosts on this machine: every host's ranks compute here at once, as many as its cores hold
-  // (time-sharing beyond them the cost model scales by --cores-per-host). Measured on the
-  // transformer: one replica alone 296 ms a step, two in lockstep 310-320, the job in two
-  // namespaces 357-365.
+  // (time-sharing beyond them the cost model scales by --cores-per-host): replicas that share a
+  // machine's caches and memory bandwidth step slower than one alone.
   const int cores = job.cores_per_host > 0 ? job.cores_per_host : machine_cores;
   const int fill = job.hosts_on_this_machine || cores > machine_cores ? std::max(1, machine_cores / job.threads)
                                                                         : job.ranks_per_host();

@@ -72,8 +72,8 @@ struct MachineConstants {
   double cast_gbyte_per_s = 5;      // fp32 -> fp16/bf16 and back, per fp32 byte
   double int8_gbyte_per_s = 2;      // int8 block quantize + dequantize-and-sum, per fp32 byte
   // ATen's division of a float16 tensor, per fp32 byte: allreduce_hook's div_ of the bucket that
-  // fp16_compress_wrapper hands it (libtorch 1.13 divides float16 an element at a time on the CPU:
-  // 8x slower than bf16's here).
+  // fp16_compress_wrapper hands it (libtorch 1.13 divides float16 an element at a time on the CPU,
+  // unlike bfloat16, so it has a rate of its own).
   double fp16_div_gbyte_per_s = 5;
   // PyTorch's quantization hooks' uint8 codec (ATen operations), per fp32 byte: the parameters and
   // codes of one bucket, and one rank's part decoded into the sum (a bucket decodes world parts).

@@ -43,9 +43,8 @@ struct ProfileOptions {
 
 // The replicas of a profile stepping together as a job's ranks do (ProfileOptions::after_backward):
 // their optimizer steps start at once, and so, nearly, do their forwards. Memory-bound phases
-// then contend with each other as they will in the job: replicas left to drift apart timed
-// mlp25's optimizer step at 12-14 ms where the job's ranks took 18-20; in lockstep, 17-19
-// (docs/plan.md).
+// then contend with each other as they will in the job; replicas left to drift apart time those
+// phases faster than the job runs them.
 // A barrier in memory the processes share (an unnamed memfd, found through /proc).
 class StepBarrier {
  public:

@@ -35,16 +35,16 @@ AllocatorTuning tune_allocator_for_training(std::size_t threshold_bytes = std::s
 // Compute threads: at::set_num_threads(n), and the same limit for OpenBLAS's own thread pool when
 // OpenBLAS is loaded. libtorch passes the limit on to OpenBLAS only when it was built against
 // OpenBLAS itself; Debian 13's libtorch 2.6 links the generic libblas.so.3 (OpenBLAS behind the
-// alternatives), so every rank kept one BLAS thread per core and 2 ranks on 2 cores ran a DDP step
-// 2.5x slower (351 vs 142 ms, MLP 1024-4096-4096-1024). Use this instead of at::set_num_threads.
+// alternatives), so every rank would keep one BLAS thread per core and ranks sharing a host would
+// oversubscribe its cores. Use this instead of at::set_num_threads.
 // Returns true when OpenBLAS was found and limited too.
 bool set_compute_threads(int n);
 
 // Empty, or advice when the OpenBLAS behind libtorch did not recognise this CPU and fell back to its
-// generic Prescott (SSE3) kernels although the CPU has AVX2/AVX-512: Debian 12's OpenBLAS 0.3.21 on
-// a family 6 model 207 Xeon did, and its matrix products ran 2.6x slower than with
-// OPENBLAS_CORETYPE=SkylakeX (forward of an MLP 1024-4096-4096-1024 at batch 64: 124 vs 36 ms).
-// OpenBLAS reads that variable when it loads, so only a new process can take it.
+// generic Prescott (SSE3) kernels although the CPU has AVX2/AVX-512 (Debian 12's OpenBLAS 0.3.21
+// does so on CPUs newer than it): matrix products then run several times slower. The advice names
+// the OPENBLAS_CORETYPE to set; OpenBLAS reads that variable when it loads, so only a new process
+// can take it.
 std::string blas_kernel_advice();
 
 // The median of `values` (the mean of the middle two for an even count); 0 when there are none.
