@@ -12,10 +12,13 @@ thresholds pinned to 1 GiB on every side (MALLOC_MMAP_THRESHOLD_/MALLOC_TRIM_THR
 ddpkit's own tuning also sets). Memory is the largest rank's high-water mark (VmHWM, the
 `peak_rss_bytes` of the JSON line): the process floor (libtorch, the data) is in every row, so the
 ratios understate what sharding saves on the model state itself. VmHWM also counts shared memory a
-rank only reads (FSDP's shards, DDP's gradient arena: every rank maps its peers'), so as root each
-rank runs in a memory cgroup of its own and "charged MB" is the largest rank's peak of memory the
-kernel charged it (a shared page counts once, for its first toucher): the per-rank figure to
-compare. Each FSDP layer is a unit.
+rank only reads (FSDP's shards, DDP's gradient arena: every rank maps its peers') and libtorch's
+code in every rank, so the rows also give "pss MB", the ranks' mean peak with every page counted
+once across the host's processes (`mean_peak_pss_bytes` of `ddpkit train`'s JSON, the figure for
+comparing strategies on one host). As root each rank also runs in a memory cgroup of its own:
+"charged MB" is the largest rank's peak of memory the kernel charged it (a shared page counts once,
+for its first toucher), and "job MB / W" the whole job's peak (the parent cgroup's) per rank: the
+host's own figure, which the PSS column should follow. Each FSDP layer is a unit.
 With --pytorch, the speed comparison runs the issue's MLP (4 blocks 1024-4096-1024, 33.6M
 parameters, SGD, batch 32) under ddpkit and under PyTorch, each Linear a unit on both sides.
 """
@@ -56,6 +59,7 @@ def run(binary, args, nproc=None):
             sys.exit(f"FAILED: ddpkit train {' '.join(args)}\n{out.stderr[-3000:]}")
         r = json.loads(out.stdout.strip().splitlines()[-1])
         r["charged_bytes"] = groups.peak_bytes() if groups else 0
+        r["job_bytes_per_rank"] = groups.job_peak_bytes() / nproc if groups else 0
         return r
     finally:
         if groups:
@@ -77,8 +81,8 @@ def main():
     worlds = [int(x) for x in a.worlds.split(",") if x]
     if worlds:
         print(f"ddpkit train, MLP 1024-4096x6-1024 (92.3M parameters), Adam, batch 8/rank, 1 thread/rank, malloc {a.malloc}")
-        print(f"{'config':<20} {'W':>2} {'step ms':>9} {'peak MB':>9} {'vs DDP mem':>10} {'charged MB':>10} "
-              f"{'vs DDP':>7} {'vs DDP time':>11} {'optim state MB':>14}")
+        print(f"{'config':<20} {'W':>2} {'step ms':>9} {'peak MB':>9} {'vs DDP':>7} {'pss MB':>8} {'vs DDP':>7} "
+              f"{'charged MB':>10} {'vs DDP':>7} {'job MB / W':>10} {'vs DDP':>7} {'vs DDP time':>11} {'optim state MB':>14}")
     for w in worlds:
         # --reps rounds, the configurations interleaved within each; the median round per figure.
         runs = {}
@@ -89,11 +93,15 @@ def main():
                 runs.setdefault(name, []).append(run(a.bin, BIG + extra + ["--nproc", str(w), "--steps", str(a.steps)], nproc=w))
         med = lambda name, key: statistics.median(r[key] for r in runs[name])
         base = next(iter(runs))
+        def mb_and_ratio(name, key, width):
+            if not med(base, key):
+                return f"{'-':>{width}} {'-':>7}"
+            return f"{med(name, key) / 2**20:>{width}.0f} {med(name, key) / med(base, key):>7.2f}"
+
         for name in runs:
-            charged = (f"{med(name, 'charged_bytes') / 2**20:>10.0f} {med(name, 'charged_bytes') / med(base, 'charged_bytes'):>7.2f}"
-                       if med(base, "charged_bytes") else f"{'-':>10} {'-':>7}")
-            print(f"{name:<20} {w:>2} {med(name, 'median_step_ms'):>9.1f} {med(name, 'peak_rss_bytes') / 2**20:>9.0f} "
-                  f"{med(name, 'peak_rss_bytes') / med(base, 'peak_rss_bytes'):>10.2f} {charged} "
+            print(f"{name:<20} {w:>2} {med(name, 'median_step_ms'):>9.1f} {mb_and_ratio(name, 'peak_rss_bytes', 9)} "
+                  f"{mb_and_ratio(name, 'mean_peak_pss_bytes', 8)} {mb_and_ratio(name, 'charged_bytes', 10)} "
+                  f"{mb_and_ratio(name, 'job_bytes_per_rank', 10)} "
                   f"{med(name, 'median_step_ms') / med(base, 'median_step_ms'):>11.2f} "
                   f"{med(name, 'optimizer_state_bytes') / 2**20:>14.0f}", flush=True)
     if a.pytorch:

@@ -64,6 +64,12 @@ class Cgroups:
         name = "memory.max_usage_in_bytes" if self.v1 else "memory.peak"
         return max(int(open(os.path.join(d, name)).read()) for d in self.dirs)
 
+    def job_peak_bytes(self):
+        """The whole job's peak (the parent cgroup's: every rank's pages, a shared page once): what
+        the host held for it at its busiest moment."""
+        name = "memory.max_usage_in_bytes" if self.v1 else "memory.peak"
+        return int(open(os.path.join(self.root, name)).read())
+
     def reset(self):
         if self.v1:
             for d in self.dirs:

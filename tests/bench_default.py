@@ -24,15 +24,18 @@ with tempfile.TemporaryDirectory() as out:
         assert first > 1.5 and last < 0.9, (r["hook"], first, last)  # it learns
         assert r["target_loss"] == 0.6 and 0 < r["time_to_target_s"] <= sum(r["step_ms"]) / 1000, r["hook"]
         assert 50 * 2**20 < r["peak_rss_bytes"] < 8 * 2**30, r  # the largest trainer's memory, beside its time
+        # Shared pages counted in proportion: never more than every page mapped, and most of it here.
+        assert 0.3 * r["peak_rss_bytes"] < r["peak_pss_bytes"] < 2 * r["peak_rss_bytes"], r
+        assert 0 < r["mean_peak_pss_bytes"] <= r["peak_pss_bytes"], r
 
     lines = p.stdout.splitlines()
     header = next(i for i, l in enumerate(lines) if l.startswith("hook"))
-    assert "to_target_s" in lines[header] and lines[header].split()[5] == "peak_MB", lines[header]
+    assert "to_target_s" in lines[header] and lines[header].split()[5:7] == ["peak_MB", "pss_MB"], lines[header]
     rows = {l.split()[0]: l.split() for l in lines[header + 1:header + 4]}
-    assert all(float(row[5]) > 50 for row in rows.values()), rows  # peak MB per hook
-    assert rows["allreduce"][6] == "-" and rows["int8"][6] == "-", rows  # no server for these hooks
-    assert float(rows["rpc"][6]) > 0, rows
-    assert all(re.fullmatch(r"[0-9.]+", rows[h][7]) for h in rows), rows
+    assert all(float(row[5]) > 50 and 0 < float(row[6]) < 2 * float(row[5]) for row in rows.values()), rows  # MB per hook
+    assert rows["allreduce"][7] == "-" and rows["int8"][7] == "-", rows  # no server for these hooks
+    assert float(rows["rpc"][7]) > 0, rows
+    assert all(re.fullmatch(r"[0-9.]+", rows[h][8]) for h in rows), rows
 
     html = open(f"{out}/report.html").read()
     assert "Loss against wall-clock time" in html and "target loss 0.600" in html

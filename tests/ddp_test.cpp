@@ -280,6 +280,34 @@ TEST(DDP, OneRankLeavesGradientsWhereAutogradPutThem) {
   }
 }
 
+TEST(DDP, TheBucketCapDefaultsOnceForTheLibraryAndTheCli) {
+  // One default: unset, the cap is PyTorch's 25 MiB, or the registered hook's own
+  // (hooks::default_bucket_cap_mb, what `ddpkit train` uses); a cap given is kept.
+  spawn_ranks(2, [](int rank, std::shared_ptr<ProcessGroup> pg) {
+    constexpr size_t MiB = 1 << 20;
+    auto mib = [](double mb) { return static_cast<size_t>(mb * MiB); };
+    auto make = [&](DistributedDataParallelOptions o) {
+      return std::make_unique<DistributedDataParallel<torch::nn::Sequential>>(make_mlp(1, {8, 300, 200, 4}), pg, o);
+    };
+    auto plain = make({});
+    EXPECT_EQ(plain->reducer().bucket_cap(), mib(kDefaultBucketCapMb));
+    auto fp16 = make({});
+    fp16->register_comm_hook(hooks::fp16_compress_hook(pg), "fp16");
+    EXPECT_EQ(fp16->reducer().bucket_cap(), mib(hooks::default_bucket_cap_mb("fp16")));
+    EXPECT_EQ(hooks::default_bucket_cap_mb("fp16"), hooks::kCompressingHookBucketCapMb);
+    auto given = make(DistributedDataParallelOptions().bucket_cap_mb(3));
+    given->register_comm_hook(hooks::fp16_compress_hook(pg), "fp16");
+    EXPECT_EQ(given->reducer().bucket_cap(), mib(3));
+    auto user = make({});
+    user->register_comm_hook(hooks::allreduce_hook(pg), "user hook");
+    EXPECT_EQ(user->reducer().bucket_cap(), mib(kDefaultBucketCapMb));
+    // The hook's cap holds through the first iteration's rebuild in gradient-ready order.
+    for (int step = 0; step < 3; ++step) fp16->forward(batch_for(step + rank, 4)).sum().backward();
+    EXPECT_TRUE(fp16->reducer().buckets_rebuilt());
+    EXPECT_EQ(fp16->reducer().bucket_cap(), mib(hooks::kCompressingHookBucketCapMb));
+  });
+}
+
 TEST(Reducer, TimesCountEachSynchronizedBackwardAndResetWithTraffic) {
   spawn_ranks(2, [](int rank, std::shared_ptr<ProcessGroup> pg) {
     auto model = make_mlp(1, {8, 300, 200, 4});

@@ -125,7 +125,7 @@ FullyShardedDataParallelOptions options_for(const FsdpRun& run, int rank, const 
 }
 
 void register_hook(FullyShardedDataParallelBase& fsdp, const std::string& hook) {
-  auto pg = fsdp.process_group_ptr();
+  auto pg = fsdp.shard_group();
   if (hook == "allreduce") fsdp.register_comm_hook(std::make_shared<fsdp::DefaultState>(pg), fsdp::allreduce_hook);
   if (hook == "reduce_scatter")
     fsdp.register_comm_hook(std::make_shared<fsdp::DefaultState>(pg), fsdp::reduce_scatter_hook);
@@ -133,9 +133,8 @@ void register_hook(FullyShardedDataParallelBase& fsdp, const std::string& hook) 
     auto state = std::make_shared<fsdp::LowPrecisionState>(pg);
     if (fsdp.options().sharding_strategy() == ShardingStrategy::kNoShard) {
       auto fn = hook == "fp16" ? fsdp::fp16_compress_hook : fsdp::bf16_compress_hook;
-      fsdp.register_comm_hook(
-          [state, fn](const at::Tensor& grad, const at::Tensor&) { return fn(*state, grad, at::Tensor()); }, false,
-          hook);
+      fsdp.register_comm_hook(FsdpAllreduceHook{[state, fn](const at::Tensor& grad) { return fn(*state, grad, at::Tensor()); }},
+                              hook);
     } else {
       fsdp.register_comm_hook(state, hook == "fp16" ? fsdp::fp16_compress_hook : fsdp::bf16_compress_hook);
     }
@@ -331,12 +330,10 @@ TEST(FSDP, NoShardKeepsTheFlatGradientItReducedInPlace) {
             size_based_auto_wrap_policy(20)));
     std::vector<const void*> reduced;  // each unit's flat gradient, as the hook got it
     const fsdp::DefaultState state(pg);
-    fsdp.register_comm_hook(
-        [&](const at::Tensor& grad, const at::Tensor&) {
-          reduced.push_back(grad.data_ptr());
-          return fsdp::allreduce_hook(state, grad);
-        },
-        /*takes_output=*/false);
+    fsdp.register_comm_hook(FsdpAllreduceHook{[&](const at::Tensor& grad) {
+      reduced.push_back(grad.data_ptr());
+      return fsdp::allreduce_hook(state, grad);
+    }});
     torch::optim::SGD opt(fsdp.parameters(), torch::optim::SGDOptions(0.1));
     for (int step = 0; step < 2; ++step) {
       reduced.clear();
@@ -424,11 +421,12 @@ TEST(FSDP, EveryFsdpHookCanBeRegistered) {
     Net net = make_net();
     FullyShardedDataParallel<Net> fsdp(net, pg, FullyShardedDataParallelOptions().auto_wrap_policy(size_based_auto_wrap_policy(40)));
     auto calls = std::make_shared<int>(0);
-    auto state = std::make_shared<fsdp::DefaultState>(fsdp.process_group_ptr());
-    fsdp.register_comm_hook([state, calls](const at::Tensor& g, const at::Tensor& out) {
-      ++*calls;
-      return fsdp::reduce_scatter_hook(*state, g, out);
-    }, true, "counting");
+    auto state = std::make_shared<fsdp::DefaultState>(fsdp.shard_group());
+    fsdp.register_comm_hook(FsdpReduceScatterHook{[state, calls](const at::Tensor& g, const at::Tensor& out) {
+                              ++*calls;
+                              return fsdp::reduce_scatter_hook(*state, g, out);
+                            }},
+                            "counting");
     fsdp.forward(input_of(0, rank), false).sum().backward();
     EXPECT_EQ(*calls, 6);
   });
@@ -463,12 +461,12 @@ TEST(FSDP, ClipGradNormMatchesClippingTheFullGradient) {
       EXPECT_NEAR(got, want, 1e-6 * want) << to_string(strategy);
       // The clipped gradients: each shard's slice of the reference's clipped gradient.
       const bool sharded = strategy != ShardingStrategy::kNoShard;
-      const int64_t shard_rank = sharded ? fsdp.process_group().rank() : 0;
+      const int64_t shard_rank = sharded ? fsdp.shard_group()->rank() : 0;
       const auto shards = fsdp.parameters();
       ASSERT_EQ(shards.size(), fsdp.units().size());
       for (size_t k = 0; k < shards.size(); ++k) {
         const FsdpUnitInfo& info = fsdp.units()[k];
-        at::Tensor full = at::zeros({info.shard_numel * (sharded ? fsdp.process_group().size() : 1)});
+        at::Tensor full = at::zeros({info.shard_numel * (sharded ? fsdp.shard_group()->size() : 1)});
         int64_t offset = 0;
         for (const auto& name : info.parameters) {
           const at::Tensor& g = ref->named_parameters()[name].grad();
@@ -607,7 +605,7 @@ TEST(FSDP, BadUseGetsANamedError) {
     // After the failure the instance still trains.
     fsdp.forward(input_of(0, rank), false).sum().backward();
     // A hook after the first forward.
-    auto state = std::make_shared<fsdp::DefaultState>(fsdp.process_group_ptr());
+    auto state = std::make_shared<fsdp::DefaultState>(fsdp.shard_group());
     EXPECT_THAT(error_of([&] { fsdp.register_comm_hook(state, fsdp::reduce_scatter_hook); }),
                 HasSubstr("register the hook before the first forward"));
     // An allreduce-shaped hook on a sharded strategy.
@@ -673,7 +671,11 @@ TEST(FSDP, HybridShardBuiltAgainInOneJobTrainsAsTheFirst) {
           Net net = make_net();
           FullyShardedDataParallel<Net> fsdp(
               net, pg, FullyShardedDataParallelOptions().sharding_strategy(run.strategy).auto_wrap_policy(size_based_auto_wrap_policy(40)));
-          EXPECT_EQ(fsdp.process_group().size(), 2);
+          EXPECT_EQ(fsdp.shard_group()->size(), 2);
+          // The accessors name what they return: the whole group, the shard group, the replicas'.
+          EXPECT_EQ(fsdp.process_group(), pg);
+          EXPECT_TRUE(fsdp.replicate_group());
+          if (fsdp.replicate_group()) EXPECT_EQ(fsdp.replicate_group()->size() * fsdp.shard_group()->size(), pg->size());
           auto opt = make_optimizer("sgd", fsdp.parameters());
           for (int step = 0; step < 2; ++step) {
             opt->zero_grad();

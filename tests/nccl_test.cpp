@@ -138,7 +138,7 @@ TEST(Nccl, FsdpOnCudaEqualsSingleProcessTraining) {
               .auto_wrap_policy(size_based_auto_wrap_policy(100)));
       EXPECT_EQ(fsdp.units().size(), 5u) << c.name;  // the root and four Linears
       if (c.fp16_hook)
-        fsdp.register_comm_hook(std::make_shared<fsdp::LowPrecisionState>(fsdp.process_group_ptr()),
+        fsdp.register_comm_hook(std::make_shared<fsdp::LowPrecisionState>(fsdp.shard_group()),
                                 fsdp::fp16_compress_hook);
       for (const auto& p : fsdp.parameters()) EXPECT_TRUE(p.is_cuda()) << c.name;
       torch::optim::SGD opt(fsdp.parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));

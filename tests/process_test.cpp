@@ -6,6 +6,7 @@
 #include <ddpkit/comm/gradient_arena.h>
 #include <ddpkit/plan/profile.h>
 #include <ddpkit/runtime/block_cache.h>
+#include <ddpkit/runtime/memory_sampler.h>
 
 #include <c10/core/CPUAllocator.h>
 
@@ -18,6 +19,8 @@
 #include <netinet/in.h>
 #include <sys/socket.h>
 #include <csignal>
+#include <fcntl.h>
+#include <sys/mman.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -167,6 +170,81 @@ TEST(Processes, MissingPeerTimesOutAtRendezvous) {
   EXPECT_LT(seconds, 30);
   EXPECT_THAT(slurp(out + "0"), ::testing::HasSubstr("rank 0 of 2"));
   std::remove((out + "0").c_str());
+}
+
+TEST(PeakMemorySampler, CountsPagesSharedWithAnotherProcessInProportion) {
+  constexpr size_t kBytes = 64 << 20;
+  const int fd = memfd_create("ddpkit-test-pss", MFD_CLOEXEC);
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(ftruncate(fd, kBytes), 0);
+  auto* shared = static_cast<char*>(mmap(nullptr, kBytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0));
+  ASSERT_NE(shared, MAP_FAILED);
+  std::memset(shared, 1, kBytes);
+  int ready[2], release[2];
+  ASSERT_EQ(pipe(ready), 0);
+  ASSERT_EQ(pipe(release), 0);
+  const pid_t child = fork();
+  if (child == 0) {  // maps every page of the segment too, then waits
+    volatile char sum = 0;
+    for (size_t i = 0; i < kBytes; i += 4096) sum = static_cast<char>(sum + shared[i]);
+    char c = 1;
+    if (write(ready[1], &c, 1) != 1 || read(release[0], &c, 1) != 1) _exit(2);
+    _exit(0);
+  }
+  ASSERT_GT(child, 0);
+  char c = 0;
+  ASSERT_EQ(read(ready[0], &c, 1), 1);
+  PeakMemorySampler sampler(std::chrono::milliseconds(5));
+  std::this_thread::sleep_for(std::chrono::milliseconds(30));
+  sampler.stop();
+  const MemoryCounts now = read_memory_counts(true);
+  ASSERT_EQ(write(release[1], &c, 1), 1);
+  EXPECT_EQ(wait_exit(child), 0);
+  EXPECT_GE(now.shmem, static_cast<int64_t>(kBytes)) << "the segment is resident here";
+  EXPECT_GE(now.rss - sampler.peak_pss_bytes(), static_cast<int64_t>(kBytes) * 45 / 100)
+      << "half of the segment is the other process's";
+  EXPECT_GE(sampler.peak_pss_bytes(), now.pss) << "anonymous pages count in full, so never below PSS";
+  EXPECT_GE(sampler.pss_reads(), 2);
+  munmap(shared, kBytes);
+  close(fd);
+  for (int f : {ready[0], ready[1], release[0], release[1]}) close(f);
+}
+
+TEST(PeakMemorySampler, SharedMemoryMadeForPeersCountsInFullForItsMaker) {
+  // Reserved pages are allocated though no process has touched them: RSS and PSS leave them out.
+  constexpr size_t kBytes = 48 << 20;
+  const int fd = memfd_create("ddpkit-test-owned", MFD_CLOEXEC);
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(ftruncate(fd, kBytes), 0);
+  ASSERT_EQ(posix_fallocate(fd, 0, kBytes), 0);
+  void* p = mmap(nullptr, kBytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  ASSERT_NE(p, MAP_FAILED);
+  const MemoryCounts before = read_memory_counts(false);
+  note_owned_shared_memory(p, kBytes, /*reserved=*/true);
+  const MemoryCounts after = read_memory_counts(false);
+  EXPECT_EQ(after.owned_shared - before.owned_shared, static_cast<int64_t>(kBytes));
+  EXPECT_LT(after.rss - before.rss, static_cast<int64_t>(kBytes) / 8) << "untouched: not resident here";
+  PeakMemorySampler sampler(std::chrono::milliseconds(5));
+  sampler.stop();
+  EXPECT_GE(sampler.peak_pss_bytes(), after.anon + static_cast<int64_t>(kBytes));
+  forget_owned_shared_memory(p);
+  EXPECT_EQ(read_memory_counts(false).owned_shared, before.owned_shared);
+  munmap(p, kBytes);
+  close(fd);
+}
+
+TEST(PeakMemorySampler, APeakBetweenPollsIsNotMissed) {
+  std::ofstream("/proc/self/clear_refs") << "5";  // VmHWM back to the present resident size
+  PeakMemorySampler sampler(std::chrono::hours(1));  // no poll while it runs
+  const int64_t before = sampler.peak_pss_bytes();
+  constexpr size_t kBytes = 96 << 20;
+  void* p = mmap(nullptr, kBytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  ASSERT_NE(p, MAP_FAILED);
+  std::memset(p, 1, kBytes);
+  munmap(p, kBytes);
+  sampler.stop();
+  EXPECT_GE(sampler.peak_pss_bytes() - before, static_cast<int64_t>(kBytes) * 9 / 10);
+  EXPECT_THROW(PeakMemorySampler(std::chrono::milliseconds(0)), c10::Error);
 }
 
 TEST(LargeBlockCache, ReusesItsOwnSizeThenCutsTheSmallestLargerBlock) {

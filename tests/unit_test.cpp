@@ -7,7 +7,7 @@
 
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/serialize/archive.h>
-#include <ddpkit/runtime/divergence_guard.h>
+#include <ddpkit/training/divergence_guard.h>
 
 #include <cmath>
 #include <future>

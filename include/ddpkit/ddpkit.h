@@ -7,7 +7,7 @@
 #include <ddpkit/comm/host_topology.h>
 #include <ddpkit/comm/process_group.h>
 #include <ddpkit/runtime/block_cache.h>
-#include <ddpkit/runtime/checkpoint.h>
+#include <ddpkit/training/checkpoint.h>
 #include <ddpkit/runtime/runtime.h>
 #include <ddpkit/ddp/distributed_data_parallel.h>
 #include <ddpkit/fsdp/fully_sharded_data_parallel.h>

@@ -1,20 +1,31 @@
-"""ddpkit's native communication hooks on PyTorch's own DistributedDataParallel.
+"""ddpkit for PyTorch users: a torch.distributed backend, and ddpkit's hooks on PyTorch's own DDP.
+
+`import ddpkit` registers the "ddpkit" backend with torch.distributed (nothing else happens at
+import: no group is made, no thread starts). Then:
 
     import torch.distributed as dist, ddpkit
-    dist.init_process_group("gloo")                       # torchrun's env, as usual
+    dist.init_process_group("ddpkit")                     # torchrun's env, as for "gloo"
+    dist.init_process_group("ddpkit", pg_options=ddpkit.Options(gloo_threads=4))   # with options
+    sub = dist.new_group([0, 1], backend="ddpkit")        # subgroups, as usual
+
     model = torch.nn.parallel.DistributedDataParallel(net)
     state = ddpkit.register_comm_hook(model, "powersgd", matrix_approximation_rank=4,
                                       start_powerSGD_iter=10)
     ...                                                   # train as usual
     state.compression_stats(); state.bucket_traffic()
 
-The hook runs in C++ inside PyTorch's reducer: no Python per bucket, no copy of the bucket, no
-GIL. Its collectives go through a ddpkit process group made over torch.distributed's default
-store, with ddpkit's ordering rules (PowerSGD cannot hang on Gloo). See docs/python.md.
+The backend's groups exchange through shared memory within a host and Gloo between hosts. A hook
+runs in C++ inside PyTorch's reducer: no Python per bucket, no copy of the bucket, no GIL; its
+collectives go through a ddpkit process group (the model's own on the ddpkit backend, else one
+made over torch.distributed's default store: `new_group`, `default_group`). Options are
+`Options` fields or keyword arguments; the environment (DDPKIT_GLOO_THREADS, DDPKIT_SHM,
+DDPKIT_TIMEOUT_S) gives the values left unset. See docs/python.md.
 """
 import itertools
 import os
+from dataclasses import dataclass
 from datetime import timedelta
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -30,7 +41,7 @@ from . import _C  # noqa: E402
 from ._C import CommError, HookState, ProcessGroup  # noqa: E402
 
 __all__ = [
-    "BACKEND", "CommError", "HookState", "PeriodicModelAverager", "ProcessGroup", "average_parameters",
+    "BACKEND", "CommError", "HookState", "Options", "PeriodicModelAverager", "ProcessGroup", "average_parameters",
     "default_group", "hook_names", "new_group", "register_comm_hook",
 ]
 __version__ = "0.1.0"
@@ -51,36 +62,103 @@ def _require_initialized(caller):
             "torch.distributed.init_process_group('gloo') first (ddpkit's group uses its store and ranks)")
 
 
-def new_group(*, gloo_threads=2, timeout=timedelta(minutes=5), gloo_hostname="", shared_memory=True):
-    """A ddpkit process group over torch.distributed's default store, with its ranks.
+@dataclass(frozen=True)
+class Options:
+    """How ddpkit makes a process group: `pg_options` of torch.distributed.init_process_group and
+    new_group with backend "ddpkit", or the same keywords to ddpkit.new_group. A field left None
+    takes the environment's value, else the default.
 
-    Every rank must call it, in the same order as its other new_group calls. gloo_threads: Gloo
-    worker threads (collectives in flight); timeout bounds every collective and the rendezvous;
-    gloo_hostname: the address Gloo listens on (default: GLOO_SOCKET_IFNAME's, else loopback when
-    MASTER_ADDR is loopback, else this host's name); shared_memory: ranks on one host exchange
-    through a shared-memory segment instead of loopback TCP (DDPKIT_SHM=0 turns it off too).
+    gloo_threads: Gloo worker threads, collectives in flight between hosts (DDPKIT_GLOO_THREADS; 2).
+    shared_memory: ranks on one host exchange through shared memory rather than loopback TCP
+        (DDPKIT_SHM=0 turns it off; on).
+    """
+    gloo_threads: Optional[int] = None
+    shared_memory: Optional[bool] = None
+
+    def resolved(self):
+        """These options with every unset field filled from the environment or the default."""
+        threads = self.gloo_threads
+        if threads is None:
+            text = os.environ.get("DDPKIT_GLOO_THREADS", "2")
+            try:
+                threads = int(text)
+            except ValueError:
+                raise ValueError(f"ddpkit: DDPKIT_GLOO_THREADS must be a whole number, got '{text}'") from None
+        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+            raise ValueError(f"ddpkit.Options: gloo_threads must be a whole number >= 1, got {threads!r}")
+        shm = self.shared_memory
+        if shm is None:
+            shm = os.environ.get("DDPKIT_SHM", "1") != "0"
+        if not isinstance(shm, bool):
+            raise TypeError(f"ddpkit.Options: shared_memory must be True or False, got {shm!r}")
+        return Options(threads, shm)
+
+
+def _seconds(timeout, caller):
+    if isinstance(timeout, timedelta):
+        seconds = timeout.total_seconds()
+    elif isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
+        seconds = float(timeout)
+    else:
+        raise TypeError(f"{caller}: timeout must be a datetime.timedelta or seconds, got {timeout!r}")
+    if not seconds > 0:
+        raise ValueError(f"{caller}: timeout must be positive, got {seconds} s")
+    return seconds
+
+
+def _group_ranks(ranks, world, caller):
+    """Sorted, checked member ranks (None: the whole world)."""
+    if ranks is None:
+        return list(range(world))
+    try:
+        members = sorted(int(r) for r in ranks)
+    except (TypeError, ValueError):
+        raise TypeError(f"{caller}: ranks must be a list of ranks (ints), got {ranks!r}") from None
+    if not members:
+        raise ValueError(f"{caller}: ranks is empty; a group needs at least one rank")
+    if len(set(members)) != len(members):
+        raise ValueError(f"{caller}: ranks {members} name a rank more than once")
+    if members[0] < 0 or members[-1] >= world:
+        raise ValueError(f"{caller}: ranks {members} must lie in [0, {world}) (the world size is {world})")
+    return members
+
+
+def new_group(ranks=None, *, timeout=timedelta(minutes=5), gloo_threads=None, shared_memory=None,
+              gloo_hostname=""):
+    """A ddpkit process group of `ranks` (default: every rank) over torch.distributed's default store.
+
+    As torch.distributed.new_group: every rank of the job calls it, members or not, in the same
+    order as its other new_group calls; a member's rank in the group is its place in sorted(ranks);
+    a rank outside `ranks` gets None. timeout bounds every collective and the rendezvous (a
+    timedelta or seconds); gloo_threads and shared_memory as in Options (None: the environment's,
+    else the default); gloo_hostname: the address Gloo listens on (default: GLOO_SOCKET_IFNAME's,
+    else loopback when MASTER_ADDR is loopback, else this host's name).
     """
     _require_initialized("ddpkit.new_group")
-    if isinstance(timeout, timedelta):
-        timeout_s = timeout.total_seconds()
-    elif isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
-        timeout_s = float(timeout)
-    else:
-        raise TypeError(f"ddpkit.new_group: timeout must be a datetime.timedelta or seconds, got {timeout!r}")
+    timeout_s = _seconds(timeout, "ddpkit.new_group")
+    options = Options(gloo_threads, shared_memory).resolved()
+    members = _group_ranks(ranks, dist.get_world_size(), "ddpkit.new_group")
+    name = f"python/{next(_group_numbers)}"  # counted on every rank, so names agree across ranks
+    me = dist.get_rank()
+    if me not in members:
+        return None
     store = dist.distributed_c10d._get_default_store()
-    name = f"python/{next(_group_numbers)}"
-    return _C.ProcessGroup(store, dist.get_rank(), dist.get_world_size(), name, gloo_threads, timeout_s,
-                           gloo_hostname, bool(shared_memory))
+    return _C.ProcessGroup(store, members.index(me), len(members), name, options.gloo_threads, timeout_s,
+                           gloo_hostname, options.shared_memory)
 
 
 def default_group():
-    """The group hooks use unless given one: made on first use (a collective call) with new_group's
-    defaults, or DDPKIT_GLOO_THREADS / DDPKIT_TIMEOUT_S from the environment."""
+    """The group hooks use unless given one: every rank, made on first use (a collective call) with
+    new_group's defaults; DDPKIT_TIMEOUT_S (seconds) sets its timeout."""
     global _default_group
     _require_initialized("ddpkit.default_group")
     if _default_group is None:
-        _default_group = new_group(gloo_threads=int(os.environ.get("DDPKIT_GLOO_THREADS", "2")),
-                                   timeout=float(os.environ.get("DDPKIT_TIMEOUT_S", "300")))
+        text = os.environ.get("DDPKIT_TIMEOUT_S", "300")
+        try:
+            timeout = float(text)
+        except ValueError:
+            raise ValueError(f"ddpkit: DDPKIT_TIMEOUT_S must be seconds, got '{text}'") from None
+        _default_group = new_group(timeout=timeout)
     return _default_group
 
 
@@ -173,21 +251,30 @@ def _ddpkit_group_of(process_group):
             backend = process_group._get_backend(torch.device("cpu"))
         except RuntimeError:
             return None
+    # TORCH_DISTRIBUTED_DEBUG=DETAIL: 2.x wraps every backend in a ProcessGroupWrapper that checks
+    # each collective across ranks (over a helper Gloo group) before passing it on to the backend.
+    backend = getattr(backend, "wrapped_pg", backend)
     return backend._ddpkit_group() if isinstance(backend, _C.Backend) else None
 
 
-def _create_backend(store, rank, size, timeout):
-    """torch.distributed calls this once per group (init_process_group, new_group)."""
-    return _C._make_backend(store, rank, size, timeout.total_seconds(),
-                            int(os.environ.get("DDPKIT_GLOO_THREADS", "2")),
-                            os.environ.get("DDPKIT_SHM", "1") != "0")
+def _create_backend(backend_options, pg_options):
+    """torch.distributed calls this once per group (init_process_group, new_group), with its store,
+    rank, size and timeout in backend_options and the caller's pg_options (an Options, or None)."""
+    if pg_options is None:
+        pg_options = Options()
+    elif not isinstance(pg_options, Options):
+        raise TypeError(f"ddpkit backend: pg_options must be a ddpkit.Options, got {type(pg_options).__name__}")
+    options = pg_options.resolved()
+    o = backend_options
+    return _C._make_backend(o.store, o.group_rank, o.group_size, o.timeout.total_seconds(), options.gloo_threads,
+                            options.shared_memory)
 
 
 def _register_backend():
     if BACKEND.upper() in dist.Backend._plugins:
         return
     import inspect
-    kwargs = {}
+    kwargs = {"extended_api": True}  # the creator gets the caller's pg_options (1.13 and 2.x alike)
     if "devices" in inspect.signature(dist.Backend.register_backend).parameters:
         kwargs["devices"] = ["cpu"]  # 2.x: this backend serves CPU tensors only
     dist.Backend.register_backend(BACKEND, _create_backend, **kwargs)

@@ -475,3 +475,53 @@ def test_torchrun_elastic_restart(tmp_path):
             assert "ddpkit: allreduce" in line and "rank 1" in line, line
     for rank in (0, 1):
         assert f"rank {rank}/2 attempt 1: ok" in text, text[-4000:]
+
+
+def groups_and_options(rank, world):
+    import ddpkit
+    import torch.distributed as dist
+    out = {}
+    # ddpkit.new_group(ranks): members get a group ranked by their place in sorted(ranks), the others None.
+    odd = ddpkit.new_group([r for r in range(world) if r % 2 == 1][::-1])
+    out["odd_member"] = odd is not None
+    if odd is not None:
+        t = torch.tensor([float(rank)])
+        odd.allreduce(t)
+        out["odd_rank"], out["odd_size"], out["odd_sum"] = odd.rank(), odd.size(), t.item()
+    whole = ddpkit.new_group(timeout=30, gloo_threads=1, shared_memory=False)
+    t = torch.ones(1)
+    whole.allreduce(t)
+    out["whole"] = (whole.rank(), whole.size(), t.item())
+    errors = {}
+    for what, call in {"empty": lambda: ddpkit.new_group([]), "twice": lambda: ddpkit.new_group([0, 0]),
+                       "outside": lambda: ddpkit.new_group([0, world]), "threads": lambda: ddpkit.new_group(gloo_threads=0),
+                       "pg_options": lambda: dist.new_group(backend="ddpkit", pg_options={"gloo_threads": 2})}.items():
+        try:
+            call()
+            errors[what] = "no error"
+        except Exception as e:  # noqa: BLE001
+            errors[what] = f"{type(e).__name__}: {e}"
+    out["errors"] = errors
+    # Options through torch.distributed: a group made with pg_options works like any other.
+    sub = dist.new_group(list(range(world)), backend="ddpkit", pg_options=ddpkit.Options(gloo_threads=1, shared_memory=False))
+    t = torch.full((5,), float(rank + 1))
+    dist.all_reduce(t, group=sub)
+    out["pg_options_sum"] = t[0].item()
+    return out
+
+
+def test_new_group_takes_ranks_and_options_take_arguments():
+    world = 3
+    results = run_ranks(groups_and_options, world, backend="ddpkit", timeout=180)
+    for rank, r in enumerate(results):
+        assert r["odd_member"] == (rank % 2 == 1), r
+        if r["odd_member"]:
+            assert (r["odd_rank"], r["odd_size"], r["odd_sum"]) == (0, 1, 1.0), r  # ranks [1] of world 3
+        assert r["whole"] == (rank, world, float(world)), r
+        e = r["errors"]
+        assert "ValueError" in e["empty"] and "empty" in e["empty"], e
+        assert "ValueError" in e["twice"] and "more than once" in e["twice"], e
+        assert "ValueError" in e["outside"] and "[0, 3)" in e["outside"], e
+        assert "ValueError" in e["threads"] and "gloo_threads" in e["threads"], e
+        assert "TypeError" in e["pg_options"] and "ddpkit.Options" in e["pg_options"], e
+        assert r["pg_options_sum"] == 6.0, r

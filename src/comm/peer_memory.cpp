@@ -1,5 +1,7 @@
 #include "peer_memory.h"
 
+#include <ddpkit/runtime/memory_sampler.h>
+
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -28,12 +30,18 @@ int create_peer_memory(const char* label, size_t bytes, void** base, std::string
     void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
     if (p != MAP_FAILED) {
       *base = p;
+      note_owned_shared_memory(p, bytes, reserve);
       return fd;
     }
     *error = "cannot map " + std::to_string(bytes) + " bytes of shared memory: " + std::strerror(errno);
   }
   ::close(fd);
   return -1;
+}
+
+void unmap_peer_memory(void* base, size_t bytes) {
+  forget_owned_shared_memory(base);
+  ::munmap(base, bytes);
 }
 
 std::string peer_memory_address(int fd) {

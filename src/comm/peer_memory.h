@@ -25,7 +25,11 @@ struct PeerMemoryAddress {
 // sealed against growing or shrinking (so a peer's mapping never faults), and mapped at *base.
 // Returns the fd, or -1 with *error set and nothing left open. Unreserved (`reserve` false), its
 // pages come at first touch and are charged to the process (and cgroup) that touches them.
+// The region is recorded as this process's shared memory (runtime/memory_sampler.h) until
+// unmap_peer_memory.
 int create_peer_memory(const char* label, size_t bytes, void** base, std::string* error, bool reserve = true);
+// Unmaps a mapping of peer memory (this process's own or a peer's), forgetting it as owned.
+void unmap_peer_memory(void* base, size_t bytes);
 
 // Where peers find the memfd `fd` of this process; "pid fd dev ino bytes" as text.
 std::string peer_memory_address(int fd);

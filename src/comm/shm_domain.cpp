@@ -123,7 +123,7 @@ std::unique_ptr<Domain> Domain::create(c10d::Store& store, const std::string& ke
                        error.empty() ? "" : "local rank " + std::to_string(o.local_rank) + ": " + error, "the segment",
                        {key + "/address"});
   if (!failure.empty()) {
-    if (base) munmap(base, size);
+    if (base) detail::unmap_peer_memory(base, size);
     if (fd >= 0) close(fd);
     throw std::runtime_error("shared memory: " + failure);
   }
@@ -134,7 +134,7 @@ Domain::Domain(DomainOptions options, int fd, void* base, size_t bytes)
     : options_(std::move(options)), fd_(fd), base_(base), bytes_(bytes) {}
 
 Domain::~Domain() {
-  if (base_) munmap(base_, bytes_);
+  if (base_) detail::unmap_peer_memory(base_, bytes_);
   if (fd_ >= 0) close(fd_);
 }
 
@@ -354,7 +354,7 @@ void Domain::barrier() {
 
 SharedBuffer::~SharedBuffer() {
   for (uint8_t* b : base)
-    if (b) munmap(b, bytes);
+    if (b) detail::unmap_peer_memory(b, bytes);
 }
 
 std::shared_ptr<SharedBuffer> Domain::allocate(c10d::Store& store, const std::string& key, int64_t id, size_t size,

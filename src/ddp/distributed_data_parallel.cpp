@@ -1,5 +1,7 @@
 #include <ddpkit/ddp/distributed_data_parallel.h>
 
+#include <ddpkit/hooks/default_hooks.h>
+
 #include <torch/nn/modules/embedding.h>
 
 #include <ATen/core/grad_mode.h>
@@ -16,7 +18,8 @@ DistributedDataParallelBase::DistributedDataParallelBase(std::shared_ptr<torch::
     : module_base_(std::move(module)), pg_(std::move(pg)), options_(std::move(options)) {
   DDPKIT_CHECK(module_base_, "DistributedDataParallel: module is null");
   DDPKIT_CHECK(pg_, "DistributedDataParallel: process group is null (call ddpkit::init_process_group)");
-  DDPKIT_CHECK(options_.bucket_cap_mb() > 0, "bucket_cap_mb must be positive, got ", options_.bucket_cap_mb());
+  DDPKIT_CHECK(options_.bucket_cap_mb().value_or(kDefaultBucketCapMb) > 0, "bucket_cap_mb must be positive, got ",
+               options_.bucket_cap_mb().value_or(kDefaultBucketCapMb));
   DDPKIT_CHECK(options_.first_bucket_cap_mb() > 0, "first_bucket_cap_mb must be positive, got ",
                options_.first_bucket_cap_mb());
 
@@ -67,7 +70,7 @@ DistributedDataParallelBase::DistributedDataParallelBase(std::shared_ptr<torch::
 
   ReducerOptions ro;
   ro.first_bucket_bytes = static_cast<size_t>(options_.first_bucket_cap_mb() * 1024 * 1024);
-  ro.bucket_bytes_cap = static_cast<size_t>(options_.bucket_cap_mb() * 1024 * 1024);
+  ro.bucket_bytes_cap = static_cast<size_t>(options_.bucket_cap_mb().value_or(kDefaultBucketCapMb) * 1024 * 1024);
   ro.find_unused_parameters = options_.find_unused_parameters();
   ro.gradient_as_bucket_view = options_.gradient_as_bucket_view();
   ro.static_graph = options_.static_graph();
@@ -79,6 +82,12 @@ DistributedDataParallelBase::DistributedDataParallelBase(std::shared_ptr<torch::
 DistributedDataParallelBase::~DistributedDataParallelBase() = default;
 
 void DistributedDataParallelBase::register_comm_hook(CommHook hook, std::string name) {
+  // No cap given: the hook's own default, applied before the first iteration (a layout frozen
+  // already, as ZeRO's, keeps its buckets).
+  if (!options_.bucket_cap_mb() && reducer_->iterations() == 0 && !reducer_->layout_fixed()) {
+    const auto cap = static_cast<size_t>(hooks::default_bucket_cap_mb(name) * 1024 * 1024);
+    if (cap != reducer_->bucket_cap()) reducer_->set_bucket_cap(cap);
+  }
   reducer_->register_comm_hook(std::move(hook), std::move(name));
 }
 

@@ -130,7 +130,8 @@ class FsdpImpl {
   std::unordered_map<const torch::nn::Module*, int> unit_by_module;
   std::vector<std::pair<std::string, at::ScalarType>> buffer_dtypes;  // original dtype of cast buffers
 
-  FsdpCommHook hook;
+  // The registered hook, as the sharded strategies call it (an allreduce hook ignores `output`).
+  std::function<FuturePtr(const at::Tensor& grad, const at::Tensor& output)> hook;
   std::string hook_name;
   std::unique_ptr<fsdp::DefaultState> default_state;
 

@@ -498,24 +498,43 @@ std::vector<std::pair<std::string, at::Tensor>> FullyShardedDataParallelBase::na
 
 const std::vector<FsdpUnitInfo>& FullyShardedDataParallelBase::units() const { return impl_->infos; }
 
-void FullyShardedDataParallelBase::register_comm_hook(FsdpCommHook hook, bool takes_output, const std::string& name) {
-  DDPKIT_CHECK(hook, "FullyShardedDataParallel::register_comm_hook: the hook is empty");
-  DDPKIT_CHECK(!impl_->hook, "FullyShardedDataParallel::register_comm_hook: a hook ('", impl_->hook_name,
+namespace {
+
+void check_hook_registration(const detail::FsdpImpl& impl, bool empty, bool reduce_scatters) {
+  DDPKIT_CHECK(!empty, "FullyShardedDataParallel::register_comm_hook: the hook is empty");
+  DDPKIT_CHECK(!impl.hook, "FullyShardedDataParallel::register_comm_hook: a hook ('", impl.hook_name,
                "') is registered already: once per instance");
-  DDPKIT_CHECK(impl_->iteration == 0, "FullyShardedDataParallel::register_comm_hook: register the hook before the first "
-               "forward (", impl_->iteration, " forwards ran)");
-  const bool no_shard = impl_->options.sharding_strategy() == ShardingStrategy::kNoShard;
-  DDPKIT_CHECK(takes_output != no_shard, "FullyShardedDataParallel::register_comm_hook: ",
-               no_shard ? "kNoShard allreduces: its hook takes (state, grad), e.g. fsdp::allreduce_hook"
-                        : "a sharded strategy reduce-scatters: its hook takes (state, grad, output), e.g. "
-                          "fsdp::reduce_scatter_hook");
-  impl_->hook = std::move(hook);
+  DDPKIT_CHECK(impl.iteration == 0, "FullyShardedDataParallel::register_comm_hook: register the hook before the first "
+               "forward (", impl.iteration, " forwards ran)");
+  const bool no_shard = impl.options.sharding_strategy() == ShardingStrategy::kNoShard;
+  DDPKIT_CHECK(reduce_scatters != no_shard, "FullyShardedDataParallel::register_comm_hook: ",
+               no_shard ? "kNoShard allreduces: its hook takes (state, grad), an FsdpAllreduceHook, e.g. "
+                          "fsdp::allreduce_hook"
+                        : "a sharded strategy reduce-scatters: its hook takes (state, grad, output), an "
+                          "FsdpReduceScatterHook, e.g. fsdp::reduce_scatter_hook");
+}
+
+}  // namespace
+
+void FullyShardedDataParallelBase::register_comm_hook(FsdpReduceScatterHook hook, const std::string& name) {
+  check_hook_registration(*impl_, !hook.fn, /*reduce_scatters=*/true);
+  impl_->hook = std::move(hook.fn);
   impl_->hook_name = name;
 }
 
-std::shared_ptr<ProcessGroup> FullyShardedDataParallelBase::process_group_ptr() const {
+void FullyShardedDataParallelBase::register_comm_hook(FsdpAllreduceHook hook, const std::string& name) {
+  check_hook_registration(*impl_, !hook.fn, /*reduce_scatters=*/false);
+  impl_->hook = [fn = std::move(hook.fn)](const at::Tensor& grad, const at::Tensor&) { return fn(grad); };
+  impl_->hook_name = name;
+}
+
+std::shared_ptr<ProcessGroup> FullyShardedDataParallelBase::process_group() const { return impl_->pg; }
+
+std::shared_ptr<ProcessGroup> FullyShardedDataParallelBase::shard_group() const {
   return impl_->options.sharding_strategy() == ShardingStrategy::kNoShard ? impl_->pg : impl_->shard_pg;
 }
+
+std::shared_ptr<ProcessGroup> FullyShardedDataParallelBase::replicate_group() const { return impl_->replicate_pg; }
 
 const FullyShardedDataParallelOptions& FullyShardedDataParallelBase::options() const { return impl_->options; }
 bool FullyShardedDataParallelBase::require_backward_grad_sync() const { return impl_->require_sync; }

@@ -1,6 +1,7 @@
 #include <ddpkit/codecs/cast.h>
 #include <ddpkit/codecs/sparse.h>
 #include <ddpkit/hooks/default_hooks.h>
+#include <ddpkit/reducer/reducer.h>
 
 #include <mutex>
 #include <vector>
@@ -108,7 +109,9 @@ bool moves_pieces(const std::string& hook) {
   return false;
 }
 
-double default_bucket_cap_mb(const std::string& hook) { return moves_pieces(hook) ? 6 : 25; }
+double default_bucket_cap_mb(const std::string& hook) {
+  return moves_pieces(hook) ? kCompressingHookBucketCapMb : kDefaultBucketCapMb;
+}
 
 int default_powersgd_rank(const std::string& hook) { return hook == "batched_powersgd" ? 32 : 4; }
 

@@ -72,7 +72,7 @@ std::shared_ptr<SharedRegion> SharedRegion::attach(int64_t pid, int fd, int64_t 
 }
 
 SharedRegion::~SharedRegion() {
-  if (base_) ::munmap(base_, bytes_);
+  if (base_) detail::unmap_peer_memory(base_, bytes_);
   if (fd_ >= 0) ::close(fd_);
 }
 

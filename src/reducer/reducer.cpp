@@ -346,8 +346,8 @@ void Reducer::set_bucket_cap(size_t bucket_bytes_cap) {
   DDPKIT_CHECK(!backward_started_, "set_bucket_cap during a backward pass");
   DDPKIT_CHECK(!layout_fixed_, "set_bucket_cap: the bucket layout was frozen or restored (ZeRO, a checkpoint's "
                                "layout) and cannot change");
-  DDPKIT_CHECK(rebuilt_, "set_bucket_cap before the buckets were rebuilt in gradient-ready order (after the "
-                         "first synchronized iteration)");
+  DDPKIT_CHECK(rebuilt_ || iterations_ == 0, "set_bucket_cap between the first iteration and the rebuild of the "
+                                             "buckets in gradient-ready order (at the next forward)");
   build_buckets(assignment_for_cap(bucket_bytes_cap));
   options_.bucket_bytes_cap = bucket_bytes_cap;
 }

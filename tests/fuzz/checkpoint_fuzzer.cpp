@@ -3,7 +3,7 @@
 // with an error; never read out of bounds, never allocate what the bytes merely claim.
 //
 //   scripts/sanitize.sh fuzz 600        (builds build-asan/ with clang 14, ASan + UBSan)
-#include <ddpkit/runtime/checkpoint.h>
+#include <ddpkit/training/checkpoint.h>
 
 #include <cstdint>
 #include <cstring>
@@ -22,7 +22,7 @@ void decode(const std::string& bytes) {
   }
 }
 
-// The format's trailer (64-bit FNV-1a over 8-byte words, src/runtime/checkpoint.cpp), recomputed
+// The format's trailer (64-bit FNV-1a over 8-byte words, src/training/checkpoint.cpp), recomputed
 // so that mutations get past the checksum into the entries.
 std::string with_valid_checksum(std::string bytes) {
   const size_t n = bytes.size() - 8;

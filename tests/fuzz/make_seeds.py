@@ -67,7 +67,7 @@ def main():
                 continue
             with open(os.path.join(ps, name + tag), "wb") as f:
                 f.write(bytes([auth]) + body)
-    # A small checkpoint: two entries, the format of src/runtime/checkpoint.cpp.
+    # A small checkpoint: two entries, the format of src/training/checkpoint.cpp.
     body = b"DDPKTNS1" + struct.pack("<Q", 2)
     for key, dtype, shape, data in (("meta/step", 4, [1], struct.pack("<q", 7)), ("w", 6, [2, 2], f32)):
         body += struct.pack("<I", len(key)) + key.encode() + struct.pack("<bB", dtype, len(shape))

@@ -6,7 +6,8 @@
 
 #include <ddpkit/ps/parameter_server.h>
 #include <ddpkit/ps/trainer_hooks.h>
-#include <ddpkit/runtime/divergence_guard.h>
+#include <ddpkit/training/divergence_guard.h>
+#include <ddpkit/runtime/memory_sampler.h>
 #include <ddpkit/runtime/runtime.h>
 
 #include <filesystem>
@@ -327,6 +328,7 @@ CommHook make_trainer_hook(const Setup& s, const std::string& name, const std::s
 int run_trainer_rank(const Setup& s, ProcessGroup& world, const std::string& hook_name, int iterations,
                      bench::Workload& w) {
   const int rank = world.rank();
+  PeakMemorySampler memory;
   set_compute_threads(s.threads);
   auto store = world.store();
   // The trainers are the world's first ranks (servers make no subgroups, so the trainers agree).
@@ -415,7 +417,9 @@ int run_trainer_rank(const Setup& s, ProcessGroup& world, const std::string& hoo
                                 iterations;
 
   // ---- hand the metrics to trainer 0, which reports ----
+  memory.stop();
   store_put(*store, "bench/peak_rss/" + std::to_string(rank), std::to_string(process_resources().peak_rss_bytes));
+  store_put(*store, "bench/peak_pss/" + std::to_string(rank), std::to_string(memory.peak_pss_bytes()));
   store_put(*store, "bench/series/" + std::to_string(rank), metrics::series_to_json(log->processed()));
   store_put(*store, "bench/events/" + std::to_string(rank), metrics::events_to_json(log->events()));
   if (lead) {
@@ -468,10 +472,17 @@ int run_trainer_rank(const Setup& s, ProcessGroup& world, const std::string& hoo
                     {"server_gradients_per_s", server_seconds > 0 ? gradients / server_seconds : 0.0},
                     {"server_MB_in_per_s", server_seconds > 0 ? bytes_in / server_seconds / 1e6 : 0.0},
                     {"final_loss", losses.empty() ? 0.0 : losses.back()}};
-    int64_t peak_rss = 0;  // the largest trainer's resident-memory high-water mark
-    for (int t = 0; t < s.ntrainer; ++t)
+    // The largest trainer's resident-memory high-water mark, and its peak with shared pages in proportion.
+    int64_t peak_rss = 0, peak_pss = 0, pss_sum = 0;
+    for (int t = 0; t < s.ntrainer; ++t) {
       peak_rss = std::max<int64_t>(peak_rss, std::stoll(store_get(*store, "bench/peak_rss/" + std::to_string(t))));
+      const int64_t pss = std::stoll(store_get(*store, "bench/peak_pss/" + std::to_string(t)));
+      peak_pss = std::max(peak_pss, pss);
+      pss_sum += pss;
+    }
     summary["peak_rss_bytes"] = peak_rss;
+    summary["peak_pss_bytes"] = peak_pss;
+    summary["mean_peak_pss_bytes"] = s.ntrainer > 0 ? pss_sum / s.ntrainer : 0;
     if (s.target_loss > 0) summary["target_loss"] = s.target_loss;
     summary["loss"] = losses;
     summary["step_ms"] = step_ms;

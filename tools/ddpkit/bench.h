@@ -5,6 +5,7 @@
 #include "cli.h"
 
 #include <ddpkit/metrics/metrics_logger.h>
+#include <ddpkit/reducer/reducer.h>
 
 #include <nlohmann/json.hpp>
 #include <torch/nn/module.h>
@@ -45,7 +46,7 @@ struct Workload {
 Workload make_workload(const ConfigEntry& data, const ConfigEntry& model, uint64_t seed);
 
 struct TrainerConfig {
-  double lr = 1e-4, bucket_cap_mb = 25;
+  double lr = 1e-4, bucket_cap_mb = kDefaultBucketCapMb;
   std::string criterion, iteration_step;
   int powersgd_rank = 4, powersgd_start_iter = 2;
 };

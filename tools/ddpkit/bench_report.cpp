@@ -169,8 +169,10 @@ std::vector<double> elapsed_s(const nlohmann::json& run) {
 }
 
 // The table's cells: hook, then numbers, "-" where a column does not apply.
-const std::vector<std::string> kColumns{"hook",     "step_ms",    "p50_ms",     "vs_first",   "MB/step",
-                                        "peak_MB",  "server_g/s", "final_loss", "to_target_s"};
+// peak_MB: the largest trainer's VmHWM; pss_MB: the trainers' mean peak with every page counted once
+// across the host's processes (runtime/memory_sampler.h).
+const std::vector<std::string> kColumns{"hook",    "step_ms", "p50_ms",     "vs_first",   "MB/step",    "peak_MB",
+                                        "pss_MB",  "server_g/s", "final_loss", "to_target_s"};
 
 std::vector<std::vector<std::string>> table_rows(const std::vector<nlohmann::json>& runs) {
   std::vector<std::vector<std::string>> rows;
@@ -182,6 +184,7 @@ std::vector<std::vector<std::string>> table_rows(const std::vector<nlohmann::jso
     rows.push_back({r.value("hook", "?"), fmt(num(r, "step_ms_mean")), fmt(p50), base > 0 ? fmt(p50 / base, 2) : "-",
                     fmt(num(r, "bytes_sent_per_step") / 1e6, 2),
                     num(r, "peak_rss_bytes") > 0 ? fmt(num(r, "peak_rss_bytes") / 1048576.0) : "-",
+                    num(r, "mean_peak_pss_bytes") > 0 ? fmt(num(r, "mean_peak_pss_bytes") / 1048576.0) : "-",
                     served ? fmt(num(r, "server_gradients_per_s")) : "-",
                     fmt(num(r, "final_loss"), 4), to_target ? fmt(*to_target, 2) : "-"});
   }
@@ -270,7 +273,8 @@ std::optional<double> time_to_target_s(const nlohmann::json& run) {
 }
 
 void write_comparison(std::ostream& os, const std::vector<nlohmann::json>& runs) {
-  const std::vector<int> widths{12, 10, 10, 9, 10, 9, 12, 12, 13};
+  const std::vector<int> widths{12, 10, 10, 9, 10, 9, 9, 12, 12, 13};
+  DDPKIT_CHECK(widths.size() == kColumns.size(), "bench report: ", widths.size(), " widths for ", kColumns.size(), " columns");
   for (size_t c = 0; c < kColumns.size(); ++c)
     os << (c == 0 ? std::left : std::right) << std::setw(widths[c]) << kColumns[c];
   os << "\n";

@@ -4,7 +4,8 @@
 
 #include <torch/torch.h>
 #include <ddpkit/ddpkit.h>
-#include <ddpkit/runtime/divergence_guard.h>
+#include <ddpkit/runtime/memory_sampler.h>
+#include <ddpkit/training/divergence_guard.h>
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <sys/resource.h>
@@ -226,6 +227,7 @@ int run_train(const std::vector<std::string>& args, const std::vector<std::strin
     return launch_local(nproc, argv, "/proc/self/exe", max_restarts,
                         checkpoint_dir.empty() ? std::vector<std::string>{} : std::vector<std::string>{"--resume"});
 
+  PeakMemorySampler memory;  // this rank's peak with shared pages counted in proportion (PSS)
   set_compute_threads(threads);
   std::shared_ptr<ProcessGroup> pg;
   if (use_ddp) {
@@ -265,11 +267,15 @@ int run_train(const std::vector<std::string>& args, const std::vector<std::strin
         model.module, pg,
         FullyShardedDataParallelOptions().sharding_strategy(fsdp_strategy).mixed_precision(mp).auto_wrap_policy(nullptr).unit_modules(units));
     if (hook_name == "fp16" || hook_name == "bf16") {
-      auto state = std::make_shared<fsdp::LowPrecisionState>(sharded_model->process_group_ptr(), mp.reduce_dtype().value_or(mp.param_dtype().value_or(at::kFloat)));
+      auto state = std::make_shared<fsdp::LowPrecisionState>(sharded_model->shard_group(), mp.reduce_dtype().value_or(mp.param_dtype().value_or(at::kFloat)));
+      // The low-precision hooks reduce-scatter under sharded strategies and allreduce under kNoShard.
       auto fn = hook_name == "fp16" ? fsdp::fp16_compress_hook : fsdp::bf16_compress_hook;
-      const bool sharded = fsdp_strategy != ShardingStrategy::kNoShard;
-      sharded_model->register_comm_hook([state, fn](const at::Tensor& g, const at::Tensor& out) { return fn(*state, g, out); },
-                               sharded, hook_name);
+      if (fsdp_strategy == ShardingStrategy::kNoShard)
+        sharded_model->register_comm_hook(FsdpAllreduceHook{[state, fn](const at::Tensor& g) { return fn(*state, g, at::Tensor()); }},
+                                          hook_name);
+      else
+        sharded_model->register_comm_hook(
+            FsdpReduceScatterHook{[state, fn](const at::Tensor& g, const at::Tensor& out) { return fn(*state, g, out); }}, hook_name);
     }
   }
 
@@ -558,13 +564,20 @@ int run_train(const std::vector<std::string>& args, const std::vector<std::strin
         for (const auto& t : factory.state_tensors(*kv.second))
           if (t.defined()) state_bytes += t.numel() * static_cast<int64_t>(t.element_size());
   }
-  // The largest rank's optimizer state and resident-memory high-water mark.
-  int64_t peak_rss = process_resources().peak_rss_bytes;
+  // The largest rank's optimizer state, resident-memory high-water mark and PSS peak.
+  memory.stop();
+  int64_t peak_rss = process_resources().peak_rss_bytes, peak_pss = memory.peak_pss_bytes();
+  int64_t pss_sum = peak_pss;
   if (pg) {
-    at::Tensor b = at::tensor({static_cast<double>(state_bytes), static_cast<double>(peak_rss)}, at::kDouble);
+    at::Tensor sum = at::tensor({static_cast<double>(peak_pss)}, at::kDouble);
+    ProcessGroup::wait(pg->allreduce(sum));
+    pss_sum = static_cast<int64_t>(sum[0].item<double>());
+    at::Tensor b = at::tensor({static_cast<double>(state_bytes), static_cast<double>(peak_rss), static_cast<double>(peak_pss)},
+                              at::kDouble);
     ProcessGroup::wait(pg->allreduce(b, c10d::ReduceOp::MAX));
     state_bytes = static_cast<int64_t>(b[0].item<double>());
     peak_rss = static_cast<int64_t>(b[1].item<double>());
+    peak_pss = static_cast<int64_t>(b[2].item<double>());
   }
   if (lead) {
     TrainReport r;
@@ -601,6 +614,8 @@ int run_train(const std::vector<std::string>& args, const std::vector<std::strin
     r.final_loss = last_loss;
     r.optimizer_state_bytes = state_bytes;
     r.peak_rss_bytes = peak_rss;
+    r.peak_pss_bytes = peak_pss;
+    r.mean_peak_pss_bytes = pss_sum / world;
     r.resumed_from = resumed_from;
     r.checkpoints_written = checkpoints_written;
     std::cout << report_json(r) << std::endl;

@@ -3,7 +3,7 @@
 #include "training.h"
 
 #include <ddpkit/ddpkit.h>
-#include <ddpkit/runtime/divergence_guard.h>
+#include <ddpkit/training/divergence_guard.h>
 
 #include <cmath>
 
@@ -141,6 +141,7 @@ std::string report_json(const TrainReport& r) {
   js << ", \"optimizer\": \"" << r.optimizer
      << "\", \"zero\": \"" << r.zero << "\", \"optimizer_state_bytes\": " << r.optimizer_state_bytes
      << ", \"model\": \"" << r.model << "\", \"fsdp\": \"" << r.fsdp << "\", \"peak_rss_bytes\": " << r.peak_rss_bytes
+     << ", \"peak_pss_bytes\": " << r.peak_pss_bytes << ", \"mean_peak_pss_bytes\": " << r.mean_peak_pss_bytes
      << ", \"resumed_from_step\": ";
   if (r.resumed_from >= 0) js << r.resumed_from; else js << "null";
   js << ", \"checkpoints_written\": " << r.checkpoints_written << "}";

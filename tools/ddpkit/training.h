@@ -226,7 +226,11 @@ struct TrainReport {
   int64_t piece_kb = 0;
   const OnlineTuningResult* tuning = nullptr;
   double accuracy = -1, test_perplexity = -1, final_loss = 0;  // -1: not measured
-  int64_t optimizer_state_bytes = 0, peak_rss_bytes = 0, resumed_from = -1;
+  // peak_rss_bytes: VmHWM, every page the rank maps, the largest rank's. peak_pss_bytes: each page
+  // counted once across the host's processes (runtime/memory_sampler.h), the largest rank's; and
+  // mean_peak_pss_bytes, the mean over ranks: which rank a shared page counts for is arbitrary, so
+  // strategies compare on the mean.
+  int64_t optimizer_state_bytes = 0, peak_rss_bytes = 0, peak_pss_bytes = 0, mean_peak_pss_bytes = 0, resumed_from = -1;
   int checkpoints_written = 0;
 };
 std::string report_json(const TrainReport& r);

@@ -21,6 +21,7 @@
 
 #include <functional>
 #include <memory>
+#include <optional>
 #include <tuple>
 #include <type_traits>
 #include <vector>
@@ -28,7 +29,10 @@
 namespace ddpkit {
 
 struct DistributedDataParallelOptions {
-  TORCH_ARG(double, bucket_cap_mb) = 25.0;
+  // Unset: kDefaultBucketCapMb (25, PyTorch's), or, once a hook is registered under a name of
+  // hooks::build_hook's, that hook's default (hooks::default_bucket_cap_mb: 6 for the hooks that
+  // compress each element). `ddpkit train` leaves it unset unless --bucket-cap-mb is given.
+  TORCH_ARG(std::optional<double>, bucket_cap_mb) = std::nullopt;
   // Smaller first bucket so communication starts early in backward (PyTorch: 1 MiB).
   TORCH_ARG(double, first_bucket_cap_mb) = 1.0;
   // Broadcast buffers (e.g. BatchNorm statistics) from rank 0 before every forward.

@@ -118,11 +118,18 @@ struct FullyShardedDataParallelOptions {
   TORCH_ARG(std::shared_ptr<ProcessGroup>, replicate_group) = nullptr;
 };
 
-// A communication hook: average `grad` (the unit's flat gradient, padded to the shard group's size
-// times `output`'s) into `output` (this rank's shard), or, under kNoShard (output undefined), in
-// place. It returns a future that completes when the result is there; the FSDP hooks of
-// hooks/fsdp_hooks.h have this shape once bound to their state (register_comm_hook does that).
-using FsdpCommHook = std::function<FuturePtr(const at::Tensor& grad, const at::Tensor& output)>;
+// Communication hooks, one type per shape, so the type says what a hook takes. Each returns a future
+// that completes when its result is there; the FSDP hooks of hooks/fsdp_hooks.h have one of these
+// shapes once bound to their state (the template register_comm_hook does that).
+// Sharded strategies: average `grad` (the unit's flat gradient, padded to the shard group's size
+// times `output`'s) into `output`, this rank's shard.
+struct FsdpReduceScatterHook {
+  std::function<FuturePtr(const at::Tensor& grad, const at::Tensor& output)> fn;
+};
+// kNoShard: average `grad` in place.
+struct FsdpAllreduceHook {
+  std::function<FuturePtr(const at::Tensor& grad)> fn;
+};
 
 namespace detail {
 class FsdpImpl;
@@ -150,14 +157,16 @@ class FullyShardedDataParallelBase {
   std::vector<std::pair<std::string, at::Tensor>> named_parameters() const;
   const std::vector<FsdpUnitInfo>& units() const;
 
-  // Before the first forward. `state` lives as long as the hook; a hook taking (state, grad,
-  // output) reduce-scatters, one taking (state, grad) allreduces and fits kNoShard only.
-  //   fsdp.register_comm_hook(std::make_shared<fsdp::DefaultState>(fsdp.process_group_ptr()),
+  // Before the first forward, once. `state` lives as long as the hook; a hook taking (state, grad,
+  // output) reduce-scatters (sharded strategies), one taking (state, grad) allreduces (kNoShard).
+  // A hook of the other shape than the strategy's is an error here, naming the shape it needs.
+  //   fsdp.register_comm_hook(std::make_shared<fsdp::DefaultState>(fsdp.shard_group()),
   //                           fsdp::reduce_scatter_hook);
   template <class State, class Hook>
-  void register_comm_hook(std::shared_ptr<State> state, Hook hook);
-  // The same with the state bound already; `takes_output` false for an allreduce-shaped hook.
-  void register_comm_hook(FsdpCommHook hook, bool takes_output, const std::string& name = "user hook");
+  void register_comm_hook(std::shared_ptr<State> state, Hook hook, const std::string& name = "user hook");
+  // The same with the state bound already.
+  void register_comm_hook(FsdpReduceScatterHook hook, const std::string& name = "user hook");
+  void register_comm_hook(FsdpAllreduceHook hook, const std::string& name = "user hook");
 
   // While the guard lives, backward keeps unsharded gradients in .grad and communicates nothing.
   NoSyncGuard no_sync();
@@ -181,9 +190,14 @@ class FullyShardedDataParallelBase {
   // Every rank passes the same dict; keeps its shard of each state tensor.
   void load_full_optimizer_state_dict(torch::optim::Optimizer& optimizer, const TensorDict& dict);
 
-  // The group units are sharded over (for hook states), and the whole group.
-  std::shared_ptr<ProcessGroup> process_group_ptr() const;
-  ProcessGroup& process_group() const { return *process_group_ptr(); }
+  // The whole group, as given at construction.
+  std::shared_ptr<ProcessGroup> process_group() const;
+  // The group a unit is sharded over: what a hook's state reduces over. The whole group, except
+  // under kHybridShard (a host's ranks by default).
+  std::shared_ptr<ProcessGroup> shard_group() const;
+  // kHybridShard: the group each shard is replicated over (averaged across after the
+  // reduce-scatter); nullptr under the other strategies.
+  std::shared_ptr<ProcessGroup> replicate_group() const;
   const FullyShardedDataParallelOptions& options() const;
   bool require_backward_grad_sync() const;
   // The largest number of units gathered at once so far (limit_all_gathers keeps it at 2 + root).
@@ -215,7 +229,6 @@ class FullyShardedDataParallelBase {
     return std::forward<T>(value);
   }
 
-  detail::FsdpImpl& impl() { return *impl_; }
 
  protected:
   void pre_forward();
@@ -305,24 +318,24 @@ auto forward_unit(M&& module, Args&&... args) {
 }  // namespace fsdp
 
 template <class State, class Hook>
-void FullyShardedDataParallelBase::register_comm_hook(std::shared_ptr<State> state, Hook hook) {
+void FullyShardedDataParallelBase::register_comm_hook(std::shared_ptr<State> state, Hook hook, const std::string& name) {
   DDPKIT_CHECK(state, "FullyShardedDataParallel::register_comm_hook: the state is null");
   if constexpr (std::is_base_of<fsdp::DefaultState, State>::value) {
-    DDPKIT_CHECK(state->process_group && state->process_group->size() == process_group().size(),
+    DDPKIT_CHECK(state->process_group && state->process_group->size() == shard_group()->size(),
                  "FullyShardedDataParallel::register_comm_hook: the hook state's group has ",
                  state->process_group ? state->process_group->size() : 0,
-                 " ranks but units are sharded over ", process_group().size(),
-                 ": make the state with fsdp.process_group_ptr()");
+                 " ranks but units are sharded over ", shard_group()->size(),
+                 ": make the state with fsdp.shard_group()");
   }
   if constexpr (std::is_invocable<Hook&, State&, const at::Tensor&, const at::Tensor&>::value) {
-    register_comm_hook([state, hook](const at::Tensor& grad, const at::Tensor& output) mutable {
-      return hook(*state, grad, output);
-    }, true);
+    register_comm_hook(FsdpReduceScatterHook{[state, hook](const at::Tensor& grad, const at::Tensor& output) mutable {
+                         return hook(*state, grad, output);
+                       }},
+                       name);
   } else {
     static_assert(std::is_invocable<Hook&, State&, const at::Tensor&>::value,
                   "an FSDP comm hook takes (state, grad, output) or (state, grad)");
-    register_comm_hook([state, hook](const at::Tensor& grad, const at::Tensor&) mutable { return hook(*state, grad); },
-                       false);
+    register_comm_hook(FsdpAllreduceHook{[state, hook](const at::Tensor& grad) mutable { return hook(*state, grad); }}, name);
   }
 }
 

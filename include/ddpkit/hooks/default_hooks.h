@@ -52,12 +52,15 @@ struct BuiltHook {
 };
 BuiltHook build_hook(const std::string& name, std::shared_ptr<ProcessGroup> pg, const HookOptions& options = {});
 std::vector<std::string> hook_names();
-// The bucket cap (MiB) to use with a hook when the user names none: 6 for hooks that compress
-// each element (fp16/bf16 and their wrappers, int8, quantize_*), 25 (PyTorch's) otherwise. A
+// The bucket cap (MiB) to use with a hook when the user names none: kCompressingHookBucketCapMb for
+// hooks that compress each element (fp16/bf16 and their wrappers, int8, quantize_*),
+// kDefaultBucketCapMb (PyTorch's) otherwise; DistributedDataParallel applies it when the hook is
+// registered under that name and no cap was given. A
 // small bucket starts its codec and transfer earlier in backward and leaves a short last
 // transfer; measured at 1 Gbit/s on a 12-layer MLP, 6 MiB buckets cut the int8 step by 10-22%
 // and fp16's by 1-5% (docs/performance.md). PowerSGD compresses per matrix (batched: per bucket,
 // where a larger bucket compresses more) and gains nothing.
+constexpr double kCompressingHookBucketCapMb = 6.0;
 double default_bucket_cap_mb(const std::string& hook);
 // The PowerSGD rank `ddpkit train` uses unless told: 4, batched_powersgd 32 (one square per bucket).
 int default_powersgd_rank(const std::string& hook);

@@ -21,9 +21,14 @@
 
 namespace ddpkit {
 
+// The bucket cap when none is given: PyTorch's, for the built-in allreduce and every hook that sends
+// its buckets whole. Hooks that compress element by element default to their own
+// (hooks::default_bucket_cap_mb), which DistributedDataParallel applies when they are registered.
+constexpr double kDefaultBucketCapMb = 25.0;
+
 struct ReducerOptions {
   size_t first_bucket_bytes = 1024 * 1024;   // the first bucket's cap: gets communication going early
-  size_t bucket_bytes_cap = 25 * 1024 * 1024;
+  size_t bucket_bytes_cap = static_cast<size_t>(kDefaultBucketCapMb * 1024 * 1024);
   bool find_unused_parameters = false;
   bool gradient_as_bucket_view = false;
   bool static_graph = false;
@@ -91,9 +96,11 @@ class Reducer {
   // rebuild follows), so bucket-indexed hook state lines up with the same buckets. Between steps
   // only; every rank must pass the same one.
   void restore_bucket_layout(const std::vector<std::vector<size_t>>& buckets);
-  // Rebuckets the current order (the gradient-ready order once rebuilt) under another cap; the
-  // first bucket keeps its own. For online tuning: between steps, after the rebuild, every rank at
-  // the same point, and not once a layout was frozen or restored (code laid out by bucket).
+  // Rebuckets the current order under another cap; the first bucket keeps its own. Before the first
+  // iteration the order is the registration order, and the rebuild in gradient-ready order after it
+  // keeps the new cap; after the rebuild (online tuning) it is the gradient-ready order. Between
+  // steps, every rank at the same point, and not once a layout was frozen or restored (code laid
+  // out by bucket).
   void set_bucket_cap(size_t bucket_bytes_cap);
   size_t bucket_cap() const;
   // The buckets set_bucket_cap(cap) would make, without making them.

@@ -1,4 +1,4 @@
-#include <ddpkit/runtime/divergence_guard.h>
+#include <ddpkit/training/divergence_guard.h>
 
 #include <ddpkit/error.h>
 

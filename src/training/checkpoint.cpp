@@ -1,4 +1,4 @@
-#include <ddpkit/runtime/checkpoint.h>
+#include <ddpkit/training/checkpoint.h>
 
 #include <ddpkit/ddp/distributed_data_parallel.h>
 #include <ddpkit/fsdp/fully_sharded_data_parallel.h>

@@ -1,0 +1,90 @@
+#!/usr/bin/env python3
+"""The library's folders are layers, and every include points down.
+
+A folder of include/ddpkit/ and src/ may include its own headers and those of folders in lower
+layers, never a folder in its own layer or above. The order is LAYERS below, as docs/design.md
+draws it. Prints the folder dependency graph (who includes whom, how many times) and fails on
+every include that points sideways or up, naming the file and line.
+
+  python3 tests/layers.py            # check
+  python3 tests/layers.py --graph    # the graph only
+"""
+import os
+import re
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# Lowest first. Folders in one entry are peers and must not include each other.
+LAYERS = [
+    ["runtime", "codecs", "metrics"],   # allocator, block cache, threads; kernels; counters
+    ["comm", "optim"],                  # process groups and transports; one-pass optimizers
+    ["reducer"],                        # buckets and the Reducer
+    ["hooks"],                          # comm hooks
+    ["ddp"],                            # DistributedDataParallel
+    ["zero", "fsdp"],                   # ZeRO, FullyShardedDataParallel
+    ["training"],                       # checkpoints, divergence guard: above every wrapper
+    ["plan", "ps"],                     # cost model and tuning; parameter server
+]
+RANK = {folder: i for i, layer in enumerate(LAYERS) for folder in layer}
+# <ddpkit/comm/x.h> (public) and "../comm/x.h" (another folder's private header in src/).
+INCLUDE = re.compile(r'^\s*#\s*include\s*(?:<ddpkit/|"\.\./)([a-z_]+)/[^>"]+[>"]')
+
+
+def folder_of(path):
+    for base in ("include/ddpkit/", "src/"):
+        if path.startswith(base):
+            rest = path[len(base):]
+            return rest.split("/")[0] if "/" in rest else None
+    return None
+
+
+def scan():
+    edges, bad, unknown = {}, [], set()
+    for base in ("include/ddpkit", "src"):
+        for root, _, files in os.walk(os.path.join(ROOT, base)):
+            for name in sorted(files):
+                if not name.endswith((".h", ".cpp")):
+                    continue
+                path = os.path.relpath(os.path.join(root, name), ROOT)
+                here = folder_of(path)
+                if here is None:
+                    continue
+                if here not in RANK:
+                    unknown.add(here)
+                    continue
+                with open(os.path.join(ROOT, path)) as f:
+                    for lineno, line in enumerate(f, 1):
+                        m = INCLUDE.match(line)
+                        if not m or m.group(1) == here:
+                            continue
+                        there = m.group(1)
+                        edges.setdefault(here, {}).setdefault(there, 0)
+                        edges[here][there] += 1
+                        if there not in RANK:
+                            unknown.add(there)
+                        elif RANK[there] >= RANK[here]:
+                            bad.append(f"{path}:{lineno}: {here} (layer {RANK[here]}) includes {there} "
+                                       f"(layer {RANK[there]}): {line.strip()}")
+    return edges, bad, unknown
+
+
+def main():
+    edges, bad, unknown = scan()
+    print("folder dependencies (includes), lowest layer first:")
+    for layer in LAYERS:
+        for folder in layer:
+            out = edges.get(folder, {})
+            print(f"  {folder:9s} -> " + (", ".join(f"{t} ({n})" for t, n in sorted(out.items())) or "-"))
+    if "--graph" in sys.argv:
+        return 0
+    for u in sorted(unknown):
+        print(f"folder '{u}' is in no layer: add it to LAYERS in tests/layers.py and to docs/design.md")
+    for b in bad:
+        print(b)
+    print(f"layers: {len(bad)} includes point sideways or up, {len(unknown)} folders without a layer")
+    return 1 if bad or unknown else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
