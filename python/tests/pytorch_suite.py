@@ -21,6 +21,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -223,6 +224,11 @@ def main():
     if args.world < 2:
         p.error(f"--world must be at least 2, got {args.world}")
     made = _setup_environment(args)
+    # A run stopped by SIGTERM (ctest's timeout, a killed job) stops as on Ctrl-C, which unittest
+    # passes on (it would record SystemExit as a test's error and go on), and removes its files below.
+    def stop(*_):
+        raise KeyboardInterrupt("SIGTERM")
+    signal.signal(signal.SIGTERM, stop)
     try:
         return _run(args)
     finally:
