@@ -62,6 +62,15 @@ def _require_initialized(caller):
             "torch.distributed.init_process_group('gloo') first (ddpkit's group uses its store and ranks)")
 
 
+def _env_number(name, default, kind, what):
+    """The environment variable `name` (else `default`) as a `kind`; an error naming it otherwise."""
+    text = os.environ.get(name, default)
+    try:
+        return kind(text)
+    except ValueError:
+        raise ValueError(f"ddpkit: {name} must be {what}, got '{text}'") from None
+
+
 @dataclass(frozen=True)
 class Options:
     """How ddpkit makes a process group: `pg_options` of torch.distributed.init_process_group and
@@ -79,11 +88,7 @@ class Options:
         """These options with every unset field filled from the environment or the default."""
         threads = self.gloo_threads
         if threads is None:
-            text = os.environ.get("DDPKIT_GLOO_THREADS", "2")
-            try:
-                threads = int(text)
-            except ValueError:
-                raise ValueError(f"ddpkit: DDPKIT_GLOO_THREADS must be a whole number, got '{text}'") from None
+            threads = _env_number("DDPKIT_GLOO_THREADS", "2", int, "a whole number")
         if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
             raise ValueError(f"ddpkit.Options: gloo_threads must be a whole number >= 1, got {threads!r}")
         shm = self.shared_memory
@@ -153,12 +158,7 @@ def default_group():
     global _default_group
     _require_initialized("ddpkit.default_group")
     if _default_group is None:
-        text = os.environ.get("DDPKIT_TIMEOUT_S", "300")
-        try:
-            timeout = float(text)
-        except ValueError:
-            raise ValueError(f"ddpkit: DDPKIT_TIMEOUT_S must be seconds, got '{text}'") from None
-        _default_group = new_group(timeout=timeout)
+        _default_group = new_group(timeout=_env_number("DDPKIT_TIMEOUT_S", "300", float, "seconds"))
     return _default_group
 
 
