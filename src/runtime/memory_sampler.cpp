@@ -9,6 +9,8 @@
 #include <cstdio>
 #include <cstring>
 #include <map>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 namespace ddpkit {
@@ -69,26 +71,29 @@ void forget_owned_shared_memory(const void* base) {
   owned_regions().erase(base);
 }
 
-int64_t owned_shared_memory_bytes() {
+namespace {
+
+// The owned regions' bytes and count, under one lock.
+std::pair<int64_t, int> owned_totals() {
   std::lock_guard<std::mutex> lock(owned_mutex());
   int64_t total = 0;
   for (const auto& kv : owned_regions())
     total += kv.second.reserved ? static_cast<int64_t>(kv.second.bytes) : resident_bytes(kv.first, kv.second.bytes);
-  return total;
+  return {total, static_cast<int>(owned_regions().size())};
 }
 
-int owned_shared_memory_regions() {
-  std::lock_guard<std::mutex> lock(owned_mutex());
-  return static_cast<int>(owned_regions().size());
-}
+}  // namespace
+
+int64_t owned_shared_memory_bytes() { return owned_totals().first; }
+
+int owned_shared_memory_regions() { return owned_totals().second; }
 
 MemoryCounts read_memory_counts(bool with_pss) {
   MemoryCounts c;
   read_kb_fields("/proc/self/status", {"VmRSS", "RssAnon", "RssFile", "RssShmem", "VmHWM"},
                  {&c.rss, &c.anon, &c.file, &c.shmem, &c.peak_rss});
   if (with_pss) read_kb_fields("/proc/self/smaps_rollup", {"Pss", "Pss_File", "Pss_Shmem"}, {&c.pss, &c.pss_file, &c.pss_shmem});
-  c.owned_shared = owned_shared_memory_bytes();
-  c.owned_regions = owned_shared_memory_regions();
+  std::tie(c.owned_shared, c.owned_regions) = owned_totals();
   return c;
 }
 

@@ -566,7 +566,7 @@ int run_train(const std::vector<std::string>& args, const std::vector<std::strin
   }
   // The largest rank's optimizer state, resident-memory high-water mark and PSS peak.
   memory.stop();
-  int64_t peak_rss = process_resources().peak_rss_bytes, peak_pss = memory.peak_pss_bytes();
+  int64_t peak_rss = memory.peak_rss_bytes(), peak_pss = memory.peak_pss_bytes();
   int64_t pss_sum = peak_pss;
   if (pg) {
     at::Tensor sum = at::tensor({static_cast<double>(peak_pss)}, at::kDouble);
