@@ -56,11 +56,14 @@ MachineConstants machine(int cores) {
   return c;
 }
 
+// A candidate by the CLI's names; cap 0: the hook's default, kChooseBucketCap: chosen as tuning would.
+constexpr double kChooseBucketCap = -1;
 Candidate with(const std::string& strategy, const std::string& hook, double cap_mb = 0) {
   Candidate c;
-  c.strategy = strategy;
-  c.hook = hook;
-  c.bucket_cap_mb = cap_mb;
+  c.strategy = parse_strategy(strategy);
+  c.hook = parse_hook(hook);
+  if (cap_mb != 0 && cap_mb != kChooseBucketCap) c.bucket_cap_mb = cap_mb;
+  c.choose_bucket_cap = cap_mb == kChooseBucketCap;
   return c;
 }
 
@@ -229,7 +232,7 @@ TEST(Plan, TheOptimizerInTheHookOverlapsBackwardOnlyWithASpareCore) {
   in_hook.optimizer_in_hook = true;
   const double bucket = 4.0 * (1 << 20) / 1e6;  // one layer's allreduce at 1 GB/s
   const Prediction spare = predict(four_layers(), job, machine(4), in_hook);
-  EXPECT_EQ(spare.candidate.hook, "allreduce");  // what train registers for hook none
+  EXPECT_EQ(spare.candidate.hook, Hook::kAllreduce);  // what train registers for hook none
   EXPECT_EQ(spare.candidate.label(), "allreduce+optimizer");
   // The first layer's bucket, ready as backward ends: its allreduce and its quarter of the 8 ms step.
   EXPECT_NEAR(spare.step_ms, 20 + 40 + bucket + 2, 1e-3);
@@ -302,24 +305,24 @@ TEST(Plan, AChosenBucketCapOverlapsALinkWithBackward) {
   job.link_gbit = 4;  // 4 MiB in 8.4 ms; the model's 16 MiB in about backward's 40 ms
   const auto m = machine(4);
   const Prediction by_default = predict(four_layers(), job, m, with("ddp", "none"));
-  const Prediction chosen = predict(four_layers(), job, m, with("ddp", "none", Candidate::kChooseBucketCap));
-  EXPECT_EQ(by_default.candidate.bucket_cap_mb, 25);
+  const Prediction chosen = predict(four_layers(), job, m, with("ddp", "none", kChooseBucketCap));
+  EXPECT_EQ(*by_default.candidate.bucket_cap_mb, 25);
   // 25 MiB: the first layer's bucket (1 MiB first cap) at 10 ms, the other three after backward:
   // 20 + 40 + 25.2 + 8. One layer a bucket: the last sent 8.4 ms after backward: 20 + 48.4 + 8.
   const double layer = 4.0 * (1 << 20) * 8 / 4e6;
   EXPECT_NEAR(by_default.step_ms, 20 + 40 + 3 * layer + 8, 1e-3);  // copies at 1e6 GB/s add 1e-5 ms
-  EXPECT_LT(chosen.candidate.bucket_cap_mb, 25);
+  EXPECT_LT(*chosen.candidate.bucket_cap_mb, 25);
   EXPECT_NEAR(chosen.step_ms, 20 + 40 + layer + 8, 1e-3);
-  const Prediction at_that_cap = predict(four_layers(), job, m, with("ddp", "none", chosen.candidate.bucket_cap_mb));
+  const Prediction at_that_cap = predict(four_layers(), job, m, with("ddp", "none", *chosen.candidate.bucket_cap_mb));
   EXPECT_DOUBLE_EQ(at_that_cap.step_ms, chosen.step_ms);
 
   JobSpec one_host;
   one_host.world_size = 2;
-  const Prediction kept = predict(four_layers(), one_host, machine(2), with("ddp", "none", Candidate::kChooseBucketCap));
-  EXPECT_EQ(kept.candidate.bucket_cap_mb, 25);
+  const Prediction kept = predict(four_layers(), one_host, machine(2), with("ddp", "none", kChooseBucketCap));
+  EXPECT_EQ(*kept.candidate.bucket_cap_mb, 25);
   EXPECT_DOUBLE_EQ(kept.step_ms, predict(four_layers(), one_host, machine(2), with("ddp", "none")).step_ms);
   // FSDP has no buckets to choose.
-  const Prediction fsdp = predict(four_layers(), job, m, with("full_shard", "none", Candidate::kChooseBucketCap));
+  const Prediction fsdp = predict(four_layers(), job, m, with("full_shard", "none", kChooseBucketCap));
   EXPECT_DOUBLE_EQ(fsdp.step_ms, predict(four_layers(), job, m, with("full_shard", "none")).step_ms);
   EXPECT_THROW(predict(four_layers(), job, m, with("ddp", "none", -3)), c10::Error);
 }
@@ -385,8 +388,8 @@ TEST(Plan, WhatFitsRanksFirst) {
   bool seen_unfit = false;
   for (const auto& r : rows) {
     if (!r.fits) seen_unfit = true;
-    else EXPECT_FALSE(seen_unfit) << r.candidate.strategy << "/" << r.candidate.hook << " fits but ranks after one that does not";
-    if (r.candidate.strategy == "ddp" && r.candidate.hook == "none") EXPECT_FALSE(r.fits);
+    else EXPECT_FALSE(seen_unfit) << to_string(r.candidate.strategy) << "/" << to_string(r.candidate.hook) << " fits but ranks after one that does not";
+    if (r.candidate.strategy == Strategy::kDdp && r.candidate.hook == Hook::kNone) EXPECT_FALSE(r.fits);
   }
 }
 
@@ -524,8 +527,8 @@ TEST(Plan, AProfileRoundTripsAsADescription) {
   job.world_size = 4;
   for (const auto& c : candidates(job)) {
     const Prediction a = predict(model, job, machine(2), c), b = predict(back, job, machine(2), c);
-    EXPECT_DOUBLE_EQ(a.step_ms, b.step_ms) << c.strategy << "/" << c.hook;
-    EXPECT_EQ(a.memory.total(), b.memory.total()) << c.strategy << "/" << c.hook;
+    EXPECT_DOUBLE_EQ(a.step_ms, b.step_ms) << to_string(c.strategy) << "/" << to_string(c.hook);
+    EXPECT_EQ(a.memory.total(), b.memory.total()) << to_string(c.strategy) << "/" << to_string(c.hook);
   }
 }
 

@@ -90,7 +90,7 @@ class DdpkitBackend : public compat::Backend {
     check_root(opts.rootRank, "broadcast");
     const int root = static_cast<int>(opts.rootRank);
     // As bytes: Gloo moves no bfloat16 or bool.
-    return work(OpType::BROADCAST, {t}, Shape{t.numel(), t.scalar_type(), root}, [this, t, root] {
+    return work(OpType::BROADCAST, {t}, [this, t, root] {
       return on_contiguous(t, [&](const at::Tensor& c) { return pg_->broadcast(as_bytes(c), root); });
     });
   }
@@ -99,7 +99,7 @@ class DdpkitBackend : public compat::Backend {
     if (tensors.size() == 1 && tensors[0].defined() && tensors[0].is_sparse()) return sparse_allreduce(tensors[0], opts);
     const at::Tensor t = one(tensors, "allreduce");
     const ReduceOp op = opts.reduceOp;
-    return work(OpType::ALLREDUCE, {t}, Shape{t.numel(), t.scalar_type(), op_code(op)}, [this, t, op] { return reduce_in_place(t, op, "allreduce"); });
+    return work(OpType::ALLREDUCE, {t}, [this, t, op] { return reduce_in_place(t, op, "allreduce"); });
   }
 
   // Sparse COO on the CPU, summed as Gloo sums it (its own sparse allreduce; SUM only, as there).
@@ -108,13 +108,13 @@ class DdpkitBackend : public compat::Backend {
                  "; this backend serves CPU tensors");
     DDPKIT_CHECK(opts.reduceOp == ReduceOp::SUM, "ddpkit backend: a sparse allreduce supports SUM only, got ",
                  op_name(opts.reduceOp));
-    return work(OpType::ALLREDUCE, {t}, Shape{-1, t.scalar_type()}, [this, t] { return pg_->allreduce(t); });
+    return work(OpType::ALLREDUCE, {t}, [this, t] { return pg_->allreduce(t); });
   }
 
   WorkPtr allreduce_coalesced(std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) override {
     for (const auto& t : tensors) cpu(t, "allreduce_coalesced");
     const ReduceOp op = opts.reduceOp;
-    return work(OpType::ALLREDUCE_COALESCED, tensors, Shape::of(tensors, op_code(op)), [this, tensors, op] {
+    return work(OpType::ALLREDUCE_COALESCED, tensors, [this, tensors, op] {
       std::vector<FuturePtr> parts;
       for (const auto& t : tensors) parts.push_back(reduce_in_place(t, op, "allreduce_coalesced"));
       return when_all(parts, at::Tensor());
@@ -127,7 +127,7 @@ class DdpkitBackend : public compat::Backend {
     // An allreduce; other ranks reduce a copy, so only the root's tensor changes (as with Gloo).
     at::Tensor target = getRank() == opts.rootRank ? t : t.clone();
     const ReduceOp op = opts.reduceOp;
-    return work(OpType::REDUCE, {t}, Shape{t.numel(), t.scalar_type(), op_code(op) * 65536 + opts.rootRank},
+    return work(OpType::REDUCE, {t},
                 [this, target, op] { return reduce_in_place(target, op, "reduce"); });
   }
 
@@ -137,13 +137,13 @@ class DdpkitBackend : public compat::Backend {
     DDPKIT_CHECK(outputs.size() == 1, "ddpkit backend: allgather takes one output list, got ", outputs.size());
     check_list(outputs[0], in, "allgather");
     std::vector<at::Tensor> outs = outputs[0];
-    return work(OpType::ALLGATHER, outs, Shape{in.numel(), in.scalar_type()}, [this, outs, in] { return gather_list(outs, in); });
+    return work(OpType::ALLGATHER, outs, [this, outs, in] { return gather_list(outs, in); });
   }
 
   WorkPtr _allgather_base(at::Tensor& output, at::Tensor& input, const c10d::AllgatherOptions&) override {
     check_world_times(output, "output", input, "input", "all_gather_into_tensor");
     const at::Tensor out = output, in = input;
-    return work(OpType::_ALLGATHER_BASE, {out}, Shape{in.numel(), in.scalar_type()}, [this, out, in] { return gather_flat(out, in); });
+    return work(OpType::_ALLGATHER_BASE, {out}, [this, out, in] { return gather_flat(out, in); });
   }
 
   // outputs[r][i] receives rank r's inputs[i] (one list per rank, as PyTorch passes them and Gloo
@@ -164,7 +164,7 @@ class DdpkitBackend : public compat::Backend {
     }
     for (const auto& list : outputs) all.insert(all.end(), list.begin(), list.end());
     std::vector<at::Tensor> ins = inputs;
-    return work(OpType::ALLGATHER_COALESCED, all, Shape::of(ins), [this, by_input, ins] {
+    return work(OpType::ALLGATHER_COALESCED, all, [this, by_input, ins] {
       std::vector<FuturePtr> parts;
       for (size_t i = 0; i < ins.size(); ++i) parts.push_back(gather_list(by_input[i], ins[i]));
       return when_all(parts, at::Tensor());
@@ -179,7 +179,7 @@ class DdpkitBackend : public compat::Backend {
     for (size_t i = 0; i < inputs.size(); ++i)
       check_world_times(outputs[i], "output", inputs[i], "input", "all_gather_into_tensor");
     std::vector<at::Tensor> outs = outputs, ins = inputs;
-    return work(OpType::COALESCED, outs, Shape::of(ins), [this, outs, ins] {
+    return work(OpType::COALESCED, outs, [this, outs, ins] {
       std::vector<FuturePtr> parts;
       for (size_t i = 0; i < ins.size(); ++i) parts.push_back(gather_flat(outs[i], ins[i]));
       return when_all(parts, at::Tensor());
@@ -194,7 +194,7 @@ class DdpkitBackend : public compat::Backend {
       check_world_times(inputs[i], "input", outputs[i], "output", "reduce_scatter_tensor");
     std::vector<at::Tensor> outs = outputs, ins = inputs;
     const ReduceOp op = opts.reduceOp;
-    return work(OpType::COALESCED, outs, Shape::of(outs, op_code(op)), [this, outs, ins, op] {
+    return work(OpType::COALESCED, outs, [this, outs, ins, op] {
       std::vector<FuturePtr> parts;
       for (size_t i = 0; i < ins.size(); ++i) parts.push_back(scatter_flat(outs[i], ins[i], op, "reduce_scatter_tensor"));
       return when_all(parts, at::Tensor());
@@ -218,7 +218,7 @@ class DdpkitBackend : public compat::Backend {
     }
     check_list(into, in, "gather");
     return work(OpType::GATHER, root ? outputs[0] : std::vector<at::Tensor>{},
-                Shape{in.numel(), in.scalar_type(), opts.rootRank}, [this, into, in] { return gather_list(into, in); });
+                [this, into, in] { return gather_list(into, in); });
   }
 
   WorkPtr scatter(std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
@@ -243,7 +243,7 @@ class DdpkitBackend : public compat::Backend {
     const int64_t n = out.numel(), rank = getRank();
     const int root_rank = static_cast<int>(opts.rootRank);
     at::Tensor target = out;
-    return work(OpType::SCATTER, {out}, Shape{n, out.scalar_type(), root_rank}, [this, all, target, n, rank, root_rank] {
+    return work(OpType::SCATTER, {out}, [this, all, target, n, rank, root_rank] {
       return then(pg_->broadcast(as_bytes(all), root_rank), [all, target, n, rank] {
         at::Tensor t = target;
         t.copy_(all.narrow(0, rank * n, n).view(t.sizes()));
@@ -263,14 +263,14 @@ class DdpkitBackend : public compat::Backend {
     }
     at::Tensor in = at::cat(flat), target = out;
     const ReduceOp op = opts.reduceOp;
-    return work(OpType::REDUCE_SCATTER, {out}, Shape{out.numel(), out.scalar_type(), op_code(op)}, [this, target, in, op] { return scatter_flat(target, in, op, "reduce_scatter"); });
+    return work(OpType::REDUCE_SCATTER, {out}, [this, target, in, op] { return scatter_flat(target, in, op, "reduce_scatter"); });
   }
 
   WorkPtr _reduce_scatter_base(at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) override {
     check_world_times(input, "input", output, "output", "reduce_scatter_tensor");
     const at::Tensor out = output, in = input;
     const ReduceOp op = opts.reduceOp;
-    return work(OpType::_REDUCE_SCATTER_BASE, {out}, Shape{out.numel(), out.scalar_type(), op_code(op)},
+    return work(OpType::_REDUCE_SCATTER_BASE, {out},
                 [this, out, in, op] {
       return scatter_flat(out, in, op, "reduce_scatter_tensor");
     });
@@ -281,9 +281,7 @@ class DdpkitBackend : public compat::Backend {
     check_alltoall(output, input, output_splits, input_splits);
     const at::Tensor out = output, in = input;
     std::vector<int64_t> os = output_splits, is = input_splits;
-    // With splits the sizes differ by design: no shape to compare.
-    const Shape shape = os.empty() && is.empty() ? Shape{in.numel(), in.scalar_type()} : Shape{};
-    return work(OpType::ALLTOALL_BASE, {out}, shape, [this, out, in, os, is] { return alltoall_flat(out, in, os, is); });
+    return work(OpType::ALLTOALL_BASE, {out}, [this, out, in, os, is] { return alltoall_flat(out, in, os, is); });
   }
 
   WorkPtr alltoall(std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
@@ -310,8 +308,7 @@ class DdpkitBackend : public compat::Backend {
     const bool even = std::all_of(in_splits.begin(), in_splits.end(), [&](int64_t s) { return s == in_splits[0]; }) &&
                       std::all_of(out_splits.begin(), out_splits.end(), [&](int64_t s) { return s == in_splits[0]; });
     std::vector<at::Tensor> outs = outputs;
-    return work(OpType::ALLTOALL, outputs, even ? Shape{in.numel(), in.scalar_type()} : Shape{},
-                [this, outs, out, in, even, out_splits, in_splits] {
+    return work(OpType::ALLTOALL, outputs, [this, outs, out, in, even, out_splits, in_splits] {
       const std::vector<int64_t> none;
       FuturePtr moved = even ? alltoall_flat(out, in, none, none) : alltoall_flat(out, in, out_splits, in_splits);
       return then(moved, [outs, out, out_splits] {
@@ -326,14 +323,14 @@ class DdpkitBackend : public compat::Backend {
   }
 
   WorkPtr barrier(const c10d::BarrierOptions&) override {
-    return work(OpType::BARRIER, {}, Shape{0, at::kByte}, [this] { return pg_->barrier(); });
+    return work(OpType::BARRIER, {}, [this] { return pg_->barrier(); });
   }
   // A group's own monitored_barrier (torch.distributed.monitored_barrier itself refuses every
   // backend not named gloo). Blocks, as Gloo's does. Not compared across ranks first: it is there
   // to find the rank that does not come.
   void monitoredBarrier(const c10d::BarrierOptions& opts, bool wait_all_ranks) override {
     const std::chrono::milliseconds timeout = opts.timeout == c10d::kUnsetTimeout ? pg_->timeout() : opts.timeout;
-    auto w = work(OpType::BARRIER, {}, Shape{-1, at::kByte},
+    auto w = work(OpType::BARRIER, {},
                   [this, timeout, wait_all_ranks] { return pg_->monitored_barrier(timeout, wait_all_ranks); });
     w->wait();
   }
@@ -419,50 +416,10 @@ class DdpkitBackend : public compat::Backend {
                  whole.scalar_type());
   }
 
-  // What every rank must agree on for a collective: compared across the group before it runs when
-  // DDPKIT_CHECK_COLLECTIVES=1 (as PyTorch's TORCH_DISTRIBUTED_DEBUG=DETAIL does for its own
-  // backends). Shared memory names a mismatch anyway; Gloo, between hosts, aborts the process.
-  struct Shape {
-    int64_t numel = -1;  // -1: nothing to compare (uneven all-to-all)
-    at::ScalarType dtype = at::kByte;
-    int64_t extra = 0;  // the reduce op and/or root
-    static Shape of(const std::vector<at::Tensor>& tensors, int64_t extra = 0) {
-      Shape s{0, tensors.empty() ? at::kByte : tensors[0].scalar_type(), extra};
-      for (const auto& t : tensors) s.numel += t.numel();
-      return s;
-    }
-  };
-  static int64_t op_code(const ReduceOp& op) { return static_cast<int64_t>(static_cast<ReduceOp::RedOpType>(op)); }
-
-  // Throws, naming both sides, unless every rank is calling the same collective on the same shape.
-  void check_same_call(OpType type, const Shape& shape) {
-    const int64_t mine[4] = {static_cast<int64_t>(type), shape.numel, static_cast<int64_t>(shape.dtype), shape.extra};
-    at::Tensor both = at::empty({8}, at::kLong);
-    for (int i = 0; i < 4; ++i) {
-      both[i] = mine[i];
-      both[4 + i] = -mine[i];
-    }
-    ddpkit::ProcessGroup::wait(pg_->allreduce(both, ReduceOp::MAX));
-    const int64_t* r = both.data_ptr<int64_t>();
-    if (r[0] == -r[4] && r[1] == -r[5] && r[2] == -r[6] && r[3] == -r[7]) return;
-    DDPKIT_CHECK(false, "ddpkit backend: ranks called different collectives (DDPKIT_CHECK_COLLECTIVES): rank ",
-                 getRank(), " called ", c10d::opTypeToString(type), " of ", shape.numel, " elements of ", shape.dtype,
-                 " (op/root ", shape.extra, "); across the group the operation ranges over ",
-                 c10d::opTypeToString(static_cast<OpType>(-r[4])), "..", c10d::opTypeToString(static_cast<OpType>(r[0])),
-                 ", the element count over ", -r[5], "..", r[1], ", the dtype code over ", -r[6], "..", r[2],
-                 ", op/root over ", -r[7], "..", r[3]);
-  }
-
   // The work of the collective `start` issues, in the order IssueOrder keeps (backend_work.h).
   // Arguments are checked before, so that bad input is named at the call.
-  WorkPtr work(OpType type, std::vector<at::Tensor> outputs, const Shape& shape, std::function<FuturePtr()> start) {
+  WorkPtr work(OpType type, std::vector<at::Tensor> outputs, std::function<FuturePtr()> start) {
     ++sequence_;
-    if (check_collectives_ && shape.numel >= 0) {
-      start = [this, type, shape, start = std::move(start)] {
-        check_same_call(type, shape);
-        return start();
-      };
-    }
     FuturePtr done;
     {
       std::lock_guard<std::mutex> lock(coalescing_mutex_);
@@ -634,10 +591,6 @@ class DdpkitBackend : public compat::Backend {
   }
 
   std::shared_ptr<ddpkit::ProcessGroup> pg_;
-  const bool check_collectives_ = [] {
-    const char* v = std::getenv("DDPKIT_CHECK_COLLECTIVES");
-    return v && std::string(v) == "1";
-  }();
   std::shared_ptr<CallbackRunner> runner_ = CallbackRunner::make();
   std::shared_ptr<IssueOrder> order_ = std::make_shared<IssueOrder>(runner_);
   std::mutex coalescing_mutex_;

@@ -3,10 +3,7 @@
 // reached about half a shaped link's rate, where these reach the link's rate
 // (bench/exchange_bench.py, bench/results/gloo-exchange-2026-11-26.txt). FSDP's gathers and
 // reduce-scatters, ZeRO's, and the torch.distributed backend's all ride on these between hosts.
-#include <ddpkit/comm/process_group.h>
-
-#include "job_thread.h"
-#include "process_group_internal.h"
+#include "gloo_transport.h"
 
 #include <algorithm>
 #include <chrono>
@@ -16,7 +13,6 @@ namespace ddpkit {
 
 using detail::bytes_of;
 using detail::describe_tensor;
-using detail::fail;
 
 namespace {
 
@@ -54,7 +50,7 @@ std::function<void()> putting_back(PutBack put_back) {
 
 }  // namespace
 
-void ProcessGroup::gloo_exchange(const std::vector<at::Tensor>& sends, const std::vector<at::Tensor>& recvs,
+void GlooTransport::exchange(const std::vector<at::Tensor>& sends, const std::vector<at::Tensor>& recvs,
                                  const std::string& what, const at::Tensor& value, const FuturePtr& result,
                                  std::function<void()> during, std::function<void()> after) {
   struct Message {
@@ -65,21 +61,21 @@ void ProcessGroup::gloo_exchange(const std::vector<at::Tensor>& sends, const std
   std::vector<Message> messages;
   try {
     const int tag = static_cast<int>(kExchangeTagBase + exchange_count_++ % kExchangeTags);
-    for (int peer = 0; peer < world_size_; ++peer) {
-      if (peer == rank_) continue;
+    for (int peer = 0; peer < core_.size(); ++peer) {
+      if (peer == core_.rank()) continue;
       std::vector<at::Tensor> out{sends[peer]}, in{recvs[peer]};
       messages.push_back({with_backend([&](compat::Backend& b) { return b.recv(in, peer, tag); }), peer, true});
       messages.push_back({with_backend([&](compat::Backend& b) { return b.send(out, peer, tag); }), peer, false});
     }
   } catch (...) {
-    return fail(result, what, rank_, world_size_, std::current_exception());
+    return core_.fail(result, what, std::current_exception());
   }
   // Gloo's send and receive works have no future in libtorch 1.13: they are waited for here, off
   // the sequencer, which goes on issuing the collectives that follow.
-  const auto timeout = options_.timeout();
+  const auto timeout = core_.timeout();
   const auto deadline = std::chrono::steady_clock::now() + timeout;
-  const int rank = rank_, world = world_size_;
-  exchange_waiter_->post([messages = std::move(messages), deadline, timeout, what, value, result, rank, world,
+  GroupCore* core = &core_;
+  exchange_waiter_->post([messages = std::move(messages), deadline, timeout, what, value, result, core,
                           during = std::move(during), after = std::move(after)] {
     try {
       if (during) during();
@@ -96,15 +92,15 @@ void ProcessGroup::gloo_exchange(const std::vector<at::Tensor>& sends, const std
       if (after) after();
       result->markCompleted(c10::IValue(value));
     } catch (...) {
-      fail(result, what, rank, world, std::current_exception());
+      core->fail(result, what, std::current_exception());
     }
   });
 }
 
-void ProcessGroup::gloo_allgather(const std::vector<at::Tensor>& outputs, const at::Tensor& input,
+void GlooTransport::exchange_allgather(const std::vector<at::Tensor>& outputs, const at::Tensor& input,
                                   const at::Tensor& value, const FuturePtr& result) {
   const std::string what = "allgather (" + describe_tensor(input) + " per rank)";
-  const int64_t n = world_size_;
+  const int64_t n = core_.size();
   const int64_t bytes = static_cast<int64_t>(bytes_of(input));
   const at::Tensor in = as_bytes(input.contiguous());
   PutBack put_back;
@@ -112,63 +108,63 @@ void ProcessGroup::gloo_allgather(const std::vector<at::Tensor>& outputs, const 
   for (int64_t r = 0; r < n; ++r) landings[r] = landing_for(outputs[r], put_back);
   std::vector<at::Tensor> sends(n), recvs(n);
   for (int64_t r = 0; r < n; ++r) {
-    if (r == rank_) continue;
+    if (r == core_.rank()) continue;
     sends[r] = in;
     recvs[r] = as_bytes(landings[r]);
   }
-  count((n - 1) * bytes, (n - 1) * bytes);
-  const at::Tensor mine = as_bytes(landings[rank_]);
-  gloo_exchange(sends, recvs, what, value, result, [mine, in] { mine.copy_(in); }, putting_back(std::move(put_back)));
+  core_.count((n - 1) * bytes, (n - 1) * bytes);
+  const at::Tensor mine = as_bytes(landings[core_.rank()]);
+  exchange(sends, recvs, what, value, result, [mine, in] { mine.copy_(in); }, putting_back(std::move(put_back)));
 }
 
-void ProcessGroup::gloo_alltoall(const at::Tensor& output, const at::Tensor& input, const FuturePtr& result) {
+void GlooTransport::exchange_alltoall(const at::Tensor& output, const at::Tensor& input, const FuturePtr& result) {
   const std::string what = "alltoall (" + describe_tensor(input) + ")";
-  const int64_t n = world_size_;
+  const int64_t n = core_.size();
   const int64_t block = static_cast<int64_t>(bytes_of(input)) / n;
   const at::Tensor in = as_bytes(input.contiguous());
   PutBack put_back;
   const at::Tensor out = as_bytes(landing_for(output, put_back));
   std::vector<at::Tensor> sends(n), recvs(n);
   for (int64_t r = 0; r < n; ++r) {
-    if (r == rank_) continue;
+    if (r == core_.rank()) continue;
     sends[r] = in.narrow(0, r * block, block);
     recvs[r] = out.narrow(0, r * block, block);
   }
-  count((n - 1) * block, (n - 1) * block);
-  const at::Tensor mine_in = in.narrow(0, rank_ * block, block), mine_out = out.narrow(0, rank_ * block, block);
-  gloo_exchange(sends, recvs, what, output, result, [mine_out, mine_in] { mine_out.copy_(mine_in); },
+  core_.count((n - 1) * block, (n - 1) * block);
+  const int64_t me = core_.rank();
+  const at::Tensor mine_in = in.narrow(0, me * block, block), mine_out = out.narrow(0, me * block, block);
+  exchange(sends, recvs, what, output, result, [mine_out, mine_in] { mine_out.copy_(mine_in); },
                 putting_back(std::move(put_back)));
 }
 
-FuturePtr ProcessGroup::monitored_barrier(std::chrono::milliseconds timeout, bool wait_all_ranks) {
-  DDPKIT_CHECK(options_.backend() == "gloo", "monitored_barrier needs a gloo group; '", options_.group_name(), "' is ",
-               options_.backend());
-  DDPKIT_CHECK(timeout.count() >= 0, "monitored_barrier: the timeout must not be negative, got ", timeout.count(), " ms");
-  return run_ordered([this, timeout, wait_all_ranks] {
+FuturePtr GlooTransport::monitored_barrier(std::chrono::milliseconds timeout, bool wait_all_ranks) {
+  auto result = make_tensor_future();
+  core_.post([this, timeout, wait_all_ranks, result] {
     try {
       run_monitored_barrier(timeout, wait_all_ranks);
-    } catch (const std::exception&) {
-      throw CommError(describe_comm_failure("monitored_barrier", rank_, world_size_, std::current_exception()));
+    } catch (...) {
+      return core_.fail(result, "monitored_barrier", std::current_exception());
     }
-    return at::Tensor();
+    result->markCompleted(c10::IValue(at::Tensor()));
   });
+  return result;
 }
 
-void ProcessGroup::run_monitored_barrier(std::chrono::milliseconds timeout, bool wait_all_ranks) {
+void GlooTransport::run_monitored_barrier(std::chrono::milliseconds timeout, bool wait_all_ranks) {
   using clock = std::chrono::steady_clock;
   at::Tensor token = at::zeros({1}, at::kByte);
   auto message = [&](bool send, int peer, int tag) {
     std::vector<at::Tensor> t{token};
     return with_backend([&](compat::Backend& b) { return send ? b.send(t, peer, tag) : b.recv(t, peer, tag); });
   };
-  if (rank_ != 0) {
+  if (core_.rank() != 0) {
     auto arrive = message(true, 0, kArriveTag);
     auto release = message(false, 0, kReleaseTag);
     try {
-      arrive->wait(options_.timeout());
-      release->wait(options_.timeout());
+      arrive->wait(core_.timeout());
+      release->wait(core_.timeout());
     } catch (const std::exception& e) {
-      throw std::runtime_error("Rank " + std::to_string(rank_) +
+      throw std::runtime_error("Rank " + std::to_string(core_.rank()) +
                                " successfully reached monitoredBarrier, but received errors while waiting for "
                                "send/recv from rank 0. Please check rank 0 logs for faulty rank. (" + e.what() + ")");
     }
@@ -181,7 +177,7 @@ void ProcessGroup::run_monitored_barrier(std::chrono::milliseconds timeout, bool
   auto wait_each = [&](std::vector<c10::intrusive_ptr<c10d::Work>>& works) {
     std::vector<int> failed;
     std::string passed;
-    for (int peer = 1; peer < world_size_; ++peer) {
+    for (int peer = 1; peer < core_.size(); ++peer) {
       auto left = std::chrono::duration_cast<std::chrono::milliseconds>(timeout - (clock::now() - start));
       if (!wait_all_ranks && left.count() <= 0)
         throw std::runtime_error("Rank 0 timed out in monitoredBarrier after " + std::to_string(timeout.count()) +
@@ -200,11 +196,11 @@ void ProcessGroup::run_monitored_barrier(std::chrono::milliseconds timeout, bool
     for (int r : failed) ranks += (ranks.empty() ? "" : ", ") + std::to_string(r);
     throw std::runtime_error("[Rank 0]: Rank" + std::string(failed.size() > 1 ? "s " : " ") + ranks + in);
   };
-  std::vector<c10::intrusive_ptr<c10d::Work>> works(world_size_);
-  for (int peer = 1; peer < world_size_; ++peer) works[peer] = message(false, peer, kArriveTag);
+  std::vector<c10::intrusive_ptr<c10d::Work>> works(core_.size());
+  for (int peer = 1; peer < core_.size(); ++peer) works[peer] = message(false, peer, kArriveTag);
   wait_each(works);
   // Every rank came: let them all go (all leave the barrier or none does).
-  for (int peer = 1; peer < world_size_; ++peer) works[peer] = message(true, peer, kReleaseTag);
+  for (int peer = 1; peer < core_.size(); ++peer) works[peer] = message(true, peer, kReleaseTag);
   wait_each(works);
 }
 

@@ -1,6 +1,8 @@
 #include <ddpkit/comm/host_topology.h>
 #include <ddpkit/error.h>
 
+#include "host_key_override.h"
+
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -24,6 +26,14 @@ int HostTopology::local_rank() const {
   const auto& ranks = local_ranks();
   return static_cast<int>(std::find(ranks.begin(), ranks.end(), rank) - ranks.begin());
 }
+
+namespace {
+thread_local std::string t_host_label;
+}
+
+ScopedHostKey::ScopedHostKey(std::string label) : previous_(t_host_label) { t_host_label = std::move(label); }
+ScopedHostKey::~ScopedHostKey() { t_host_label = previous_; }
+const std::string& ScopedHostKey::current() { return t_host_label; }
 
 std::string this_host_key() {
   std::string machine = first_line("/etc/machine-id");
@@ -57,7 +67,7 @@ HostTopology topology_from_keys(const std::vector<std::string>& keys, int rank) 
 
 HostTopology discover_host_topology(c10d::Store& store, const std::string& prefix, int rank, int world,
                                     std::chrono::milliseconds timeout) {
-  const std::string mine = this_host_key();
+  const std::string mine = this_host_key() + (ScopedHostKey::current().empty() ? "" : "#" + ScopedHostKey::current());
   store.set(prefix + "/host/" + std::to_string(rank), std::vector<uint8_t>(mine.begin(), mine.end()));
   std::vector<std::string> names;
   for (int r = 0; r < world; ++r) names.push_back(prefix + "/host/" + std::to_string(r));

@@ -120,15 +120,6 @@ void destroy_process_group() {
   g_default.reset();
 }
 
-std::shared_ptr<ProcessGroup> ProcessGroup::new_subgroup(int rank, int world_size, ProcessGroupOptions options) const {
-  DDPKIT_CHECK(world_size >= 1 && world_size <= world_size_, "new_subgroup: a subgroup of ", world_size,
-               " ranks from a group of ", world_size_);
-  DDPKIT_CHECK(!options.group_name().empty(), "new_subgroup: the subgroup's label (options.group_name()) is empty");
-  const int64_t n = subgroups_made_.fetch_add(1);
-  options.group_name(options_.group_name() + "/" + options.group_name() + "." + std::to_string(n));
-  return std::make_shared<ProcessGroup>(store_, rank, world_size, std::move(options));
-}
-
 std::shared_ptr<ProcessGroup> new_subgroups(const ProcessGroup& parent, int group_size) {
   DDPKIT_CHECK(group_size >= 1 && parent.size() % group_size == 0, "new_subgroups: group size ", group_size,
                " must be positive and divide the world size ", parent.size());

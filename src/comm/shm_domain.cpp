@@ -358,7 +358,7 @@ SharedBuffer::~SharedBuffer() {
 }
 
 std::shared_ptr<SharedBuffer> Domain::allocate(c10d::Store& store, const std::string& key, int64_t id, size_t size,
-                                               std::string* why, bool one_region) {
+                                               std::string* why, bool one_region, bool reserve) {
   DDPKIT_CHECK(size > 0, "shared buffer of 0 bytes");
   const int L = options_.local_size, me = options_.local_rank;
   const std::string what = "shared buffer #" + std::to_string(id) + " (" + std::to_string(size) + " bytes)";
@@ -376,7 +376,7 @@ std::shared_ptr<SharedBuffer> Domain::allocate(c10d::Store& store, const std::st
     ~CloseOnExit() {
       if (fd >= 0) close(fd);
     }
-  } own_fd{creates ? detail::create_peer_memory("ddpkit-buffer", size, &own, &error, /*reserve=*/!one_region) : -1};
+  } own_fd{creates ? detail::create_peer_memory("ddpkit-buffer", size, &own, &error, reserve && !one_region) : -1};
   if (own_fd.fd >= 0) buffer->base[me] = static_cast<uint8_t*>(own);
   const std::string prefix = key + "/" + std::to_string(id) + "/";
   const std::string address = !error.empty() ? "!" + error : creates ? detail::peer_memory_address(own_fd.fd) : "-";

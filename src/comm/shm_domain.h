@@ -152,8 +152,11 @@ class Domain {
   // With `one_region`, local rank 0 alone creates `bytes` (unreserved: each page is charged to the
   // rank that first touches it) and every peer maps it: one memory, the same elements on every
   // rank. allreduce() does not sum over such a buffer (holds() is false for it).
+  // With `reserve` false each rank's memory is not reserved either: its pages come at first touch,
+  // for buffers of which some parts may never be touched (DDP's buckets, whose gradients in a
+  // GradientArena sum where they lie).
   std::shared_ptr<SharedBuffer> allocate(c10d::Store& store, const std::string& key, int64_t id, size_t bytes,
-                                         std::string* why, bool one_region = false);
+                                         std::string* why, bool one_region = false, bool reserve = true);
   // Whether [data, data + bytes) lies in one of this rank's buffers from allocate().
   bool holds(const void* data, int64_t bytes) { return find_buffer(data, bytes) != nullptr; }
 

@@ -102,12 +102,12 @@ std::string to_json(const std::vector<Prediction>& rows) {
   json out = json::array();
   for (const auto& r : rows) {
     const auto& m = r.memory;
-    out.push_back({{"strategy", r.candidate.strategy},
-                   {"hook", r.candidate.hook},
+    out.push_back({{"strategy", to_string(r.candidate.strategy)},
+                   {"hook", to_string(r.candidate.hook)},
                    {"optimizer_in_hook", r.candidate.optimizer_in_hook},
                    {"param_dtype", r.candidate.param_dtype},
                    {"reduce_dtype", r.candidate.reduced_in()},
-                   {"bucket_cap_mb", r.candidate.bucket_cap_mb},
+                   {"bucket_cap_mb", r.candidate.bucket_cap_mb.value_or(0)},
                    {"predicted_step_ms", r.step_ms},
                    {"compute_ms", r.compute_ms},
                    {"exposed_comm_ms", r.exposed_comm_ms},

@@ -122,7 +122,7 @@ std::string plain(double x) {
 // A row's bucket cap; "-" where the strategy has no DDP buckets (FSDP).
 std::string cap_column(const plan::Candidate& c) {
   if (c.is_fsdp()) return "-";
-  return plain(c.bucket_cap_mb);
+  return c.bucket_cap_mb ? plain(*c.bucket_cap_mb) : "default";
 }
 
 // The hook column's width: the longest label ("quantize_per_channel+optimizer") and a space.
@@ -156,17 +156,17 @@ Flags plan_flags(const std::vector<std::string>& args) {
 // The `ddpkit train` flags that run a candidate.
 std::vector<std::string> train_flags(const plan::Candidate& c) {
   std::vector<std::string> out;
-  if (c.strategy == "zero1" || c.strategy == "zero2") out = {"--zero", c.strategy.substr(4)};
-  else if (c.strategy != "ddp") out = {"--fsdp", c.strategy};
-  if (c.hook != "none") out.insert(out.end(), {"--hook", c.hook});
-  if (c.has_bucket_cap() && c.bucket_cap_mb > 0 &&
-      c.bucket_cap_mb != hooks::default_bucket_cap_mb(c.hook))
-    out.insert(out.end(), {"--bucket-cap-mb", plain(c.bucket_cap_mb)});
-  if ((c.hook == "powersgd" || c.hook == "batched_powersgd") && c.powersgd_rank > 0)
+  const std::string strategy = plan::to_string(c.strategy), hook = plan::to_string(c.hook);
+  if (c.strategy == plan::Strategy::kZero1 || c.strategy == plan::Strategy::kZero2) out = {"--zero", strategy.substr(4)};
+  else if (c.strategy != plan::Strategy::kDdp) out = {"--fsdp", strategy};
+  if (c.hook != plan::Hook::kNone) out.insert(out.end(), {"--hook", hook});
+  if (c.has_bucket_cap() && c.bucket_cap_mb && *c.bucket_cap_mb != hooks::default_bucket_cap_mb(hook))
+    out.insert(out.end(), {"--bucket-cap-mb", plain(*c.bucket_cap_mb)});
+  if ((c.hook == plan::Hook::kPowerSgd || c.hook == plan::Hook::kBatchedPowerSgd) && c.powersgd_rank > 0)
     out.insert(out.end(), {"--powersgd-rank", std::to_string(c.powersgd_rank)});
-  if (c.hook == "post_local_sgd" && c.local_sgd_period != 4)
+  if (c.hook == plan::Hook::kPostLocalSgd && c.local_sgd_period != 4)
     out.insert(out.end(), {"--local-sgd-period", std::to_string(c.local_sgd_period)});
-  if (c.hook == "post_local_sgd" && c.local_sgd_group_size > 0)
+  if (c.hook == plan::Hook::kPostLocalSgd && c.local_sgd_group_size > 0)
     out.insert(out.end(), {"--local-sgd-group-size", std::to_string(c.local_sgd_group_size)});
   if (c.optimizer_in_hook) out.push_back("--optimizer-in-hook");
   if (c.mixed_precision()) out.insert(out.end(), {"--fsdp-param-dtype", c.param_dtype});
@@ -461,10 +461,11 @@ plan::MachineConstants calibrate(const std::string& path) {
   std::vector<plan::Candidate> measured = plan::candidates(job);
   for (auto c : plan::other_hook_candidates()) {
     // Averaging every step: the short job holds the averaging's flat buffer, as a long one does.
-    if (c.hook == "post_local_sgd") c.local_sgd_period = 1;
+    if (c.hook == plan::Hook::kPostLocalSgd) c.local_sgd_period = 1;
     measured.push_back(c);
   }
-  for (const char* s : {"full_shard", "shard_grad_op", "no_shard"}) {  // FSDP's mixed precision
+  for (plan::Strategy s : {plan::Strategy::kFullShard, plan::Strategy::kShardGradOp,
+                           plan::Strategy::kNoShard}) {  // FSDP's mixed precision
     plan::Candidate c;
     c.strategy = s;
     c.param_dtype = "bf16";
@@ -552,13 +553,29 @@ struct Planned {
 };
 
 // The --bucket-cap-mb given; without one, `cap_by_default` ("": the hook's default, or "auto").
-double bucket_cap_of(const Flags& f, const std::string& cap_by_default) {
+// --bucket-cap-mb, or `cap_by_default` when it is not given, into `c`: none (the hook's default),
+// auto (choose as the tuner would) or MiB.
+void set_bucket_cap(const Flags& f, const std::string& cap_by_default, plan::Candidate& c) {
   const std::string cap = f.str("bucket-cap-mb").empty() ? cap_by_default : f.str("bucket-cap-mb");
-  if (cap.empty()) return 0;
-  if (cap == "auto") return plan::Candidate::kChooseBucketCap;
+  if (cap.empty()) return;
+  if (cap == "auto") {
+    c.choose_bucket_cap = true;
+    return;
+  }
   const double mb = f.real("bucket-cap-mb");
   if (!(mb > 0)) throw UsageError("--bucket-cap-mb must be positive or auto, got '" + cap + "'");
-  return mb;
+  c.bucket_cap_mb = mb;
+}
+
+// --strategy or --hook by name; a UsageError listing the names otherwise.
+template <typename Parse>
+auto named(const Flags& f, const std::string& flag, Parse parse) -> std::optional<decltype(parse(""))> {
+  if (f.str(flag).empty()) return std::nullopt;
+  try {
+    return parse(f.str(flag));
+  } catch (const c10::Error& e) {
+    throw UsageError("--" + flag + ": " + e.what_without_backtrace());
+  }
 }
 
 Planned make_plan(const Flags& f, const std::vector<std::string>& args, const std::string& cap_by_default = "") {
@@ -581,23 +598,24 @@ Planned make_plan(const Flags& f, const std::vector<std::string>& args, const st
     throw UsageError("--local-sgd-group-size must be >= 0 and divide --world-size, got " + std::to_string(group));
   const bool in_hook = f.on("optimizer-in-hook");
   std::vector<plan::Candidate> all = plan::candidates(out.job);
-  const std::string hook = f.str("hook");
-  if (!hook.empty())  // DDP's other hooks are predicted when asked for by name
+  const auto strategy = named(f, "strategy", plan::parse_strategy);
+  const auto hook = named(f, "hook", plan::parse_hook);
+  if (hook)  // DDP's other hooks are predicted when asked for by name
     for (const auto& c : plan::other_hook_candidates()) all.push_back(c);
   std::vector<plan::Candidate> list;
   for (auto c : all) {
-    if (!f.str("strategy").empty() && c.strategy != f.str("strategy")) continue;
-    if (!hook.empty() && c.hook != hook) continue;
+    if (strategy && c.strategy != *strategy) continue;
+    if (hook && c.hook != *hook) continue;
     // The optimizer in the hook: DDP alone; hook none would repeat allreduce's row (train
     // registers allreduce for it) unless asked for by name.
-    if (in_hook && (c.strategy != "ddp" || (hook.empty() && c.hook == "none"))) continue;
+    if (in_hook && (c.strategy != plan::Strategy::kDdp || (!hook && c.hook == plan::Hook::kNone))) continue;
     // Mixed precision: FSDP's rows, hook none (DDP's and ZeRO's rows stay, as they are).
-    if (mixed && c.is_fsdp() && c.hook != "none") continue;
+    if (mixed && c.is_fsdp() && c.hook != plan::Hook::kNone) continue;
     if (mixed && c.is_fsdp()) {
       c.param_dtype = param_dtype;
       c.reduce_dtype = reduce_dtype;
     }
-    c.bucket_cap_mb = bucket_cap_of(f, cap_by_default);
+    set_bucket_cap(f, cap_by_default, c);
     c.powersgd_rank = f.integer("powersgd-rank");
     c.local_sgd_period = f.integer("local-sgd-period");
     c.local_sgd_group_size = group;
@@ -665,7 +683,7 @@ int run_plan(const std::vector<std::string>& args) {
             << "cap_MB" << std::setw(10) << "step_ms" << std::setw(10) << "comm_ms" << std::setw(12) << "memory_MB" << std::setw(12) << "wire_MB"
             << "  fits\n";
   for (const auto& r : rows) {
-    std::cout << std::left << std::setw(15) << r.candidate.strategy << std::setw(hook_column) << r.candidate.label() << std::right
+    std::cout << std::left << std::setw(15) << plan::to_string(r.candidate.strategy) << std::setw(hook_column) << r.candidate.label() << std::right
               << std::setw(7) << cap_column(r.candidate) << std::setw(10) << std::setprecision(1) << r.step_ms << std::setw(10) << r.exposed_comm_ms << std::setw(12)
               << mb(r.memory.total()) << std::setw(12) << std::setprecision(1) << r.wire_bytes_per_step / (1 << 20)
               << "  " << (r.fits ? "yes" : "no") << "\n";
@@ -760,7 +778,7 @@ int run_tune(const std::vector<std::string>& all_args) {
       std::vector<std::string> train = train_args(args, p.job, t.row.candidate);
       train.insert(train.end(), {"--steps", std::to_string(trial_steps)});
       train.insert(train.end(), kHooksFromTheThirdStep.begin(), kHooksFromTheThirdStep.end());
-      progress << "# round " << round << " of " << rounds << ": " << t.row.candidate.strategy << " "
+      progress << "# round " << round << " of " << rounds << ": " << plan::to_string(t.row.candidate.strategy) << " "
                << t.row.candidate.label() << " " << std::flush;
       try {
         const TrainResult result = train_result(train);
@@ -780,9 +798,9 @@ int run_tune(const std::vector<std::string>& all_args) {
     nlohmann::json rows = nlohmann::json::array();
     for (const auto& t : tried) {
       const plan::Candidate& c = t.row.candidate;
-      nlohmann::json row = {{"strategy", c.strategy},
+      nlohmann::json row = {{"strategy", plan::to_string(c.strategy)},
                             {"hook", c.label()},
-                            {"bucket_cap_mb", c.has_bucket_cap() ? nlohmann::json(c.bucket_cap_mb) : nlohmann::json()},
+                            {"bucket_cap_mb", c.has_bucket_cap() ? nlohmann::json(c.bucket_cap_mb.value_or(0)) : nlohmann::json()},
                             {"predicted_step_ms", t.row.step_ms},
                             {"measured_step_ms", t.failed.empty() ? nlohmann::json(median(t.step_ms)) : nlohmann::json()},
                             {"trial_step_ms", t.step_ms},
@@ -799,7 +817,7 @@ int run_tune(const std::vector<std::string>& all_args) {
   std::cout << std::left << std::setw(15) << "strategy" << std::setw(hook_column) << "hook" << std::right << std::setw(7)
             << "cap_MB" << std::setw(14) << "predicted_ms" << std::setw(12) << "measured_ms" << std::setw(12) << "memory_MB" << "  trial\n";
   for (const auto& t : tried) {
-    std::cout << std::left << std::setw(15) << t.row.candidate.strategy << std::setw(hook_column) << t.row.candidate.label()
+    std::cout << std::left << std::setw(15) << plan::to_string(t.row.candidate.strategy) << std::setw(hook_column) << t.row.candidate.label()
               << std::right << std::setw(7) << cap_column(t.row.candidate) << std::fixed << std::setprecision(1)
               << std::setw(14) << t.row.step_ms;
     if (!t.failed.empty()) {

@@ -1,5 +1,6 @@
 // `ddpkit train`: data-parallel training of an MLP or CNN on Fashion-MNIST or synthetic data.
 #include "cli.h"
+#include "train_flags.h"
 #include "training.h"
 
 #include <torch/torch.h>
@@ -20,17 +21,6 @@
 
 namespace ddpkit {
 namespace cli {
-namespace {
-
-// This process's minor page faults so far (each step's count goes in the JSON summary).
-int64_t minor_page_faults() {
-  rusage usage{};
-  getrusage(RUSAGE_SELF, &usage);
-  return static_cast<int64_t>(usage.ru_minflt);
-}
-
-}  // namespace
-
 const char* kTrainUsage = R"(usage: ddpkit train [flags]
 
 Trains data-parallel across --nproc local processes (or joins a torchrun-style environment:
@@ -123,277 +113,396 @@ Checkpoints and restarts (docs/fault_tolerance.md):
                           resumes from the newest checkpoint, up to K times (torchrun's meaning)
 )";
 
-int run_train(const std::vector<std::string>& args, const std::vector<std::string>& argv) {
-  Flags f(args,
-          with_model_flag_defaults(
-              {{"nproc", "2"}, {"fsdp", "off"}, {"fsdp-param-dtype", "fp32"}, {"fsdp-reduce-dtype", ""},
-               {"hook", "none"}, {"bucket-cap-mb", ""}, {"epochs", "3"}, {"steps", "0"}, {"lr", ""}, {"seed", "1"},
-               {"backend", "gloo"}, {"timeout-s", "300"}, {"gloo-threads", "2"}, {"two-phase-min-mb", "0"},
-               {"gloo-connections", "1"}, {"piece-kb", "1024"}, {"powersgd-rank", ""},
-               {"powersgd-start-iter", "10"}, {"powersgd-min-compression-rate", "2"}, {"powersgd-epsilon", "0"},
-               {"powersgd-seed", "0"}, {"int8-block", "512"}, {"perchannel-bucket-size", "512"},
-               {"local-sgd-start-iter", "100"}, {"local-sgd-period", "4"}, {"local-sgd-group-size", "0"},
-               {"zero", "off"}, {"zero-overlap", "none"}, {"zero-precision", "fp32"}, {"checkpoint-dir", ""},
-               {"checkpoint-every", "100"}, {"max-restarts", "0"}, {"report-resources", "0"}}),
-          {"gradient-as-bucket-view", "find-unused-parameters", "no-ddp", "no-eval", "quiet", "no-malloc-tuning",
-           "powersgd-batch-same-shape", "no-error-feedback", "no-warm-start", "int8-error-feedback",
-           "optimizer-in-hook", "zero-shard-buckets", "zero-bucket-view", "no-divergence-guard", "resume"});
-  const std::string model_name = f.str("model"), hook_name = f.str("hook");
-  const std::string dataset = checked_dataset(f, model_name);
-  const std::string fsdp_name = f.str("fsdp");
-  const bool use_fsdp = fsdp_name != "off";
-  ShardingStrategy fsdp_strategy = ShardingStrategy::kFullShard;
-  if (use_fsdp) {
-    try {
-      fsdp_strategy = parse_sharding_strategy(fsdp_name);
-    } catch (const c10::Error&) {
-      throw UsageError("--fsdp must be off, full_shard, shard_grad_op, no_shard or hybrid_shard, got '" + fsdp_name + "'");
-    }
-    if (hook_name != "none" && hook_name != "fp16" && hook_name != "bf16")
-      throw UsageError("--fsdp takes --hook none, fp16 or bf16 (its FSDP hooks), got '" + hook_name + "'");
-    for (const char* flag : {"zero-shard-buckets", "zero-bucket-view", "optimizer-in-hook", "gradient-as-bucket-view",
-                             "find-unused-parameters", "no-ddp"})
-      if (f.on(flag)) throw UsageError(std::string("--") + flag + " does not apply to --fsdp");
-    if (f.str("zero") != "off") throw UsageError("--fsdp shards the optimizer state itself: drop --zero");
-  }
-  auto fsdp_dtype = [&](const std::string& flag) -> c10::optional<at::ScalarType> {
-    const std::string v = f.str(flag);
-    if (v.empty()) return c10::nullopt;
-    if (v == "fp32") return at::kFloat;
-    if (v == "bf16") return at::kBFloat16;
-    throw UsageError("--" + flag + " must be fp32 or bf16, got '" + v + "'");
-  };
-  if (hook_name != "none" && hook_name != "post_local_sgd") {
-    const auto names = hooks::hook_names();
-    if (std::find(names.begin(), names.end(), hook_name) == names.end()) {
-      std::string known = "none";
-      for (const auto& n : names) known += ", " + n;
-      throw UsageError("--hook '" + hook_name + "' is unknown (" + known + ", post_local_sgd)");
-    }
-  }
-  const std::string optimizer_name = f.str("optimizer");
-  if (optimizer_name != "sgd" && optimizer_name != "adam" && optimizer_name != "adamw")
-    throw UsageError("--optimizer must be sgd, adam or adamw, got '" + optimizer_name + "'");
-  const int nproc = f.integer("nproc"), epochs = f.integer("epochs"), max_steps = f.integer("steps");
-  const int batch = f.integer("batch-size"), threads = f.integer("threads");
-  const double lr = !f.str("lr").empty() ? f.real("lr") : optimizer_name == "sgd" ? 0.05 : 1e-3;
-  // auto: start from the default, then trial others during the first steps (online_tuning.h).
-  const bool tune_caps = f.str("bucket-cap-mb") == "auto", tune_pieces = f.str("piece-kb") == "auto";
-  const double cap = f.str("bucket-cap-mb").empty() || tune_caps ? hooks::default_bucket_cap_mb(hook_name)
-                                                                  : f.real("bucket-cap-mb");
-  const int piece_kb = tune_pieces ? 1024 : f.integer("piece-kb");
-  if ((tune_caps || tune_pieces) && (f.str("zero") == "2" || f.str("zero-overlap") != "none" || f.str("fsdp") != "off" ||
-                                     f.on("no-ddp")))
-    throw UsageError("--bucket-cap-mb/--piece-kb auto tune DDP's buckets: not with --fsdp, --no-ddp, --zero 2 or "
-                     "--zero-overlap (which lay their buckets out once); give numbers");
-  if (tune_pieces && !hooks::moves_pieces(hook_name) && f.real("two-phase-min-mb") <= 0)
-    throw UsageError("--piece-kb auto: --hook " + hook_name +
-                     " moves no two-phase pieces (fp16, bf16, int8 and quantize hooks do, or --two-phase-min-mb)");
-  if (nproc < 1) throw UsageError("--nproc must be >= 1");
-  if (epochs < 1) throw UsageError("--epochs must be >= 1");
-  if (max_steps < 0) throw UsageError("--steps must be >= 0");
-  if (batch < 1) throw UsageError("--batch-size must be >= 1");
-  if (threads < 1) throw UsageError("--threads must be >= 1");
-  if (!(lr > 0)) throw UsageError("--lr must be positive");
-  if (!(cap > 0)) throw UsageError("--bucket-cap-mb must be positive");
-  const int64_t powersgd_rank =
-      f.str("powersgd-rank").empty() ? hooks::default_powersgd_rank(hook_name) : f.integer("powersgd-rank");
-  if (powersgd_rank < 1) throw UsageError("--powersgd-rank must be >= 1");
-  if (f.integer("powersgd-start-iter") < 0) throw UsageError("--powersgd-start-iter must be >= 0");
-  if (f.integer("int8-block") < 16 || f.integer("int8-block") % 16) throw UsageError("--int8-block must be a positive multiple of 16");
-  if (f.integer("perchannel-bucket-size") < 1) throw UsageError("--perchannel-bucket-size must be >= 1");
-  if (f.integer("local-sgd-start-iter") < 0) throw UsageError("--local-sgd-start-iter must be >= 0");
-  if (f.integer("local-sgd-period") < 1) throw UsageError("--local-sgd-period must be >= 1");
-  if (f.integer("local-sgd-group-size") < 0) throw UsageError("--local-sgd-group-size must be >= 0");
-  const bool use_ddp = !f.on("no-ddp");
+namespace {
 
-  const std::string checkpoint_dir = f.str("checkpoint-dir");
-  const int checkpoint_every = f.integer("checkpoint-every"), max_restarts = f.integer("max-restarts");
-  if (checkpoint_every < 1) throw UsageError("--checkpoint-every must be >= 1");
-  if (max_restarts < 0) throw UsageError("--max-restarts must be >= 0");
-  if (checkpoint_dir.empty() && f.on("resume")) throw UsageError("--resume needs --checkpoint-dir");
-  if (!checkpoint_dir.empty() && f.on("optimizer-in-hook"))
-    throw UsageError("--checkpoint-dir does not save the per-parameter optimizer state of --optimizer-in-hook");
-  if (!checkpoint_dir.empty() && !f.on("resume") && (!in_distributed_env() || std::getenv("RANK") == std::string("0"))) {
-    const auto existing = list_checkpoints(checkpoint_dir);
-    if (!existing.empty())
-      throw UsageError("--checkpoint-dir " + checkpoint_dir + " already holds checkpoints (newest " + existing.front() +
-                       "): add --resume to continue that run, or name another directory");
-  }
-  if (max_restarts > 0 && checkpoint_dir.empty())
-    std::cerr << "ddpkit: --max-restarts without --checkpoint-dir restarts training from step 0\n";
-  // Restarted ranks resume from the newest checkpoint (--resume starts afresh when there is none).
-  if (use_ddp && !in_distributed_env())
-    return launch_local(nproc, argv, "/proc/self/exe", max_restarts,
-                        checkpoint_dir.empty() ? std::vector<std::string>{} : std::vector<std::string>{"--resume"});
+// This process's minor page faults so far (each step's count goes in the JSON summary).
+int64_t minor_page_faults() {
+  rusage usage{};
+  getrusage(RUSAGE_SELF, &usage);
+  return static_cast<int64_t>(usage.ru_minflt);
+}
 
-  PeakMemorySampler memory;  // this rank's peak with shared pages counted in proportion (PSS)
-  set_compute_threads(threads);
-  std::shared_ptr<ProcessGroup> pg;
-  if (use_ddp) {
-    if (f.integer("gloo-threads") < 1) throw UsageError("--gloo-threads must be >= 1");
-    if (f.integer("gloo-connections") < 1) throw UsageError("--gloo-connections must be >= 1");
-    if (f.real("two-phase-min-mb") < 0) throw UsageError("--two-phase-min-mb must be >= 0");
-    if (piece_kb < 1) throw UsageError("--piece-kb must be >= 1");
-    pg = init_process_group(InitOptions()
+
+std::shared_ptr<ProcessGroup> join_group(const Flags& f, const TrainFlags& t) {
+  return init_process_group(InitOptions()
                                 .backend(f.str("backend"))
                                 .timeout(std::chrono::seconds(f.integer("timeout-s")))
                                 .gloo_threads(f.integer("gloo-threads"))
                                 .gloo_connections(f.integer("gloo-connections"))
                                 .two_phase_min_bytes(static_cast<int64_t>(f.real("two-phase-min-mb") * 1024 * 1024))
-                                .piece_bytes(int64_t{piece_kb} * 1024));
+                                .piece_bytes(int64_t{t.piece_kb} * 1024));
+}
+
+// FSDP over the model: each listed submodule of at least --fsdp-min-unit-params parameters is a
+// unit; --hook fp16|bf16 registers the matching FSDP hook.
+std::unique_ptr<FullyShardedDataParallelBase> build_fsdp(const Flags& f, const TrainFlags& t, const Model& model,
+                                                         const std::shared_ptr<ProcessGroup>& pg) {
+  const int64_t min_unit = f.integer("fsdp-min-unit-params");
+  std::vector<std::shared_ptr<torch::nn::Module>> units;
+  for (const auto& u : model.units) {
+    int64_t n = 0;
+    for (const auto& p : u->parameters()) n += p.numel();
+    if (n >= min_unit) units.push_back(u);
   }
+  MixedPrecision mp;
+  mp.param_dtype(t.fsdp_param_dtype).reduce_dtype(t.fsdp_reduce_dtype);
+  auto sharded = std::make_unique<FullyShardedDataParallelBase>(
+      model.module, pg,
+      FullyShardedDataParallelOptions()
+          .sharding_strategy(t.fsdp_strategy)
+          .mixed_precision(mp)
+          .auto_wrap_policy(nullptr)
+          .unit_modules(units));
+  if (t.hook != "fp16" && t.hook != "bf16") return sharded;
+  auto state = std::make_shared<fsdp::LowPrecisionState>(
+      sharded->shard_group(), mp.reduce_dtype().value_or(mp.param_dtype().value_or(at::kFloat)));
+  // The low-precision hooks reduce-scatter under sharded strategies and allreduce under kNoShard.
+  auto fn = t.hook == "fp16" ? fsdp::fp16_compress_hook : fsdp::bf16_compress_hook;
+  if (t.fsdp_strategy == ShardingStrategy::kNoShard)
+    sharded->register_comm_hook(
+        FsdpAllreduceHook{[state, fn](const at::Tensor& g) { return fn(*state, g, at::Tensor()); }}, t.hook);
+  else
+    sharded->register_comm_hook(
+        FsdpReduceScatterHook{[state, fn](const at::Tensor& g, const at::Tensor& out) { return fn(*state, g, out); }},
+        t.hook);
+  return sharded;
+}
+
+// --hook's DDP hook (none: DDP's built-in allreduce, an empty hook) and its state.
+struct BuiltHook {
+  CommHook hook;
+  std::string registered;
+  std::shared_ptr<hooks::HookState> state;
+  std::unique_ptr<hooks::PeriodicModelAverager> averager;  // post_local_sgd
+};
+
+BuiltHook build_ddp_hook(const Flags& f, const TrainFlags& t, const std::shared_ptr<ProcessGroup>& pg) {
+  BuiltHook b;
+  b.registered = t.hook;
+  if (t.hook == "post_local_sgd") {
+    const int group = f.integer("local-sgd-group-size");
+    if (group > 0 && pg->size() % group != 0)
+      throw UsageError("--local-sgd-group-size " + std::to_string(group) + " does not divide the world size " +
+                       std::to_string(pg->size()));
+    auto state = std::make_shared<hooks::PostLocalSGDState>(pg, group > 0 ? new_subgroups(*pg, group) : nullptr,
+                                                            f.integer("local-sgd-start-iter"));
+    b.hook = hooks::post_localSGD_hook(state);
+    b.state = state;
+    b.averager = std::make_unique<hooks::PeriodicModelAverager>(f.integer("local-sgd-period"),
+                                                                 f.integer("local-sgd-start-iter"), pg);
+  } else if (t.hook != "none") {
+    hooks::HookOptions ho;
+    ho.powersgd(hooks::PowerSGDOptions()
+                    .matrix_approximation_rank(t.powersgd_rank)
+                    .start_powerSGD_iter(f.integer("powersgd-start-iter"))
+                    .min_compression_rate(f.real("powersgd-min-compression-rate"))
+                    .orthogonalization_epsilon(f.real("powersgd-epsilon"))
+                    .random_seed(static_cast<uint64_t>(f.integer("powersgd-seed")))
+                    .batch_tensors_with_same_shape(f.on("powersgd-batch-same-shape"))
+                    .use_error_feedback(!f.on("no-error-feedback"))
+                    .warm_start(!f.on("no-warm-start")));
+    ho.int8(hooks::Int8Options().block(f.integer("int8-block")).error_feedback(f.on("int8-error-feedback")));
+    ho.perchannel_bucket_size(f.integer("perchannel-bucket-size"));
+    auto built = hooks::build_hook(t.hook, pg, ho);
+    b.hook = built.hook;
+    b.state = built.state;
+  }
+  return b;
+}
+
+// Wraps the hook for ZeRO (zero2's reduce-scatter, or a step inside the hook) and for
+// --optimizer-in-hook, naming what was registered.
+void wrap_ddp_hook(const Flags& f, const TrainFlags& t, DistributedDataParallelBase& ddp,
+                   const std::shared_ptr<ZeroRedundancyOptimizer>& zero,
+                   const std::shared_ptr<hooks::FunctionalOptimizer>& functional,
+                   const std::shared_ptr<ProcessGroup>& pg, BuiltHook& b) {
+  auto or_allreduce = [&] {
+    if (b.hook) return;
+    b.hook = hooks::allreduce_hook(pg);
+    b.registered = "allreduce";
+  };
+  if (zero && t.zero_level == "2") {
+    b.hook = zero2_hook(ddp, zero, fsdp_sharded_reduce(pg, f.str("zero-precision")), t.zero_overlap);
+    b.registered = "zero2_" + f.str("zero-precision");
+  } else if (zero && t.zero_overlap != ZeroOverlap::kNone) {
+    or_allreduce();
+    const bool shard_buckets = f.on("zero-shard-buckets");
+    b.hook = t.zero_overlap == ZeroOverlap::kStep ? hook_with_zero_step(b.hook, ddp, zero, shard_buckets)
+                                                  : hook_with_zero_step_interleaved(b.hook, ddp, zero, shard_buckets);
+    b.registered += "+zero_" + f.str("zero-overlap");
+  }
+  if (t.optimizer_in_hook) {
+    or_allreduce();
+    b.hook = hooks::optimizer_after_hook(b.hook, functional);
+    b.registered += "+" + t.optimizer;
+  }
+}
+
+// Everything one rank trains with: the model wrapped for its strategy, the optimizer (or ZeRO),
+// and the checkpointable state.
+struct Training {
+  Model model;
+  std::unique_ptr<FullyShardedDataParallelBase> sharded_model;
+  std::unique_ptr<DistributedDataParallelBase> ddp;
+  std::unique_ptr<hooks::PeriodicModelAverager> averager;
+  std::shared_ptr<ZeroRedundancyOptimizer> zero;
+  std::unique_ptr<torch::optim::Optimizer> optimizer;
+  OptimizerChoice optimizer_choice;
+  std::vector<at::Tensor> params;  // what the optimizer steps: the parameters, or FSDP's shards of them
+  std::function<at::Tensor(const at::Tensor&)> forward;
+  TrainingState state;
+};
+
+void build_training(const Flags& f, const TrainFlags& t, const std::shared_ptr<ProcessGroup>& pg, Training& run) {
+  if (t.use_fsdp) run.sharded_model = build_fsdp(f, t, run.model, pg);
+  // One options object per optimizer feeds the plain optimizer, ZeRO's factory and the
+  // per-parameter twin for --optimizer-in-hook.
+  run.optimizer_choice = choose_optimizer(t.optimizer, t.lr);
+  const OptimizerFactory& factory = run.optimizer_choice.factory;
+  run.params = run.sharded_model ? run.sharded_model->parameters() : run.model.module->parameters();
+  run.optimizer = factory.create({torch::optim::OptimizerParamGroup(run.params)});
+  if (t.zero_level != "off") {
+    run.zero = std::make_shared<ZeroRedundancyOptimizer>(
+        run.params, factory, pg,
+        ZeroOptions()
+            .overlap_with_ddp(t.zero_overlap != ZeroOverlap::kNone)
+            .parameters_as_bucket_view(f.on("zero-bucket-view")));
+    run.optimizer.reset();
+  }
+  run.forward = run.model.forward;
+  if (run.sharded_model) {
+    run.state.fsdp(run.sharded_model.get());
+    run.forward = [d = run.sharded_model.get(), fwd = run.model.forward](const at::Tensor& x) {
+      return d->forward_with([&] { return fwd(d->cast_input(x)); });
+    };
+  } else if (t.use_ddp) {
+    run.ddp = std::make_unique<DistributedDataParallelBase>(
+        run.model.module, pg,
+        DistributedDataParallelOptions()
+            .bucket_cap_mb(t.cap)
+            .online_tuning(default_online_tuning(t.tune_caps, t.tune_pieces))
+            .gradient_as_bucket_view(f.on("gradient-as-bucket-view"))
+            .find_unused_parameters(f.on("find-unused-parameters")));
+    BuiltHook hook = build_ddp_hook(f, t, pg);
+    wrap_ddp_hook(f, t, *run.ddp, run.zero, run.optimizer_choice.functional, pg, hook);
+    if (hook.hook) run.ddp->register_comm_hook(hook.hook, hook.registered);
+    run.averager = std::move(hook.averager);
+    run.state.ddp(run.ddp.get()).hook_state(hook.state).replicas_differ(t.hook == "post_local_sgd");
+    run.forward = [d = run.ddp.get(), fwd = run.model.forward](const at::Tensor& x) {
+      return d->forward_with([&] { return fwd(x); });
+    };
+  }
+  if (!run.sharded_model) run.state.module(run.model.module);
+  run.state.optimizer(run.optimizer.get()).zero(run.zero);
+}
+
+// Where a run starts: step 0, or a checkpoint's position (--resume).
+struct StartPoint {
+  int64_t step = 0, epoch = 0, in_epoch = 0, resumed_from = -1;
+};
+
+StartPoint resume_point(const Flags& f, const TrainFlags& t, Training& run, ProcessGroup* pg,
+                        const std::vector<std::string>& settings, const std::string& settings_text,
+                        int64_t steps_per_epoch) {
+  StartPoint start;
+  if (!f.on("resume")) return start;
+  auto ck = run.state.restore(pg, t.checkpoint_dir);
+  if (!ck) return start;
+  const std::string what = "checkpoint " + ck->path;
+  const std::string saved = bytes_of(ck->common, "extra/settings", what);
+  if (saved != settings_text) {
+    std::string diff;
+    std::istringstream a(saved);
+    for (std::string line; std::getline(a, line);)
+      if (std::find(settings.begin(), settings.end(), line) == settings.end()) diff += " --" + line;
+    throw std::runtime_error(what + " was written with different training flags (" + diff.substr(1) +
+                             "): resume with those, or name another --checkpoint-dir");
+  }
+  if (run.averager) run.averager->set_step(int_of(ck->local, "extra/averager_step", what));
+  const int world = pg ? pg->size() : 1;
+  start.epoch = int_of(ck->common, "extra/epoch", what);
+  const int64_t samples = int_of(ck->common, "extra/samples_in_epoch", what);
+  // Same world size: the same step. Another: the global sample position, rounded down.
+  start.in_epoch = samples / (static_cast<int64_t>(t.batch) * world);
+  if (start.in_epoch >= steps_per_epoch) {
+    ++start.epoch;
+    start.in_epoch = 0;
+  }
+  start.step = start.epoch * steps_per_epoch + start.in_epoch;
+  start.resumed_from = ck->step;
+  if (!pg || pg->rank() == 0)
+    std::cerr << "resumed from " << ck->path << " (step " << ck->step << " of " << ck->world_size << " ranks): epoch "
+              << start.epoch + 1 << ", step " << start.step << "\n";
+  return start;
+}
+
+// Every rank's resident memory and open descriptors, printed by rank 0 (--report-resources).
+void report_resources(ProcessGroup* pg, int64_t step) {
+  const int rank = pg ? pg->rank() : 0, world = pg ? pg->size() : 1;
+  const ProcessResources mine = process_resources();
+  at::Tensor all = at::zeros({world, 2}, at::kDouble);
+  all[rank][0] = static_cast<double>(mine.rss_bytes);
+  all[rank][1] = static_cast<double>(mine.open_fds);
+  if (pg) ProcessGroup::wait(pg->allreduce(all));
+  if (rank != 0) return;
+  std::ostringstream os;
+  os << "resources {\"step\": " << step << ", \"rss_mb\": [";
+  for (int r = 0; r < world; ++r)
+    os << (r ? ", " : "") << std::fixed << std::setprecision(1) << all[r][0].item<double>() / (1 << 20);
+  os << "], \"open_fds\": [";
+  for (int r = 0; r < world; ++r) os << (r ? ", " : "") << static_cast<int64_t>(all[r][1].item<double>());
+  os << "]}\n";
+  std::cerr << os.str();
+}
+
+// What the steps measured, per step.
+struct StepLog {
+  std::vector<double> step_ms, forward_ms, backward_ms, optimizer_ms, minor_faults;
+  std::vector<ReducerTimes> reducer;  // each step's Reducer time: the report takes medians
+  ReducerTimes reducer_so_far;
+  int64_t tuned_from = -1;  // first step after online tuning (-1: none, or not finished)
+};
+
+// One step on batch (x, y): forward, backward (gradients averaged across ranks on return), the
+// optimizer, timed by phase. Returns the loss.
+double train_step(Training& run, bool optimizer_in_hook, const at::Tensor& x, const at::Tensor& y, StepLog& log) {
+  using clock = std::chrono::steady_clock;
+  auto ms_between = [](clock::time_point a, clock::time_point b) {
+    return std::chrono::duration<double, std::milli>(b - a).count();
+  };
+  const int64_t faults_before = minor_page_faults();
+  const auto t0 = clock::now();
+  // Set-to-none (PyTorch 2.x's default): autograd then hands over each new gradient instead of
+  // zeroing and accumulating into the old one, saving two passes over all gradients.
+  for (auto& p : run.params) p.mutable_grad().reset();
+  at::Tensor loss = model_loss(run.model, run.forward(x), y);
+  const auto t1 = clock::now();
+  loss.backward();
+  const auto t2 = clock::now();
+  if (run.zero) {
+    run.zero->step();  // a no-op when overlapped: the hooks stepped during backward
+  } else if (!optimizer_in_hook) {
+    run.optimizer->step();  // else done per bucket during backward
+  }
+  if (run.averager) run.averager->average_parameters(run.model.module->parameters());
+  const auto t3 = clock::now();
+  log.forward_ms.push_back(ms_between(t0, t1));
+  log.backward_ms.push_back(ms_between(t1, t2));
+  log.optimizer_ms.push_back(ms_between(t2, t3));
+  log.minor_faults.push_back(static_cast<double>(minor_page_faults() - faults_before));
+  if (run.ddp) {
+    const ReducerTimes now = run.ddp->reducer().times();
+    const ReducerTimes& was = log.reducer_so_far;
+    log.reducer.push_back({now.iterations - was.iterations, now.copy_in_ms - was.copy_in_ms,
+                           now.launch_ms - was.launch_ms, now.wait_ms - was.wait_ms, now.copy_out_ms - was.copy_out_ms});
+    log.reducer_so_far = now;
+  }
+  log.step_ms.push_back(ms_between(t0, t3));
+  // This step ran with the choice online tuning made at its forward: steady state from here.
+  if (log.tuned_from < 0 && run.ddp && run.ddp->online_tuning().done && run.ddp->online_tuning().steps > 0)
+    log.tuned_from = static_cast<int64_t>(log.step_ms.size()) - 1;
+  return loss.item<double>();
+}
+
+// The largest rank's optimizer state, resident-memory high-water mark and PSS peak, and the
+// mean PSS peak, into the report.
+void gather_memory(Training& run, ProcessGroup* pg, PeakMemorySampler& memory, TrainReport& r) {
+  int64_t state_bytes = 0;
+  if (run.zero) {
+    state_bytes = run.zero->local_state_bytes();
+  } else if (run.optimizer) {
+    for (const auto& kv : run.optimizer->state())
+      for (const auto& t : run.optimizer_choice.factory.state_tensors(*kv.second))
+        if (t.defined()) state_bytes += t.numel() * static_cast<int64_t>(t.element_size());
+  }
+  memory.stop();
+  int64_t peak_rss = memory.peak_rss_bytes(), peak_pss = memory.peak_pss_bytes();
+  int64_t pss_sum = peak_pss;
+  if (pg) {
+    at::Tensor sum = at::tensor({static_cast<double>(peak_pss)}, at::kDouble);
+    ProcessGroup::wait(pg->allreduce(sum));
+    pss_sum = static_cast<int64_t>(sum[0].item<double>());
+    at::Tensor b = at::tensor(
+        {static_cast<double>(state_bytes), static_cast<double>(peak_rss), static_cast<double>(peak_pss)}, at::kDouble);
+    ProcessGroup::wait(pg->allreduce(b, c10d::ReduceOp::MAX));
+    state_bytes = static_cast<int64_t>(b[0].item<double>());
+    peak_rss = static_cast<int64_t>(b[1].item<double>());
+    peak_pss = static_cast<int64_t>(b[2].item<double>());
+  }
+  r.optimizer_state_bytes = state_bytes;
+  r.peak_rss_bytes = peak_rss;
+  r.peak_pss_bytes = peak_pss;
+  r.mean_peak_pss_bytes = pss_sum / (pg ? pg->size() : 1);
+}
+
+// Rank 0's last line: the run as one JSON object (and DDP's bucket and tuning tables).
+void print_report(const Flags& f, const TrainFlags& t, Training& run, ProcessGroup* pg, StepLog& log, TrainReport& r) {
+  r.hook = t.use_ddp ? t.hook : std::string("local");
+  if (t.optimizer_in_hook) r.hook += "+" + t.optimizer + "_in_hook";
+  r.zero = t.zero_level == "off" ? "off"
+                                 : t.zero_level + (t.zero_overlap == ZeroOverlap::kNone ? "" : "+" + f.str("zero-overlap"));
+  r.optimizer = t.optimizer;
+  r.model = t.model;
+  r.fsdp = t.fsdp_name;
+  r.world = pg ? pg->size() : 1;
+  r.batch = t.batch;
+  r.step_ms = log.step_ms;
+  r.forward_ms = log.forward_ms;
+  r.backward_ms = log.backward_ms;
+  r.optimizer_ms = log.optimizer_ms;
+  r.minor_faults = log.minor_faults;
+  r.tuned_from = log.tuned_from;
+  r.traffic = pg ? pg->stats() : CommStats{};
+  r.shared_memory = pg && pg->uses_shared_memory() ? (pg->hierarchical() ? "hierarchical" : "host") : "";
+  r.piece_kb = pg ? pg->piece_bytes() / 1024 : 0;
+  if (run.ddp) {
+    const std::string table = bucket_traffic_table(*run.ddp, r.steps_run, &r.compression_ratio);
+    if (!f.on("quiet")) std::cerr << table;
+    if (!run.ddp->online_tuning().trials.empty()) std::cerr << tuning_table(run.ddp->online_tuning());
+    r.bucket_cap_mb = static_cast<double>(run.ddp->reducer().bucket_cap()) / (1 << 20);
+    r.tuning = &run.ddp->online_tuning();
+    r.reducer = log.reducer;
+  }
+  std::cout << report_json(r) << std::endl;
+}
+
+// Rank 0's line after each epoch: mean loss, and the test set's accuracy (or perplexity).
+void print_epoch(int epoch, double mean_loss, const TestScore& score, bool language_model) {
+  std::cerr << "epoch " << epoch + 1 << ": mean loss " << std::fixed << std::setprecision(4) << mean_loss;
+  if (score.accuracy >= 0) std::cerr << "  test accuracy " << std::setprecision(4) << score.accuracy;
+  if (language_model && score.loss >= 0) std::cerr << "  test loss " << score.loss << "  perplexity " << std::exp(score.loss);
+  std::cerr << "\n";
+}
+
+}  // namespace
+
+int run_train(const std::vector<std::string>& args, const std::vector<std::string>& argv) {
+  const Flags f = parse_train_flags(args);
+  const TrainFlags t = check_train_flags(f);
+  // Restarted ranks resume from the newest checkpoint (--resume starts afresh when there is none).
+  if (t.use_ddp && !in_distributed_env())
+    return launch_local(t.nproc, argv, "/proc/self/exe", t.max_restarts,
+                        t.checkpoint_dir.empty() ? std::vector<std::string>{} : std::vector<std::string>{"--resume"});
+
+  PeakMemorySampler memory;  // this rank's peak with shared pages counted in proportion (PSS)
+  set_compute_threads(t.threads);
+  std::shared_ptr<ProcessGroup> pg = t.use_ddp ? join_group(f, t) : nullptr;
   const int rank = pg ? pg->rank() : 0, world = pg ? pg->size() : 1;
   const bool lead = rank == 0;
   torch::manual_seed(f.integer("seed"));
 
-  RunData run_data = load_run_data(f, model_name, dataset);
+  RunData run_data = load_run_data(f, t.model, t.dataset);
   Split& data = run_data.data;
-  Model model = build_model(f, model_name, run_data.dims, data.train.num_classes);
-  // FSDP: each listed submodule of at least --fsdp-min-unit-params parameters is a unit.
-  std::unique_ptr<FullyShardedDataParallelBase> sharded_model;
-  if (use_fsdp) {
-    const int64_t min_unit = f.integer("fsdp-min-unit-params");
-    if (min_unit < 1) throw UsageError("--fsdp-min-unit-params must be >= 1");
-    std::vector<std::shared_ptr<torch::nn::Module>> units;
-    for (const auto& u : model.units) {
-      int64_t n = 0;
-      for (const auto& p : u->parameters()) n += p.numel();
-      if (n >= min_unit) units.push_back(u);
-    }
-    MixedPrecision mp;
-    mp.param_dtype(fsdp_dtype("fsdp-param-dtype")).reduce_dtype(fsdp_dtype("fsdp-reduce-dtype"));
-    sharded_model = std::make_unique<FullyShardedDataParallelBase>(
-        model.module, pg,
-        FullyShardedDataParallelOptions().sharding_strategy(fsdp_strategy).mixed_precision(mp).auto_wrap_policy(nullptr).unit_modules(units));
-    if (hook_name == "fp16" || hook_name == "bf16") {
-      auto state = std::make_shared<fsdp::LowPrecisionState>(sharded_model->shard_group(), mp.reduce_dtype().value_or(mp.param_dtype().value_or(at::kFloat)));
-      // The low-precision hooks reduce-scatter under sharded strategies and allreduce under kNoShard.
-      auto fn = hook_name == "fp16" ? fsdp::fp16_compress_hook : fsdp::bf16_compress_hook;
-      if (fsdp_strategy == ShardingStrategy::kNoShard)
-        sharded_model->register_comm_hook(FsdpAllreduceHook{[state, fn](const at::Tensor& g) { return fn(*state, g, at::Tensor()); }},
-                                          hook_name);
-      else
-        sharded_model->register_comm_hook(
-            FsdpReduceScatterHook{[state, fn](const at::Tensor& g, const at::Tensor& out) { return fn(*state, g, out); }}, hook_name);
-    }
-  }
-
-  // One options object per optimizer feeds the plain optimizer, ZeRO's factory and the
-  // per-parameter twin for --optimizer-in-hook.
-  const OptimizerChoice optimizer_choice = choose_optimizer(optimizer_name, lr);
-  const OptimizerFactory& factory = optimizer_choice.factory;
-  const std::shared_ptr<hooks::FunctionalOptimizer>& functional = optimizer_choice.functional;
-  // What the optimizer steps: the parameters, or FSDP's shards of them.
-  const auto params = sharded_model ? sharded_model->parameters() : model.module->parameters();
-  std::unique_ptr<torch::optim::Optimizer> optimizer = factory.create({torch::optim::OptimizerParamGroup(params)});
-
-  std::unique_ptr<DistributedDataParallelBase> ddp;
-  std::unique_ptr<hooks::PeriodicModelAverager> averager;
-  TrainingState training_state;
-  const bool optimizer_in_hook = f.on("optimizer-in-hook");
-  if (optimizer_in_hook && !use_ddp) throw UsageError("--optimizer-in-hook needs DDP (drop --no-ddp)");
-  const std::string zero_level = f.str("zero");
-  if (zero_level != "off" && zero_level != "1" && zero_level != "2")
-    throw UsageError("--zero must be off, 1 or 2, got '" + zero_level + "'");
-  const ZeroOverlap zero_overlap = [&] {
-    try {
-      return parse_zero_overlap(f.str("zero-overlap"));
-    } catch (const c10::Error&) {
-      throw UsageError("--zero-overlap must be none, step or interleaved, got '" + f.str("zero-overlap") + "'");
-    }
-  }();
-  std::shared_ptr<ZeroRedundancyOptimizer> zero;
-  if (zero_level != "off") {
-    if (!use_ddp) throw UsageError("--zero needs DDP (drop --no-ddp)");
-    if (optimizer_in_hook) throw UsageError("--zero and --optimizer-in-hook both step inside the hook: pick one");
-    if (hook_name == "post_local_sgd") throw UsageError("--zero does not combine with --hook post_local_sgd");
-    if (zero_level == "2" && hook_name != "none")
-      throw UsageError("--zero 2 communicates by reduce-scatter: drop --hook (use --zero-precision fp16|bf16)");
-    zero = std::make_shared<ZeroRedundancyOptimizer>(
-        params, factory, pg,
-        ZeroOptions()
-            .overlap_with_ddp(zero_overlap != ZeroOverlap::kNone)
-            .parameters_as_bucket_view(f.on("zero-bucket-view")));
-    optimizer.reset();
-  } else if (zero_overlap != ZeroOverlap::kNone || f.on("zero-shard-buckets") || f.on("zero-bucket-view")) {
-    throw UsageError("--zero-overlap, --zero-shard-buckets and --zero-bucket-view need --zero 1 or 2");
-  }
-  std::function<at::Tensor(const at::Tensor&)> train_forward = model.forward;
-  if (sharded_model) {
-    training_state.fsdp(sharded_model.get());
-    train_forward = [d = sharded_model.get(), fwd = model.forward](const at::Tensor& x) {
-      return d->forward_with([&] { return fwd(d->cast_input(x)); });
-    };
-  } else if (use_ddp) {
-    ddp = std::make_unique<DistributedDataParallelBase>(
-        model.module, pg,
-        DistributedDataParallelOptions()
-            .bucket_cap_mb(cap)
-            .online_tuning(default_online_tuning(tune_caps, tune_pieces))
-            .gradient_as_bucket_view(f.on("gradient-as-bucket-view"))
-            .find_unused_parameters(f.on("find-unused-parameters")));
-    CommHook hook;
-    std::string registered = hook_name;
-    std::shared_ptr<hooks::HookState> hook_state;
-    if (hook_name == "post_local_sgd") {
-      const int group = f.integer("local-sgd-group-size");
-      if (group > 0 && world % group != 0)
-        throw UsageError("--local-sgd-group-size " + std::to_string(group) + " does not divide the world size " + std::to_string(world));
-      auto state = std::make_shared<hooks::PostLocalSGDState>(pg, group > 0 ? new_subgroups(*pg, group) : nullptr,
-                                                              f.integer("local-sgd-start-iter"));
-      hook = hooks::post_localSGD_hook(state);
-      hook_state = state;
-      averager = std::make_unique<hooks::PeriodicModelAverager>(f.integer("local-sgd-period"), f.integer("local-sgd-start-iter"), pg);
-    } else if (hook_name != "none") {
-      hooks::HookOptions ho;
-      ho.powersgd(hooks::PowerSGDOptions()
-                      .matrix_approximation_rank(powersgd_rank)
-                      .start_powerSGD_iter(f.integer("powersgd-start-iter"))
-                      .min_compression_rate(f.real("powersgd-min-compression-rate"))
-                      .orthogonalization_epsilon(f.real("powersgd-epsilon"))
-                      .random_seed(static_cast<uint64_t>(f.integer("powersgd-seed")))
-                      .batch_tensors_with_same_shape(f.on("powersgd-batch-same-shape"))
-                      .use_error_feedback(!f.on("no-error-feedback"))
-                      .warm_start(!f.on("no-warm-start")));
-      ho.int8(hooks::Int8Options().block(f.integer("int8-block")).error_feedback(f.on("int8-error-feedback")));
-      ho.perchannel_bucket_size(f.integer("perchannel-bucket-size"));
-      auto built = hooks::build_hook(hook_name, pg, ho);
-      hook = built.hook;
-      hook_state = built.state;
-    }
-    if (zero && zero_level == "2") {
-      hook = zero2_hook(*ddp, zero, fsdp_sharded_reduce(pg, f.str("zero-precision")), zero_overlap);
-      registered = "zero2_" + f.str("zero-precision");
-    } else if (zero && zero_overlap != ZeroOverlap::kNone) {
-      if (!hook) {
-        hook = hooks::allreduce_hook(pg);
-        registered = "allreduce";
-      }
-      hook = zero_overlap == ZeroOverlap::kStep ? hook_with_zero_step(hook, *ddp, zero, f.on("zero-shard-buckets"))
-                                                 : hook_with_zero_step_interleaved(hook, *ddp, zero, f.on("zero-shard-buckets"));
-      registered += "+zero_" + f.str("zero-overlap");
-    }
-    if (optimizer_in_hook) {
-      if (!hook) {
-        hook = hooks::allreduce_hook(pg);
-        registered = "allreduce";
-      }
-      hook = hooks::optimizer_after_hook(hook, functional);
-      registered += "+" + optimizer_name;
-    }
-    if (hook) ddp->register_comm_hook(hook, registered);
-    training_state.ddp(ddp.get()).hook_state(hook_state).replicas_differ(hook_name == "post_local_sgd");
-    train_forward = [d = ddp.get(), fwd = model.forward](const at::Tensor& x) {
-      return d->forward_with([&] { return fwd(x); });
-    };
-  }
+  Training run;
+  run.model = build_model(f, t.model, run_data.dims, data.train.num_classes);
+  build_training(f, t, pg, run);
 
   const int64_t n_train = data.train.inputs.size(0);
   const int64_t per_rank = n_train / world;
-  const int64_t steps_per_epoch = per_rank / batch;
+  const int64_t steps_per_epoch = per_rank / t.batch;
   if (steps_per_epoch < 1) throw UsageError("--batch-size is larger than this rank's share of the data");
-  const int64_t total_steps = max_steps > 0 ? std::min<int64_t>(max_steps, steps_per_epoch * epochs) : steps_per_epoch * epochs;
+  const int64_t total_steps =
+      t.max_steps > 0 ? std::min<int64_t>(t.max_steps, steps_per_epoch * t.epochs) : steps_per_epoch * t.epochs;
   const int run_epochs = static_cast<int>((total_steps + steps_per_epoch - 1) / steps_per_epoch);
 
   // The flags that decide the arithmetic: a checkpoint resumes only under the same ones.
@@ -403,223 +512,66 @@ int run_train(const std::vector<std::string>& args, const std::vector<std::strin
                                     "max-restarts", "backend", "report-resources"});
   std::string settings_text;
   for (const auto& line : settings) settings_text += line + "\n";
-  if (!sharded_model) training_state.module(model.module);
-  training_state.optimizer(optimizer.get()).zero(zero);
-  int64_t step = 0, start_epoch = 0, start_in_epoch = 0, resumed_from = -1;
-  if (f.on("resume")) {
-    if (auto ck = training_state.restore(pg.get(), checkpoint_dir)) {
-      const std::string what = "checkpoint " + ck->path;
-      const std::string saved = bytes_of(ck->common, "extra/settings", what);
-      if (saved != settings_text) {
-        std::string diff;
-        std::istringstream a(saved);
-        for (std::string line; std::getline(a, line);)
-          if (std::find(settings.begin(), settings.end(), line) == settings.end()) diff += " --" + line;
-        throw std::runtime_error(what + " was written with different training flags (" + diff.substr(1) +
-                                 "): resume with those, or name another --checkpoint-dir");
-      }
-      if (averager) averager->set_step(int_of(ck->local, "extra/averager_step", what));
-      start_epoch = int_of(ck->common, "extra/epoch", what);
-      const int64_t samples = int_of(ck->common, "extra/samples_in_epoch", what);
-      // Same world size: the same step. Another: the global sample position, rounded down.
-      start_in_epoch = samples / (static_cast<int64_t>(batch) * world);
-      if (start_in_epoch >= steps_per_epoch) {
-        ++start_epoch;
-        start_in_epoch = 0;
-      }
-      step = start_epoch * steps_per_epoch + start_in_epoch;
-      resumed_from = ck->step;
-      if (lead)
-        std::cerr << "resumed from " << ck->path << " (step " << ck->step << " of " << ck->world_size
-                  << " ranks): epoch " << start_epoch + 1 << ", step " << step << "\n";
-    }
-  }
-  const int report_every = f.integer("report-resources");
-  if (report_every < 0) throw UsageError("--report-resources must be >= 0");
-  auto report_resources = [&] {
-    const ProcessResources mine = process_resources();
-    at::Tensor all = at::zeros({world, 2}, at::kDouble);
-    all[rank][0] = static_cast<double>(mine.rss_bytes);
-    all[rank][1] = static_cast<double>(mine.open_fds);
-    if (pg) ProcessGroup::wait(pg->allreduce(all));
-    if (!lead) return;
-    std::ostringstream os;
-    os << "resources {\"step\": " << step << ", \"rss_mb\": [";
-    for (int r = 0; r < world; ++r) os << (r ? ", " : "") << std::fixed << std::setprecision(1) << all[r][0].item<double>() / (1 << 20);
-    os << "], \"open_fds\": [";
-    for (int r = 0; r < world; ++r) os << (r ? ", " : "") << static_cast<int64_t>(all[r][1].item<double>());
-    os << "]}\n";
-    std::cerr << os.str();
-  };
-  int checkpoints_written = 0;
+  const StartPoint start = resume_point(f, t, run, pg.get(), settings, settings_text, steps_per_epoch);
+  int64_t step = start.step;
+  TrainReport report;
   auto write_checkpoint = [&](int64_t epoch, int64_t in_epoch) {
     TensorDict extra{{"settings", bytes_entry(settings_text)},
                      {"epoch", int_entry(epoch)},
-                     {"samples_in_epoch", int_entry(in_epoch * batch * world)}};
+                     {"samples_in_epoch", int_entry(in_epoch * t.batch * world)}};
     TensorDict extra_local;
-    if (averager) extra_local["averager_step"] = int_entry(averager->step());
-    training_state.save(pg.get(), checkpoint_dir, step, extra, extra_local);
-    ++checkpoints_written;
+    if (run.averager) extra_local["averager_step"] = int_entry(run.averager->step());
+    run.state.save(pg.get(), t.checkpoint_dir, step, extra, extra_local);
+    ++report.checkpoints_written;
   };
 
-  auto loss_of = [&](const at::Tensor& out, const at::Tensor& y) { return model_loss(model, out, y); };
   Progress progress(lead && !f.on("quiet"));
   // Every rank checks the loss every 20 steps, together: a diverged run stops with advice.
   std::unique_ptr<DivergenceGuard> guard;
   if (!f.on("no-divergence-guard")) guard = std::make_unique<DivergenceGuard>(pg);
-  std::vector<double> step_ms, forward_ms, backward_ms, optimizer_ms, minor_faults;
-  int64_t tuned_from = -1;  // first step after online tuning (-1: none, or not finished)
-  double accuracy = -1, test_loss = -1, last_loss = 0;
-  const int64_t first_step = step;
-  double train_seconds = 0;
-  if (ddp) ddp->reducer().reset_traffic();
-  std::vector<ReducerTimes> reducer_steps;  // each step's Reducer time: the report takes medians
-  ReducerTimes reducer_so_far;
-  for (int epoch = static_cast<int>(start_epoch); epoch < run_epochs && step < total_steps; ++epoch) {
+  StepLog log;
+  TestScore score{-1, -1};  // -1: not measured
+  double last_loss = 0, train_seconds = 0;
+  if (run.ddp) run.ddp->reducer().reset_traffic();
+  for (int epoch = static_cast<int>(start.epoch); epoch < run_epochs && step < total_steps; ++epoch) {
     // DistributedSampler: one permutation for all ranks (same seed), rank r takes r, r+W, ...
     auto gen = at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(f.integer("seed")) * 1000 + epoch);
     at::Tensor perm = at::randperm(n_train, gen, at::kLong).slice(0, rank, world * per_rank, world);
     double epoch_loss = 0;
     int64_t epoch_steps = 0;
     const auto epoch_start = std::chrono::steady_clock::now();
-    for (int64_t i = epoch == start_epoch ? start_in_epoch : 0; i < steps_per_epoch && step < total_steps;) {
-      at::Tensor idx = perm.slice(0, i * batch, (i + 1) * batch);
+    for (int64_t i = epoch == start.epoch ? start.in_epoch : 0; i < steps_per_epoch && step < total_steps;) {
+      at::Tensor idx = perm.slice(0, i * t.batch, (i + 1) * t.batch);
       // Text is held as bytes (a tenth of int64's memory per rank) and widened per batch.
       at::Tensor x = data.train.inputs.index_select(0, idx), y = data.train.labels.index_select(0, idx);
-      if (model.language_model) x = x.to(at::kLong), y = y.to(at::kLong);
-      using clock = std::chrono::steady_clock;
-      auto ms_between = [](clock::time_point a, clock::time_point b) {
-        return std::chrono::duration<double, std::milli>(b - a).count();
-      };
-      const int64_t faults_before = minor_page_faults();
-      const auto t0 = clock::now();
-      // Set-to-none (PyTorch 2.x's default): autograd then hands over each new gradient instead of
-      // zeroing and accumulating into the old one, saving two passes over all gradients.
-      for (auto& p : params) p.mutable_grad().reset();
-      at::Tensor loss = loss_of(train_forward(x), y);
-      const auto t1 = clock::now();
-      loss.backward();  // returns once gradients are averaged across ranks
-      const auto t2 = clock::now();
-      if (zero) {
-        zero->step();  // a no-op when overlapped: the hooks stepped during backward
-      } else if (!optimizer_in_hook) {
-        optimizer->step();  // else done per bucket during backward
-      }
-      if (averager) averager->average_parameters(model.module->parameters());
-      const auto t3 = clock::now();
-      forward_ms.push_back(ms_between(t0, t1));
-      backward_ms.push_back(ms_between(t1, t2));
-      optimizer_ms.push_back(ms_between(t2, t3));
-      minor_faults.push_back(static_cast<double>(minor_page_faults() - faults_before));
-      if (ddp) {
-        const ReducerTimes now = ddp->reducer().times();
-        reducer_steps.push_back({now.iterations - reducer_so_far.iterations, now.copy_in_ms - reducer_so_far.copy_in_ms,
-                                 now.launch_ms - reducer_so_far.launch_ms, now.wait_ms - reducer_so_far.wait_ms,
-                                 now.copy_out_ms - reducer_so_far.copy_out_ms});
-        reducer_so_far = now;
-      }
-      const double ms = ms_between(t0, t3);
-      step_ms.push_back(ms);
-      // This step ran with the choice online tuning made at its forward: steady state from here.
-      if (tuned_from < 0 && ddp && ddp->online_tuning().done && ddp->online_tuning().steps > 0)
-        tuned_from = static_cast<int64_t>(step_ms.size()) - 1;
-      last_loss = loss.item<double>();
+      if (run.model.language_model) x = x.to(at::kLong), y = y.to(at::kLong);
+      last_loss = train_step(run, t.optimizer_in_hook, x, y, log);
       if (guard) {
-        if (auto d = guard->observe(last_loss)) throw std::runtime_error(divergence_message(f, *d, powersgd_rank, lr));
+        if (auto d = guard->observe(last_loss)) throw std::runtime_error(divergence_message(f, *d, t.powersgd_rank, t.lr));
       }
       epoch_loss += last_loss;
       ++epoch_steps;
       ++i;
       ++step;
-      if (!checkpoint_dir.empty() && (step % checkpoint_every == 0 || step == total_steps)) write_checkpoint(epoch, i);
-      if (report_every > 0 && step % report_every == 0) report_resources();
+      if (!t.checkpoint_dir.empty() && (step % t.checkpoint_every == 0 || step == total_steps)) write_checkpoint(epoch, i);
+      if (t.report_every > 0 && step % t.report_every == 0) report_resources(pg.get(), step);
       progress.update("epoch " + std::to_string(epoch + 1) + "/" + std::to_string(run_epochs), i,
-                      std::min<int64_t>(steps_per_epoch, total_steps - (step - i)), last_loss, median(step_ms));
+                      std::min<int64_t>(steps_per_epoch, total_steps - (step - i)), last_loss, median(log.step_ms));
     }
     train_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - epoch_start).count();
     progress.finish();
-    if (!f.on("no-eval")) {
-      const TestScore score = evaluate(model, data.test, sharded_model.get(), pg.get());
-      accuracy = score.accuracy;
-      test_loss = score.loss;
-    }
-    if (lead) {
-      std::cerr << "epoch " << epoch + 1 << ": mean loss " << std::fixed << std::setprecision(4)
-                << epoch_loss / std::max<int64_t>(epoch_steps, 1);
-      if (accuracy >= 0) std::cerr << "  test accuracy " << std::setprecision(4) << accuracy;
-      if (model.language_model && test_loss >= 0)
-        std::cerr << "  test loss " << test_loss << "  perplexity " << std::exp(test_loss);
-      std::cerr << "\n";
-    }
+    if (!f.on("no-eval")) score = evaluate(run.model, data.test, run.sharded_model.get(), pg.get());
+    if (lead) print_epoch(epoch, epoch_loss / std::max<int64_t>(epoch_steps, 1), score, run.model.language_model);
   }
-  const int64_t steps_run = step - first_step;
-  const CommStats traffic = pg ? pg->stats() : CommStats{};
-  // Optimizer state held by each rank (the largest over ranks), in bytes.
-  int64_t state_bytes = 0;
-  if (zero) {
-    state_bytes = zero->local_state_bytes();
-  } else {
-    if (optimizer)
-      for (const auto& kv : optimizer->state())
-        for (const auto& t : factory.state_tensors(*kv.second))
-          if (t.defined()) state_bytes += t.numel() * static_cast<int64_t>(t.element_size());
-  }
-  // The largest rank's optimizer state, resident-memory high-water mark and PSS peak.
-  memory.stop();
-  int64_t peak_rss = memory.peak_rss_bytes(), peak_pss = memory.peak_pss_bytes();
-  int64_t pss_sum = peak_pss;
-  if (pg) {
-    at::Tensor sum = at::tensor({static_cast<double>(peak_pss)}, at::kDouble);
-    ProcessGroup::wait(pg->allreduce(sum));
-    pss_sum = static_cast<int64_t>(sum[0].item<double>());
-    at::Tensor b = at::tensor({static_cast<double>(state_bytes), static_cast<double>(peak_rss), static_cast<double>(peak_pss)},
-                              at::kDouble);
-    ProcessGroup::wait(pg->allreduce(b, c10d::ReduceOp::MAX));
-    state_bytes = static_cast<int64_t>(b[0].item<double>());
-    peak_rss = static_cast<int64_t>(b[1].item<double>());
-    peak_pss = static_cast<int64_t>(b[2].item<double>());
-  }
-  if (lead) {
-    TrainReport r;
-    r.hook = use_ddp ? hook_name : std::string("local");
-    if (optimizer_in_hook) r.hook += "+" + optimizer_name + "_in_hook";
-    r.zero = zero_level == "off" ? "off" : zero_level + (zero_overlap == ZeroOverlap::kNone ? "" : "+" + f.str("zero-overlap"));
-    r.optimizer = optimizer_name;
-    r.model = model_name;
-    r.fsdp = fsdp_name;
-    r.world = world;
-    r.batch = batch;
-    r.steps = step;
-    r.steps_run = steps_run;
-    r.train_seconds = train_seconds;
-    r.step_ms = step_ms;
-    r.forward_ms = forward_ms;
-    r.backward_ms = backward_ms;
-    r.optimizer_ms = optimizer_ms;
-    r.minor_faults = minor_faults;
-    r.tuned_from = tuned_from;
-    r.traffic = traffic;
-    r.shared_memory = pg && pg->uses_shared_memory() ? (pg->hierarchical() ? "hierarchical" : "host") : "";
-    r.piece_kb = pg ? pg->piece_bytes() / 1024 : 0;
-    if (ddp) {
-      const std::string table = bucket_traffic_table(*ddp, steps_run, &r.compression_ratio);
-      if (!f.on("quiet")) std::cerr << table;
-      if (!ddp->online_tuning().trials.empty()) std::cerr << tuning_table(ddp->online_tuning());
-      r.bucket_cap_mb = static_cast<double>(ddp->reducer().bucket_cap()) / (1 << 20);
-      r.tuning = &ddp->online_tuning();
-      r.reducer = reducer_steps;
-    }
-    r.accuracy = accuracy;
-    if (model.language_model && test_loss >= 0) r.test_perplexity = std::exp(test_loss);
-    r.final_loss = last_loss;
-    r.optimizer_state_bytes = state_bytes;
-    r.peak_rss_bytes = peak_rss;
-    r.peak_pss_bytes = peak_pss;
-    r.mean_peak_pss_bytes = pss_sum / world;
-    r.resumed_from = resumed_from;
-    r.checkpoints_written = checkpoints_written;
-    std::cout << report_json(r) << std::endl;
-  }
+  report.steps = step;
+  report.steps_run = step - start.step;
+  report.train_seconds = train_seconds;
+  report.accuracy = score.accuracy;
+  if (run.model.language_model && score.loss >= 0) report.test_perplexity = std::exp(score.loss);
+  report.final_loss = last_loss;
+  report.resumed_from = start.resumed_from;
+  gather_memory(run, pg.get(), memory, report);
+  if (lead) print_report(f, t, run, pg.get(), log, report);
   if (pg) ProcessGroup::wait(pg->barrier());
   return 0;
 }

@@ -1,5 +1,6 @@
-// Process groups: c10d stores + a c10d backend (Gloo on CPU, NCCL where libtorch has CUDA), with
-// a timeout on everything and one ordered issuing thread per group.
+// Process groups: c10d stores + a transport chosen when the group is made (shared memory within a
+// host, Gloo between hosts, hierarchical across them, NCCL where libtorch has CUDA), with a
+// timeout on everything and one ordered issuing thread per group.
 //
 // Why the issuing thread: Gloo pairs collectives across ranks by a sequence number taken when a
 // collective is *issued*. If two threads issue (the autograd thread and a future callback, say),
@@ -33,8 +34,15 @@
 namespace ddpkit {
 
 using FuturePtr = c10::intrusive_ptr<c10::ivalue::Future>;
-class JobThread;  // src/comm/job_thread.h
 class GradientArena;  // ddpkit/comm/gradient_arena.h
+
+namespace detail {
+// The c10d backend under a group, with the lock its calls take (ProcessGroup::with_backend).
+struct BackendCall {
+  std::unique_lock<std::mutex> lock;  // held for Gloo, empty otherwise
+  compat::Backend* backend;
+};
+}  // namespace detail
 
 // A future that will hold one tensor, placed on `device` (CUDA futures must name their device).
 FuturePtr make_tensor_future(c10::Device device = c10::kCPU);
@@ -120,6 +128,13 @@ struct ProcessGroupOptions {
   TORCH_ARG(bool, shared_memory) = true;
   // Bytes per rank per step of the shared-memory path (two such slots per rank are mapped).
   TORCH_ARG(int64_t, shm_slot_bytes) = 1 << 20;
+  // Before each collective the ranks compare what they are about to call (collective, dtype,
+  // size, op or root); where they differ every rank fails with a CommError naming each rank's
+  // call. Without it a size mismatch on Gloo aborts the process (Gloo's own check, on its I/O
+  // thread). One small allgather per collective: for debugging. DDPKIT_CHECK_COLLECTIVES=1 or
+  // TORCH_DISTRIBUTED_DEBUG=DETAIL in the environment turn it on too (the latter as it does
+  // PyTorch's own check).
+  TORCH_ARG(bool, check_collectives) = false;
 };
 
 class ProcessGroup {
@@ -130,20 +145,24 @@ class ProcessGroup {
   ProcessGroup(const ProcessGroup&) = delete;
   ProcessGroup& operator=(const ProcessGroup&) = delete;
 
-  int rank() const { return rank_; }
-  int size() const { return world_size_; }
-  const std::string& backend_name() const { return options_.backend(); }
-  std::chrono::milliseconds timeout() const { return options_.timeout(); }
-  const c10::intrusive_ptr<c10d::Store>& store() const { return store_; }
+  int rank() const;
+  int size() const;
+  const std::string& backend_name() const;
+  std::chrono::milliseconds timeout() const;
+  const c10::intrusive_ptr<c10d::Store>& store() const;
   // The options it was made with (piece_bytes: see piece_bytes() for the current value).
-  const ProcessGroupOptions& options() const { return options_; }
+  const ProcessGroupOptions& options() const;
   // Piece size of two-phase collectives, per peer. set_piece_bytes changes it for collectives
   // issued afterwards, here and in the between-hosts group (online tuning sets it between steps).
-  int64_t piece_bytes() const { return piece_bytes_.load(std::memory_order_relaxed); }
+  int64_t piece_bytes() const;
   void set_piece_bytes(int64_t bytes);
   // Which of this group's ranks share a host (same machine id, boot id, network and PID namespace),
   // found through the store when the group was made.
-  const HostTopology& topology() const { return topology_; }
+  const HostTopology& topology() const;
+  // The transport chosen when the group was made, from the topology and the options:
+  // "shared memory" (every rank on one host), "hierarchical (shared memory within hosts, ...
+  // across)", "gloo + two-phase allreduce", "gloo" (one rank) or "nccl". docs/design.md.
+  std::string transport_name() const;
   // Whether collectives between this host's ranks go through shared memory (see the option),
   // and whether allreduce across hosts is hierarchical.
   bool uses_shared_memory() const;
@@ -249,76 +268,17 @@ class ProcessGroup {
   // (docs/threading.md, "Calls into Gloo"). Gloo's calls only enqueue; none waits.
   template <typename F>
   auto with_backend(F&& f) -> decltype(f(std::declval<compat::Backend&>())) {
-    std::unique_lock<std::mutex> lock = backend_call_lock();
-    return f(*backend_);
+    detail::BackendCall call = backend_call();
+    return f(*call.backend);
   }
   // Point-to-point tags from here up carry ddpkit's own allgathers and alltoalls on Gloo: a
   // program's send/recv through with_backend() must use smaller ones.
   static constexpr int kFirstInternalTag = 0x5D000000;
 
  private:
-  using Job = std::function<void()>;
-  void post(Job job);
-  std::unique_lock<std::mutex> backend_call_lock() const;  // held for Gloo, empty otherwise
-  // Issues `op` on the sequencer and completes `result` with `value` when the Work completes.
-  FuturePtr issue(const std::string& what, uint64_t bus_bytes, const at::Tensor& value,
-                  std::function<c10::intrusive_ptr<c10d::Work>()> op);
-  bool use_two_phase(const at::Tensor& tensor, c10d::ReduceOp op) const;
-  void two_phase_allreduce(const at::Tensor& tensor, const FuturePtr& result);
-  void check_two_phase(const TwoPhaseJob& job, const std::string& what) const;
-  void run_two_phase(const std::shared_ptr<TwoPhaseJob>& job, const at::Tensor& value, const std::string& what,
-                     const FuturePtr& result);
-  // Gloo point to point (src/comm/gloo_exchange.cpp). On the sequencer: posts, for every peer r,
-  // a send of sends[r] and a receive into recvs[r] (bytes) under a tag of this exchange's own.
-  // On the exchange thread: runs `during` (local work while the messages travel), waits for every
-  // message within the group's timeout, runs `after`, completes `result` with `value`.
-  void gloo_exchange(const std::vector<at::Tensor>& sends, const std::vector<at::Tensor>& recvs,
-                     const std::string& what, const at::Tensor& value, const FuturePtr& result,
-                     std::function<void()> during, std::function<void()> after);
-  // outputs[r] receives rank r's input; completes `result` with `value`.
-  void gloo_allgather(const std::vector<at::Tensor>& outputs, const at::Tensor& input, const at::Tensor& value,
-                      const FuturePtr& result);
-  void gloo_alltoall(const at::Tensor& output, const at::Tensor& input, const FuturePtr& result);
-  void run_monitored_barrier(std::chrono::milliseconds timeout, bool wait_all_ranks);  // on the sequencer
-  // Shared memory (src/comm/shm_domain.h): set up at construction, run on the group's shm thread.
-  struct Shm;
-  void setup_shared_memory(const c10::intrusive_ptr<c10d::Store>& store);
-  bool shm_takes(const at::Tensor& t) const;
-  // Runs `op` on the shm thread in issue order, after `account` (counts its bytes; may reject
-  // it by throwing) on the sequencer; the future completes with `value`.
-  FuturePtr shm_issue(const std::string& what, const at::Tensor& value, std::function<void()> account,
-                      std::function<void()> op);
-  // shm_issue for a collective that moves bus_bytes through shared memory.
-  FuturePtr shm_issue(const std::string& what, uint64_t bus_bytes, const at::Tensor& value, std::function<void()> op);
-  void hierarchical_allreduce(const at::Tensor& data, double scale);
-  void link(const c10::intrusive_ptr<c10d::Work>& work, const FuturePtr& result,
-            const at::Tensor& value, const std::string& what);
-  void count(uint64_t bytes_sent, uint64_t bytes_received, bool shared_memory = false);
-  // Scratch tensors reused across calls: a fresh 100 MB allocation costs ~25k page faults, more
-  // than the transfer itself. A buffer returns to the pool when its collective completes.
-  at::Tensor take_workspace(at::ScalarType dtype, int64_t numel);
-  void give_workspace(at::Tensor t);
-
-  c10::intrusive_ptr<c10d::Store> store_;
-  mutable std::atomic<int64_t> subgroups_made_{0};  // numbers new_subgroup's names
-  int rank_;
-  int world_size_;
-  ProcessGroupOptions options_;
-  std::atomic<int64_t> piece_bytes_;
-  c10::intrusive_ptr<compat::Backend> backend_;
-  HostTopology topology_;
-  std::unique_ptr<Shm> shm_;  // null: no shared memory
-
-  std::unique_ptr<JobThread> sequencer_;
-  std::unique_ptr<JobThread> exchange_waiter_;  // Gloo: waits for point-to-point exchanges
-  uint32_t exchange_count_ = 0;                  // exchanges issued, on the sequencer
-
-  std::mutex pool_mutex_;
-  std::map<std::pair<int, int64_t>, std::vector<at::Tensor>> pool_;
-
-  mutable std::mutex stats_mutex_;
-  CommStats totals_;
-  std::map<int64_t, CommStats> by_key_;
+  struct Impl;  // src/comm/process_group.cpp: the transport and what it shares (group_core.h)
+  detail::BackendCall backend_call();
+  std::unique_ptr<Impl> impl_;
 };
 
 // How to find the peers. With no store and init_method "env://", the torchrun variables

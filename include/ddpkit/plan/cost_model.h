@@ -118,21 +118,36 @@ struct JobSpec {
   int ranks_per_host() const { return (world_size + hosts - 1) / hosts; }
 };
 
-// One way to run it. strategy: ddp, zero1, zero2, full_shard, shard_grad_op, no_shard, hybrid_shard.
-// hook: none (DDP's built-in allreduce), allreduce, fp16, bf16, int8, powersgd, noop, and, predicted
-// when asked for (candidates() leaves them out), fp16_wrapper, bf16_wrapper, quantize_per_tensor,
-// quantize_per_channel, batched_powersgd, post_local_sgd (DDP); none, fp16, bf16 (FSDP); none (ZeRO).
-// label() names it in a row: the hook, with "+optimizer" when the optimizer runs in it and
-// "+mp_bf16" (and "_reduce_fp32") under mixed precision.
+// How a job is run: DDP, ZeRO-1/2 over DDP, or one of FSDP's sharding strategies. to_string gives
+// the names `ddpkit plan --strategy` and the JSON use; parse_strategy reads them.
+enum class Strategy { kDdp, kZero1, kZero2, kFullShard, kShardGradOp, kNoShard, kHybridShard };
+// The communication hook: kNone is DDP's built-in allreduce (FSDP's and ZeRO's own reduction);
+// DDP takes any, FSDP none, fp16 or bf16, ZeRO none. Named as `ddpkit train --hook` names them.
+enum class Hook {
+  kNone, kAllreduce, kFp16, kBf16, kFp16Wrapper, kBf16Wrapper, kInt8, kQuantizePerTensor, kQuantizePerChannel,
+  kPowerSgd, kBatchedPowerSgd, kPostLocalSgd, kNoop
+};
+const char* to_string(Strategy s);
+const char* to_string(Hook h);
+// The strategy or hook a name means; an error listing the names otherwise.
+Strategy parse_strategy(const std::string& name);
+Hook parse_hook(const std::string& name);
+bool is_fsdp(Strategy s);
+
+// One way to run it. candidates() lists DDP with hooks none, allreduce, fp16, bf16, int8 and
+// powersgd, ZeRO-1/2, and each FSDP strategy with none and bf16; other_hook_candidates() DDP's
+// other hooks, predicted when asked for. label() names it in a row: the hook, with "+optimizer"
+// when the optimizer runs in it and "+mp_bf16" (and "_reduce_fp32") under mixed precision.
 struct Candidate {
-  std::string strategy = "ddp";
-  std::string hook = "none";
-  // 0: the hook's default (hooks::default_bucket_cap_mb). kChooseBucketCap (DDP and ZeRO-1, whose
-  // buckets `ddpkit train --bucket-cap-mb auto` tunes): of the caps that tuning tries, the one
-  // predicted fastest, kept over the default only when faster by the tuner's min_gain, as the tuner
-  // decides (ddp/online_tuning.h); the prediction carries the cap chosen.
-  double bucket_cap_mb = 0;
-  static constexpr double kChooseBucketCap = -1;
+  Strategy strategy = Strategy::kDdp;
+  Hook hook = Hook::kNone;
+  // In MiB; unset: the hook's default (hooks::default_bucket_cap_mb). The prediction carries the
+  // cap used.
+  std::optional<double> bucket_cap_mb;
+  // DDP and ZeRO-1, whose buckets `ddpkit train --bucket-cap-mb auto` tunes: of the caps that
+  // tuning tries, the one predicted fastest, kept over the default only when faster by the
+  // tuner's min_gain, as the tuner decides (ddp/online_tuning.h).
+  bool choose_bucket_cap = false;
   int powersgd_rank = 0;        // 0: ddpkit train's default for the hook (4; batched_powersgd 32)
   int local_sgd_period = 4;     // post_local_sgd: parameters averaged every this many steps
   // post_local_sgd: gradients allreduced within groups of this many consecutive ranks (0: kept
@@ -149,13 +164,10 @@ struct Candidate {
   bool mixed_precision() const { return param_dtype != "fp32"; }
   const std::string& reduced_in() const { return reduce_dtype.empty() ? param_dtype : reduce_dtype; }
   // DDP and ZeRO-1 reduce in buckets whose cap is chosen and given to `ddpkit train`.
-  bool has_bucket_cap() const { return strategy == "ddp" || strategy == "zero1"; }
-  bool is_fsdp() const {
-    return strategy == "full_shard" || strategy == "shard_grad_op" || strategy == "no_shard" ||
-           strategy == "hybrid_shard";
-  }
+  bool has_bucket_cap() const { return strategy == Strategy::kDdp || strategy == Strategy::kZero1; }
+  bool is_fsdp() const { return plan::is_fsdp(strategy); }
   std::string label() const {
-    std::string l = optimizer_in_hook ? hook + "+optimizer" : hook;
+    std::string l = std::string(to_string(hook)) + (optimizer_in_hook ? "+optimizer" : "");
     if (mixed_precision()) l += "+mp_" + param_dtype;
     if (mixed_precision() && reduced_in() != param_dtype) l += "_reduce_" + reduced_in();
     return l;

@@ -1,0 +1,63 @@
+// The Gloo transport (internal): c10d's ProcessGroupGloo between any ranks. Collectives in
+// gloo_transport.cpp; allgather and alltoall as point-to-point messages, and monitored_barrier,
+// in gloo_exchange.cpp.
+#pragma once
+
+#include "job_thread.h"
+#include "transport.h"
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace ddpkit {
+
+class GlooTransport final : public Transport {
+ public:
+  GlooTransport(GroupCore& core, const c10::intrusive_ptr<c10d::Store>& store);
+  ~GlooTransport() override;
+
+  std::string name() const override { return "gloo"; }
+  FuturePtr allreduce(const at::Tensor& tensor, c10d::ReduceOp op) override;
+  FuturePtr broadcast(const at::Tensor& tensor, int root) override;
+  FuturePtr allgather(const std::vector<at::Tensor>& outputs, const at::Tensor& input) override;
+  FuturePtr allgather_into_tensor(const at::Tensor& output, const at::Tensor& input) override;
+  FuturePtr alltoall(const at::Tensor& output, const at::Tensor& input) override;
+  FuturePtr barrier() override;
+  FuturePtr two_phase(const std::shared_ptr<TwoPhaseJob>& job, const at::Tensor& value,
+                      const std::string& what) override;
+  FuturePtr monitored_barrier(std::chrono::milliseconds timeout, bool wait_all_ranks) override;
+  // Every call into a Gloo backend, of any group, one at a time (ProcessGroup::with_backend).
+  detail::BackendCall backend_call() override;
+
+ private:
+  template <typename F>
+  auto with_backend(F&& f) {
+    detail::BackendCall call = backend_call();
+    return f(*call.backend);
+  }
+  // CPU dense tensors go point to point (gloo_exchange.cpp); others through c10d's collectives.
+  bool point_to_point(const at::Tensor& t) const;
+  // One allreduce per connection, issued back to back, which Gloo runs concurrently.
+  FuturePtr sliced_allreduce(const at::Tensor& tensor, c10d::ReduceOp op, uint64_t bus_bytes);
+
+  // On the sequencer: posts, for every peer r, a send of sends[r] and a receive into recvs[r]
+  // (bytes) under a tag of this exchange's own. On the exchange thread: runs `during` (local work
+  // while the messages travel), waits for every message within the group's timeout, runs `after`,
+  // completes `result` with `value`.
+  void exchange(const std::vector<at::Tensor>& sends, const std::vector<at::Tensor>& recvs, const std::string& what,
+                const at::Tensor& value, const FuturePtr& result, std::function<void()> during,
+                std::function<void()> after);
+  // outputs[r] receives rank r's input; completes `result` with `value`.
+  void exchange_allgather(const std::vector<at::Tensor>& outputs, const at::Tensor& input, const at::Tensor& value,
+                          const FuturePtr& result);
+  void exchange_alltoall(const at::Tensor& output, const at::Tensor& input, const FuturePtr& result);
+  void run_monitored_barrier(std::chrono::milliseconds timeout, bool wait_all_ranks);  // on the sequencer
+
+  c10::intrusive_ptr<compat::Backend> backend_;
+  std::unique_ptr<JobThread> exchange_waiter_;  // waits for point-to-point exchanges
+  uint32_t exchange_count_ = 0;                  // exchanges issued, on the sequencer
+};
+
+}  // namespace ddpkit

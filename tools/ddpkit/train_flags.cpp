@@ -1,0 +1,178 @@
+// `ddpkit train`'s flags: their defaults, and the checks that run before any rank starts.
+#include "train_flags.h"
+
+#include "training.h"
+
+#include <ddpkit/training/checkpoint.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <iostream>
+
+namespace ddpkit {
+namespace cli {
+namespace {
+
+
+const std::vector<std::string> kTrainSwitches = {
+    "gradient-as-bucket-view", "find-unused-parameters", "no-ddp", "no-eval", "quiet", "no-malloc-tuning",
+    "powersgd-batch-same-shape", "no-error-feedback", "no-warm-start", "int8-error-feedback", "optimizer-in-hook",
+    "zero-shard-buckets", "zero-bucket-view", "no-divergence-guard", "resume"};
+
+c10::optional<at::ScalarType> fsdp_dtype(const Flags& f, const std::string& flag) {
+  const std::string v = f.str(flag);
+  if (v.empty()) return c10::nullopt;
+  if (v == "fp32") return at::kFloat;
+  if (v == "bf16") return at::kBFloat16;
+  throw UsageError("--" + flag + " must be fp32 or bf16, got '" + v + "'");
+}
+
+// --model, --hook, --fsdp, --zero, --optimizer and how they combine.
+void check_strategy_flags(const Flags& f, TrainFlags& t) {
+  t.model = f.str("model");
+  t.hook = f.str("hook");
+  t.dataset = checked_dataset(f, t.model);
+  t.fsdp_name = f.str("fsdp");
+  t.use_fsdp = t.fsdp_name != "off";
+  t.use_ddp = !f.on("no-ddp");
+  t.optimizer_in_hook = f.on("optimizer-in-hook");
+  if (t.use_fsdp) {
+    try {
+      t.fsdp_strategy = parse_sharding_strategy(t.fsdp_name);
+    } catch (const c10::Error&) {
+      throw UsageError("--fsdp must be off, full_shard, shard_grad_op, no_shard or hybrid_shard, got '" + t.fsdp_name +
+                       "'");
+    }
+    if (t.hook != "none" && t.hook != "fp16" && t.hook != "bf16")
+      throw UsageError("--fsdp takes --hook none, fp16 or bf16 (its FSDP hooks), got '" + t.hook + "'");
+    for (const char* flag : {"zero-shard-buckets", "zero-bucket-view", "optimizer-in-hook", "gradient-as-bucket-view",
+                             "find-unused-parameters", "no-ddp"})
+      if (f.on(flag)) throw UsageError(std::string("--") + flag + " does not apply to --fsdp");
+    if (f.str("zero") != "off") throw UsageError("--fsdp shards the optimizer state itself: drop --zero");
+    t.fsdp_param_dtype = fsdp_dtype(f, "fsdp-param-dtype");
+    t.fsdp_reduce_dtype = fsdp_dtype(f, "fsdp-reduce-dtype");
+    if (f.integer("fsdp-min-unit-params") < 1) throw UsageError("--fsdp-min-unit-params must be >= 1");
+  }
+  if (t.hook != "none" && t.hook != "post_local_sgd") {
+    const auto names = hooks::hook_names();
+    if (std::find(names.begin(), names.end(), t.hook) == names.end()) {
+      std::string known = "none";
+      for (const auto& n : names) known += ", " + n;
+      throw UsageError("--hook '" + t.hook + "' is unknown (" + known + ", post_local_sgd)");
+    }
+  }
+  t.optimizer = f.str("optimizer");
+  if (t.optimizer != "sgd" && t.optimizer != "adam" && t.optimizer != "adamw")
+    throw UsageError("--optimizer must be sgd, adam or adamw, got '" + t.optimizer + "'");
+  if (t.optimizer_in_hook && !t.use_ddp) throw UsageError("--optimizer-in-hook needs DDP (drop --no-ddp)");
+  t.zero_level = f.str("zero");
+  if (t.zero_level != "off" && t.zero_level != "1" && t.zero_level != "2")
+    throw UsageError("--zero must be off, 1 or 2, got '" + t.zero_level + "'");
+  try {
+    t.zero_overlap = parse_zero_overlap(f.str("zero-overlap"));
+  } catch (const c10::Error&) {
+    throw UsageError("--zero-overlap must be none, step or interleaved, got '" + f.str("zero-overlap") + "'");
+  }
+  if (t.zero_level != "off") {
+    if (!t.use_ddp) throw UsageError("--zero needs DDP (drop --no-ddp)");
+    if (t.optimizer_in_hook) throw UsageError("--zero and --optimizer-in-hook both step inside the hook: pick one");
+    if (t.hook == "post_local_sgd") throw UsageError("--zero does not combine with --hook post_local_sgd");
+    if (t.zero_level == "2" && t.hook != "none")
+      throw UsageError("--zero 2 communicates by reduce-scatter: drop --hook (use --zero-precision fp16|bf16)");
+  } else if (t.zero_overlap != ZeroOverlap::kNone || f.on("zero-shard-buckets") || f.on("zero-bucket-view")) {
+    throw UsageError("--zero-overlap, --zero-shard-buckets and --zero-bucket-view need --zero 1 or 2");
+  }
+}
+
+// Sizes, rates and the hooks' numbers.
+void check_number_flags(const Flags& f, TrainFlags& t) {
+  t.nproc = f.integer("nproc");
+  t.epochs = f.integer("epochs");
+  t.max_steps = f.integer("steps");
+  t.batch = f.integer("batch-size");
+  t.threads = f.integer("threads");
+  t.lr = !f.str("lr").empty() ? f.real("lr") : t.optimizer == "sgd" ? 0.05 : 1e-3;
+  // auto: start from the default, then trial others during the first steps (online_tuning.h).
+  t.tune_caps = f.str("bucket-cap-mb") == "auto";
+  t.tune_pieces = f.str("piece-kb") == "auto";
+  t.cap = f.str("bucket-cap-mb").empty() || t.tune_caps ? hooks::default_bucket_cap_mb(t.hook) : f.real("bucket-cap-mb");
+  t.piece_kb = t.tune_pieces ? 1024 : f.integer("piece-kb");
+  if ((t.tune_caps || t.tune_pieces) &&
+      (t.zero_level == "2" || t.zero_overlap != ZeroOverlap::kNone || t.use_fsdp || !t.use_ddp))
+    throw UsageError("--bucket-cap-mb/--piece-kb auto tune DDP's buckets: not with --fsdp, --no-ddp, --zero 2 or "
+                     "--zero-overlap (which lay their buckets out once); give numbers");
+  if (t.tune_pieces && !hooks::moves_pieces(t.hook) && f.real("two-phase-min-mb") <= 0)
+    throw UsageError("--piece-kb auto: --hook " + t.hook +
+                     " moves no two-phase pieces (fp16, bf16, int8 and quantize hooks do, or --two-phase-min-mb)");
+  if (t.nproc < 1) throw UsageError("--nproc must be >= 1");
+  if (t.epochs < 1) throw UsageError("--epochs must be >= 1");
+  if (t.max_steps < 0) throw UsageError("--steps must be >= 0");
+  if (t.batch < 1) throw UsageError("--batch-size must be >= 1");
+  if (t.threads < 1) throw UsageError("--threads must be >= 1");
+  if (!(t.lr > 0)) throw UsageError("--lr must be positive");
+  if (!(t.cap > 0)) throw UsageError("--bucket-cap-mb must be positive");
+  t.powersgd_rank = f.str("powersgd-rank").empty() ? hooks::default_powersgd_rank(t.hook) : f.integer("powersgd-rank");
+  if (t.powersgd_rank < 1) throw UsageError("--powersgd-rank must be >= 1");
+  if (f.integer("powersgd-start-iter") < 0) throw UsageError("--powersgd-start-iter must be >= 0");
+  if (f.integer("int8-block") < 16 || f.integer("int8-block") % 16)
+    throw UsageError("--int8-block must be a positive multiple of 16");
+  if (f.integer("perchannel-bucket-size") < 1) throw UsageError("--perchannel-bucket-size must be >= 1");
+  if (f.integer("local-sgd-start-iter") < 0) throw UsageError("--local-sgd-start-iter must be >= 0");
+  if (f.integer("local-sgd-period") < 1) throw UsageError("--local-sgd-period must be >= 1");
+  if (f.integer("local-sgd-group-size") < 0) throw UsageError("--local-sgd-group-size must be >= 0");
+  if (f.integer("gloo-threads") < 1) throw UsageError("--gloo-threads must be >= 1");
+  if (f.integer("gloo-connections") < 1) throw UsageError("--gloo-connections must be >= 1");
+  if (f.real("two-phase-min-mb") < 0) throw UsageError("--two-phase-min-mb must be >= 0");
+  if (t.piece_kb < 1) throw UsageError("--piece-kb must be >= 1");
+  t.report_every = f.integer("report-resources");
+  if (t.report_every < 0) throw UsageError("--report-resources must be >= 0");
+}
+
+void check_checkpoint_flags(const Flags& f, TrainFlags& t) {
+  t.checkpoint_dir = f.str("checkpoint-dir");
+  t.checkpoint_every = f.integer("checkpoint-every");
+  t.max_restarts = f.integer("max-restarts");
+  if (t.checkpoint_every < 1) throw UsageError("--checkpoint-every must be >= 1");
+  if (t.max_restarts < 0) throw UsageError("--max-restarts must be >= 0");
+  if (t.checkpoint_dir.empty() && f.on("resume")) throw UsageError("--resume needs --checkpoint-dir");
+  if (!t.checkpoint_dir.empty() && t.optimizer_in_hook)
+    throw UsageError("--checkpoint-dir does not save the per-parameter optimizer state of --optimizer-in-hook");
+  if (!t.checkpoint_dir.empty() && !f.on("resume") &&
+      (!in_distributed_env() || std::getenv("RANK") == std::string("0"))) {
+    const auto existing = list_checkpoints(t.checkpoint_dir);
+    if (!existing.empty())
+      throw UsageError("--checkpoint-dir " + t.checkpoint_dir + " already holds checkpoints (newest " +
+                       existing.front() + "): add --resume to continue that run, or name another directory");
+  }
+  if (t.max_restarts > 0 && t.checkpoint_dir.empty())
+    std::cerr << "ddpkit: --max-restarts without --checkpoint-dir restarts training from step 0\n";
+}
+
+}  // namespace
+
+Flags parse_train_flags(const std::vector<std::string>& args) {
+  return Flags(args,
+               with_model_flag_defaults(
+                   {{"nproc", "2"}, {"fsdp", "off"}, {"fsdp-param-dtype", "fp32"}, {"fsdp-reduce-dtype", ""},
+                    {"hook", "none"}, {"bucket-cap-mb", ""}, {"epochs", "3"}, {"steps", "0"}, {"lr", ""},
+                    {"seed", "1"}, {"backend", "gloo"}, {"timeout-s", "300"}, {"gloo-threads", "2"},
+                    {"two-phase-min-mb", "0"}, {"gloo-connections", "1"}, {"piece-kb", "1024"},
+                    {"powersgd-rank", ""}, {"powersgd-start-iter", "10"}, {"powersgd-min-compression-rate", "2"},
+                    {"powersgd-epsilon", "0"}, {"powersgd-seed", "0"}, {"int8-block", "512"},
+                    {"perchannel-bucket-size", "512"}, {"local-sgd-start-iter", "100"}, {"local-sgd-period", "4"},
+                    {"local-sgd-group-size", "0"}, {"zero", "off"}, {"zero-overlap", "none"},
+                    {"zero-precision", "fp32"}, {"checkpoint-dir", ""}, {"checkpoint-every", "100"},
+                    {"max-restarts", "0"}, {"report-resources", "0"}}),
+               kTrainSwitches);
+}
+
+TrainFlags check_train_flags(const Flags& f) {
+  TrainFlags t;
+  check_strategy_flags(f, t);
+  check_number_flags(f, t);
+  check_checkpoint_flags(f, t);
+  return t;
+}
+
+}  // namespace cli
+}  // namespace ddpkit

@@ -1,0 +1,33 @@
+// `ddpkit train`'s flags, parsed and checked before any rank starts (train_flags.cpp).
+#pragma once
+
+#include "cli.h"
+
+#include <ddpkit/ddpkit.h>
+
+#include <string>
+#include <vector>
+
+namespace ddpkit {
+namespace cli {
+
+struct TrainFlags {
+  std::string model, hook, dataset, fsdp_name, optimizer, zero_level, checkpoint_dir;
+  bool use_fsdp = false, use_ddp = true, optimizer_in_hook = false;
+  ShardingStrategy fsdp_strategy = ShardingStrategy::kFullShard;
+  c10::optional<at::ScalarType> fsdp_param_dtype, fsdp_reduce_dtype;
+  ZeroOverlap zero_overlap = ZeroOverlap::kNone;
+  int nproc = 2, epochs = 3, max_steps = 0, batch = 64, threads = 1, piece_kb = 1024;
+  int checkpoint_every = 100, max_restarts = 0, report_every = 0;
+  double lr = 0.05, cap = 25;
+  bool tune_caps = false, tune_pieces = false;
+  int64_t powersgd_rank = 4;
+};
+
+// The flags `ddpkit train` takes, with their defaults.
+Flags parse_train_flags(const std::vector<std::string>& args);
+// Each flag and their combinations checked: a UsageError naming the flag that is wrong.
+TrainFlags check_train_flags(const Flags& f);
+
+}  // namespace cli
+}  // namespace ddpkit
