@@ -1,5 +1,6 @@
 // `ddpkit plan`: ranks strategies and hooks for a job by the cost model (include/ddpkit/plan/).
 #include "cli.h"
+#include "plan_cli.h"
 #include "training.h"
 
 #include <ddpkit/hooks/default_hooks.h>
@@ -119,13 +120,13 @@ std::string plain(double x) {
   return os.str();
 }
 
-// A row's bucket cap; "-" where the strategy has no DDP buckets (FSDP).
+}  // namespace
+
 std::string cap_column(const plan::Candidate& c) {
   if (c.is_fsdp()) return "-";
   return c.bucket_cap_mb ? plain(*c.bucket_cap_mb) : "default";
 }
 
-// The hook column's width: the longest label ("quantize_per_channel+optimizer") and a space.
 int hook_width(const std::vector<plan::Prediction>& rows) {
   size_t w = 20;
   for (const auto& r : rows) w = std::max(w, r.candidate.label().size());
@@ -138,6 +139,8 @@ std::string mb(int64_t bytes) {
   return os.str();
 }
 
+namespace {
+
 // The plan's own flags, beyond train's model and data flags: with a value (and its default), and
 // switches. train_args leaves both out of the train command it prints.
 const std::map<std::string, std::string> kPlanFlagDefaults = {
@@ -149,9 +152,13 @@ const std::map<std::string, std::string> kPlanFlagDefaults = {
 const std::vector<std::string> kPlanSwitches = {"json", "calibrate", "busy-replica", "optimizer-in-hook",
                                                 "hosts-on-this-machine"};
 
+}  // namespace
+
 Flags plan_flags(const std::vector<std::string>& args) {
   return Flags(args, with_model_flag_defaults(kPlanFlagDefaults), kPlanSwitches);
 }
+
+namespace {
 
 // The `ddpkit train` flags that run a candidate.
 std::vector<std::string> train_flags(const plan::Candidate& c) {
@@ -181,14 +188,9 @@ std::string self_path() {
   return self;
 }
 
-struct TrainResult {
-  double median_step_ms = 0;
-  int64_t peak_rss_bytes = 0;
-};
+}  // namespace
 
-// Runs `ddpkit train --quiet --no-eval` with these flags (and `env`, "NAME=VALUE ..." before the
-// command) and reads its JSON line.
-TrainResult train_result(const std::vector<std::string>& flags, const std::string& env = "") {
+TrainResult train_result(const std::vector<std::string>& flags, const std::string& env) {
   std::string cmd = env + " '" + self_path() + "' train --quiet --no-eval";
   for (const auto& a : flags) cmd += " '" + a + "'";
   cmd += " 2>&1";
@@ -209,6 +211,8 @@ TrainResult train_result(const std::vector<std::string>& flags, const std::strin
   r.peak_rss_bytes = static_cast<int64_t>(field("peak_rss_bytes"));
   return r;
 }
+
+namespace {
 
 std::atomic<bool> g_stop_busy{false};
 void stop_busy(int) { g_stop_busy = true; }
@@ -289,9 +293,6 @@ plan::JobSpec job_of(const Flags& f) {
   if (f.integer("profile-steps") < 1) throw UsageError("--profile-steps must be >= 1");
   return job;
 }
-
-std::vector<std::string> train_args(const std::vector<std::string>& args, const plan::JobSpec& job,
-                                    const plan::Candidate& c);
 
 // What a real training process of the model holds beyond the accounting's fixed parts: one rank
 // alone (`ddpkit train --nproc 1 --no-ddp`), its resident peak, as activations. The in-process
@@ -434,10 +435,6 @@ plan::ModelProfile profile_job(const Flags& f, const std::vector<std::string>& a
   return profile;
 }
 
-// PowerSGD and local SGD begin with plain allreduces (train's defaults: 10 and 100 steps): a short
-// job (calibration, a tune trial) starts them at its third step, to time and hold their own.
-const std::vector<std::string> kHooksFromTheThirdStep = {"--powersgd-start-iter", "2", "--local-sgd-start-iter", "2"};
-
 // The calibration job: a 3-layer MLP of 12.6M parameters (none of validation's models), 2 ranks.
 const std::vector<std::string> kCalibrationModel = {"--dataset", "synthetic", "--mlp-dims", "1024,3072,3072,1024",
                                                     "--synthetic-size", "2048", "--fsdp-min-unit-params", "1000"};
@@ -521,8 +518,8 @@ plan::MachineConstants load_or_calibrate(const std::string& path) {
   }
 }
 
-// The `ddpkit train` arguments that run `c` on this host: the model and data flags given to plan
-// (`args`), then the candidate's.
+}  // namespace
+
 std::vector<std::string> train_args(const std::vector<std::string>& args, const plan::JobSpec& job,
                                     const plan::Candidate& c) {
   std::vector<std::string> out = {"--nproc", std::to_string(job.ranks_per_host())};
@@ -545,14 +542,8 @@ std::string joined(const std::vector<std::string>& words) {
   return s;
 }
 
-struct Planned {
-  plan::JobSpec job;
-  plan::ModelProfile profile;
-  std::vector<plan::Prediction> rows;  // best first
-  std::string constants_path;
-};
+namespace {
 
-// The --bucket-cap-mb given; without one, `cap_by_default` ("": the hook's default, or "auto").
 // --bucket-cap-mb, or `cap_by_default` when it is not given, into `c`: none (the hook's default),
 // auto (choose as the tuner would) or MiB.
 void set_bucket_cap(const Flags& f, const std::string& cap_by_default, plan::Candidate& c) {
@@ -574,11 +565,15 @@ auto named(const Flags& f, const std::string& flag, Parse parse) -> std::optiona
   try {
     return parse(f.str(flag));
   } catch (const c10::Error& e) {
-    throw UsageError("--" + flag + ": " + e.what_without_backtrace());
+    std::string message = e.what_without_backtrace();
+    if (message.rfind("ddpkit: ", 0) == 0) message = message.substr(8);
+    throw UsageError("--" + flag + ": " + message);
   }
 }
 
-Planned make_plan(const Flags& f, const std::vector<std::string>& args, const std::string& cap_by_default = "") {
+}  // namespace
+
+Planned make_plan(const Flags& f, const std::vector<std::string>& args, const std::string& cap_by_default) {
   Planned out;
   out.constants_path = f.str("constants").empty() ? default_constants_path() : f.str("constants");
   out.job = job_of(f);
@@ -649,8 +644,6 @@ Planned make_plan(const Flags& f, const std::vector<std::string>& args, const st
   return out;
 }
 
-}  // namespace
-
 int run_plan(const std::vector<std::string>& args) {
   const Flags f = plan_flags(args);
   if (f.on("calibrate")) {
@@ -697,141 +690,6 @@ int run_plan(const std::vector<std::string>& args) {
   } else {
     std::cout << "# nothing fits --memory-limit-gb " << f.str("memory-limit-gb") << "\n";
   }
-  return 0;
-}
-
-const char* kTuneUsage = R"(usage: ddpkit tune [--top 4] [--trial-steps 30] [--trial-rounds 3] [ddpkit plan's flags]
-
-Runs short `ddpkit train` trials of the configurations `ddpkit plan` ranks best among those that
-fit (--top of them), on this host, and prints each one's measured step and peak memory next to the
-prediction, then the fastest with the command line that runs it. Lossy hooks train with the
-divergence guard on: a trial that diverges or fails is reported and left out. DDP and ZeRO-1
-trials run at the bucket cap the plan predicts fastest (plan's --bucket-cap-mb auto) unless
---bucket-cap-mb is given. The job must run on this host (--hosts 1).
-
-  --top K                 configurations to try (default 4)
-  --trial-steps N         steps per trial; its median step is what is compared (default 30)
-  --trial-rounds R        every configuration tried once per round, R rounds; each is scored by
-                          the median of its trials (default 3: a slow spell of a shared machine
-                          then lands on one trial of several configurations, not on one's only)
-  --json                  one JSON array in the table's order, for scripts (progress on stderr):
-                          strategy, hook, bucket_cap_mb, predicted_step_ms, measured_step_ms (the
-                          median; null unless ok), trial_step_ms, peak_rss_bytes, trial ("ok",
-                          "diverged", "failed"), fastest, train_args (the `ddpkit train` arguments)
-)";
-
-// One configuration's trials: its median step over the rounds, its highest peak.
-struct Trials {
-  plan::Prediction row;
-  std::vector<double> step_ms;
-  int64_t peak_rss_bytes = 0;
-  std::string failed;  // "diverged" or "failed": left out from then on
-};
-
-int run_tune(const std::vector<std::string>& all_args) {
-  int top = 4, trial_steps = 30, rounds = 3;
-  std::vector<std::string> args;
-  for (size_t i = 0; i < all_args.size(); ++i) {
-    const std::string& a = all_args[i];
-    auto value = [&](const std::string& name) {
-      if (a.rfind(name + "=", 0) == 0) return a.substr(name.size() + 1);
-      if (i + 1 >= all_args.size()) throw UsageError(name + " needs a value");
-      return all_args[++i];
-    };
-    auto number = [&](const std::string& name) {
-      const std::string v = value(name);
-      try {
-        size_t used = 0;
-        const int n = std::stoi(v, &used);
-        if (used == v.size()) return n;
-      } catch (const std::exception&) {
-      }
-      throw UsageError(name + " must be an integer, got '" + v + "'");
-    };
-    auto is = [&](const std::string& name) { return a == name || a.rfind(name + "=", 0) == 0; };
-    if (is("--top")) top = number("--top");
-    else if (is("--trial-steps")) trial_steps = number("--trial-steps");
-    else if (is("--trial-rounds")) rounds = number("--trial-rounds");
-    else args.push_back(a);
-  }
-  if (top < 1) throw UsageError("--top must be >= 1");
-  if (trial_steps < 10) throw UsageError("--trial-steps must be >= 10 (a median of fewer steps is mostly warm-up)");
-  if (rounds < 1) throw UsageError("--trial-rounds must be >= 1");
-  const Flags f = plan_flags(args);
-  if (f.on("calibrate")) throw UsageError("tune takes no --calibrate (ddpkit plan does)");
-  const bool json = f.on("json");
-  // With --json, stdout carries the JSON alone.
-  std::ostream& progress = json ? std::cerr : std::cout;
-  if (f.integer("hosts") != 1) throw UsageError("tune runs its trials on this host: --hosts must be 1");
-  if (!f.str("describe").empty())
-    throw UsageError("tune trains the CLI's models; a described model is for ddpkit plan (--describe)");
-  // Trials at the cap the plan predicts best (--bucket-cap-mb auto unless a cap is given).
-  const Planned p = make_plan(f, args, "auto");
-  std::vector<Trials> tried;
-  for (const auto& r : p.rows) {
-    if (!r.fits || static_cast<int>(tried.size()) == top) break;
-    tried.push_back(Trials{r, {}, 0, ""});
-  }
-  for (int round = 1; round <= rounds; ++round) {
-    for (auto& t : tried) {
-      if (!t.failed.empty()) continue;
-      std::vector<std::string> train = train_args(args, p.job, t.row.candidate);
-      train.insert(train.end(), {"--steps", std::to_string(trial_steps)});
-      train.insert(train.end(), kHooksFromTheThirdStep.begin(), kHooksFromTheThirdStep.end());
-      progress << "# round " << round << " of " << rounds << ": " << plan::to_string(t.row.candidate.strategy) << " "
-               << t.row.candidate.label() << " " << std::flush;
-      try {
-        const TrainResult result = train_result(train);
-        t.step_ms.push_back(result.median_step_ms);
-        t.peak_rss_bytes = std::max(t.peak_rss_bytes, result.peak_rss_bytes);
-        progress << std::fixed << std::setprecision(1) << result.median_step_ms << " ms\n";
-      } catch (const std::exception& e) {
-        t.failed = std::string(e.what()).find("training diverged") != std::string::npos ? "diverged" : "failed";
-        progress << t.failed << "\n";
-      }
-    }
-  }
-  const Trials* fastest = nullptr;
-  for (const auto& t : tried)
-    if (t.failed.empty() && (!fastest || median(t.step_ms) < median(fastest->step_ms))) fastest = &t;
-  if (json) {
-    nlohmann::json rows = nlohmann::json::array();
-    for (const auto& t : tried) {
-      const plan::Candidate& c = t.row.candidate;
-      nlohmann::json row = {{"strategy", plan::to_string(c.strategy)},
-                            {"hook", c.label()},
-                            {"bucket_cap_mb", c.has_bucket_cap() ? nlohmann::json(c.bucket_cap_mb.value_or(0)) : nlohmann::json()},
-                            {"predicted_step_ms", t.row.step_ms},
-                            {"measured_step_ms", t.failed.empty() ? nlohmann::json(median(t.step_ms)) : nlohmann::json()},
-                            {"trial_step_ms", t.step_ms},
-                            {"peak_rss_bytes", t.peak_rss_bytes},
-                            {"trial", t.failed.empty() ? "ok" : t.failed},
-                            {"fastest", &t == fastest},
-                            {"train_args", train_args(args, p.job, c)}};
-      rows.push_back(row);
-    }
-    std::cout << rows.dump(1) << "\n";
-    return fastest ? 0 : 1;
-  }
-  const int hook_column = hook_width(p.rows);
-  std::cout << std::left << std::setw(15) << "strategy" << std::setw(hook_column) << "hook" << std::right << std::setw(7)
-            << "cap_MB" << std::setw(14) << "predicted_ms" << std::setw(12) << "measured_ms" << std::setw(12) << "memory_MB" << "  trial\n";
-  for (const auto& t : tried) {
-    std::cout << std::left << std::setw(15) << plan::to_string(t.row.candidate.strategy) << std::setw(hook_column) << t.row.candidate.label()
-              << std::right << std::setw(7) << cap_column(t.row.candidate) << std::fixed << std::setprecision(1)
-              << std::setw(14) << t.row.step_ms;
-    if (!t.failed.empty()) {
-      std::cout << std::setw(12) << "-" << std::setw(12) << "-" << "  " << t.failed << "\n";
-      continue;
-    }
-    const double step = median(t.step_ms);
-    std::cout << std::setw(12) << step << std::setw(12) << mb(t.peak_rss_bytes) << "  ok\n";
-  }
-  if (!fastest) {
-    std::cout << "# no trial completed\n";
-    return 1;
-  }
-  std::cout << "# fastest: ddpkit train " << joined(train_args(args, p.job, fastest->row.candidate)) << "\n";
   return 0;
 }
 
