@@ -1,4 +1,5 @@
-// GradBucket, bucket assignment and the Reducer: one translation unit, one subsystem.
+// The Reducer (include/ddpkit/reducer/reducer.h); GradBucket and the bucket assignment have files
+// of their own.
 #include <ddpkit/reducer/reducer.h>
 
 #include <ddpkit/comm/gradient_arena.h>
@@ -34,96 +35,6 @@ class PhaseTimer {
 
 }  // namespace
 
-// ---- GradBucket ----------------------------------------------------------------------------------
-GradBucket::GradBucket(size_t index, size_t bucket_count, at::Tensor buffer, std::vector<int64_t> offsets,
-                       std::vector<std::vector<int64_t>> shapes, std::vector<at::Tensor> parameters,
-                       bool sparse)
-    : index_(index), bucket_count_(bucket_count), buffer_(std::move(buffer)), offsets_(std::move(offsets)),
-      shapes_(std::move(shapes)), parameters_(std::move(parameters)), sparse_(sparse) {}
-
-std::vector<at::Tensor> GradBucket::gradients() const {
-  if (sparse_) return {buffer_};
-  std::vector<at::Tensor> out;
-  out.reserve(shapes_.size());
-  for (size_t i = 0; i < shapes_.size(); ++i)
-    out.push_back(buffer_.narrow(0, offsets_[i], c10::multiply_integers(shapes_[i])).view(shapes_[i]));
-  return out;
-}
-
-void GradBucket::set_buffer(at::Tensor buffer) {
-  DDPKIT_CHECK(buffer.defined(), "GradBucket::set_buffer: undefined tensor for bucket ", index_);
-  buffer_ = std::move(buffer);
-}
-
-// ---- bucket assignment ---------------------------------------------------------------------------
-BucketAssignment compute_bucket_assignment_by_size(const std::vector<at::Tensor>& tensors,
-                                                   const std::vector<size_t>& size_limits,
-                                                   const std::vector<bool>& expect_sparse,
-                                                   const std::vector<size_t>& order) {
-  DDPKIT_CHECK(!tensors.empty(), "bucket assignment needs at least one tensor");
-  DDPKIT_CHECK(!size_limits.empty(), "bucket assignment needs at least one size limit");
-  DDPKIT_CHECK(expect_sparse.empty() || expect_sparse.size() == tensors.size(), "expect_sparse has ",
-               expect_sparse.size(), " entries for ", tensors.size(), " tensors");
-  DDPKIT_CHECK(order.empty() || order.size() == tensors.size(), "order has ", order.size(),
-               " entries for ", tensors.size(), " tensors");
-
-  struct Entry {
-    std::vector<size_t> indices;
-    size_t limit;
-    size_t first_position;  // position in visiting order of its first tensor
-  };
-  struct Accumulator {
-    std::vector<size_t> indices;
-    size_t bytes = 0;
-    size_t limit_index = 0;
-    size_t first_position = 0;
-  };
-  // Ordered map: leftovers come out in a deterministic order on every rank.
-  using Key = std::pair<int, std::string>;
-  std::map<Key, Accumulator> open;
-  std::vector<Entry> closed;
-
-  for (size_t pos = 0; pos < tensors.size(); ++pos) {
-    const size_t index = order.empty() ? pos : order[pos];
-    DDPKIT_CHECK(index < tensors.size(), "order names tensor ", index, " of ", tensors.size());
-    const at::Tensor& t = tensors[index];
-    if (!expect_sparse.empty() && expect_sparse[index]) {
-      closed.push_back({{index}, 0, pos});
-      continue;
-    }
-    DDPKIT_CHECK(!t.is_sparse(), "tensor ", index, " is sparse: mark it in expect_sparse");
-    auto& acc = open[Key(static_cast<int>(t.scalar_type()), t.device().str())];
-    if (acc.indices.empty()) acc.first_position = pos;
-    acc.indices.push_back(index);
-    acc.bytes += static_cast<size_t>(t.numel()) * t.element_size();
-    const size_t limit = size_limits[std::min(acc.limit_index, size_limits.size() - 1)];
-    if (acc.bytes >= limit) {
-      closed.push_back({std::move(acc.indices), limit, acc.first_position});
-      acc.indices.clear();
-      acc.bytes = 0;
-      acc.limit_index = std::min(acc.limit_index + 1, size_limits.size() - 1);
-    }
-  }
-  for (auto& kv : open) {
-    if (!kv.second.indices.empty()) {
-      const size_t limit = size_limits[std::min(kv.second.limit_index, size_limits.size() - 1)];
-      closed.push_back({std::move(kv.second.indices), limit, kv.second.first_position});
-    }
-  }
-  if (order.empty()) {
-    std::stable_sort(closed.begin(), closed.end(), [](const Entry& a, const Entry& b) {
-      return *std::min_element(a.indices.begin(), a.indices.end()) <
-             *std::min_element(b.indices.begin(), b.indices.end());
-    });
-  }
-  BucketAssignment out;
-  for (auto& e : closed) {
-    out.buckets.push_back(std::move(e.indices));
-    out.size_limits.push_back(e.limit);
-  }
-  return out;
-}
-
 // ---- Reducer -------------------------------------------------------------------------------------
 namespace {
 
@@ -132,15 +43,6 @@ std::string join_names(const std::vector<std::string>& names, size_t max_items =
   for (size_t i = 0; i < names.size() && i < max_items; ++i) os << (i ? ", " : "") << names[i];
   if (names.size() > max_items) os << ", ... (" << names.size() << " in all)";
   return os.str();
-}
-
-// A tensor sharing `buffer`'s storage at `offset` with `shape`, that autograd does not treat as
-// a view: libtorch's Optimizer::zero_grad() calls detach_() on gradients, which refuses views.
-at::Tensor alias_of(const at::Tensor& buffer, int64_t offset, const std::vector<int64_t>& shape) {
-  at::NoGradGuard no_grad;
-  std::vector<int64_t> strides(shape.size(), 1);
-  for (int64_t d = static_cast<int64_t>(shape.size()) - 2; d >= 0; --d) strides[d] = strides[d + 1] * shape[d + 1];
-  return at::empty({0}, buffer.options()).set_(buffer.storage(), buffer.storage_offset() + offset, shape, strides);
 }
 
 // The gradient of an unused sparse parameter (or a joined rank's): no entries.
@@ -203,29 +105,6 @@ Reducer::~Reducer() {
   }
 }
 
-void Reducer::make_arena(std::unique_lock<std::mutex>& lock) {
-  arena_considered_ = true;
-  if (!options_.gradients_in_shared_memory || options_.gradient_as_bucket_view || hook_) return;
-  // One block per parameter big enough to be worth it; small gradients go through the bucket.
-  std::vector<int64_t> sizes;
-  for (const Bucket& b : buckets_) {
-    if (!b.in_place) continue;
-    for (size_t v : b.vars) {
-      const int64_t bytes = params_[v].numel() * static_cast<int64_t>(params_[v].element_size());
-      if (bytes >= (64 << 10) && params_[v].is_contiguous()) sizes.push_back(bytes);
-    }
-  }
-  if (sizes.empty()) return;
-  lock.unlock();  // collective: do not hold the lock while waiting
-  std::shared_ptr<GradientArena> arena = pg_->gradient_arena(sizes);
-  lock.lock();
-  if (hook_ && arena) {
-    arena->retire();  // a hook arrived meanwhile
-    arena.reset();
-  }
-  arena_ = std::move(arena);
-}
-
 void Reducer::register_comm_hook(CommHook hook, std::string name) {
   std::lock_guard<std::mutex> lock(mutex_);
   DDPKIT_CHECK(hook, "register_comm_hook: the hook is empty");
@@ -246,132 +125,6 @@ void Reducer::set_divisor(int64_t divisor) {
   DDPKIT_CHECK(divisor >= 1, "gradient divisor must be >= 1, got ", divisor);
   divisor_ = at::scalar_tensor(static_cast<double>(divisor), at::kDouble);
   divisor_value_ = static_cast<double>(divisor);
-}
-
-void Reducer::build_buckets(const BucketAssignment& assignment) {
-  std::vector<Bucket> buckets;
-  locator_.assign(params_.size(), {0, 0});
-  for (size_t b = 0; b < assignment.buckets.size(); ++b) {
-    Bucket bucket;
-    bucket.vars = assignment.buckets[b];
-    const at::Tensor& first = params_[bucket.vars.front()];
-    bucket.sparse = expect_sparse_[bucket.vars.front()];
-    int64_t total = 0;
-    for (size_t slot = 0; slot < bucket.vars.size(); ++slot) {
-      const at::Tensor& p = params_[bucket.vars[slot]];
-      locator_[bucket.vars[slot]] = {b, slot};
-      bucket.offsets.push_back(total);
-      bucket.shapes.push_back(p.sizes().vec());
-      total += p.numel();
-    }
-    if (!bucket.sparse) {
-      // On CPU the group may place it in shared memory, where ranks on one host sum in place.
-      bucket.buffer = first.device().is_cpu() ? pg_->allreduce_buffer(total, first.scalar_type())
-                                              : at::zeros({total}, first.options().requires_grad(false));
-      bucket.in_place = pg_->sums_in_place(bucket.buffer);
-      for (size_t slot = 0; slot < bucket.vars.size(); ++slot) {
-        at::Tensor view = alias_of(bucket.buffer, bucket.offsets[slot], bucket.shapes[slot]);
-        if (options_.gradient_as_bucket_view) {
-          // Keep any gradient already accumulated (e.g. under no_sync) and make .grad the view.
-          at::Tensor& grad = params_[bucket.vars[slot]].mutable_grad();
-          if (grad.defined()) {
-            view.copy_(grad);
-            grad = view;
-          }
-        }
-        bucket.views.push_back(std::move(view));
-      }
-    }
-    buckets.push_back(std::move(bucket));
-  }
-  buckets_ = std::move(buckets);
-}
-
-std::vector<std::vector<size_t>> Reducer::bucket_indices() const {
-  std::lock_guard<std::mutex> lock(mutex_);
-  std::vector<std::vector<size_t>> out;
-  for (const auto& b : buckets_) out.push_back(b.vars);
-  return out;
-}
-
-std::vector<size_t> Reducer::unused_parameters() const {
-  std::lock_guard<std::mutex> lock(mutex_);
-  std::vector<size_t> out;
-  for (size_t i = 0; i < globally_unused_.size(); ++i)
-    if (globally_unused_[i]) out.push_back(i);
-  return out;
-}
-
-void Reducer::freeze_bucket_layout() {
-  std::lock_guard<std::mutex> lock(mutex_);
-  DDPKIT_CHECK(!backward_started_, "freeze_bucket_layout during a backward pass");
-  layout_fixed_ = true;
-  rebuilt_ = true;
-  rebuild_pending_ = false;
-  ready_order_.clear();
-}
-
-void Reducer::restore_bucket_layout(const std::vector<std::vector<size_t>>& buckets) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  DDPKIT_CHECK(!backward_started_, "restore_bucket_layout during a backward pass");
-  std::vector<bool> seen(params_.size(), false);
-  BucketAssignment assignment;
-  for (size_t b = 0; b < buckets.size(); ++b) {
-    DDPKIT_CHECK(!buckets[b].empty(), "restore_bucket_layout: bucket ", b, " is empty");
-    const at::Tensor& first = params_.at(std::min(buckets[b].front(), params_.size() - 1));
-    for (size_t v : buckets[b]) {
-      DDPKIT_CHECK(v < params_.size(), "restore_bucket_layout: bucket ", b, " names parameter ", v, " of ",
-                   params_.size(), " (was the checkpoint taken from another model?)");
-      DDPKIT_CHECK(!seen[v], "restore_bucket_layout: parameter ", names_[v], " is in two buckets");
-      seen[v] = true;
-      DDPKIT_CHECK(params_[v].scalar_type() == first.scalar_type() && params_[v].device() == first.device(),
-                   "restore_bucket_layout: bucket ", b, " mixes dtypes or devices");
-      DDPKIT_CHECK(!expect_sparse_[v] || buckets[b].size() == 1, "restore_bucket_layout: sparse parameter ",
-                   names_[v], " must have a bucket of its own");
-    }
-    assignment.buckets.push_back(buckets[b]);
-  }
-  for (size_t v = 0; v < params_.size(); ++v)
-    DDPKIT_CHECK(seen[v], "restore_bucket_layout: parameter ", names_[v], " is in no bucket");
-  build_buckets(assignment);
-  layout_fixed_ = true;
-  rebuilt_ = true;
-  rebuild_pending_ = false;
-  ready_order_.clear();
-}
-
-void Reducer::set_bucket_cap(size_t bucket_bytes_cap) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  DDPKIT_CHECK(bucket_bytes_cap > 0, "set_bucket_cap: the cap must be positive");
-  DDPKIT_CHECK(!backward_started_, "set_bucket_cap during a backward pass");
-  DDPKIT_CHECK(!layout_fixed_, "set_bucket_cap: the bucket layout was frozen or restored (ZeRO, a checkpoint's "
-                               "layout) and cannot change");
-  DDPKIT_CHECK(rebuilt_ || iterations_ == 0, "set_bucket_cap between the first iteration and the rebuild of the "
-                                             "buckets in gradient-ready order (at the next forward)");
-  build_buckets(assignment_for_cap(bucket_bytes_cap));
-  options_.bucket_bytes_cap = bucket_bytes_cap;
-}
-
-BucketAssignment Reducer::assignment_for_cap(size_t bucket_bytes_cap) const {
-  std::vector<size_t> order;
-  for (const auto& b : buckets_) order.insert(order.end(), b.vars.begin(), b.vars.end());
-  return compute_bucket_assignment_by_size(params_, {options_.first_bucket_bytes, bucket_bytes_cap}, expect_sparse_,
-                                           order);
-}
-
-std::vector<std::vector<size_t>> Reducer::bucket_indices_for_cap(size_t bucket_bytes_cap) const {
-  std::lock_guard<std::mutex> lock(mutex_);
-  return assignment_for_cap(bucket_bytes_cap).buckets;
-}
-
-size_t Reducer::bucket_cap() const {
-  std::lock_guard<std::mutex> lock(mutex_);
-  return options_.bucket_bytes_cap;
-}
-
-bool Reducer::layout_fixed() const {
-  std::lock_guard<std::mutex> lock(mutex_);
-  return layout_fixed_;
 }
 
 void Reducer::prepare_for_forward(int source_rank) {
