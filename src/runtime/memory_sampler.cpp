@@ -122,8 +122,11 @@ void PeakMemorySampler::take(const MemoryCounts& c) {
       share_file_ = share_shmem_ = std::clamp(static_cast<double>(c.pss - c.anon) / (c.file + c.shmem), 0.0, 1.0);
     }
   }
-  // Shared memory: what this process made for its peers, in full, where it made any; else its share.
-  const double shmem_part = c.owned_regions > 0 ? static_cast<double>(c.owned_shared) : share_shmem_ * c.shmem;
+  // Shared memory: what this process made for its peers, in full, where it made any, but never less
+  // than its share of all it maps (shared memory made elsewhere, or owned regions that are mostly
+  // untouched and so count only what is resident); else its share.
+  const double share = share_shmem_ * static_cast<double>(c.shmem);
+  const double shmem_part = c.owned_regions > 0 ? std::max(static_cast<double>(c.owned_shared), share) : share;
   const double shared_part = share_file_ * c.file + shmem_part;
   const int64_t estimate = c.anon + static_cast<int64_t>(shared_part);
   peak_estimate_ = std::max(peak_estimate_, estimate);

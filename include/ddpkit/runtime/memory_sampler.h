@@ -9,8 +9,10 @@
 // - anonymous pages count in full (ranks do not fork each other);
 // - file pages (libtorch's code) count in proportion to the processes that map them (PSS);
 // - shared memory ddpkit made for the host's ranks (memfd segments: collective slots, gradient
-//   arenas, buckets) counts in full for the process that made it, mapped or not, and not for the
-//   peers that map it; a process that made none counts its PSS share of the shared memory it maps.
+//   arenas, buckets) counts in full for the process that made it (reserved regions whether touched
+//   or not, others as far as they are resident), and not for the peers that map it, but a process
+//   never counts less than its PSS share of all the shared memory it maps; a process that made
+//   none counts that share.
 // Summed over a host's ranks this is what the host holds for them (bench/fsdp_bench.py compares it
 // with the job's memory cgroup).
 //
