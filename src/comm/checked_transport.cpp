@@ -58,8 +58,6 @@ class CheckedTransport final : public ForwardingTransport {
   using ForwardingTransport::ForwardingTransport;
 
   std::string name() const override { return inner_->name() + ", checked"; }
-  bool uses_shared_memory() const override { return inner_->uses_shared_memory(); }
-  bool hierarchical() const override { return inner_->hierarchical(); }
 
   FuturePtr allreduce(const at::Tensor& t, c10d::ReduceOp op) override {
     return checked(call_on(Kind::kAllreduce, t, static_cast<int64_t>(op)), [=] { return inner_->allreduce(t, op); });
@@ -95,14 +93,6 @@ class CheckedTransport final : public ForwardingTransport {
     return checked(call_on(Kind::kAllreduce, buffer, static_cast<int64_t>(c10d::ReduceOp::SUM)),
                    [=] { return inner_->allreduce_parts(buffer, parts, scale); });
   }
-  at::Tensor allreduce_buffer(int64_t numel, at::ScalarType dtype) override { return inner_->allreduce_buffer(numel, dtype); }
-  at::Tensor host_shared_tensor(int64_t numel, at::ScalarType dtype) override {
-    return inner_->host_shared_tensor(numel, dtype);
-  }
-  std::shared_ptr<GradientArena> gradient_arena(const std::vector<int64_t>& block_bytes) override {
-    return inner_->gradient_arena(block_bytes);
-  }
-  bool sums_in_place(const at::Tensor& buffer) const override { return inner_->sums_in_place(buffer); }
 
  private:
   // On the sequencer: every rank's call gathered and compared, then `issue` (which posts inline,

@@ -71,9 +71,9 @@ class Transport {
   GroupCore& core_;
 };
 
-// A composite's base: forwards every collective to `inner`. The defaults built on other calls
-// (allgather, reduce_scatter, allreduce_parts) are not forwarded, so they run on the composite's
-// own allgather_into_tensor, alltoall and allreduce.
+// A composite's base: forwards every collective, the shared-memory queries and buffers to `inner`.
+// The defaults built on other calls (allgather, reduce_scatter, allreduce_parts) are not
+// forwarded, so they run on the composite's own allgather_into_tensor, alltoall and allreduce.
 class ForwardingTransport : public Transport {
  public:
   ForwardingTransport(GroupCore& core, std::unique_ptr<Transport> inner)
@@ -95,6 +95,18 @@ class ForwardingTransport : public Transport {
   FuturePtr monitored_barrier(std::chrono::milliseconds timeout, bool wait_all_ranks) override {
     return inner_->monitored_barrier(timeout, wait_all_ranks);
   }
+  at::Tensor allreduce_buffer(int64_t numel, at::ScalarType dtype) override {
+    return inner_->allreduce_buffer(numel, dtype);
+  }
+  at::Tensor host_shared_tensor(int64_t numel, at::ScalarType dtype) override {
+    return inner_->host_shared_tensor(numel, dtype);
+  }
+  std::shared_ptr<GradientArena> gradient_arena(const std::vector<int64_t>& block_bytes) override {
+    return inner_->gradient_arena(block_bytes);
+  }
+  bool sums_in_place(const at::Tensor& buffer) const override { return inner_->sums_in_place(buffer); }
+  bool uses_shared_memory() const override { return inner_->uses_shared_memory(); }
+  bool hierarchical() const override { return inner_->hierarchical(); }
   void piece_bytes_changed(int64_t bytes) override { inner_->piece_bytes_changed(bytes); }
   detail::BackendCall backend_call() override { return inner_->backend_call(); }
 

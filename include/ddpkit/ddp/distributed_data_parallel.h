@@ -29,9 +29,9 @@
 namespace ddpkit {
 
 struct DistributedDataParallelOptions {
-  // Unset: kDefaultBucketCapMb (25, PyTorch's), or, once a hook is registered under a name of
-  // hooks::build_hook's, that hook's default (hooks::default_bucket_cap_mb: 6 for the hooks that
-  // compress each element). `ddpkit train` leaves it unset unless --bucket-cap-mb is given.
+  // Unset: kDefaultBucketCapMb (25, PyTorch's), or, once a hook is registered under one of
+  // hooks::build_hook's names, hooks::default_bucket_cap_mb(name). `ddpkit train` always gives one:
+  // --bucket-cap-mb, else default_bucket_cap_mb(--hook) (it registers wrapped hooks, "fp16+adam").
   TORCH_ARG(std::optional<double>, bucket_cap_mb) = std::nullopt;
   // Smaller first bucket so communication starts early in backward (PyTorch: 1 MiB).
   TORCH_ARG(double, first_bucket_cap_mb) = 1.0;
