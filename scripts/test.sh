@@ -7,8 +7,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/build.sh
 cd build
-# A caller's own -LE replaces the default exclusion (CI's Debian 13 run also leaves out the
-# every-hook-at-its-defaults trial, label hook-trial, which the host run keeps).
+# A caller's own -LE replaces the default exclusion (CI's Debian 13 run also leaves out the long
+# end-to-end trials, label host-only, which the host run keeps).
 exclude='faults|soak|plan|convergence|torch-suite'
 for arg in "$@"; do [ "$arg" = -LE ] && exclude=""; done
 ctest --output-on-failure --timeout 600 ${exclude:+-LE "$exclude"} "$@"

@@ -25,6 +25,7 @@ LAYERS = [
     ["zero", "fsdp"],                   # ZeRO, FullyShardedDataParallel
     ["training"],                       # checkpoints, divergence guard: above every wrapper
     ["plan", "ps"],                     # cost model and tuning; parameter server
+    ["ft"],                             # fault tolerance across replica groups (gRPC, like ps)
 ]
 RANK = {folder: i for i, layer in enumerate(LAYERS) for folder in layer}
 # <ddpkit/comm/x.h> (public) and "../comm/x.h" (another folder's private header in src/).

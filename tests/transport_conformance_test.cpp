@@ -36,6 +36,8 @@ const std::vector<TransportCase>& transports() {
       {"TwoPhase", "gloo + two-phase allreduce", base_options().shared_memory(false).two_phase_min_bytes(1)},
       {"Hierarchical", "hierarchical", base_options(), [](int rank) { return "host" + std::to_string(rank / 2); }},
       {"Nccl", "nccl", base_options().backend("nccl").shared_memory(false), [](int) { return std::string(); }, true},
+      {"AbortableGloo", "gloo", base_options().shared_memory(false).abortable(true)},
+      {"AbortableSharedMemory", "shared memory", base_options().abortable(true)},
   };
   return cases;
 }
@@ -302,7 +304,7 @@ TEST_P(Conformance, APeerWhoseGroupIsGoneIsAnError) {
 TEST_P(Conformance, MismatchedCallsAreNamedWhenChecked) {
   run(
       [&](int rank, std::shared_ptr<ProcessGroup> pg) {
-        EXPECT_THAT(pg->transport_name(), ::testing::EndsWith(", checked"));
+        EXPECT_THAT(pg->transport_name(), ::testing::HasSubstr(", checked"));
         at::Tensor t = data(rank, rank == 0 ? 1200 : 1000, at::kFloat);
         std::string error = error_of([&] { ProcessGroup::wait(pg->allreduce(t)); });
         EXPECT_THAT(error, ::testing::HasSubstr("called different collectives (rank 0: allreduce of 1200 Float"));
@@ -314,6 +316,48 @@ TEST_P(Conformance, MismatchedCallsAreNamedWhenChecked) {
         EXPECT_TRUE(at::equal(same.cpu(), expected(10, at::kFloat, c10d::ReduceOp::SUM)));
       },
       [&](ProcessGroupOptions& o) { o.check_collectives(true); });
+}
+
+// abort() releases every rank waiting on a peer that never comes, at once and naming the reason,
+// and fails what is issued afterwards without waiting; destroying the group then waits out only
+// the group's own timeout (shortened here).
+TEST(AbortableTransport, AbortReleasesWaitersAtOnceAndFailsLaterCalls) {
+  for (bool shm : {false, true}) {
+    std::atomic<int> released{0};
+    spawn_groups(
+        kWorld,
+        [&](const c10::intrusive_ptr<c10d::Store>& store, int rank) {
+          return std::make_shared<ProcessGroup>(
+              store, rank, kWorld, base_options().shared_memory(shm).abortable(true).timeout(std::chrono::seconds(4)));
+        },
+        [&](int rank, std::shared_ptr<ProcessGroup> pg) {
+          EXPECT_THAT(pg->transport_name(), ::testing::EndsWith(", abortable"));
+          if (rank == kWorld - 1) {  // alive, never issues it
+            while (released < kWorld - 1) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+            return;
+          }
+          std::thread aborter([&] {
+            std::this_thread::sleep_for(std::chrono::milliseconds(300));
+            pg->abort("replica group 3 lost (no heartbeat)");
+          });
+          const auto start = std::chrono::steady_clock::now();
+          const std::string error = error_of([&] { ProcessGroup::wait(pg->allreduce(at::ones({1000}))); });
+          const auto waited = std::chrono::steady_clock::now() - start;
+          aborter.join();
+          EXPECT_THAT(error, ::testing::HasSubstr("collective aborted on rank " + std::to_string(rank)));
+          EXPECT_THAT(error, ::testing::HasSubstr("replica group 3 lost (no heartbeat)"));
+          EXPECT_LT(waited, std::chrono::seconds(3)) << "released by the abort, not the 4 s timeout";
+          EXPECT_THAT(error_of([&] { ProcessGroup::wait(pg->broadcast(at::ones({4}), 0)); }),
+                      ::testing::HasSubstr("replica group 3 lost"));
+          ++released;
+        });
+  }
+}
+
+TEST(AbortableTransport, AbortNeedsTheOption) {
+  spawn_ranks(2, [&](int, std::shared_ptr<ProcessGroup> pg) {
+    EXPECT_THAT(error_of([&] { pg->abort("why"); }), ::testing::HasSubstr("was made without ProcessGroupOptions::abortable"));
+  });
 }
 
 TEST(SharedMemoryTransport, NamesAMismatchUnchecked) {

@@ -88,7 +88,7 @@ at::Tensor codec_input(int64_t n) {
 
 // Bit equality, except that any NaN matches any NaN (ATen's vector bf16 cast writes 0xffff where
 // c10::BFloat16 writes 0x7fc0).
-bool same_bits(const at::Tensor& got, const at::Tensor& want) {
+bool same_bits_or_nan(const at::Tensor& got, const at::Tensor& want) {
   at::Tensor nan = want.to(at::kFloat).isnan();
   return at::equal(got.to(at::kFloat).isnan(), nan) &&
          at::equal(got.view(at::kShort).masked_fill(nan, 0), want.view(at::kShort).masked_fill(nan, 0));
@@ -104,7 +104,7 @@ TEST_P(CodecLevels, MatchesC10Rounding) {
     for (double scale : {1.0, 0.5, 1.0 / 3}) {
       at::Tensor got = codecs::cast_scaled(x, dt, scale);
       at::Tensor want = (x * static_cast<float>(scale)).to(dt);
-      EXPECT_TRUE(same_bits(got, want)) << dt << " scale " << scale;
+      EXPECT_TRUE(same_bits_or_nan(got, want)) << dt << " scale " << scale;
       at::Tensor back = at::empty({n}, at::kFloat);
       codecs::cast_scaled_into(got, back, 1.0);
       EXPECT_TRUE(at::allclose(back, want.to(at::kFloat), 0, 0, /*equal_nan=*/true)) << dt;
@@ -115,7 +115,7 @@ TEST_P(CodecLevels, MatchesC10Rounding) {
     at::Tensor out = at::empty({n}, dt);
     codecs::sum_low_precision_into(parts, out);
     at::Tensor want = (parts[0].to(at::kFloat) + parts[1].to(at::kFloat) + parts[2].to(at::kFloat)).to(dt);
-    EXPECT_TRUE(same_bits(out, want)) << dt;
+    EXPECT_TRUE(same_bits_or_nan(out, want)) << dt;
   }
   codecs::set_simd_level(saved);
 }

@@ -247,7 +247,7 @@ DDPKIT_AVX512 void sum_f32_avx512(const float* const* in, int k, float* out, int
 DDPKIT_AVX512 void sum_f64_avx512(const double* const* in, int k, double* out, int64_t n, double s) { sum_full(in, k, out, n, s); }
 
 // ---- dispatch ------------------------------------------------------------------------------------
-struct Kernels {
+struct CastKernels {
   void (*f2h)(const float*, uint16_t*, int64_t, float);
   void (*h2f)(const uint16_t*, float*, int64_t, float);
   void (*f2b)(const float*, uint16_t*, int64_t, float);
@@ -258,10 +258,10 @@ struct Kernels {
   void (*sum_d)(const double* const*, int, double*, int64_t, double);
 };
 
-const Kernels kScalar{f2h_scalar, h2f_scalar,        f2b_scalar,     b2f_scalar,
+const CastKernels kScalar{f2h_scalar, h2f_scalar,        f2b_scalar,     b2f_scalar,
                       sum_scalar<false>, sum_scalar<true>, sum_f32_scalar, sum_f64_scalar};
-const Kernels kAvx2{f2h_avx2, h2f_avx2, f2b_avx2, b2f_avx2, sum_avx2<false>, sum_avx2<true>, sum_f32_avx2, sum_f64_avx2};
-const Kernels kAvx512{f2h_avx512,        h2f_avx512,       f2b_avx512,     b2f_avx512,
+const CastKernels kAvx2{f2h_avx2, h2f_avx2, f2b_avx2, b2f_avx2, sum_avx2<false>, sum_avx2<true>, sum_f32_avx2, sum_f64_avx2};
+const CastKernels kAvx512{f2h_avx512,        h2f_avx512,       f2b_avx512,     b2f_avx512,
                       sum_avx512<false>, sum_avx512<true>, sum_f32_avx512, sum_f64_avx512};
 
 SimdLevel best_level() {
@@ -281,7 +281,7 @@ std::atomic<SimdLevel>& level_slot() {
   return level;
 }
 
-const Kernels& kernels() {
+const CastKernels& cast_kernels() {
   switch (level_slot().load(std::memory_order_relaxed)) {
     case SimdLevel::Avx512: return kAvx512;
     case SimdLevel::Avx2: return kAvx2;
@@ -344,7 +344,7 @@ void cast_scaled_into(const at::Tensor& src, const at::Tensor& dst, double scale
     }
     return;
   }
-  const Kernels& k = kernels();
+  const CastKernels& k = cast_kernels();
   const float s = static_cast<float>(scale);
   const auto sdt = src.scalar_type();
   const auto ddt = dst.scalar_type();
@@ -379,7 +379,7 @@ void sum_low_precision_into(const std::vector<at::Tensor>& inputs, const at::Ten
                  out.numel(), " elements");
     ptrs.push_back(static_cast<const uint16_t*>(t.data_ptr()));
   }
-  const Kernels& k = kernels();
+  const CastKernels& k = cast_kernels();
   auto* o = static_cast<uint16_t*>(out.data_ptr());
   const int count = static_cast<int>(ptrs.size());
   at::parallel_for(0, out.numel(), kGrain, [&](int64_t b, int64_t e) {
@@ -395,7 +395,7 @@ bool sums_raw(c10::ScalarType dtype) {
 
 void sum_raw(c10::ScalarType dtype, const void* const* inputs, int count, void* out, int64_t n, double scale) {
   DDPKIT_CHECK(count >= 1 && count <= 64, "sum_raw takes 1 to 64 inputs, got ", count);
-  const Kernels& k = kernels();
+  const CastKernels& k = cast_kernels();
   switch (dtype) {
     case at::kFloat:
       return k.sum_f(reinterpret_cast<const float* const*>(inputs), count, static_cast<float*>(out), n,

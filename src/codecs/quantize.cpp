@@ -136,15 +136,15 @@ DDPKIT_AVX512 void dequantize_avx512(const int8_t* q, int64_t n, float scale, fl
   dequantize_scalar(q + i, n - i, scale, out + i, accumulate);
 }
 
-struct Kernels {
+struct QuantizeKernels {
   void (*amax)(const float*, int64_t, float&, bool&);
   void (*quantize)(const float*, int64_t, BlockScale, int8_t*, float*);
   void (*dequantize)(const int8_t*, int64_t, float, float*, bool);
 };
-const Kernels& kernels() {
-  static const Kernels scalar{amax_scalar, quantize_scalar, dequantize_scalar};
-  static const Kernels avx2{amax_avx2, quantize_avx2, dequantize_avx2};
-  static const Kernels avx512{amax_avx512, quantize_avx512, dequantize_avx512};
+const QuantizeKernels& quantize_kernels() {
+  static const QuantizeKernels scalar{amax_scalar, quantize_scalar, dequantize_scalar};
+  static const QuantizeKernels avx2{amax_avx2, quantize_avx2, dequantize_avx2};
+  static const QuantizeKernels avx512{amax_avx512, quantize_avx512, dequantize_avx512};
   switch (simd_level()) {
     case SimdLevel::Avx512: return avx512;
     case SimdLevel::Avx2: return avx2;
@@ -182,7 +182,7 @@ void int8_encode(const at::Tensor& src, int64_t valid, int64_t numel, int64_t bl
   auto* codes = reinterpret_cast<int8_t*>(out.data_ptr<uint8_t>());
   auto* scales_bytes = out.data_ptr<uint8_t>() + blocks * block;
   float* r = residual.defined() ? residual.data_ptr<float>() : nullptr;
-  const Kernels& k = kernels();
+  const QuantizeKernels& k = quantize_kernels();
   at::parallel_for(0, blocks, kGrainBlocks, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t start = b * block;
@@ -217,7 +217,7 @@ void int8_decode(const at::Tensor& encoded, int64_t numel, int64_t block, const 
   const auto* codes = reinterpret_cast<const int8_t*>(encoded.data_ptr<uint8_t>());
   const uint8_t* scales_bytes = encoded.data_ptr<uint8_t>() + blocks * block;
   float* out = dst.data_ptr<float>();
-  const Kernels& k = kernels();
+  const QuantizeKernels& k = quantize_kernels();
   at::parallel_for(0, blocks, kGrainBlocks, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t start = b * block;

@@ -111,6 +111,11 @@ bool ProcessGroup::uses_shared_memory() const { return impl_->transport->uses_sh
 bool ProcessGroup::hierarchical() const { return impl_->transport->hierarchical(); }
 detail::BackendCall ProcessGroup::backend_call() { return impl_->transport->backend_call(); }
 
+void ProcessGroup::abort(const std::string& reason) {
+  DDPKIT_CHECK(impl_->transport->abort(reason), "abort(): process group '", options().group_name(),
+               "' was made without ProcessGroupOptions::abortable");
+}
+
 void ProcessGroup::set_piece_bytes(int64_t bytes) {
   impl_->core.set_piece_bytes(bytes);
   impl_->transport->piece_bytes_changed(bytes);

@@ -53,6 +53,7 @@ std::unique_ptr<Transport> create_transport(ProcessGroup& group, GroupCore& core
   std::unique_ptr<Transport> transport = choose_transport(group, core, topology, store, std::move(network));
   if (core.options().check_collectives() || checks_asked_by_environment())
     transport = make_checked_transport(core, std::move(transport));
+  if (core.options().abortable()) transport = make_abortable_transport(core, std::move(transport));
   return transport;
 }
 

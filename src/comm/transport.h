@@ -10,6 +10,8 @@
 //                 host and an inner group across them (hierarchical_transport.cpp)
 //   checked       any of these, with every collective's arguments compared across ranks first
 //                 (ProcessGroupOptions::check_collectives; checked_transport.cpp)
+//   abortable     any of these, whose collectives in flight a caller can fail at once
+//                 (ProcessGroupOptions::abortable; abortable_transport.cpp)
 //
 // The ProcessGroup checks arguments (the same errors whatever the transport), then calls its
 // transport. A composite transport (two-phase, shared memory, hierarchical) takes what it is
@@ -66,6 +68,9 @@ class Transport {
   virtual void piece_bytes_changed(int64_t bytes) {}
   // The c10d backend under the transport, locked as ProcessGroup::with_backend describes.
   virtual detail::BackendCall backend_call() = 0;
+  // Fails every collective in flight and every later one with a CommError naming `reason`;
+  // false where the transport cannot (only the abortable one can).
+  virtual bool abort(const std::string& reason) { return false; }
 
  protected:
   GroupCore& core_;
@@ -109,6 +114,7 @@ class ForwardingTransport : public Transport {
   bool hierarchical() const override { return inner_->hierarchical(); }
   void piece_bytes_changed(int64_t bytes) override { inner_->piece_bytes_changed(bytes); }
   detail::BackendCall backend_call() override { return inner_->backend_call(); }
+  bool abort(const std::string& reason) override { return inner_->abort(reason); }
 
  protected:
   std::unique_ptr<Transport> inner_;
@@ -119,6 +125,7 @@ std::unique_ptr<Transport> make_gloo_transport(GroupCore& core, const c10::intru
 std::unique_ptr<Transport> make_nccl_transport(GroupCore& core, const c10::intrusive_ptr<c10d::Store>& store);
 std::unique_ptr<Transport> make_two_phase_transport(GroupCore& core, std::unique_ptr<Transport> inner);
 std::unique_ptr<Transport> make_checked_transport(GroupCore& core, std::unique_ptr<Transport> inner);
+std::unique_ptr<Transport> make_abortable_transport(GroupCore& core, std::unique_ptr<Transport> inner);
 
 class ShmEngine;  // shm_engine.h
 std::unique_ptr<Transport> make_shm_transport(GroupCore& core, std::shared_ptr<ShmEngine> engine,
@@ -134,7 +141,7 @@ std::unique_ptr<Transport> create_network_transport(GroupCore& core, const c10::
                                                     const c10::intrusive_ptr<c10d::Store>& group_store);
 // The group's transport: `network` as it is, or wrapped by two-phase, shared memory or
 // hierarchical as the topology and options allow (collective over the group: every rank agrees),
-// and by checked when asked for.
+// by checked when asked for, and by abortable (outermost) when asked for.
 std::unique_ptr<Transport> create_transport(ProcessGroup& group, GroupCore& core, const HostTopology& topology,
                                             const c10::intrusive_ptr<c10d::Store>& store,
                                             std::unique_ptr<Transport> network);

@@ -209,21 +209,21 @@ StepBarrier::StepBarrier(int parties) {
   DDPKIT_CHECK(parties >= 1, "plan: a step barrier needs at least one party, got ", parties);
   void* base = nullptr;
   std::string error;
-  fd_ = detail::create_peer_memory("ddpkit-plan-step-barrier", sizeof(Shared), &base, &error);
+  fd_ = ddpkit::detail::create_peer_memory("ddpkit-plan-step-barrier", sizeof(Shared), &base, &error);
   DDPKIT_CHECK(fd_ >= 0, "plan: the replicas' step barrier: ", error);
   shared_ = new (base) Shared;
   shared_->arrived.store(0);
   shared_->generation.store(0);
   shared_->parties = parties;
-  address_ = detail::peer_memory_address(fd_);
+  address_ = ddpkit::detail::peer_memory_address(fd_);
 }
 
 StepBarrier::StepBarrier(const std::string& address) : address_(address) {
-  detail::PeerMemoryAddress a;
-  DDPKIT_CHECK(detail::parse_peer_memory_address(address, &a) && a.bytes == sizeof(Shared),
+  ddpkit::detail::PeerMemoryAddress a;
+  DDPKIT_CHECK(ddpkit::detail::parse_peer_memory_address(address, &a) && a.bytes == sizeof(Shared),
                "plan: '", address, "' is no step barrier's address");
   std::string error;
-  void* base = detail::map_peer_memory(a, &error);
+  void* base = ddpkit::detail::map_peer_memory(a, &error);
   DDPKIT_CHECK(base, "plan: cannot join the replicas' step barrier: ", error);
   shared_ = static_cast<Shared*>(base);
 }
@@ -239,7 +239,7 @@ bool StepBarrier::arrive_and_wait(const std::atomic<bool>* stop, std::chrono::se
   if (s.arrived.fetch_add(1, std::memory_order_acq_rel) + 1 == s.parties) {
     s.arrived.store(0, std::memory_order_relaxed);  // before the release: no one arrives again earlier
     s.generation.fetch_add(1, std::memory_order_release);
-    detail::futex_wake_all(s.generation);
+    ddpkit::detail::futex_wake_all(s.generation);
     return true;
   }
   // Asleep on the generation word; awake every 10 ms to see `stop` (a signal handler's flag).
@@ -249,7 +249,7 @@ bool StepBarrier::arrive_and_wait(const std::atomic<bool>* stop, std::chrono::se
     if (stop && stop->load()) return false;
     DDPKIT_CHECK(Clock::now() < deadline, "plan: the profile's replicas stopped meeting at the end of backward ",
                  "(waited ", timeout.count(), " s for ", s.parties, " of them)");
-    detail::futex_wait(s.generation, generation, nap);
+    ddpkit::detail::futex_wait(s.generation, generation, nap);
   }
   return true;
 }

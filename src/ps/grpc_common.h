@@ -39,6 +39,27 @@ void apply_bulk_transport_args(Set&& set) {
   set(GRPC_ARG_HTTP2_BDP_PROBE, 0);
 }
 
+// Constant-time: the token is a secret.
+inline bool same_secret(const std::string& a, const std::string& b) {
+  unsigned char diff = a.size() == b.size() ? 0 : 1;
+  for (size_t i = 0; i < b.size(); ++i) diff |= static_cast<unsigned char>(a[i % (a.size() ? a.size() : 1)] ^ b[i]);
+  return diff == 0 && !a.empty();
+}
+
+// What a call's "authorization: Bearer <token>" metadata says against `token` (empty: none needed):
+// empty when it may pass, else why not (`who` names the service in the message).
+template <typename Metadata>
+std::string token_refusal(const Metadata& md, const std::string& token, const std::string& who) {
+  if (token.empty()) return "";
+  auto it = md.find("authorization");
+  if (it == md.end()) return "this " + who + " requires a token (metadata 'authorization: Bearer <token>')";
+  const std::string value(it->second.data(), it->second.size());
+  const std::string prefix = "Bearer ";
+  if (value.compare(0, prefix.size(), prefix) != 0 || !same_secret(value.substr(prefix.size()), token))
+    return "wrong token for this " + who;
+  return "";
+}
+
 // A PEM file's contents; `what` names it in the error ("certificate", "private key", ...).
 inline std::string read_pem_file(const std::string& path, const char* what) {
   std::ifstream in(path, std::ios::binary);

@@ -44,17 +44,6 @@ std::vector<int> trainers_of_server(int server, int ntrainer, int nserver) {
   return out;
 }
 
-namespace {
-
-// Constant-time: the token is a secret.
-bool same_secret(const std::string& a, const std::string& b) {
-  unsigned char diff = a.size() == b.size() ? 0 : 1;
-  for (size_t i = 0; i < b.size(); ++i) diff |= static_cast<unsigned char>(a[i % (a.size() ? a.size() : 1)] ^ b[i]);
-  return diff == 0 && !a.empty();
-}
-
-}  // namespace
-
 std::string join_ids(const std::vector<int>& ids) {
   std::ostringstream os;
   for (size_t i = 0; i < ids.size(); ++i) os << (i ? ", " : "") << ids[i];
@@ -139,16 +128,8 @@ class Service final
 }  // namespace
 
 grpc::Status ParameterServer::Impl::check_token(grpc::CallbackServerContext* ctx) const {
-  if (options.token().empty()) return grpc::Status::OK;
-  const auto& md = ctx->client_metadata();
-  auto it = md.find("authorization");
-  if (it == md.end())
-    return grpc::Status(grpc::StatusCode::UNAUTHENTICATED, "this parameter server requires a token (metadata 'authorization: Bearer <token>')");
-  const std::string value(it->second.data(), it->second.size());
-  const std::string prefix = "Bearer ";
-  if (value.compare(0, prefix.size(), prefix) != 0 || !same_secret(value.substr(prefix.size()), options.token()))
-    return grpc::Status(grpc::StatusCode::UNAUTHENTICATED, "wrong token for this parameter server");
-  return grpc::Status::OK;
+  const std::string refusal = token_refusal(ctx->client_metadata(), options.token(), "parameter server");
+  return refusal.empty() ? grpc::Status::OK : grpc::Status(grpc::StatusCode::UNAUTHENTICATED, refusal);
 }
 
 grpc::ServerUnaryReactor* ParameterServer::Impl::average_gradient(grpc::CallbackServerContext* ctx,

@@ -388,6 +388,50 @@ void load_module(const TensorDict& d, torch::nn::Module& m, const std::string& w
     DDPKIT_CHECK(names.count(kv.first), what, ": it holds ", kv.first, ", which this model does not have");
 }
 
+void put_bucket_layout(TensorDict& d, DistributedDataParallelBase& ddp) {
+  // A rebuild that is due runs now, so the layout saved is the one the next steps use.
+  ddp.reducer().prepare_for_forward();
+  std::vector<int64_t> flat, sizes;
+  for (const auto& b : ddp.reducer().bucket_indices()) {
+    sizes.push_back(static_cast<int64_t>(b.size()));
+    for (size_t v : b) flat.push_back(static_cast<int64_t>(v));
+  }
+  d["ddp/bucket_sizes"] = at::tensor(sizes, at::kLong);
+  d["ddp/buckets"] = at::tensor(flat, at::kLong);
+}
+
+void load_bucket_layout(const TensorDict& d, DistributedDataParallelBase& ddp, const std::string& what) {
+  const at::Tensor sizes = entry_of(d, "ddp/bucket_sizes", what).contiguous();
+  const at::Tensor flat = entry_of(d, "ddp/buckets", what).contiguous();
+  DDPKIT_CHECK(sizes.scalar_type() == at::kLong && flat.scalar_type() == at::kLong && sizes.dim() == 1 &&
+                   flat.dim() == 1 && sizes.sum().item<int64_t>() == flat.numel() && (sizes.numel() == 0 || sizes.min().item<int64_t>() >= 0),
+               what, ": malformed DDP bucket layout");
+  std::vector<std::vector<size_t>> buckets;
+  int64_t k = 0;
+  for (int64_t b = 0; b < sizes.numel(); ++b) {
+    std::vector<size_t> vars;
+    for (int64_t i = 0; i < sizes[b].item<int64_t>(); ++i) {
+      const int64_t v = flat[k++].item<int64_t>();
+      DDPKIT_CHECK(v >= 0, what, ": negative parameter index in the bucket layout");
+      vars.push_back(static_cast<size_t>(v));
+    }
+    buckets.push_back(std::move(vars));
+  }
+  ddp.reducer().restore_bucket_layout(buckets);
+}
+
+void put_cpu_generator(TensorDict& d) {
+  auto gen = at::detail::getDefaultCPUGenerator();
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  d["rng/cpu"] = gen.get_state();
+}
+
+void load_cpu_generator(const TensorDict& d, const std::string& what) {
+  auto gen = at::detail::getDefaultCPUGenerator();
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  gen.set_state(entry_of(d, "rng/cpu", what));
+}
+
 std::string optimizer_bytes(torch::optim::Optimizer& o) {
   torch::serialize::OutputArchive archive;
   o.save(archive);
@@ -459,25 +503,11 @@ std::string TrainingState::save(ProcessGroup* pg, const std::string& dir, int64_
       common["zero"] = bytes_entry(out.str());
     }
   }
-  if (ddp_) {
-    // A rebuild that is due runs now, so the layout saved is the one the next steps use.
-    ddp_->reducer().prepare_for_forward();
-    std::vector<int64_t> flat, sizes;
-    for (const auto& b : ddp_->reducer().bucket_indices()) {
-      sizes.push_back(static_cast<int64_t>(b.size()));
-      for (size_t v : b) flat.push_back(static_cast<int64_t>(v));
-    }
-    common["ddp/bucket_sizes"] = at::tensor(sizes, at::kLong);
-    common["ddp/buckets"] = at::tensor(flat, at::kLong);
-  }
+  if (ddp_) put_bucket_layout(common, *ddp_);
   if (hook_state_) {
     for (auto& kv : hook_state_->state_dict()) local["hook/" + kv.first] = std::move(kv.second);
   }
-  {
-    auto gen = at::detail::getDefaultCPUGenerator();
-    std::lock_guard<std::mutex> lock(gen.mutex());
-    common["rng/cpu"] = gen.get_state();
-  }
+  put_cpu_generator(common);
   return save_checkpoint(pg, dir, step, common, local, keep);
 }
 
@@ -505,32 +535,36 @@ std::optional<Checkpoint> TrainingState::restore(ProcessGroup* pg, const std::st
     std::istringstream in(bytes_of(ck->common, "zero", what + " (ZeRO state; was it written without --zero?)"));
     zero_->load_state_dict(ZeroStateDict::load(in, zero_->factory()));
   }
-  if (ddp_) {
-    const at::Tensor sizes = entry_of(ck->common, "ddp/bucket_sizes", what).contiguous();
-    const at::Tensor flat = entry_of(ck->common, "ddp/buckets", what).contiguous();
-    DDPKIT_CHECK(sizes.scalar_type() == at::kLong && flat.scalar_type() == at::kLong && sizes.dim() == 1 &&
-                     flat.dim() == 1 && sizes.sum().item<int64_t>() == flat.numel() && (sizes.numel() == 0 || sizes.min().item<int64_t>() >= 0),
-                 what, ": malformed DDP bucket layout");
-    std::vector<std::vector<size_t>> buckets;
-    int64_t k = 0;
-    for (int64_t b = 0; b < sizes.numel(); ++b) {
-      std::vector<size_t> vars;
-      for (int64_t i = 0; i < sizes[b].item<int64_t>(); ++i) {
-        const int64_t v = flat[k++].item<int64_t>();
-        DDPKIT_CHECK(v >= 0, what, ": negative parameter index in the bucket layout");
-        vars.push_back(static_cast<size_t>(v));
-      }
-      buckets.push_back(std::move(vars));
-    }
-    ddp_->reducer().restore_bucket_layout(buckets);
-  }
+  if (ddp_) load_bucket_layout(ck->common, *ddp_, what);
   if (hook_state_ && same_world) hook_state_->load_state_dict(under_prefix(ck->local, "hook/"));
-  {
-    auto gen = at::detail::getDefaultCPUGenerator();
-    std::lock_guard<std::mutex> lock(gen.mutex());
-    gen.set_state(entry_of(ck->common, "rng/cpu", what));
-  }
+  load_cpu_generator(ck->common, what);
   return ck;
+}
+
+TensorDict TrainingState::snapshot(const TensorDict& extra) const {
+  DDPKIT_CHECK(!(optimizer_ && zero_), "TrainingState: give an optimizer or a ZeroRedundancyOptimizer, not both");
+  TensorDict d = with_prefix(extra, "extra/");
+  if (module_) put_module(d, *module_);
+  if (fsdp_)
+    for (auto& kv : fsdp_->sharded_state_dict()) d["fsdp_shard/" + kv.first] = kv.second.detach().clone();
+  if (optimizer_) d["optimizer"] = bytes_entry(optimizer_bytes(*optimizer_));
+  if (zero_) d["zero_partition"] = bytes_entry(optimizer_bytes(zero_->local_optimizer()));
+  if (ddp_) put_bucket_layout(d, *ddp_);
+  if (hook_state_)
+    for (auto& kv : hook_state_->state_dict()) d["hook/" + kv.first] = std::move(kv.second);
+  put_cpu_generator(d);
+  return d;
+}
+
+TensorDict TrainingState::load_snapshot(const TensorDict& snapshot, const std::string& what) {
+  if (module_) load_module(snapshot, *module_, what);
+  if (fsdp_) fsdp_->load_sharded_state_dict(under_prefix(snapshot, "fsdp_shard/"));
+  if (optimizer_) load_optimizer(bytes_of(snapshot, "optimizer", what + " (no optimizer state)"), *optimizer_);
+  if (zero_) load_optimizer(bytes_of(snapshot, "zero_partition", what + " (no ZeRO partition)"), zero_->local_optimizer());
+  if (ddp_) load_bucket_layout(snapshot, *ddp_, what);
+  if (hook_state_) hook_state_->load_state_dict(under_prefix(snapshot, "hook/"));
+  load_cpu_generator(snapshot, what);
+  return under_prefix(snapshot, "extra/");
 }
 
 }  // namespace ddpkit

@@ -3,6 +3,7 @@
 
 #include <ATen/ATen.h>
 
+#include <atomic>
 #include <map>
 #include <stdexcept>
 #include <string>
@@ -39,9 +40,11 @@ class Flags {
 // (argv[0] included). If one fails, the others are stopped. Then, as torchrun's --max-restarts,
 // up to `max_restarts` times a new set is started (with `restart_args` appended to `argv`, and
 // TORCHELASTIC_RESTART_COUNT set). Returns the exit code to use (0, or the last attempt's first
-// failure's).
+// failure's). `stop`, when it turns true, stops the ranks and returns kStoppedByCaller.
 int launch_local(int nproc, const std::vector<std::string>& argv, const std::string& program = "/proc/self/exe",
-                 int max_restarts = 0, const std::vector<std::string>& restart_args = {});
+                 int max_restarts = 0, const std::vector<std::string>& restart_args = {},
+                 const std::atomic<bool>* stop = nullptr);
+constexpr int kStoppedByCaller = 143;
 // `ddpkit launch`: launch_local for any program, found on PATH like a shell would.
 extern const char* kLaunchUsage;
 int run_launch(const std::vector<std::string>& args);

@@ -113,7 +113,7 @@ void on_signal(int) { g_interrupted = 1; }
 
 // One set of ranks, from start to the last one's exit.
 int run_attempt(int nproc, const std::vector<std::string>& argv, const std::string& program, int restart_count,
-                int max_restarts) {
+                int max_restarts, const std::atomic<bool>* stop) {
   // The launcher serves the rendezvous store itself, on a port the kernel picks and that stays
   // bound: choosing a free port and letting rank 0 bind it later raced with every other process
   // binding ephemeral ports meanwhile (Gloo and gRPC listeners of concurrent jobs).
@@ -197,7 +197,11 @@ int run_attempt(int nproc, const std::vector<std::string>& argv, const std::stri
   auto term_deadline = clock::time_point::max();
   while (alive > 0) {
     int status = 0;
-    const pid_t pid = waitpid(-1, &status, WNOHANG);
+    // Only this set's own children: several sets may run at once in one process (the replica
+    // groups of `ddpkit train --fault-tolerant`), each reaping its own.
+    pid_t pid = 0;
+    for (pid_t c : children)
+      if (c > 0 && (pid = waitpid(c, &status, WNOHANG)) > 0) break;
     if (pid > 0) {
       for (auto& c : children)
         if (c == pid) c = -1;
@@ -218,9 +222,10 @@ int run_attempt(int nproc, const std::vector<std::string>& argv, const std::stri
       }
       continue;
     }
-    if (g_interrupted && !stopping) {
+    const bool told_to_stop = stop && stop->load();
+    if ((g_interrupted || told_to_stop) && !stopping) {
       stopping = true;
-      exit_code = 130;
+      exit_code = g_interrupted ? 130 : kStoppedByCaller;
       term_deadline = clock::now();
     }
     if (clock::now() >= term_deadline) {
@@ -240,14 +245,15 @@ int run_attempt(int nproc, const std::vector<std::string>& argv, const std::stri
 }  // namespace
 
 int launch_local(int nproc, const std::vector<std::string>& argv, const std::string& program, int max_restarts,
-                 const std::vector<std::string>& restart_args) {
+                 const std::vector<std::string>& restart_args, const std::atomic<bool>* stop) {
   DDPKIT_CHECK(nproc >= 1, "--nproc must be >= 1, got ", nproc);
   DDPKIT_CHECK(max_restarts >= 0, "--max-restarts must be >= 0, got ", max_restarts);
   std::vector<std::string> args = argv;
   for (int attempt = 0;; ++attempt) {
-    const int code = run_attempt(nproc, args, program, attempt, max_restarts);
-    if (code == 0 || g_interrupted || attempt >= max_restarts) {
-      if (code != 0 && max_restarts > 0 && !g_interrupted)
+    const int code = run_attempt(nproc, args, program, attempt, max_restarts, stop);
+    const bool told_to_stop = stop && stop->load();
+    if (code == 0 || g_interrupted || told_to_stop || attempt >= max_restarts) {
+      if (code != 0 && max_restarts > 0 && !g_interrupted && !told_to_stop)
         std::cerr << "ddpkit: the job failed after " << attempt << " restart" << (attempt == 1 ? "" : "s")
                   << " (--max-restarts " << max_restarts << ")\n";
       return code;

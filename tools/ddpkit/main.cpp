@@ -27,6 +27,8 @@ extern const char* kPsServerUsage;
 extern const char* kBenchUsage;
 int run_ps_server(const std::vector<std::string>& args);
 int run_bench(const std::vector<std::string>& args, const std::vector<std::string>& argv);
+extern const char* kLighthouseUsage;
+int run_lighthouse(const std::vector<std::string>& args);
 #endif
 }  // namespace cli
 }  // namespace ddpkit
@@ -41,6 +43,7 @@ commands:
   launch    run N local ranks of any program, torchrun-style (ddpkit launch --help)
   bench     the parameter-server benchmark: trainers + gRPC servers (ddpkit bench --help)
   ps-server a gradient-averaging parameter server (ddpkit ps-server --help)
+  lighthouse the quorum service of fault-tolerant training (ddpkit lighthouse --help)
   version   versions of ddpkit, libtorch, and the codec SIMD level
 )";
 }
@@ -103,6 +106,14 @@ int main(int argc, char** argv) {
         return 0;
       }
       return cmd == "bench" ? run_bench(args, all) : run_ps_server(args);
+    }
+    if (cmd == "lighthouse") {
+      usage = kLighthouseUsage;
+      if (help) {
+        std::cout << usage;
+        return 0;
+      }
+      return run_lighthouse(args);
     }
 #endif
     if (cmd == "plan" || cmd == "tune") {

@@ -1,6 +1,6 @@
 // `ddpkit train`: data-parallel training of an MLP or CNN on Fashion-MNIST or synthetic data.
 #include "cli.h"
-#include "train_flags.h"
+#include "train_build.h"
 #include "training.h"
 
 #include <torch/torch.h>
@@ -110,7 +110,19 @@ Checkpoints and restarts (docs/fault_tolerance.md):
   --resume                continue from the newest complete checkpoint in DIR (none: start afresh);
                           the training flags must match the ones it was written with
   --max-restarts K        when a rank dies or fails, stop every rank and start a new set that
-                          resumes from the newest checkpoint, up to K times (torchrun's meaning)
+                          resumes from the newest checkpoint, up to K times (torchrun's meaning);
+                          with --fault-tolerant: per replica group (default there 10)
+
+Fault tolerance across replica groups (docs/fault_tolerance.md):
+  --fault-tolerant        train as replica groups that go on when groups die: a per-step quorum,
+                          gradients averaged across the live groups, a restarted group healed from
+                          a live one (no checkpoint read); DDP (any hook but post_local_sgd),
+                          ZeRO-1 or FSDP inside each group
+  --replica-groups R      groups of --nproc ranks each (default 1), launched and each restarted here
+  --min-replicas M        fewest groups a step may run with (default 1); below it the job stops
+  --lighthouse HOST:PORT  the quorum service (ddpkit lighthouse); default: started here
+  --replica-group G       run only group G of R (a job over several hosts: one command per group,
+                          all with the same --lighthouse)
 )";
 
 namespace {
@@ -122,6 +134,8 @@ int64_t minor_page_faults() {
   return static_cast<int64_t>(usage.ru_minflt);
 }
 
+
+}  // namespace
 
 std::shared_ptr<ProcessGroup> join_group(const Flags& f, const TrainFlags& t) {
   return init_process_group(InitOptions()
@@ -238,21 +252,6 @@ void wrap_ddp_hook(const Flags& f, const TrainFlags& t, DistributedDataParallelB
   }
 }
 
-// Everything one rank trains with: the model wrapped for its strategy, the optimizer (or ZeRO),
-// and the checkpointable state.
-struct Training {
-  Model model;
-  std::unique_ptr<FullyShardedDataParallelBase> sharded_model;
-  std::unique_ptr<DistributedDataParallelBase> ddp;
-  std::unique_ptr<hooks::PeriodicModelAverager> averager;
-  std::shared_ptr<ZeroRedundancyOptimizer> zero;
-  std::unique_ptr<torch::optim::Optimizer> optimizer;
-  OptimizerChoice optimizer_choice;
-  std::vector<at::Tensor> params;  // what the optimizer steps: the parameters, or FSDP's shards of them
-  std::function<at::Tensor(const at::Tensor&)> forward;
-  TrainingState state;
-};
-
 void build_training(const Flags& f, const TrainFlags& t, const std::shared_ptr<ProcessGroup>& pg, Training& run) {
   if (t.use_fsdp) run.sharded_model = build_fsdp(f, t, run.model, pg);
   // One options object per optimizer feeds the plain optimizer, ZeRO's factory and the
@@ -297,6 +296,8 @@ void build_training(const Flags& f, const TrainFlags& t, const std::shared_ptr<P
 }
 
 // Where a run starts: step 0, or a checkpoint's position (--resume).
+namespace {
+
 struct StartPoint {
   int64_t step = 0, epoch = 0, in_epoch = 0, resumed_from = -1;
 };
@@ -479,6 +480,13 @@ void print_epoch(int epoch, double mean_loss, const TestScore& score, bool langu
 int run_train(const std::vector<std::string>& args, const std::vector<std::string>& argv) {
   const Flags f = parse_train_flags(args);
   const TrainFlags t = check_train_flags(f);
+  if (t.fault_tolerant) {
+#if DDPKIT_WITH_PS
+    return run_fault_tolerant(f, t, argv);
+#else
+    throw UsageError("--fault-tolerant needs a ddpkit built with gRPC (its lighthouse): scripts/install-deps.sh");
+#endif
+  }
   // Restarted ranks resume from the newest checkpoint (--resume starts afresh when there is none).
   if (t.use_ddp && !in_distributed_env())
     return launch_local(t.nproc, argv, "/proc/self/exe", t.max_restarts,

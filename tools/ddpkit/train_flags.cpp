@@ -17,7 +17,7 @@ namespace {
 const std::vector<std::string> kTrainSwitches = {
     "gradient-as-bucket-view", "find-unused-parameters", "no-ddp", "no-eval", "quiet", "no-malloc-tuning",
     "powersgd-batch-same-shape", "no-error-feedback", "no-warm-start", "int8-error-feedback", "optimizer-in-hook",
-    "zero-shard-buckets", "zero-bucket-view", "no-divergence-guard", "resume"};
+    "zero-shard-buckets", "zero-bucket-view", "no-divergence-guard", "resume", "fault-tolerant"};
 
 c10::optional<at::ScalarType> fsdp_dtype(const Flags& f, const std::string& flag) {
   const std::string v = f.str(flag);
@@ -131,7 +131,7 @@ void check_number_flags(const Flags& f, TrainFlags& t) {
 void check_checkpoint_flags(const Flags& f, TrainFlags& t) {
   t.checkpoint_dir = f.str("checkpoint-dir");
   t.checkpoint_every = f.integer("checkpoint-every");
-  t.max_restarts = f.integer("max-restarts");
+  t.max_restarts = f.str("max-restarts").empty() ? (t.fault_tolerant ? 10 : 0) : f.integer("max-restarts");
   if (t.checkpoint_every < 1) throw UsageError("--checkpoint-every must be >= 1");
   if (t.max_restarts < 0) throw UsageError("--max-restarts must be >= 0");
   if (t.checkpoint_dir.empty() && f.on("resume")) throw UsageError("--resume needs --checkpoint-dir");
@@ -144,8 +144,45 @@ void check_checkpoint_flags(const Flags& f, TrainFlags& t) {
       throw UsageError("--checkpoint-dir " + t.checkpoint_dir + " already holds checkpoints (newest " +
                        existing.front() + "): add --resume to continue that run, or name another directory");
   }
-  if (t.max_restarts > 0 && t.checkpoint_dir.empty())
+  if (t.max_restarts > 0 && t.checkpoint_dir.empty() && !t.fault_tolerant)
     std::cerr << "ddpkit: --max-restarts without --checkpoint-dir restarts training from step 0\n";
+}
+
+// --fault-tolerant and its replica groups (docs/fault_tolerance.md).
+void check_fault_tolerance_flags(const Flags& f, TrainFlags& t) {
+  t.fault_tolerant = f.on("fault-tolerant");
+  t.replica_groups = f.integer("replica-groups");
+  t.min_replicas = f.integer("min-replicas");
+  t.lighthouse = f.str("lighthouse");
+  t.replica_group = f.str("replica-group").empty() ? -1 : f.integer("replica-group");
+  if (!t.fault_tolerant) {
+    for (const char* flag : {"replica-group", "lighthouse"})
+      if (!f.str(flag).empty()) throw UsageError(std::string("--") + flag + " needs --fault-tolerant");
+    if (t.replica_groups != 1) throw UsageError("--replica-groups needs --fault-tolerant");
+    if (t.min_replicas != 1) throw UsageError("--min-replicas needs --fault-tolerant");
+    return;
+  }
+  if (t.replica_groups < 1) throw UsageError("--replica-groups must be >= 1, got " + std::to_string(t.replica_groups));
+  if (t.min_replicas < 1 || t.min_replicas > t.replica_groups)
+    throw UsageError("--min-replicas must be in 1..--replica-groups (" + std::to_string(t.replica_groups) + "), got " +
+                     std::to_string(t.min_replicas));
+  if (t.replica_group != -1 && (t.replica_group < 0 || t.replica_group >= t.replica_groups))
+    throw UsageError("--replica-group must be in 0.." + std::to_string(t.replica_groups - 1) + ", got " +
+                     f.str("replica-group"));
+  if (t.replica_group >= 0 && t.lighthouse.empty())
+    throw UsageError("--replica-group runs one group of a job whose lighthouse runs elsewhere: give --lighthouse HOST:PORT");
+  if (!t.lighthouse.empty() && t.lighthouse.rfind(':') == std::string::npos)
+    throw UsageError("--lighthouse must be HOST:PORT, got '" + t.lighthouse + "'");
+  // What a heal cannot copy yet, or what makes the replicas of a group differ.
+  if (!t.use_ddp) throw UsageError("--fault-tolerant replicates across groups of DDP or FSDP: drop --no-ddp");
+  if (t.optimizer_in_hook || t.zero_level == "2" || t.zero_overlap != ZeroOverlap::kNone)
+    throw UsageError("--fault-tolerant steps the optimizer after the cross-group average: not with --optimizer-in-hook, "
+                     "--zero 2 or --zero-overlap (they step inside the hook)");
+  if (t.hook == "post_local_sgd") throw UsageError("--fault-tolerant does not combine with --hook post_local_sgd");
+  if (!f.str("checkpoint-dir").empty())
+    throw UsageError("--fault-tolerant heals from live groups; --checkpoint-dir does not combine with it yet");
+  if (t.tune_caps || t.tune_pieces)
+    throw UsageError("--fault-tolerant: give --bucket-cap-mb and --piece-kb as numbers (auto tunes per group)");
 }
 
 }  // namespace
@@ -162,7 +199,8 @@ Flags parse_train_flags(const std::vector<std::string>& args) {
                     {"perchannel-bucket-size", "512"}, {"local-sgd-start-iter", "100"}, {"local-sgd-period", "4"},
                     {"local-sgd-group-size", "0"}, {"zero", "off"}, {"zero-overlap", "none"},
                     {"zero-precision", "fp32"}, {"checkpoint-dir", ""}, {"checkpoint-every", "100"},
-                    {"max-restarts", "0"}, {"report-resources", "0"}}),
+                    {"max-restarts", ""}, {"report-resources", "0"}, {"replica-groups", "1"},
+                    {"replica-group", ""}, {"min-replicas", "1"}, {"lighthouse", ""}}),
                kTrainSwitches);
 }
 
@@ -170,6 +208,7 @@ TrainFlags check_train_flags(const Flags& f) {
   TrainFlags t;
   check_strategy_flags(f, t);
   check_number_flags(f, t);
+  check_fault_tolerance_flags(f, t);
   check_checkpoint_flags(f, t);
   return t;
 }

@@ -22,6 +22,11 @@ struct TrainFlags {
   double lr = 0.05, cap = 25;
   bool tune_caps = false, tune_pieces = false;
   int64_t powersgd_rank = 4;
+  // --fault-tolerant: R replica groups (this process's index among them, -1: launch them all),
+  // the fewest that may train on, and the lighthouse ("" : start one).
+  bool fault_tolerant = false;
+  int replica_groups = 1, replica_group = -1, min_replicas = 1;
+  std::string lighthouse;
 };
 
 // The flags `ddpkit train` takes, with their defaults.

@@ -135,6 +135,10 @@ struct ProcessGroupOptions {
   // TORCH_DISTRIBUTED_DEBUG=DETAIL in the environment turn it on too (the latter as it does
   // PyTorch's own check).
   TORCH_ARG(bool, check_collectives) = false;
+  // abort() may fail the collectives in flight at once (a caller that learns of a lost peer
+  // sooner than the timeout: fault-tolerant training across replica groups, ddpkit/ft). One
+  // more future per collective.
+  TORCH_ARG(bool, abortable) = false;
 };
 
 class ProcessGroup {
@@ -167,6 +171,11 @@ class ProcessGroup {
   // and whether allreduce across hosts is hierarchical.
   bool uses_shared_memory() const;
   bool hierarchical() const;
+  // Fails every collective in flight on this rank, and every later one, with a CommError naming
+  // `reason`; the group is unusable afterwards. Needs ProcessGroupOptions::abortable. The
+  // transport's own work ends by itself (its peers answer or its timeout passes); destroying the
+  // group waits for that.
+  void abort(const std::string& reason);
   // A group of some of this group's ranks, over this group's store (torch.distributed.new_group):
   // rank `rank` of `world_size`, with `options` as given but named "<this group's name>/<label>.<n>",
   // where `label` is options.group_name() and n counts the subgroups made from this group so far.

@@ -83,6 +83,15 @@ class TrainingState {
   // world size the per-rank state (hook state; replicas under replicas_differ) is left as it is.
   std::optional<Checkpoint> restore(ProcessGroup* pg, const std::string& dir);
 
+  // This rank's whole state as the matching rank of an identical replica needs it (a heal in
+  // fault-tolerant training, ddpkit/ft): the model (FSDP: this rank's shards), the optimizer
+  // (ZeRO: this rank's partition), the bucket layout, the hook state and the CPU generator. Not
+  // collective: nothing is gathered. `extra` entries are stored under "extra/".
+  TensorDict snapshot(const TensorDict& extra = {}) const;
+  // Loads what snapshot() returned on the matching rank of a replica built the same way; returns
+  // its extras (without the prefix). `what` names the source in errors.
+  TensorDict load_snapshot(const TensorDict& snapshot, const std::string& what);
+
  private:
   std::shared_ptr<torch::nn::Module> module_;
   torch::optim::Optimizer* optimizer_ = nullptr;

@@ -1,0 +1,128 @@
+// The lighthouse: the quorum service of a fault-tolerant job (gRPC; `ddpkit lighthouse`).
+//
+// A fault-tolerant job is R replica groups, each an ordinary ddpkit process group (DDP, ZeRO or
+// FSDP inside). Every rank heartbeats the lighthouse; each group's rank 0 asks it for a quorum
+// before every step. A quorum forms when every live group has asked (or, after join_timeout, with
+// those that have, if they are at least min_replicas): it names the participants (ordered by
+// group id: the index is the replica rank), the highest committed step among them, who heals from
+// whom, and a quorum id that changes only when the participants do. A group whose heartbeats stop
+// for heartbeat_timeout is out of every quorum from then on, and the heartbeat replies of the
+// others name it, so a survivor blocked in a collective with it aborts that collective at once.
+//
+// The lighthouse also serves the c10d TCPStore the cross-group process groups meet through.
+//
+//   ddpkit::ft::Lighthouse lh(ddpkit::ft::LighthouseOptions().address("0.0.0.0:29510").min_replicas(2));
+//   lh.start();   // lh.address() is what the groups are given
+#pragma once
+
+#include <ddpkit/ps/parameter_server.h>  // TlsFiles
+
+#include <torch/arg.h>
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace ddpkit {
+namespace ft {
+
+using ps::TlsFiles;
+
+struct LighthouseOptions {
+  // host:port to listen on; port 0 picks a free one (see Lighthouse::address()).
+  TORCH_ARG(std::string, address) = "127.0.0.1:0";
+  // The host the groups reach this machine at (for the store address it hands out); empty: the
+  // listening address's host, or this machine's host name when that is 0.0.0.0.
+  TORCH_ARG(std::string, advertise_host) = "";
+  // Fewest groups a quorum may have; fewer live groups and the quorum waits (callers time out).
+  TORCH_ARG(int, min_replicas) = 1;
+  // A group is lost when any of its ranks has not heartbeated for this long.
+  TORCH_ARG(std::chrono::milliseconds, heartbeat_timeout) = std::chrono::milliseconds(1000);
+  // How long a quorum waits for a live group that has not asked yet (a slow or wedged one).
+  TORCH_ARG(std::chrono::milliseconds, join_timeout) = std::chrono::seconds(10);
+  // The groups a job starts with (0: not known): the first quorum waits up to join_timeout for
+  // that many, so that groups starting a moment apart start together rather than one healing.
+  TORCH_ARG(int, expected_groups) = 0;
+  // Non-empty: every call must carry metadata "authorization: Bearer <token>".
+  TORCH_ARG(std::string, token) = "";
+  // Certificate and key set: TLS; otherwise plaintext.
+  TORCH_ARG(TlsFiles, tls) = {};
+};
+
+// A replica group as its rank 0 describes itself (and as a quorum lists it).
+struct GroupInfo {
+  std::string group_id;          // 1-128 characters of [A-Za-z0-9_.-]
+  int64_t step = 0;              // steps committed
+  int world_size = 1;            // ranks in the group
+  std::vector<std::string> state_addresses;  // each rank's state service, host:port
+  std::vector<std::string> hosts;            // each rank's host name
+  std::string incarnation;       // new each time the group's processes start
+};
+
+struct Quorum {
+  int64_t quorum_id = -1;
+  std::vector<GroupInfo> participants;  // ordered by group_id; index = replica rank
+  int64_t max_step = 0;
+  std::string store_address;            // host:port of the lighthouse's TCPStore
+  std::vector<int> heal_sources;        // per participant: index of the group it heals from, or -1
+  std::vector<std::string> dropped;     // groups of the previous quorum not in this one
+
+  // Index of `group_id` in participants, or -1.
+  int replica_rank(const std::string& group_id) const;
+};
+
+class Lighthouse {
+ public:
+  explicit Lighthouse(LighthouseOptions options);  // checks the options
+  ~Lighthouse();                                   // shuts down; waiting callers get UNAVAILABLE
+  Lighthouse(const Lighthouse&) = delete;
+  Lighthouse& operator=(const Lighthouse&) = delete;
+
+  void start();
+  std::string address() const;  // host:port as the groups reach it
+  int port() const;
+  void shutdown();
+
+  // Quorums formed so far (each with the participants it had).
+  int64_t quorums_formed() const;
+
+ struct Impl;  // internal (the gRPC service reaches it)
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+struct LighthouseClientOptions {
+  TORCH_ARG(std::string, address) = "";  // host:port
+  TORCH_ARG(std::string, token) = "";
+  TORCH_ARG(TlsFiles, tls) = {};         // root_certificate set: TLS
+  // Every call's deadline besides quorum()'s own wait.
+  TORCH_ARG(std::chrono::milliseconds, rpc_timeout) = std::chrono::seconds(5);
+};
+
+class LighthouseClient {
+ public:
+  explicit LighthouseClient(LighthouseClientOptions options);
+  ~LighthouseClient();
+  LighthouseClient(const LighthouseClient&) = delete;
+  LighthouseClient& operator=(const LighthouseClient&) = delete;
+
+  // Blocks until the quorum that includes `self` forms, or throws CommError after `timeout`
+  // (naming what the lighthouse said: too few live groups for min_replicas, a refused request).
+  // `broken`: this group's cross-group collective failed, so the quorum gets a new id.
+  Quorum quorum(const GroupInfo& self, std::chrono::milliseconds timeout, bool broken = false);
+  struct Beat {
+    int64_t quorum_id = -1;
+    std::vector<std::string> lost;  // groups of the newest quorum whose heartbeats stopped
+  };
+  Beat heartbeat(const std::string& group_id, int rank, const std::string& incarnation);
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace ft
+}  // namespace ddpkit

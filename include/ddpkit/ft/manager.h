@@ -1,0 +1,105 @@
+// Fault-tolerant training across replica groups: the per-step commit protocol.
+//
+// Every rank of every replica group makes one Manager over its own group's process group. Each
+// step:
+//
+//   manager.start_step();                  // collective over the group: the quorum; heals if behind
+//   loss = train forward and backward;     // DDP / ZeRO / FSDP inside the group, as usual
+//   manager.allreduce(grads);              // average across the groups of the quorum
+//   if (manager.should_commit())           // collective over the group: did every rank succeed?
+//     optimizer.step();                    // (manager.step() has advanced)
+//
+// A replica group that dies (any of its ranks) is out of the quorum as soon as its heartbeats
+// stop; a survivor blocked in the cross-group allreduce with it is released at once (the
+// collective is aborted), does not commit that step, and the next quorum goes on without the lost
+// group. A group that starts late, or restarts, joins at the next quorum and first copies the
+// state the step depends on (TrainingState::snapshot) from a live group, rank by matching rank:
+// no checkpoint is read. A group that did not commit a step the others did heals the same way, so
+// the live replicas are identical after every step.
+#pragma once
+
+#include <ddpkit/comm/process_group.h>
+#include <ddpkit/ft/lighthouse.h>
+#include <ddpkit/training/checkpoint.h>
+
+#include <torch/arg.h>
+
+#include <chrono>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace ddpkit {
+namespace ft {
+
+struct ManagerOptions {
+  TORCH_ARG(std::string, lighthouse) = "";  // host:port
+  // This replica group's id: 1-128 characters of [A-Za-z0-9_.-], the same on its every rank.
+  TORCH_ARG(std::string, group_id) = "";
+  // For the lighthouse and the state services (a healing rank presents it to its source).
+  TORCH_ARG(std::string, token) = "";
+  TORCH_ARG(TlsFiles, lighthouse_tls) = {};  // root_certificate set: TLS to the lighthouse
+  // How long start_step() waits for a quorum before failing (fewer live groups than the
+  // lighthouse's min_replicas: the error names the live and the lost groups).
+  TORCH_ARG(std::chrono::milliseconds, quorum_timeout) = std::chrono::seconds(60);
+  TORCH_ARG(std::chrono::milliseconds, heartbeat_interval) = std::chrono::milliseconds(100);
+  // The cross-group process groups' rendezvous and collective timeout (a lost group's heartbeat
+  // releases a collective sooner).
+  TORCH_ARG(std::chrono::milliseconds, cross_group_timeout) = std::chrono::seconds(30);
+  // The address this rank's state service listens on, as the other groups reach it.
+  TORCH_ARG(std::string, state_host) = "127.0.0.1";
+  // Parallel streams a heal copies over (between hosts; on one host it reads a memory file).
+  TORCH_ARG(int, heal_connections) = 4;
+};
+
+struct ManagerStats {
+  int64_t quorums = 0;           // quorums taken part in
+  int64_t reconfigurations = 0;  // cross-group process groups built
+  int64_t heals = 0;             // times this rank copied its state from a peer
+  int64_t heal_bytes = 0;
+  double heal_seconds = 0;       // fetch and load, all heals
+  double heal_fetch_seconds = 0; // of which copying the bytes (waiting for the source included)
+  double snapshot_seconds = 0;   // as a source: taking and publishing snapshots
+  int64_t heals_through_memory_file = 0;
+  int64_t steps_committed = 0;
+  int64_t steps_not_committed = 0;
+  std::string last_error;        // why the last step did not commit
+};
+
+class Manager {
+ public:
+  // Collective over `group`: starts this rank's state service and heartbeats. `state` says what a
+  // heal copies; `extra` / `load_extra` carry the loop's own state along (may be empty).
+  Manager(std::shared_ptr<ProcessGroup> group, TrainingState& state, ManagerOptions options,
+          std::function<TensorDict()> extra = nullptr, std::function<void(const TensorDict&)> load_extra = nullptr);
+  ~Manager();
+  Manager(const Manager&) = delete;
+  Manager& operator=(const Manager&) = delete;
+
+  // Collective over the group: joins the quorum for the next step (rebuilding the cross-group
+  // process group when the participants changed) and, when this group is behind, heals it.
+  void start_step();
+  // Averages `tensors` (CPU) across the replica groups of the quorum, in place. A failure (a lost
+  // group, an aborted collective) leaves them as they were and marks the step not to commit.
+  void allreduce(const std::vector<at::Tensor>& tensors);
+  // Collective over the group: true when every rank's step succeeded, and then step() advances.
+  bool should_commit();
+
+  int64_t step() const { return step_; }
+  int replica_rank() const;   // in the current quorum
+  int replica_count() const;  // groups in the current quorum
+  const Quorum& quorum() const { return quorum_; }
+  const ManagerStats& stats() const { return stats_; }
+  const std::string& group_id() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+  int64_t step_ = 0;
+  Quorum quorum_;
+  ManagerStats stats_;
+};
+
+}  // namespace ft
+}  // namespace ddpkit

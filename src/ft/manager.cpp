@@ -1,0 +1,357 @@
+// The Manager (include/ddpkit/ft/manager.h): quorum, cross-group process groups, heals, commits.
+#include <ddpkit/ft/manager.h>
+
+#include <ddpkit/error.h>
+
+#include "state_transfer.h"
+#include "wire.h"
+
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+#include <unistd.h>
+
+#include <atomic>
+#include <condition_variable>
+#include <map>
+#include <mutex>
+#include <random>
+#include <set>
+#include <thread>
+
+namespace ddpkit {
+namespace ft {
+
+namespace {
+
+// ---- small collectives over the group (strings) ------------------------------------------------
+
+std::string broadcast_string(ProcessGroup& pg, const std::string& s) {
+  at::Tensor n = at::tensor({static_cast<int64_t>(s.size())}, at::kLong);
+  ProcessGroup::wait(pg.broadcast(n, 0));
+  at::Tensor bytes = at::empty({n.item<int64_t>()}, at::kByte);
+  if (pg.rank() == 0 && !s.empty()) std::memcpy(bytes.data_ptr(), s.data(), s.size());
+  if (bytes.numel() > 0) ProcessGroup::wait(pg.broadcast(bytes, 0));
+  return std::string(static_cast<const char*>(bytes.data_ptr()), static_cast<size_t>(bytes.numel()));
+}
+
+std::vector<std::string> allgather_strings(ProcessGroup& pg, const std::string& mine) {
+  constexpr int64_t kMax = 512;
+  DDPKIT_CHECK(static_cast<int64_t>(mine.size()) < kMax, "fault tolerance: '", mine, "' is too long");
+  at::Tensor in = at::zeros({kMax}, at::kByte);
+  std::memcpy(in.data_ptr(), mine.data(), mine.size());
+  at::Tensor out = at::empty({kMax * pg.size()}, at::kByte);
+  ProcessGroup::wait(pg.allgather_into_tensor(out, in));
+  std::vector<std::string> all;
+  for (int r = 0; r < pg.size(); ++r) all.emplace_back(static_cast<const char*>(out[r * kMax].data_ptr()));
+  return all;
+}
+
+// Every rank of the group passes `ok`: true only when all did.
+bool all_of(ProcessGroup& pg, bool ok) {
+  at::Tensor flag = at::tensor({ok ? 1 : 0}, at::kInt);
+  ProcessGroup::wait(pg.allreduce(flag, c10d::ReduceOp::MIN));
+  return flag.item<int>() == 1;
+}
+
+std::string host_name() {
+  char name[256] = {0};
+  if (gethostname(name, sizeof(name) - 1) != 0 || !name[0]) return "localhost";
+  return name;
+}
+
+std::string new_incarnation() {
+  std::random_device rd;
+  char buf[64];
+  std::snprintf(buf, sizeof(buf), "%d-%08x%08x", static_cast<int>(getpid()), rd(), rd());
+  return buf;
+}
+
+}  // namespace
+
+struct Manager::Impl {
+  std::shared_ptr<ProcessGroup> group;
+  TrainingState& state;
+  ManagerOptions options;
+  std::function<TensorDict()> extra;
+  std::function<void(const TensorDict&)> load_extra;
+
+  std::unique_ptr<LighthouseClient> client;
+  std::unique_ptr<StateServer> server;
+  std::string incarnation;
+  std::vector<std::string> addresses, hosts;
+
+  // The cross-group process group of this rank (the matching ranks of every group in the quorum).
+  std::mutex cross_mu;
+  std::shared_ptr<ProcessGroup> cross;
+  std::set<std::string> cross_groups;  // the other groups it spans
+  int64_t cross_quorum = -1;
+  std::string cross_store;
+  std::map<std::string, c10::intrusive_ptr<c10d::TCPStore>> stores;
+  std::vector<std::thread> reapers;  // destroy aborted groups (their Gloo work ends by its timeout)
+
+  bool failed = false;  // this step cannot commit
+  bool broken = false;  // the cross-group group must be rebuilt
+  std::string failure;
+
+  std::thread heartbeats;
+  std::mutex beat_mu;
+  std::condition_variable beat_cv;
+  bool stopping = false;
+
+  Impl(std::shared_ptr<ProcessGroup> g, TrainingState& s, ManagerOptions o)
+      : group(std::move(g)), state(s), options(std::move(o)) {}
+
+  void retire_cross() {
+    std::lock_guard<std::mutex> lock(cross_mu);
+    if (!cross) return;
+    reapers.emplace_back([pg = std::move(cross)]() mutable { pg.reset(); });
+    cross.reset();
+    cross_groups.clear();
+    cross_quorum = -1;
+  }
+
+  void heartbeat_loop() {
+    std::unique_lock<std::mutex> lock(beat_mu);
+    while (!stopping) {
+      lock.unlock();
+      try {
+        const auto beat = client->heartbeat(options.group_id(), group->rank(), incarnation);
+        std::lock_guard<std::mutex> guard(cross_mu);
+        for (const auto& lost : beat.lost) {
+          if (!cross || !cross_groups.count(lost)) continue;
+          cross->abort("replica group " + lost + " is lost (no heartbeat at the lighthouse " + options.lighthouse() + ")");
+          break;
+        }
+      } catch (const std::exception&) {
+        // The lighthouse is away (restarting): the next quorum waits for it; collectives go on.
+      }
+      lock.lock();
+      beat_cv.wait_for(lock, options.heartbeat_interval(), [&] { return stopping; });
+    }
+  }
+
+  c10::intrusive_ptr<c10d::Store> store_at(const std::string& address) {
+    auto it = stores.find(address);
+    if (it != stores.end()) return it->second;
+    const size_t colon = address.rfind(':');
+    c10d::TCPStoreOptions so = compat::tcp_store_options();
+    so.port = static_cast<uint16_t>(std::stoi(address.substr(colon + 1)));
+    so.isServer = false;
+    so.timeout = options.cross_group_timeout();
+    auto store = c10::make_intrusive<c10d::TCPStore>(address.substr(0, colon), so);
+    stores[address] = store;
+    return store;
+  }
+
+  // This rank's cross-group group for quorum `q` (none when this group is alone in it).
+  void rebuild(const Quorum& q, int replica) {
+    retire_cross();
+    if (q.participants.size() < 2) return;
+    auto prefix = c10::make_intrusive<c10d::PrefixStore>(
+        "ddpkit-ft/q" + std::to_string(q.quorum_id) + "/r" + std::to_string(group->rank()), store_at(q.store_address));
+    ProcessGroupOptions o = group->options();
+    o.group_name("ft-cross").timeout(options.cross_group_timeout()).abortable(true).check_collectives(false);
+    auto pg = std::make_shared<ProcessGroup>(prefix, replica, static_cast<int>(q.participants.size()), o);
+    std::lock_guard<std::mutex> lock(cross_mu);
+    cross = std::move(pg);
+    for (const auto& p : q.participants)
+      if (p.group_id != options.group_id()) cross_groups.insert(p.group_id);
+    cross_quorum = q.quorum_id;
+    cross_store = q.store_address;
+  }
+};
+
+Manager::Manager(std::shared_ptr<ProcessGroup> group, TrainingState& state, ManagerOptions options,
+                 std::function<TensorDict()> extra, std::function<void(const TensorDict&)> load_extra) {
+  DDPKIT_CHECK(group, "ft::Manager needs its replica group's process group");
+  DDPKIT_CHECK(!options.lighthouse().empty(), "ft::Manager: no lighthouse address (host:port)");
+  DDPKIT_CHECK(wire::valid_name(options.group_id()), "ft::Manager: group_id must be 1-128 characters of "
+               "[A-Za-z0-9_.-], got '", options.group_id(), "'");
+  DDPKIT_CHECK(options.heartbeat_interval().count() > 0, "ft::Manager: heartbeat_interval must be positive");
+  DDPKIT_CHECK(options.heal_connections() >= 1, "ft::Manager: heal_connections must be >= 1");
+  impl_ = std::make_unique<Impl>(std::move(group), state, std::move(options));
+  Impl& im = *impl_;
+  im.extra = std::move(extra);
+  im.load_extra = std::move(load_extra);
+  ProcessGroup& pg = *im.group;
+  im.incarnation = broadcast_string(pg, pg.rank() == 0 ? new_incarnation() : "");
+  // Every rank of the group must be one group: the same id everywhere.
+  const auto ids = allgather_strings(pg, im.options.group_id());
+  for (int r = 0; r < pg.size(); ++r)
+    DDPKIT_CHECK(ids[r] == im.options.group_id(), "ft::Manager: rank ", r, " of this group says group_id '", ids[r],
+                 "', rank ", pg.rank(), " says '", im.options.group_id(), "'");
+  im.server = std::make_unique<StateServer>(im.options.state_host(), im.options.token());
+  im.addresses = allgather_strings(pg, im.server->address());
+  im.hosts = allgather_strings(pg, host_name());
+  im.client = std::make_unique<LighthouseClient>(LighthouseClientOptions()
+                                                     .address(im.options.lighthouse())
+                                                     .token(im.options.token())
+                                                     .tls(im.options.lighthouse_tls()));
+  im.heartbeats = std::thread([&im] { im.heartbeat_loop(); });
+}
+
+Manager::~Manager() {
+  Impl& im = *impl_;
+  {
+    std::lock_guard<std::mutex> lock(im.beat_mu);
+    im.stopping = true;
+  }
+  im.beat_cv.notify_all();
+  if (im.heartbeats.joinable()) im.heartbeats.join();
+  im.retire_cross();
+  for (auto& t : im.reapers) t.join();
+}
+
+const std::string& Manager::group_id() const { return impl_->options.group_id(); }
+int Manager::replica_rank() const { return quorum_.replica_rank(impl_->options.group_id()); }
+int Manager::replica_count() const { return static_cast<int>(quorum_.participants.size()); }
+
+void Manager::start_step() {
+  Impl& im = *impl_;
+  ProcessGroup& pg = *im.group;
+  const auto give_up = std::chrono::steady_clock::now() + im.options.quorum_timeout();
+  for (;;) {
+    // Rank 0 asks; the group learns the answer (or the error) from it.
+    std::string payload;
+    if (pg.rank() == 0) {
+      try {
+        GroupInfo self{im.options.group_id(), step_, pg.size(), im.addresses, im.hosts, im.incarnation};
+        const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(give_up - std::chrono::steady_clock::now());
+        const Quorum q = im.client->quorum(self, std::max(left, std::chrono::milliseconds(1)), im.broken);
+        wire::QuorumReply reply;
+        wire::to_wire(q, &reply);
+        payload = "Q" + reply.SerializeAsString();
+      } catch (const std::exception& e) {
+        payload = std::string("E") + e.what();
+      }
+    }
+    payload = broadcast_string(pg, payload);
+    if (payload.empty() || payload[0] != 'Q')
+      throw CommError("ddpkit: replica group " + im.options.group_id() + " has no quorum: " +
+                      (payload.empty() ? std::string("(no answer)") : payload.substr(1)));
+    wire::QuorumReply reply;
+    DDPKIT_CHECK(reply.ParseFromString(payload.substr(1)), "fault tolerance: a malformed quorum from rank 0");
+    quorum_ = wire::from_wire(reply);
+    ++stats_.quorums;
+    const int me = quorum_.replica_rank(im.options.group_id());
+    DDPKIT_CHECK(me >= 0, "fault tolerance: the quorum does not include group ", im.options.group_id());
+
+    bool ok = true;
+    std::string why;
+    const bool changed = im.broken || quorum_.quorum_id != im.cross_quorum || quorum_.store_address != im.cross_store;
+    if (changed) {
+      try {
+        im.rebuild(quorum_, me);
+        ++stats_.reconfigurations;
+      } catch (const std::exception& e) {
+        ok = false;
+        why = std::string("rebuilding the cross-group process group: ") + e.what();
+      }
+    }
+    if (!all_of(pg, ok)) {
+      im.retire_cross();
+      im.broken = true;
+      stats_.last_error = why.empty() ? "a rank of this group could not rebuild its cross-group process group" : why;
+      if (std::chrono::steady_clock::now() >= give_up) throw CommError("ddpkit: replica group " + im.options.group_id() + ": " + stats_.last_error);
+      continue;
+    }
+    im.broken = false;
+
+    // A source publishes what its healers copy; a group behind the quorum copies it.
+    bool is_source = false;
+    for (int s : quorum_.heal_sources) is_source = is_source || s == me;
+    if (is_source) {
+      const auto start = std::chrono::steady_clock::now();
+      TensorDict extra = im.extra ? im.extra() : TensorDict{};
+      im.server->publish(step_, encode_tensors(im.state.snapshot(extra)));
+      stats_.snapshot_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    } else {
+      im.server->clear();
+    }
+    const int source = quorum_.heal_sources[me];
+    if (source < 0) {
+      im.failed = false;
+      return;
+    }
+    const GroupInfo& from = quorum_.participants[source];
+    const std::string what = "the state of group " + from.group_id + " rank " + std::to_string(pg.rank()) + " (" +
+                             from.state_addresses[pg.rank()] + "), step " + std::to_string(quorum_.max_step);
+    try {
+      const auto start = std::chrono::steady_clock::now();
+      FetchOptions fo;
+      fo.token = im.options.token();
+      fo.connections = im.options.heal_connections();
+      fo.try_memory_file = from.hosts[pg.rank()] == im.hosts[pg.rank()];
+      fo.timeout = im.options.cross_group_timeout();
+      Fetched got = fetch_state(from.state_addresses[pg.rank()], quorum_.max_step, fo);
+      stats_.heal_fetch_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      const TensorDict extra = im.state.load_snapshot(decode_tensors(got.bytes, what), what);
+      if (im.load_extra) im.load_extra(extra);
+      stats_.heal_bytes += static_cast<int64_t>(got.bytes.size());
+      stats_.heal_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      stats_.heals_through_memory_file += got.through_memory_file ? 1 : 0;
+    } catch (const std::exception& e) {
+      ok = false;
+      why = std::string("healing from ") + what + ": " + e.what();
+    }
+    if (all_of(pg, ok)) {
+      step_ = quorum_.max_step;
+      ++stats_.heals;
+      im.failed = false;
+      return;
+    }
+    // Some rank could not copy (its source died mid-heal): ask again; the new quorum names
+    // another source, or none is left and it times out.
+    stats_.last_error = why.empty() ? "a rank of this group could not heal" : why;
+    im.broken = true;
+    if (std::chrono::steady_clock::now() >= give_up) throw CommError("ddpkit: replica group " + im.options.group_id() + ": " + stats_.last_error);
+  }
+}
+
+void Manager::allreduce(const std::vector<at::Tensor>& tensors) {
+  Impl& im = *impl_;
+  std::shared_ptr<ProcessGroup> cross;
+  {
+    std::lock_guard<std::mutex> lock(im.cross_mu);
+    cross = im.cross;
+  }
+  if (im.failed || !cross || tensors.empty()) return;
+  std::vector<at::Tensor> flat;
+  for (const auto& t : tensors) {
+    DDPKIT_CHECK(t.device().is_cpu() && t.scalar_type() == tensors[0].scalar_type(), "ft::Manager::allreduce: "
+                 "every tensor must be on the CPU and of one dtype (", tensors[0].scalar_type(), "), got ", t.scalar_type());
+    flat.push_back(t.reshape({-1}));
+  }
+  at::Tensor all = at::cat(flat);
+  try {
+    ProcessGroup::wait(cross->allreduce(all, c10d::ReduceOp::AVG));
+  } catch (const std::exception& e) {
+    im.failed = true;
+    im.broken = true;
+    stats_.last_error = e.what();
+    return;
+  }
+  int64_t offset = 0;
+  for (const auto& t : tensors) {
+    t.copy_(all.narrow(0, offset, t.numel()).view(t.sizes()));
+    offset += t.numel();
+  }
+}
+
+bool Manager::should_commit() {
+  Impl& im = *impl_;
+  const bool commit = all_of(*im.group, !im.failed);
+  if (commit) {
+    ++step_;
+    ++stats_.steps_committed;
+  } else {
+    ++stats_.steps_not_committed;
+    im.broken = true;
+  }
+  im.failed = false;
+  return commit;
+}
+
+}  // namespace ft
+}  // namespace ddpkit

@@ -1,0 +1,228 @@
+#!/usr/bin/env python3
+"""`ddpkit train --fault-tolerant` as a user runs it, with replica groups killed and stopped.
+
+  tests/ft_train.py build/ddpkit MODE
+
+MODE:
+  kill        3 groups of 2 ranks; one rank of group 1 SIGKILLed mid-run: the job goes on, group 1
+              is restarted and heals from a live group, every group ends with the same parameters
+  stop        3 groups; group 2 SIGSTOPped: the others go on within 2 s (heartbeats, not the
+              collective timeout) and finish; the stopped group is stopped by the launcher
+  two-lost    4 groups; groups 1 and 3 killed at once
+  lighthouse  the lighthouse (ddpkit lighthouse) killed and restarted on its port mid-run
+  min-replicas  2 groups, --min-replicas 2, one group's restarts exhausted: the job stops with an
+              error naming the live groups
+
+Checks: exit status 0 (min-replicas: nonzero with the error), one JSON line per group, equal
+parameter checksums, and that something was lost and healed where a group died.
+"""
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+BIN = os.path.abspath(sys.argv[1])
+MODE = sys.argv[2]
+# Steps long enough that a failure lands mid-run, short enough for the default suite.
+BASE = ["train", "--fault-tolerant", "--dataset", "synthetic", "--mlp-dims", "64,512,512,10",
+        "--epochs", "1000", "--quiet", "--no-eval", "--timeout-s", "60"]
+
+
+def ranks_of(parent, group):
+    """pids of the ranks of replica group `group` (their command line says --replica-group G)."""
+    out = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            args = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
+            env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+        except OSError:
+            continue
+        if BIN.encode() not in args[0] and b"ddpkit" not in args[0]:
+            continue
+        if b"--replica-group" in args and args[args.index(b"--replica-group") + 1] == str(group).encode() \
+                and any(e.startswith(b"RANK=") for e in env):
+            out.append(int(pid))
+    return sorted(out)
+
+
+def wait_for_ranks(parent, groups, per_group, timeout=60):
+    end = time.time() + timeout
+    while time.time() < end:
+        if all(len(ranks_of(parent, g)) == per_group for g in groups):
+            return
+        time.sleep(0.1)
+    sys.exit(f"FAILED: the ranks of groups {groups} did not start within {timeout} s")
+
+
+def cpu_seconds(pid):
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def wait_until_training(parent, group, cpu=1.8, timeout=120):
+    """Until a rank of `group` has used `cpu` seconds of CPU: past start-up, in the steps."""
+    end = time.time() + timeout
+    while time.time() < end:
+        pids = ranks_of(parent, group)
+        try:
+            if pids and cpu_seconds(pids[0]) >= cpu:
+                return
+        except OSError:
+            pass
+        time.sleep(0.1)
+    sys.exit(f"FAILED: group {group} did not get into its steps within {timeout} s")
+
+
+def reports(out):
+    lines = [json.loads(l) for l in out.splitlines() if l.startswith("{")]
+    return sorted(lines, key=lambda r: r["replica_group"])
+
+
+def check_same(reps, groups):
+    got = [r["replica_group"] for r in reps]
+    if got != list(range(groups)):
+        sys.exit(f"FAILED: expected a report from each of {groups} groups, got {got}")
+    sums = {r["parameter_checksum"] for r in reps}
+    if len(sums) != 1:
+        sys.exit("FAILED: the groups' parameters differ:\n" + "\n".join(json.dumps(r) for r in reps))
+
+
+def run(flags, act, timeout=300):
+    p = subprocess.Popen([BIN] + BASE + flags, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        act(p)
+        out, err = p.communicate(timeout=timeout)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    return p.returncode, out, err
+
+
+def kill_mode():
+    def act(p):
+        wait_for_ranks(p.pid, [0, 1, 2], 2)
+        wait_until_training(p.pid, 1)
+        os.kill(ranks_of(p.pid, 1)[1], signal.SIGKILL)
+    rc, out, err = run(["--replica-groups", "3", "--nproc", "2", "--steps", "1000"], act)
+    if rc != 0:
+        sys.exit(f"FAILED: exit {rc}\n{err[-3000:]}")
+    reps = reports(out)
+    check_same(reps, 3)
+    if reps[1]["heals"] < 1:
+        sys.exit(f"FAILED: group 1 did not heal: {reps[1]}")
+    lost = [r["steps_not_committed"] for r in (reps[0], reps[2])]
+    if max(lost) > 1:
+        sys.exit(f"FAILED: survivors lost more than one step to the failure: {lost}")
+    print(f"killed a rank of group 1: restarted, healed {reps[1]['heal_bytes']} B in {reps[1]['heal_seconds']:.3f} s "
+          f"(memory file: {reps[1]['heals_through_memory_file']}); survivors lost {lost} steps; parameters equal")
+
+
+def stop_mode():
+    stopped = []
+
+    def act(p):
+        wait_for_ranks(p.pid, [0, 1, 2], 1)
+        wait_until_training(p.pid, 2)
+        for pid in ranks_of(p.pid, 2):
+            os.kill(pid, signal.SIGSTOP)
+            stopped.append(pid)
+    rc, out, err = run(["--replica-groups", "3", "--nproc", "1", "--steps", "800"], act)
+    for pid in stopped:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    if rc != 0:
+        sys.exit(f"FAILED: exit {rc}\n{err[-3000:]}")
+    reps = [r for r in reports(out) if r["replica_group"] != 2]
+    if [r["replica_group"] for r in reps] != [0, 1] or len({r["parameter_checksum"] for r in reps}) != 1:
+        sys.exit(f"FAILED: the survivors did not finish alike: {reps}")
+    longest = max(r["longest_step_ms"] for r in reps)
+    if longest > 2500:
+        sys.exit(f"FAILED: a survivor's step took {longest:.0f} ms across the stopped group (target: within 2 s)")
+    print(f"stopped group 2: survivors finished alike; their longest step {longest:.0f} ms")
+
+
+def two_lost_mode():
+    def act(p):
+        wait_for_ranks(p.pid, [0, 1, 2, 3], 1)
+        wait_until_training(p.pid, 1)
+        victims = ranks_of(p.pid, 1) + ranks_of(p.pid, 3)
+        for pid in victims:
+            os.kill(pid, signal.SIGKILL)
+    rc, out, err = run(["--replica-groups", "4", "--nproc", "1", "--steps", "1000"], act)
+    if rc != 0:
+        sys.exit(f"FAILED: exit {rc}\n{err[-3000:]}")
+    reps = reports(out)
+    check_same(reps, 4)
+    if reps[1]["heals"] < 1 or reps[3]["heals"] < 1:
+        sys.exit(f"FAILED: groups 1 and 3 did not both heal: {reps}")
+    print("killed groups 1 and 3 at once: both restarted and healed; parameters equal")
+
+
+def free_port():
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+def lighthouse_mode():
+    port = free_port()
+    address = f"127.0.0.1:{port}"
+
+    def start_lighthouse():
+        lh = subprocess.Popen([BIN, "lighthouse", "--address", address, "--expected-groups", "2"],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        line = lh.stdout.readline()
+        if "listening on" not in line:
+            sys.exit(f"FAILED: the lighthouse did not start: {line}")
+        return lh
+
+    lh = [start_lighthouse()]
+
+    def act(p):
+        wait_for_ranks(p.pid, [0, 1], 1)
+        wait_until_training(p.pid, 1)
+        lh[0].kill()
+        lh[0].wait()
+        time.sleep(1)
+        lh[0] = start_lighthouse()
+    try:
+        rc, out, err = run(["--replica-groups", "2", "--nproc", "1", "--steps", "800", "--lighthouse", address], act)
+    finally:
+        lh[0].kill()
+    if rc != 0:
+        sys.exit(f"FAILED: exit {rc}\n{err[-3000:]}")
+    reps = reports(out)
+    check_same(reps, 2)
+    print(f"lighthouse killed and restarted: the groups went on (reconfigurations {[r['reconfigurations'] for r in reps]}); "
+          "parameters equal")
+
+
+def min_replicas_mode():
+    def act(p):
+        wait_for_ranks(p.pid, [0, 1], 1)
+        wait_until_training(p.pid, 1)
+        os.kill(ranks_of(p.pid, 1)[0], signal.SIGKILL)
+    rc, out, err = run(["--replica-groups", "2", "--nproc", "1", "--steps", "100000", "--min-replicas", "2",
+                        "--max-restarts", "0", "--timeout-s", "8"], act, timeout=120)
+    if rc == 0:
+        sys.exit("FAILED: the job went on below --min-replicas")
+    if "has no quorum" not in err or "min_replicas 2" not in err or "replica-000" not in err:
+        sys.exit(f"FAILED: the error does not name the quorum's shortfall:\n{err[-2000:]}")
+    print("below --min-replicas: the job stopped with an error naming the live groups")
+
+
+MODES = {"kill": kill_mode, "stop": stop_mode, "two-lost": two_lost_mode, "lighthouse": lighthouse_mode,
+         "min-replicas": min_replicas_mode}
+if MODE not in MODES:
+    sys.exit(f"unknown mode {MODE}: {', '.join(MODES)}")
+MODES[MODE]()
+print("ok")

@@ -1,0 +1,87 @@
+// `ddpkit lighthouse`: the quorum service of fault-tolerant jobs, on its own (a job spread over
+// hosts points every group at it with --lighthouse HOST:PORT).
+#include "cli.h"
+
+#include <ddpkit/ft/lighthouse.h>
+
+#include <signal.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <iostream>
+
+namespace ddpkit {
+namespace cli {
+
+const char* kLighthouseUsage = R"(usage: ddpkit lighthouse [flags]
+
+The quorum service of fault-tolerant training (ddpkit train --fault-tolerant --lighthouse
+HOST:PORT; docs/fault_tolerance.md). Runs until SIGINT or SIGTERM.
+
+flags:
+  --address HOST:PORT      listen here (default 0.0.0.0:29510; port 0 picks one)
+  --advertise-host HOST    the host the groups reach this machine at (default: this host's name)
+  --min-replicas M         fewest replica groups a step may run with (default 1)
+  --heartbeat-timeout-ms T a group whose rank has not heartbeated for T ms is lost (default 1000)
+  --join-timeout-ms T      how long a quorum waits for a live group that has not asked (default 10000)
+  --expected-groups R      the first quorum waits up to the join timeout for R groups (default 0)
+  --token-file PATH        require this shared secret (also DDPKIT_FT_TOKEN) from every caller
+  --tls-cert PATH          PEM certificate chain; with --tls-key, serve TLS
+  --tls-key PATH           PEM private key
+)";
+
+namespace {
+int g_lighthouse_stop_pipe[2] = {-1, -1};
+void on_lighthouse_stop(int sig) {
+  const unsigned char byte = static_cast<unsigned char>(sig);
+  (void)!write(g_lighthouse_stop_pipe[1], &byte, 1);
+}
+}  // namespace
+
+int run_lighthouse(const std::vector<std::string>& args) {
+  Flags f(args,
+          {{"address", "0.0.0.0:29510"}, {"advertise-host", ""}, {"min-replicas", "1"}, {"heartbeat-timeout-ms", "1000"},
+           {"join-timeout-ms", "10000"}, {"expected-groups", "0"}, {"token-file", ""}, {"tls-cert", ""}, {"tls-key", ""}},
+          {});
+  if (f.integer("min-replicas") < 1) throw UsageError("--min-replicas must be >= 1");
+  if (f.integer("heartbeat-timeout-ms") < 1) throw UsageError("--heartbeat-timeout-ms must be >= 1");
+  if (f.integer("join-timeout-ms") < 0) throw UsageError("--join-timeout-ms must be >= 0");
+  if (f.integer("expected-groups") < 0) throw UsageError("--expected-groups must be >= 0");
+  if (f.str("address").rfind(':') == std::string::npos) throw UsageError("--address must be HOST:PORT");
+  if (f.str("tls-cert").empty() != f.str("tls-key").empty()) throw UsageError("--tls-cert and --tls-key go together");
+  std::string token;
+  if (f.str("token-file").empty()) {
+    const char* env = std::getenv("DDPKIT_FT_TOKEN");
+    token = env ? env : "";
+  } else {
+    token = read_token(f.str("token-file"));
+  }
+  if (pipe(g_lighthouse_stop_pipe) != 0) throw std::runtime_error("pipe() failed");
+  struct sigaction action {};
+  action.sa_handler = on_lighthouse_stop;
+  sigemptyset(&action.sa_mask);
+  sigaction(SIGINT, &action, nullptr);
+  sigaction(SIGTERM, &action, nullptr);
+  ft::Lighthouse lighthouse(ft::LighthouseOptions()
+                                .address(f.str("address"))
+                                .advertise_host(f.str("advertise-host"))
+                                .min_replicas(f.integer("min-replicas"))
+                                .heartbeat_timeout(std::chrono::milliseconds(f.integer("heartbeat-timeout-ms")))
+                                .join_timeout(std::chrono::milliseconds(f.integer("join-timeout-ms")))
+                                .expected_groups(f.integer("expected-groups"))
+                                .token(token)
+                                .tls(ft::TlsFiles().certificate(f.str("tls-cert")).private_key(f.str("tls-key"))));
+  lighthouse.start();
+  std::cout << "ddpkit lighthouse: listening on " << lighthouse.address() << " (min replicas "
+            << f.integer("min-replicas") << (f.str("tls-cert").empty() ? ", plaintext" : ", TLS") << ")" << std::endl;
+  unsigned char sig = 0;
+  while (read(g_lighthouse_stop_pipe[0], &sig, 1) < 0 && errno == EINTR) {
+  }
+  const int64_t formed = lighthouse.quorums_formed();
+  lighthouse.shutdown();
+  std::cout << "ddpkit lighthouse: stopped by signal " << int(sig) << " after " << formed << " quorums" << std::endl;
+  return 0;
+}
+
+}  // namespace cli
+}  // namespace ddpkit

@@ -1,0 +1,45 @@
+// What `ddpkit train` builds for one rank, shared by the plain loop (train.cpp) and the
+// fault-tolerant one (train_ft.cpp).
+#pragma once
+
+#include "train_flags.h"
+#include "training.h"
+
+#include <ddpkit/ddpkit.h>
+#include <ddpkit/hooks/post_local_sgd_hook.h>
+#include <ddpkit/training/checkpoint.h>
+
+#include <functional>
+#include <memory>
+#include <vector>
+
+namespace ddpkit {
+namespace cli {
+
+// Everything one rank trains with: the model wrapped for its strategy, the optimizer (or ZeRO),
+// and the checkpointable state.
+struct Training {
+  Model model;
+  std::unique_ptr<FullyShardedDataParallelBase> sharded_model;
+  std::unique_ptr<DistributedDataParallelBase> ddp;
+  std::unique_ptr<hooks::PeriodicModelAverager> averager;
+  std::shared_ptr<ZeroRedundancyOptimizer> zero;
+  std::unique_ptr<torch::optim::Optimizer> optimizer;
+  OptimizerChoice optimizer_choice;
+  std::vector<at::Tensor> params;  // what the optimizer steps: the parameters, or FSDP's shards of them
+  std::function<at::Tensor(const at::Tensor&)> forward;
+  TrainingState state;
+};
+
+
+// This rank's process group, from the torchrun-style environment and the flags.
+std::shared_ptr<ProcessGroup> join_group(const Flags& f, const TrainFlags& t);
+// The model wrapped for the flags' strategy (DDP and its hook, ZeRO or FSDP) over `pg`, the
+// optimizer, and the state a checkpoint or a heal holds. run.model must be built already.
+void build_training(const Flags& f, const TrainFlags& t, const std::shared_ptr<ProcessGroup>& pg, Training& run);
+
+// `ddpkit train --fault-tolerant` (train_ft.cpp): the launcher of replica groups, or one rank of one.
+int run_fault_tolerant(const Flags& f, const TrainFlags& t, const std::vector<std::string>& argv);
+
+}  // namespace cli
+}  // namespace ddpkit

@@ -1,0 +1,209 @@
+// `ddpkit train --fault-tolerant`: R replica groups that keep training when groups die.
+//
+// Without --replica-group, this process is the job's launcher: it starts a lighthouse (unless
+// --lighthouse names one) and one supervisor per group, each running the group's --nproc ranks
+// and restarting the group when one of them dies (up to --max-restarts times). With
+// --replica-group G it launches that one group (a job spread over hosts: one such command per
+// group). Each rank then trains under an ft::Manager: the per-step quorum, the cross-group
+// average and, for a group that starts behind, the heal.
+#include "train_build.h"
+
+#include <ddpkit/ft/lighthouse.h>
+#include <ddpkit/ft/manager.h>
+#include <ddpkit/runtime/memory_sampler.h>
+
+#include <ATen/CPUGeneratorImpl.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <iomanip>
+#include <iostream>
+#include <sstream>
+#include <thread>
+
+namespace ddpkit {
+namespace cli {
+namespace {
+
+std::string ft_token() {
+  const char* env = std::getenv("DDPKIT_FT_TOKEN");
+  return env ? env : "";
+}
+
+std::string group_name(int g) {
+  char id[32];
+  std::snprintf(id, sizeof(id), "replica-%03d", g);
+  return id;
+}
+
+// FNV-1a over the parameters' bytes: equal replicas print equal checksums.
+std::string parameter_checksum(const std::vector<at::Tensor>& params) {
+  uint64_t h = 1469598103934665603ull;
+  for (const auto& p : params) {
+    const at::Tensor c = p.detach().contiguous();
+    const auto* b = static_cast<const unsigned char*>(c.data_ptr());
+    for (int64_t i = 0; i < c.numel() * static_cast<int64_t>(c.element_size()); ++i) h = (h ^ b[i]) * 1099511628211ull;
+  }
+  std::ostringstream os;
+  os << std::hex << std::setw(16) << std::setfill('0') << h;
+  return os.str();
+}
+
+// The launcher: a lighthouse, and a supervisor per group. The job ends when a group has trained
+// every step; the others (in the same quorum, done within moments) get 10 s, then are stopped.
+int run_replica_groups(const TrainFlags& t, const std::vector<std::string>& argv) {
+  std::unique_ptr<ft::Lighthouse> lighthouse;
+  std::string address = t.lighthouse;
+  if (address.empty()) {
+    lighthouse = std::make_unique<ft::Lighthouse>(
+        ft::LighthouseOptions().address("127.0.0.1:0").min_replicas(t.min_replicas).expected_groups(t.replica_groups).token(ft_token()));
+    lighthouse->start();
+    address = lighthouse->address();
+    std::cerr << "ddpkit: lighthouse at " << address << " (min replicas " << t.min_replicas << ")\n";
+  }
+  std::atomic<bool> stop{false};
+  std::vector<std::atomic<int>> codes(static_cast<size_t>(t.replica_groups));
+  for (auto& c : codes) c = -1;
+  std::vector<std::thread> supervisors;
+  for (int g = 0; g < t.replica_groups; ++g) {
+    std::vector<std::string> args = argv;
+    args.insert(args.end(), {"--replica-group", std::to_string(g), "--lighthouse", address});
+    supervisors.emplace_back([&, g, args] {
+      codes[static_cast<size_t>(g)] = launch_local(t.nproc, args, "/proc/self/exe", t.max_restarts, {}, &stop);
+    });
+  }
+  auto finished_at = std::chrono::steady_clock::time_point::max();
+  for (;;) {
+    int running = 0;
+    bool one_done = false;
+    for (const auto& c : codes) {
+      running += c.load() == -1;
+      one_done = one_done || c.load() == 0;
+    }
+    if (running == 0) break;
+    if (one_done && finished_at == std::chrono::steady_clock::time_point::max())
+      finished_at = std::chrono::steady_clock::now();
+    if (std::chrono::steady_clock::now() - finished_at > std::chrono::seconds(10)) stop = true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  for (auto& s : supervisors) s.join();
+  int first_failure = 0;
+  for (int g = 0; g < t.replica_groups; ++g) {
+    const int c = codes[static_cast<size_t>(g)];
+    if (c == 0) return 0;
+    if (first_failure == 0 && c != kStoppedByCaller) first_failure = c;
+  }
+  std::cerr << "ddpkit: no replica group finished\n";
+  return first_failure != 0 ? first_failure : 1;
+}
+
+// One rank of replica group t.replica_group.
+int run_ft_rank(const Flags& f, const TrainFlags& t) {
+  PeakMemorySampler memory;
+  set_compute_threads(t.threads);
+  std::shared_ptr<ProcessGroup> pg = join_group(f, t);
+  const int rank = pg->rank(), world = pg->size();
+  // Every group starts from the same parameters; a group that starts late heals to the others'.
+  torch::manual_seed(f.integer("seed"));
+  RunData run_data = load_run_data(f, t.model, t.dataset);
+  Split& data = run_data.data;
+  Training run;
+  run.model = build_model(f, t.model, run_data.dims, data.train.num_classes);
+  build_training(f, t, pg, run);
+
+  // Each group keeps its own share of every epoch (group g: ranks g*W .. g*W+W-1 of R*W); while a
+  // group is out, its share is skipped (docs/fault_tolerance.md).
+  const int data_world = t.replica_groups * world, data_rank = t.replica_group * world + rank;
+  const int64_t n_train = data.train.inputs.size(0);
+  const int64_t per_rank = n_train / data_world;
+  const int64_t steps_per_epoch = per_rank / t.batch;
+  if (steps_per_epoch < 1) throw UsageError("--batch-size is larger than this rank's share of the data");
+  const int64_t total_steps =
+      t.max_steps > 0 ? std::min<int64_t>(t.max_steps, steps_per_epoch * t.epochs) : steps_per_epoch * t.epochs;
+
+  const auto timeout = std::chrono::milliseconds(int64_t{f.integer("timeout-s")} * 1000);
+  ft::Manager manager(pg, run.state,
+                      ft::ManagerOptions()
+                          .lighthouse(t.lighthouse)
+                          .group_id(group_name(t.replica_group))
+                          .token(ft_token())
+                          .quorum_timeout(timeout)
+                          .cross_group_timeout(std::min(timeout, std::chrono::milliseconds(30000))));
+  const bool lead = rank == 0;
+  Progress progress(lead && t.replica_group == 0 && !f.on("quiet"));
+  std::vector<double> step_ms;
+  double last_loss = 0;
+  at::Tensor perm;
+  int64_t perm_epoch = -1;
+  for (;;) {
+    const auto t0 = std::chrono::steady_clock::now();
+    // Also once after the last step: a group that did not commit it (its cross-group average
+    // failed where the others' did not) heals in that last quorum rather than finishing alone.
+    manager.start_step();
+    const int64_t step = manager.step();
+    if (step >= total_steps) break;
+    const int64_t epoch = step / steps_per_epoch, i = step % steps_per_epoch;
+    if (epoch != perm_epoch) {
+      auto gen = at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(f.integer("seed")) * 1000 + epoch);
+      perm = at::randperm(n_train, gen, at::kLong).slice(0, data_rank, data_world * per_rank, data_world);
+      perm_epoch = epoch;
+    }
+    at::Tensor idx = perm.slice(0, i * t.batch, (i + 1) * t.batch);
+    at::Tensor x = data.train.inputs.index_select(0, idx), y = data.train.labels.index_select(0, idx);
+    if (run.model.language_model) x = x.to(at::kLong), y = y.to(at::kLong);
+    for (auto& p : run.params) p.mutable_grad().reset();
+    at::Tensor loss = model_loss(run.model, run.forward(x), y);
+    loss.backward();
+    std::vector<at::Tensor> grads;
+    for (const auto& p : run.params)
+      if (p.grad().defined()) grads.push_back(p.grad());
+    manager.allreduce(grads);
+    if (manager.should_commit()) {
+      if (run.zero)
+        run.zero->step();
+      else
+        run.optimizer->step();
+      last_loss = loss.item<double>();
+    }
+    step_ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+    progress.update("step", manager.step(), total_steps, last_loss, median(step_ms));
+  }
+  progress.finish();
+  const TestScore score = f.on("no-eval") ? TestScore{-1, -1} : evaluate(run.model, data.test, run.sharded_model.get(), pg.get());
+  memory.stop();
+  if (lead) {
+    const auto& s = manager.stats();
+    std::ostringstream os;
+    os << std::setprecision(6) << "{\"replica_group\": " << t.replica_group << ", \"group_id\": \"" << manager.group_id()
+       << "\", \"replica_groups\": " << t.replica_groups << ", \"world_size\": " << world
+       << ", \"steps\": " << manager.step() << ", \"median_step_ms\": " << (step_ms.empty() ? 0.0 : median(step_ms))
+       << ", \"longest_step_ms\": " << (step_ms.empty() ? 0.0 : *std::max_element(step_ms.begin(), step_ms.end()))
+       << ", \"final_loss\": " << last_loss << ", \"test_accuracy\": " << score.accuracy
+       << ", \"quorums\": " << s.quorums << ", \"reconfigurations\": " << s.reconfigurations << ", \"heals\": " << s.heals
+       << ", \"heal_bytes\": " << s.heal_bytes << ", \"heal_seconds\": " << s.heal_seconds
+       << ", \"heal_fetch_seconds\": " << s.heal_fetch_seconds << ", \"snapshot_seconds\": " << s.snapshot_seconds
+       << ", \"heals_through_memory_file\": " << s.heals_through_memory_file
+       << ", \"steps_committed\": " << s.steps_committed << ", \"steps_not_committed\": " << s.steps_not_committed
+       << ", \"parameter_checksum\": \"" << parameter_checksum(run.params) << "\""
+       << ", \"peak_rss_bytes\": " << memory.peak_rss_bytes() << "}";
+    std::cout << os.str() << std::endl;
+  }
+  ProcessGroup::wait(pg->barrier());
+  return 0;
+}
+
+}  // namespace
+
+int run_fault_tolerant(const Flags& f, const TrainFlags& t, const std::vector<std::string>& argv) {
+  if (in_distributed_env()) {
+    if (t.replica_group < 0)
+      throw UsageError("--fault-tolerant under a launcher that sets RANK/WORLD_SIZE: give --replica-group and --lighthouse");
+    return run_ft_rank(f, t);
+  }
+  if (t.replica_group >= 0) return launch_local(t.nproc, argv, "/proc/self/exe", t.max_restarts);
+  return run_replica_groups(t, argv);
+}
+
+}  // namespace cli
+}  // namespace ddpkit
