@@ -54,9 +54,9 @@ void dequantize_scalar(const int8_t* q, int64_t n, float scale, float* out, bool
 }
 
 // ---- AVX2: 8 lanes --------------------------------------------------------------------------------
-#define DDPKIT_AVX2 __attribute__((target("avx2,fma")))
+#define DDPKIT_QUANTIZE_AVX2 __attribute__((target("avx2,fma")))
 
-DDPKIT_AVX2 void amax_avx2(const float* x, int64_t n, float& amax, bool& nonfinite) {
+DDPKIT_QUANTIZE_AVX2 void amax_avx2(const float* x, int64_t n, float& amax, bool& nonfinite) {
   const __m256 sign = _mm256_set1_ps(-0.f);
   const __m256 fmax = _mm256_set1_ps(std::numeric_limits<float>::max());
   __m256 acc = _mm256_setzero_ps();
@@ -73,7 +73,7 @@ DDPKIT_AVX2 void amax_avx2(const float* x, int64_t n, float& amax, bool& nonfini
   if (_mm256_movemask_ps(bad)) nonfinite = true;
   amax_scalar(x + i, n - i, amax, nonfinite);
 }
-DDPKIT_AVX2 void quantize_avx2(const float* x, int64_t n, BlockScale s, int8_t* q, float* r) {
+DDPKIT_QUANTIZE_AVX2 void quantize_avx2(const float* x, int64_t n, BlockScale s, int8_t* q, float* r) {
   const __m256 inv = _mm256_set1_ps(s.inverse), sc = _mm256_set1_ps(s.scale);
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
@@ -87,7 +87,7 @@ DDPKIT_AVX2 void quantize_avx2(const float* x, int64_t n, BlockScale s, int8_t* 
   }
   quantize_scalar(x + i, n - i, s, q + i, r ? r + i : nullptr);
 }
-DDPKIT_AVX2 void dequantize_avx2(const int8_t* q, int64_t n, float scale, float* out, bool accumulate) {
+DDPKIT_QUANTIZE_AVX2 void dequantize_avx2(const int8_t* q, int64_t n, float scale, float* out, bool accumulate) {
   const __m256 sc = _mm256_set1_ps(scale);
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
@@ -98,9 +98,9 @@ DDPKIT_AVX2 void dequantize_avx2(const int8_t* q, int64_t n, float scale, float*
 }
 
 // ---- AVX-512: 16 lanes ----------------------------------------------------------------------------
-#define DDPKIT_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,fma")))
+#define DDPKIT_QUANTIZE_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,fma")))
 
-DDPKIT_AVX512 void amax_avx512(const float* x, int64_t n, float& amax, bool& nonfinite) {
+DDPKIT_QUANTIZE_AVX512 void amax_avx512(const float* x, int64_t n, float& amax, bool& nonfinite) {
   const __m512 fmax = _mm512_set1_ps(std::numeric_limits<float>::max());
   __m512 acc = _mm512_setzero_ps();
   __mmask16 bad = 0;
@@ -115,7 +115,7 @@ DDPKIT_AVX512 void amax_avx512(const float* x, int64_t n, float& amax, bool& non
   if (bad) nonfinite = true;
   amax_scalar(x + i, n - i, amax, nonfinite);
 }
-DDPKIT_AVX512 void quantize_avx512(const float* x, int64_t n, BlockScale s, int8_t* q, float* r) {
+DDPKIT_QUANTIZE_AVX512 void quantize_avx512(const float* x, int64_t n, BlockScale s, int8_t* q, float* r) {
   const __m512 inv = _mm512_set1_ps(s.inverse), sc = _mm512_set1_ps(s.scale);
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
@@ -126,7 +126,7 @@ DDPKIT_AVX512 void quantize_avx512(const float* x, int64_t n, BlockScale s, int8
   }
   quantize_scalar(x + i, n - i, s, q + i, r ? r + i : nullptr);
 }
-DDPKIT_AVX512 void dequantize_avx512(const int8_t* q, int64_t n, float scale, float* out, bool accumulate) {
+DDPKIT_QUANTIZE_AVX512 void dequantize_avx512(const int8_t* q, int64_t n, float scale, float* out, bool accumulate) {
   const __m512 sc = _mm512_set1_ps(scale);
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
