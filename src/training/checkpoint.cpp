@@ -4,6 +4,8 @@
 #include <ddpkit/fsdp/fully_sharded_data_parallel.h>
 #include <ddpkit/zero/zero_redundancy_optimizer.h>
 
+#include "optimizer_tensors.h"
+
 #include <ATen/CPUGeneratorImpl.h>
 #include <torch/serialize/archive.h>
 
@@ -84,7 +86,15 @@ class Reader {
 }  // namespace
 
 std::string encode_tensors(const TensorDict& dict) {
-  std::string out(kMagic, sizeof(kMagic));
+  // Sized once: growing a string of gigabytes by doubling copies (and faults in) it again each time.
+  size_t total = sizeof(kMagic) + 16;
+  for (const auto& kv : dict)
+    if (kv.second.defined())
+      total += 14 + kv.first.size() + 8 * static_cast<size_t>(kv.second.dim()) +
+               static_cast<size_t>(kv.second.numel()) * kv.second.element_size();
+  std::string out;
+  out.reserve(total);
+  out.append(kMagic, sizeof(kMagic));
   put<uint64_t>(out, dict.size());
   for (const auto& kv : dict) {
     DDPKIT_CHECK(kv.second.defined(), "encode_tensors: entry '", kv.first, "' is an undefined tensor");
@@ -367,9 +377,11 @@ std::optional<Checkpoint> load_latest_checkpoint(ProcessGroup* pg, const std::st
 // ---- TrainingState -------------------------------------------------------------------------------
 namespace {
 
-void put_module(TensorDict& d, torch::nn::Module& m) {
-  for (const auto& kv : m.named_parameters(true)) d["model/" + kv.key()] = kv.value().detach().clone();
-  for (const auto& kv : m.named_buffers(true)) d["model/" + kv.key()] = kv.value().detach().clone();
+// `copy` false: the entries share storage with the model (a snapshot encoded at once).
+void put_module(TensorDict& d, torch::nn::Module& m, bool copy = true) {
+  for (const auto& kv : m.named_parameters(true))
+    d["model/" + kv.key()] = copy ? kv.value().detach().clone() : kv.value().detach();
+  for (const auto& kv : m.named_buffers(true)) d["model/" + kv.key()] = copy ? kv.value().detach().clone() : kv.value().detach();
 }
 
 void load_module(const TensorDict& d, torch::nn::Module& m, const std::string& what) {
@@ -544,11 +556,13 @@ std::optional<Checkpoint> TrainingState::restore(ProcessGroup* pg, const std::st
 TensorDict TrainingState::snapshot(const TensorDict& extra) const {
   DDPKIT_CHECK(!(optimizer_ && zero_), "TrainingState: give an optimizer or a ZeroRedundancyOptimizer, not both");
   TensorDict d = with_prefix(extra, "extra/");
-  if (module_) put_module(d, *module_);
+  if (module_) put_module(d, *module_, /*copy=*/false);
   if (fsdp_)
-    for (auto& kv : fsdp_->sharded_state_dict()) d["fsdp_shard/" + kv.first] = kv.second.detach().clone();
-  if (optimizer_) d["optimizer"] = bytes_entry(optimizer_bytes(*optimizer_));
-  if (zero_) d["zero_partition"] = bytes_entry(optimizer_bytes(zero_->local_optimizer()));
+    for (auto& kv : fsdp_->sharded_state_dict()) d["fsdp_shard/" + kv.first] = kv.second.detach();
+  if (optimizer_ && !detail::put_optimizer_tensors(d, *optimizer_, "optimizer/"))
+    d["optimizer"] = bytes_entry(optimizer_bytes(*optimizer_));
+  if (zero_ && !detail::put_optimizer_tensors(d, zero_->local_optimizer(), "zero_partition/"))
+    d["zero_partition"] = bytes_entry(optimizer_bytes(zero_->local_optimizer()));
   if (ddp_) put_bucket_layout(d, *ddp_);
   if (hook_state_)
     for (auto& kv : hook_state_->state_dict()) d["hook/" + kv.first] = std::move(kv.second);
@@ -559,8 +573,10 @@ TensorDict TrainingState::snapshot(const TensorDict& extra) const {
 TensorDict TrainingState::load_snapshot(const TensorDict& snapshot, const std::string& what) {
   if (module_) load_module(snapshot, *module_, what);
   if (fsdp_) fsdp_->load_sharded_state_dict(under_prefix(snapshot, "fsdp_shard/"));
-  if (optimizer_) load_optimizer(bytes_of(snapshot, "optimizer", what + " (no optimizer state)"), *optimizer_);
-  if (zero_) load_optimizer(bytes_of(snapshot, "zero_partition", what + " (no ZeRO partition)"), zero_->local_optimizer());
+  if (optimizer_ && !detail::load_optimizer_tensors(snapshot, *optimizer_, "optimizer/", what))
+    load_optimizer(bytes_of(snapshot, "optimizer", what + " (no optimizer state)"), *optimizer_);
+  if (zero_ && !detail::load_optimizer_tensors(snapshot, zero_->local_optimizer(), "zero_partition/", what))
+    load_optimizer(bytes_of(snapshot, "zero_partition", what + " (no ZeRO partition)"), zero_->local_optimizer());
   if (ddp_) load_bucket_layout(snapshot, *ddp_, what);
   if (hook_state_) hook_state_->load_state_dict(under_prefix(snapshot, "hook/"));
   load_cpu_generator(snapshot, what);

@@ -86,7 +86,8 @@ class TrainingState {
   // This rank's whole state as the matching rank of an identical replica needs it (a heal in
   // fault-tolerant training, ddpkit/ft): the model (FSDP: this rank's shards), the optimizer
   // (ZeRO: this rank's partition), the bucket layout, the hook state and the CPU generator. Not
-  // collective: nothing is gathered. `extra` entries are stored under "extra/".
+  // collective: nothing is gathered. `extra` entries are stored under "extra/". The tensors share
+  // storage with the live state: encode (encode_tensors) or copy them before the next step.
   TensorDict snapshot(const TensorDict& extra = {}) const;
   // Loads what snapshot() returned on the matching rank of a replica built the same way; returns
   // its extras (without the prefix). `what` names the source in errors.
