@@ -274,27 +274,7 @@ void Manager::start_step() {
       im.failed = false;
       return;
     }
-    const GroupInfo& from = quorum_.participants[source];
-    const std::string what = "the state of group " + from.group_id + " rank " + std::to_string(pg.rank()) + " (" +
-                             from.state_addresses[pg.rank()] + "), step " + std::to_string(quorum_.max_step);
-    try {
-      const auto start = std::chrono::steady_clock::now();
-      FetchOptions fo;
-      fo.token = im.options.token();
-      fo.connections = im.options.heal_connections();
-      fo.try_memory_file = from.hosts[pg.rank()] == im.hosts[pg.rank()];
-      fo.timeout = im.options.cross_group_timeout();
-      Fetched got = fetch_state(from.state_addresses[pg.rank()], quorum_.max_step, fo);
-      stats_.heal_fetch_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-      const TensorDict extra = im.state.load_snapshot(decode_tensors(got.bytes, what), what);
-      if (im.load_extra) im.load_extra(extra);
-      stats_.heal_bytes += static_cast<int64_t>(got.bytes.size());
-      stats_.heal_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-      stats_.heals_through_memory_file += got.through_memory_file ? 1 : 0;
-    } catch (const std::exception& e) {
-      ok = false;
-      why = std::string("healing from ") + what + ": " + e.what();
-    }
+    ok = copy_state_from(source, &why);
     if (all_of(pg, ok)) {
       step_ = quorum_.max_step;
       ++stats_.heals;
@@ -306,6 +286,33 @@ void Manager::start_step() {
     stats_.last_error = why.empty() ? "a rank of this group could not heal" : why;
     im.broken = true;
     if (std::chrono::steady_clock::now() >= give_up) throw CommError("ddpkit: replica group " + im.options.group_id() + ": " + stats_.last_error);
+  }
+}
+
+bool Manager::copy_state_from(int source, std::string* why) {
+  Impl& im = *impl_;
+  ProcessGroup& pg = *im.group;
+  const GroupInfo& from = quorum_.participants[source];
+  const std::string what = "the state of group " + from.group_id + " rank " + std::to_string(pg.rank()) + " (" +
+                           from.state_addresses[pg.rank()] + "), step " + std::to_string(quorum_.max_step);
+  try {
+    const auto start = std::chrono::steady_clock::now();
+    FetchOptions fo;
+    fo.token = im.options.token();
+    fo.connections = im.options.heal_connections();
+    fo.try_memory_file = from.hosts[pg.rank()] == im.hosts[pg.rank()];
+    fo.timeout = im.options.cross_group_timeout();
+    Fetched got = fetch_state(from.state_addresses[pg.rank()], quorum_.max_step, fo);
+    stats_.heal_fetch_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    const TensorDict extra = im.state.load_snapshot(decode_tensors(got.bytes, what), what);
+    if (im.load_extra) im.load_extra(extra);
+    stats_.heal_bytes += static_cast<int64_t>(got.bytes.size());
+    stats_.heal_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    stats_.heals_through_memory_file += got.through_memory_file ? 1 : 0;
+    return true;
+  } catch (const std::exception& e) {
+    *why = "healing from " + what + ": " + e.what();
+    return false;
   }
 }
 

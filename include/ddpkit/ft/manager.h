@@ -94,6 +94,9 @@ class Manager {
   const std::string& group_id() const;
 
  private:
+  // This rank's state from the matching rank of participant `source`; false with `why` on failure.
+  bool copy_state_from(int source, std::string* why);
+
   struct Impl;
   std::unique_ptr<Impl> impl_;
   int64_t step_ = 0;
