@@ -28,6 +28,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
+from ft_train import cpu_seconds, ranks_of  # noqa: E402  (finding a replica group's ranks)
 
 
 def reports(out):
@@ -43,27 +44,6 @@ def train(binary, flags, timeout):
     return reports(p.stdout)
 
 
-def ranks_of(binary, group):
-    pids = []
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            args = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
-            env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
-        except OSError:
-            continue
-        if b"--replica-group" in args and args[args.index(b"--replica-group") + 1] == str(group).encode() \
-                and any(e.startswith(b"RANK=") for e in env):
-            pids.append(int(pid))
-    return pids
-
-
-def cpu_seconds(pid):
-    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def heal(binary, dims, timeout):
     cmd = [binary, "train", "--fault-tolerant", "--replica-groups", "2", "--nproc", "1", "--dataset", "synthetic",
            "--mlp-dims", dims, "--optimizer", "adam", "--batch-size", "32", "--threads", "1", "--epochs", "1000",
@@ -72,9 +52,9 @@ def heal(binary, dims, timeout):
     end = time.time() + timeout
     killed = False
     while time.time() < end and not killed and p.poll() is None:
-        pids = ranks_of(binary, 1)
+        pids = ranks_of(1)
         try:
-            if pids and ranks_of(binary, 0) and cpu_seconds(pids[0]) > 4 and cpu_seconds(ranks_of(binary, 0)[0]) > 4:
+            if pids and ranks_of(0) and cpu_seconds(pids[0]) > 4 and cpu_seconds(ranks_of(0)[0]) > 4:
                 os.kill(pids[0], signal.SIGKILL)
                 killed = True
         except OSError:

@@ -24,15 +24,15 @@ import subprocess
 import sys
 import time
 
-BIN = os.path.abspath(sys.argv[1])
-MODE = sys.argv[2]
+BIN = None  # build/ddpkit, from the command line
 # Steps long enough that a failure lands mid-run, short enough for the default suite.
 BASE = ["train", "--fault-tolerant", "--dataset", "synthetic", "--mlp-dims", "64,512,512,10",
         "--epochs", "1000", "--quiet", "--no-eval", "--timeout-s", "60"]
 
 
-def ranks_of(parent, group):
-    """pids of the ranks of replica group `group` (their command line says --replica-group G)."""
+def ranks_of(group):
+    """pids of the ranks of replica group `group` of a `ddpkit train --fault-tolerant` job (their
+    command line says --replica-group G; ranks, unlike the launcher, have RANK set)."""
     out = []
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
@@ -42,18 +42,17 @@ def ranks_of(parent, group):
             env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
         except OSError:
             continue
-        if BIN.encode() not in args[0] and b"ddpkit" not in args[0]:
-            continue
-        if b"--replica-group" in args and args[args.index(b"--replica-group") + 1] == str(group).encode() \
+        if b"train" in args and b"--replica-group" in args \
+                and args[args.index(b"--replica-group") + 1] == str(group).encode() \
                 and any(e.startswith(b"RANK=") for e in env):
             out.append(int(pid))
     return sorted(out)
 
 
-def wait_for_ranks(parent, groups, per_group, timeout=60):
+def wait_for_ranks(groups, per_group, timeout=60):
     end = time.time() + timeout
     while time.time() < end:
-        if all(len(ranks_of(parent, g)) == per_group for g in groups):
+        if all(len(ranks_of(g)) == per_group for g in groups):
             return
         time.sleep(0.1)
     sys.exit(f"FAILED: the ranks of groups {groups} did not start within {timeout} s")
@@ -64,11 +63,11 @@ def cpu_seconds(pid):
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def wait_until_training(parent, group, cpu=1.8, timeout=120):
+def wait_until_training(group, cpu=1.8, timeout=120):
     """Until a rank of `group` has used `cpu` seconds of CPU: past start-up, in the steps."""
     end = time.time() + timeout
     while time.time() < end:
-        pids = ranks_of(parent, group)
+        pids = ranks_of(group)
         try:
             if pids and cpu_seconds(pids[0]) >= cpu:
                 return
@@ -105,9 +104,9 @@ def run(flags, act, timeout=300):
 
 def kill_mode():
     def act(p):
-        wait_for_ranks(p.pid, [0, 1, 2], 2)
-        wait_until_training(p.pid, 1)
-        os.kill(ranks_of(p.pid, 1)[1], signal.SIGKILL)
+        wait_for_ranks([0, 1, 2], 2)
+        wait_until_training(1)
+        os.kill(ranks_of(1)[1], signal.SIGKILL)
     rc, out, err = run(["--replica-groups", "3", "--nproc", "2", "--steps", "1000"], act)
     if rc != 0:
         sys.exit(f"FAILED: exit {rc}\n{err[-3000:]}")
@@ -126,9 +125,9 @@ def stop_mode():
     stopped = []
 
     def act(p):
-        wait_for_ranks(p.pid, [0, 1, 2], 1)
-        wait_until_training(p.pid, 2)
-        for pid in ranks_of(p.pid, 2):
+        wait_for_ranks([0, 1, 2], 1)
+        wait_until_training(2)
+        for pid in ranks_of(2):
             os.kill(pid, signal.SIGSTOP)
             stopped.append(pid)
     rc, out, err = run(["--replica-groups", "3", "--nproc", "1", "--steps", "800"], act)
@@ -150,9 +149,9 @@ def stop_mode():
 
 def two_lost_mode():
     def act(p):
-        wait_for_ranks(p.pid, [0, 1, 2, 3], 1)
-        wait_until_training(p.pid, 1)
-        victims = ranks_of(p.pid, 1) + ranks_of(p.pid, 3)
+        wait_for_ranks([0, 1, 2, 3], 1)
+        wait_until_training(1)
+        victims = ranks_of(1) + ranks_of(3)
         for pid in victims:
             os.kill(pid, signal.SIGKILL)
     rc, out, err = run(["--replica-groups", "4", "--nproc", "1", "--steps", "1000"], act)
@@ -188,8 +187,8 @@ def lighthouse_mode():
     lh = [start_lighthouse()]
 
     def act(p):
-        wait_for_ranks(p.pid, [0, 1], 1)
-        wait_until_training(p.pid, 1)
+        wait_for_ranks([0, 1], 1)
+        wait_until_training(1)
         lh[0].kill()
         lh[0].wait()
         time.sleep(1)
@@ -208,9 +207,9 @@ def lighthouse_mode():
 
 def min_replicas_mode():
     def act(p):
-        wait_for_ranks(p.pid, [0, 1], 1)
-        wait_until_training(p.pid, 1)
-        os.kill(ranks_of(p.pid, 1)[0], signal.SIGKILL)
+        wait_for_ranks([0, 1], 1)
+        wait_until_training(1)
+        os.kill(ranks_of(1)[0], signal.SIGKILL)
     rc, out, err = run(["--replica-groups", "2", "--nproc", "1", "--steps", "100000", "--min-replicas", "2",
                         "--max-restarts", "0", "--timeout-s", "8"], act, timeout=120)
     if rc == 0:
@@ -222,7 +221,10 @@ def min_replicas_mode():
 
 MODES = {"kill": kill_mode, "stop": stop_mode, "two-lost": two_lost_mode, "lighthouse": lighthouse_mode,
          "min-replicas": min_replicas_mode}
-if MODE not in MODES:
-    sys.exit(f"unknown mode {MODE}: {', '.join(MODES)}")
-MODES[MODE]()
-print("ok")
+
+if __name__ == "__main__":
+    BIN = os.path.abspath(sys.argv[1])
+    if sys.argv[2] not in MODES:
+        sys.exit(f"unknown mode {sys.argv[2]}: {', '.join(MODES)}")
+    MODES[sys.argv[2]]()
+    print("ok")

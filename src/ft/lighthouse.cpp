@@ -295,16 +295,8 @@ void Lighthouse::start() {
   so.waitWorkers = false;
   im.store = c10::make_intrusive<c10d::TCPStore>(listen_host == "[::]" ? "0.0.0.0" : listen_host, so);
 
-  std::shared_ptr<grpc::ServerCredentials> creds;
   const auto& tls = im.options.tls();
-  if (!tls.certificate().empty()) {
-    grpc::SslServerCredentialsOptions ssl;
-    ssl.pem_key_cert_pairs.push_back(
-        {ps::read_pem_file(tls.private_key(), "private key"), ps::read_pem_file(tls.certificate(), "certificate")});
-    creds = grpc::SslServerCredentials(ssl);
-  } else {
-    creds = grpc::InsecureServerCredentials();
-  }
+  const auto creds = ps::server_credentials(tls.certificate(), tls.private_key());
   auto service = std::make_unique<Service>(&im);
   grpc::ServerBuilder builder;
   builder.AddListeningPort(a, creds, &im.bound_port);
@@ -367,14 +359,7 @@ LighthouseClient::LighthouseClient(LighthouseClientOptions options) : impl_(std:
   ps::hold_grpc_runtime();
   DDPKIT_CHECK(!options.address().empty(), "lighthouse client: no address given (host:port)");
   impl_->options = std::move(options);
-  std::shared_ptr<grpc::ChannelCredentials> creds;
-  if (!impl_->options.tls().root_certificate().empty()) {
-    grpc::SslCredentialsOptions ssl;
-    ssl.pem_root_certs = ps::read_pem_file(impl_->options.tls().root_certificate(), "root certificate");
-    creds = grpc::SslCredentials(ssl);
-  } else {
-    creds = grpc::InsecureChannelCredentials();
-  }
+  const auto creds = ps::channel_credentials(impl_->options.tls().root_certificate());
   grpc::ChannelArguments args;
   // Heartbeats must not wait out a reconnect backoff after the lighthouse restarts.
   args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
@@ -387,7 +372,6 @@ LighthouseClient::~LighthouseClient() = default;
 Quorum LighthouseClient::quorum(const GroupInfo& self, std::chrono::milliseconds timeout, bool broken) {
   wire::QuorumRequest req;
   wire::to_wire(self, req.mutable_member());
-  req.set_timeout_ms(timeout.count());
   req.set_broken(broken);
   wire::QuorumReply reply;
   // A lighthouse that is away (restarting) is asked again until the timeout.

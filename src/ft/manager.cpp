@@ -92,7 +92,6 @@ struct Manager::Impl {
 
   bool failed = false;  // this step cannot commit
   bool broken = false;  // the cross-group group must be rebuilt
-  std::string failure;
 
   std::thread heartbeats;
   std::mutex beat_mu;

@@ -91,14 +91,7 @@ ParameterServerClient::ParameterServerClient(ClientOptions options) : impl_(std:
   DDPKIT_CHECK(o.shared_memory_slots() >= 1 && o.shared_memory_slots() <= SharedRegion::kMaxMailboxes,
                "parameter server client: shared_memory_slots must be in 1..", SharedRegion::kMaxMailboxes, ", got ",
                o.shared_memory_slots());
-  std::shared_ptr<grpc::ChannelCredentials> creds;
-  if (!o.tls().root_certificate().empty()) {
-    grpc::SslCredentialsOptions ssl;
-    ssl.pem_root_certs = read_pem_file(o.tls().root_certificate(), "root certificate");
-    creds = grpc::SslCredentials(ssl);
-  } else {
-    creds = grpc::InsecureChannelCredentials();
-  }
+  const auto creds = channel_credentials(o.tls().root_certificate());
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(static_cast<int>(o.max_message_bytes()));
   args.SetMaxSendMessageSize(static_cast<int>(o.max_message_bytes()));

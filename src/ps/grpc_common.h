@@ -4,8 +4,11 @@
 #include <ddpkit/error.h>
 
 #include <grpc/grpc.h>
+#include <grpcpp/security/credentials.h>
+#include <grpcpp/security/server_credentials.h>
 
 #include <fstream>
+#include <memory>
 #include <sstream>
 #include <string>
 
@@ -67,6 +70,24 @@ inline std::string read_pem_file(const std::string& path, const char* what) {
   std::ostringstream os;
   os << in.rdbuf();
   return os.str();
+}
+
+// A server's credentials: TLS from PEM files when a certificate is given (with its key), else
+// plaintext.
+inline std::shared_ptr<grpc::ServerCredentials> server_credentials(const std::string& certificate,
+                                                                   const std::string& private_key) {
+  if (certificate.empty()) return grpc::InsecureServerCredentials();
+  grpc::SslServerCredentialsOptions ssl;
+  ssl.pem_key_cert_pairs.push_back({read_pem_file(private_key, "private key"), read_pem_file(certificate, "certificate")});
+  return grpc::SslServerCredentials(ssl);
+}
+
+// A client's credentials: TLS trusting `root_certificate` (PEM) when given, else plaintext.
+inline std::shared_ptr<grpc::ChannelCredentials> channel_credentials(const std::string& root_certificate) {
+  if (root_certificate.empty()) return grpc::InsecureChannelCredentials();
+  grpc::SslCredentialsOptions ssl;
+  ssl.pem_root_certs = read_pem_file(root_certificate, "root certificate");
+  return grpc::SslCredentials(ssl);
 }
 
 }  // namespace ps

@@ -521,15 +521,8 @@ ParameterServer::ParameterServer(ServerOptions options) : impl_(std::make_unique
 void ParameterServer::start() {
   DDPKIT_CHECK(!impl_->server, "parameter server: start() called twice");
   auto service = std::make_unique<Service>(impl_.get(), this);
-  std::shared_ptr<grpc::ServerCredentials> creds;
   const auto& tls = impl_->options.tls();
-  if (!tls.certificate().empty()) {
-    grpc::SslServerCredentialsOptions ssl;
-    ssl.pem_key_cert_pairs.push_back({read_pem_file(tls.private_key(), "private key"), read_pem_file(tls.certificate(), "certificate")});
-    creds = grpc::SslServerCredentials(ssl);
-  } else {
-    creds = grpc::InsecureServerCredentials();
-  }
+  const auto creds = server_credentials(tls.certificate(), tls.private_key());
   grpc::ServerBuilder builder;
   builder.AddListeningPort(impl_->options.address(), creds, &impl_->bound_port);
   builder.RegisterService(service.get());

@@ -50,9 +50,13 @@ extern const char* kLaunchUsage;
 int run_launch(const std::vector<std::string>& args);
 // True when a torchrun-style environment names this process's rank.
 bool in_distributed_env();
-// The parameter server's shared secret: the first line of `path`, or DDPKIT_PS_TOKEN when `path`
-// is empty ("" when neither is set). UsageError for an unreadable or empty file.
-std::string read_token(const std::string& path);
+// A service's shared secret: the first line of `path`, or the environment variable `env` when
+// `path` is empty ("" when neither is set). UsageError for an unreadable or empty file.
+std::string read_token(const std::string& path, const char* env = "DDPKIT_PS_TOKEN");
+// Servers that run until SIGINT/SIGTERM: catch_stop_signals() first (before the server starts, so
+// a signal meanwhile is kept), then wait_for_stop_signal() returns the signal's number.
+void catch_stop_signals();
+int wait_for_stop_signal();
 
 struct Dataset {
   at::Tensor inputs;   // [N, features] float32; a language model's: [N, T] uint8 bytes (widen per batch)

@@ -4,10 +4,6 @@
 
 #include <ddpkit/ft/lighthouse.h>
 
-#include <signal.h>
-#include <unistd.h>
-
-#include <cerrno>
 #include <iostream>
 
 namespace ddpkit {
@@ -30,14 +26,6 @@ flags:
   --tls-key PATH           PEM private key
 )";
 
-namespace {
-int g_lighthouse_stop_pipe[2] = {-1, -1};
-void on_lighthouse_stop(int sig) {
-  const unsigned char byte = static_cast<unsigned char>(sig);
-  (void)!write(g_lighthouse_stop_pipe[1], &byte, 1);
-}
-}  // namespace
-
 int run_lighthouse(const std::vector<std::string>& args) {
   Flags f(args,
           {{"address", "0.0.0.0:29510"}, {"advertise-host", ""}, {"min-replicas", "1"}, {"heartbeat-timeout-ms", "1000"},
@@ -49,19 +37,8 @@ int run_lighthouse(const std::vector<std::string>& args) {
   if (f.integer("expected-groups") < 0) throw UsageError("--expected-groups must be >= 0");
   if (f.str("address").rfind(':') == std::string::npos) throw UsageError("--address must be HOST:PORT");
   if (f.str("tls-cert").empty() != f.str("tls-key").empty()) throw UsageError("--tls-cert and --tls-key go together");
-  std::string token;
-  if (f.str("token-file").empty()) {
-    const char* env = std::getenv("DDPKIT_FT_TOKEN");
-    token = env ? env : "";
-  } else {
-    token = read_token(f.str("token-file"));
-  }
-  if (pipe(g_lighthouse_stop_pipe) != 0) throw std::runtime_error("pipe() failed");
-  struct sigaction action {};
-  action.sa_handler = on_lighthouse_stop;
-  sigemptyset(&action.sa_mask);
-  sigaction(SIGINT, &action, nullptr);
-  sigaction(SIGTERM, &action, nullptr);
+  const std::string token = read_token(f.str("token-file"), "DDPKIT_FT_TOKEN");
+  catch_stop_signals();
   ft::Lighthouse lighthouse(ft::LighthouseOptions()
                                 .address(f.str("address"))
                                 .advertise_host(f.str("advertise-host"))
@@ -74,12 +51,10 @@ int run_lighthouse(const std::vector<std::string>& args) {
   lighthouse.start();
   std::cout << "ddpkit lighthouse: listening on " << lighthouse.address() << " (min replicas "
             << f.integer("min-replicas") << (f.str("tls-cert").empty() ? ", plaintext" : ", TLS") << ")" << std::endl;
-  unsigned char sig = 0;
-  while (read(g_lighthouse_stop_pipe[0], &sig, 1) < 0 && errno == EINTR) {
-  }
+  const int sig = wait_for_stop_signal();
   const int64_t formed = lighthouse.quorums_formed();
   lighthouse.shutdown();
-  std::cout << "ddpkit lighthouse: stopped by signal " << int(sig) << " after " << formed << " quorums" << std::endl;
+  std::cout << "ddpkit lighthouse: stopped by signal " << sig << " after " << formed << " quorums" << std::endl;
   return 0;
 }
 

@@ -34,10 +34,10 @@ flags:
   --rank N                 rank reported in metrics (default 0)
 )";
 
-std::string read_token(const std::string& path) {
+std::string read_token(const std::string& path, const char* env) {
   if (path.empty()) {
-    const char* env = std::getenv("DDPKIT_PS_TOKEN");
-    return env ? env : "";
+    const char* value = std::getenv(env);
+    return value ? value : "";
   }
   std::ifstream in(path);
   if (!in) throw UsageError("--token-file '" + path + "' cannot be read");
@@ -54,6 +54,24 @@ void on_stop_signal(int sig) {
   (void)!write(g_signal_pipe[1], &byte, 1);
 }
 }  // namespace
+
+// SIGINT/SIGTERM may land on any thread (OpenBLAS starts its own at load time, before any mask
+// could be set): the handler only writes the signal number to a pipe the waiting thread reads.
+void catch_stop_signals() {
+  if (g_signal_pipe[0] < 0 && pipe(g_signal_pipe) != 0) throw std::runtime_error("pipe() failed");
+  struct sigaction action {};
+  action.sa_handler = on_stop_signal;
+  sigemptyset(&action.sa_mask);
+  sigaction(SIGINT, &action, nullptr);
+  sigaction(SIGTERM, &action, nullptr);
+}
+
+int wait_for_stop_signal() {
+  unsigned char sig = 0;
+  while (read(g_signal_pipe[0], &sig, 1) < 0 && errno == EINTR) {
+  }
+  return sig;
+}
 
 int run_ps_server(const std::vector<std::string>& args) {
   Flags f(args,
@@ -85,14 +103,7 @@ int run_ps_server(const std::vector<std::string>& args) {
   if (f.real("bucket-timeout-s") <= 0) throw UsageError("--bucket-timeout-s must be positive");
   if (f.str("tls-cert").empty() != f.str("tls-key").empty()) throw UsageError("--tls-cert and --tls-key go together");
 
-  // SIGINT/SIGTERM may land on any thread (OpenBLAS starts its own at load time, before any
-  // mask could be set): the handler only writes the signal number to a pipe this thread reads.
-  if (pipe(g_signal_pipe) != 0) throw std::runtime_error("pipe() failed");
-  struct sigaction action {};
-  action.sa_handler = on_stop_signal;
-  sigemptyset(&action.sa_mask);
-  sigaction(SIGINT, &action, nullptr);
-  sigaction(SIGTERM, &action, nullptr);
+  catch_stop_signals();
 
   ps::ParameterServer server(ps::ServerOptions()
                                  .address(f.str("address"))
@@ -107,12 +118,10 @@ int run_ps_server(const std::vector<std::string>& args) {
   std::cout << "ddpkit ps-server: listening on " << server.address() << " (" << ps::server_kind_name(kind)
             << ", trainers " << f.str("trainer-ids") << (f.str("trainer-ids").empty() ? "0.." + std::to_string(ids.size() - 1) : "")
             << (f.str("tls-cert").empty() ? ", plaintext" : ", TLS") << ")" << std::endl;
-  unsigned char sig = 0;
-  while (read(g_signal_pipe[0], &sig, 1) < 0 && errno == EINTR) {
-  }
+  const int sig = wait_for_stop_signal();
   const auto c = server.counters();
   server.shutdown();
-  std::cout << "ddpkit ps-server: stopped by signal " << int(sig) << " after averaging " << c.buckets_averaged
+  std::cout << "ddpkit ps-server: stopped by signal " << sig << " after averaging " << c.buckets_averaged
             << " buckets (" << c.gradients_received << " gradients, " << c.bytes_received << " bytes in and "
             << c.bytes_sent << " out in messages, " << c.shm_bytes_received << " in and " << c.shm_bytes_sent
             << " out through shared memory)" << std::endl;

@@ -296,6 +296,24 @@ void build_training(const Flags& f, const TrainFlags& t, const std::shared_ptr<P
 }
 
 // Where a run starts: step 0, or a checkpoint's position (--resume).
+RunData build_rank(const Flags& f, const TrainFlags& t, const std::shared_ptr<ProcessGroup>& pg, Training& run) {
+  torch::manual_seed(f.integer("seed"));
+  RunData run_data = load_run_data(f, t.model, t.dataset);
+  run.model = build_model(f, t.model, run_data.dims, run_data.data.train.num_classes);
+  build_training(f, t, pg, run);
+  return run_data;
+}
+
+Schedule schedule_for(int64_t n_train, int data_world, const TrainFlags& t) {
+  Schedule s;
+  s.per_rank = n_train / data_world;
+  s.steps_per_epoch = s.per_rank / t.batch;
+  if (s.steps_per_epoch < 1) throw UsageError("--batch-size is larger than this rank's share of the data");
+  s.total_steps = t.max_steps > 0 ? std::min<int64_t>(t.max_steps, s.steps_per_epoch * t.epochs)
+                                  : s.steps_per_epoch * t.epochs;
+  return s;
+}
+
 namespace {
 
 struct StartPoint {
@@ -497,20 +515,14 @@ int run_train(const std::vector<std::string>& args, const std::vector<std::strin
   std::shared_ptr<ProcessGroup> pg = t.use_ddp ? join_group(f, t) : nullptr;
   const int rank = pg ? pg->rank() : 0, world = pg ? pg->size() : 1;
   const bool lead = rank == 0;
-  torch::manual_seed(f.integer("seed"));
-
-  RunData run_data = load_run_data(f, t.model, t.dataset);
-  Split& data = run_data.data;
   Training run;
-  run.model = build_model(f, t.model, run_data.dims, data.train.num_classes);
-  build_training(f, t, pg, run);
+  RunData run_data = build_rank(f, t, pg, run);
+  Split& data = run_data.data;
 
   const int64_t n_train = data.train.inputs.size(0);
-  const int64_t per_rank = n_train / world;
-  const int64_t steps_per_epoch = per_rank / t.batch;
-  if (steps_per_epoch < 1) throw UsageError("--batch-size is larger than this rank's share of the data");
-  const int64_t total_steps =
-      t.max_steps > 0 ? std::min<int64_t>(t.max_steps, steps_per_epoch * t.epochs) : steps_per_epoch * t.epochs;
+  const Schedule schedule = schedule_for(n_train, world, t);
+  const int64_t per_rank = schedule.per_rank, steps_per_epoch = schedule.steps_per_epoch,
+                total_steps = schedule.total_steps;
   const int run_epochs = static_cast<int>((total_steps + steps_per_epoch - 1) / steps_per_epoch);
 
   // The flags that decide the arithmetic: a checkpoint resumes only under the same ones.

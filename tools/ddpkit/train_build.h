@@ -37,6 +37,16 @@ std::shared_ptr<ProcessGroup> join_group(const Flags& f, const TrainFlags& t);
 // The model wrapped for the flags' strategy (DDP and its hook, ZeRO or FSDP) over `pg`, the
 // optimizer, and the state a checkpoint or a heal holds. run.model must be built already.
 void build_training(const Flags& f, const TrainFlags& t, const std::shared_ptr<ProcessGroup>& pg, Training& run);
+// The data, the model and build_training, from --seed first: every rank (and every replica
+// group) starts from the same parameters.
+RunData build_rank(const Flags& f, const TrainFlags& t, const std::shared_ptr<ProcessGroup>& pg, Training& run);
+
+// A rank's share of `n_train` samples split `data_world` ways, in --batch-size steps per epoch, and
+// the steps the run takes (--steps, else --epochs of them). UsageError when a batch exceeds the share.
+struct Schedule {
+  int64_t per_rank = 0, steps_per_epoch = 0, total_steps = 0;
+};
+Schedule schedule_for(int64_t n_train, int data_world, const TrainFlags& t);
 
 // `ddpkit train --fault-tolerant` (train_ft.cpp): the launcher of replica groups, or one rank of one.
 int run_fault_tolerant(const Flags& f, const TrainFlags& t, const std::vector<std::string>& argv);

@@ -26,11 +26,6 @@ namespace ddpkit {
 namespace cli {
 namespace {
 
-std::string ft_token() {
-  const char* env = std::getenv("DDPKIT_FT_TOKEN");
-  return env ? env : "";
-}
-
 std::string group_name(int g) {
   char id[32];
   std::snprintf(id, sizeof(id), "replica-%03d", g);
@@ -56,8 +51,11 @@ int run_replica_groups(const TrainFlags& t, const std::vector<std::string>& argv
   std::unique_ptr<ft::Lighthouse> lighthouse;
   std::string address = t.lighthouse;
   if (address.empty()) {
-    lighthouse = std::make_unique<ft::Lighthouse>(
-        ft::LighthouseOptions().address("127.0.0.1:0").min_replicas(t.min_replicas).expected_groups(t.replica_groups).token(ft_token()));
+    lighthouse = std::make_unique<ft::Lighthouse>(ft::LighthouseOptions()
+                                                      .address("127.0.0.1:0")
+                                                      .min_replicas(t.min_replicas)
+                                                      .expected_groups(t.replica_groups)
+                                                      .token(read_token("", "DDPKIT_FT_TOKEN")));
     lighthouse->start();
     address = lighthouse->address();
     std::cerr << "ddpkit: lighthouse at " << address << " (min replicas " << t.min_replicas << ")\n";
@@ -105,29 +103,24 @@ int run_ft_rank(const Flags& f, const TrainFlags& t) {
   std::shared_ptr<ProcessGroup> pg = join_group(f, t);
   const int rank = pg->rank(), world = pg->size();
   // Every group starts from the same parameters; a group that starts late heals to the others'.
-  torch::manual_seed(f.integer("seed"));
-  RunData run_data = load_run_data(f, t.model, t.dataset);
-  Split& data = run_data.data;
   Training run;
-  run.model = build_model(f, t.model, run_data.dims, data.train.num_classes);
-  build_training(f, t, pg, run);
+  RunData run_data = build_rank(f, t, pg, run);
+  Split& data = run_data.data;
 
   // Each group keeps its own share of every epoch (group g: ranks g*W .. g*W+W-1 of R*W); while a
   // group is out, its share is skipped (docs/fault_tolerance.md).
   const int data_world = t.replica_groups * world, data_rank = t.replica_group * world + rank;
   const int64_t n_train = data.train.inputs.size(0);
-  const int64_t per_rank = n_train / data_world;
-  const int64_t steps_per_epoch = per_rank / t.batch;
-  if (steps_per_epoch < 1) throw UsageError("--batch-size is larger than this rank's share of the data");
-  const int64_t total_steps =
-      t.max_steps > 0 ? std::min<int64_t>(t.max_steps, steps_per_epoch * t.epochs) : steps_per_epoch * t.epochs;
+  const Schedule schedule = schedule_for(n_train, data_world, t);
+  const int64_t per_rank = schedule.per_rank, steps_per_epoch = schedule.steps_per_epoch,
+                total_steps = schedule.total_steps;
 
   const auto timeout = std::chrono::milliseconds(int64_t{f.integer("timeout-s")} * 1000);
   ft::Manager manager(pg, run.state,
                       ft::ManagerOptions()
                           .lighthouse(t.lighthouse)
                           .group_id(group_name(t.replica_group))
-                          .token(ft_token())
+                          .token(read_token("", "DDPKIT_FT_TOKEN"))
                           .quorum_timeout(timeout)
                           .cross_group_timeout(std::min(timeout, std::chrono::milliseconds(30000))));
   const bool lead = rank == 0;
