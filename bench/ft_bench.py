@@ -1,7 +1,8 @@
 #!/usr/bin/python3
-"""What fault tolerance costs when nothing fails, and what a heal costs: one run, side by side.
+"""What fault tolerance costs when nothing fails, what a heal costs, and what it saves when ranks die.
 
     bench/ft_bench.py [--reps 3] [--steps 60] [--ddpkit build/ddpkit] [--heal-dims 64,4096,4096,10]
+                      [--schedule-seconds 600] [--kill-every 20] [--skip step,heal,schedule]
 
 Step: the same job, 2 ranks in all, interleaved --reps times:
   plain   ddpkit train --nproc 2                                  (DDP across both ranks)
@@ -14,15 +15,27 @@ the ratio ft/plain (the issue's target: <= 1.05).
 Heal: 2 groups of 1 rank train --heal-dims with Adam; once both are in their steps, group 1 is
 SIGKILLed; it restarts, copies its state from group 0 and trains on. Printed: the bytes healed,
 the heal's time (fetch, including the wait for the source's current step, and load) and its rate.
+Schedule: 4 replica groups of 1 rank train a small transformer (2 layers, d_model 128, 4 heads,
+64 tokens, batch 16) for the steps a failure-free run takes about --schedule-seconds for; every
+--kill-every seconds a random group's rank is SIGKILLed (the group restarts and heals). Printed:
+job restarts (the launcher's exit), failures, steps the survivors lost per failure (steps that did
+not commit), failure to each survivor's next committed step (p50/p95/max, from --step-log), and
+the final test loss against a failure-free run of the same steps. Then the same job as plain DDP
+(--nproc 4) under --max-restarts with --checkpoint-dir and --checkpoint-every 100 (--resume) on the
+same kill schedule: goodput, completed steps per second over the whole run, of each side.
 Both sides run under the same environment (set OPENBLAS_CORETYPE for every side).
 """
 import argparse
+import glob
 import json
 import os
+import random
+import shutil
 import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -66,6 +79,141 @@ def heal(binary, dims, timeout):
     return {r["replica_group"]: r for r in reports(out)}
 
 
+TRANSFORMER = ["--model", "transformer", "--dataset", "text", "--layers", "2", "--d-model", "128", "--heads", "4",
+               "--seq-len", "64", "--batch-size", "16", "--threads", "1", "--epochs", "100000", "--quiet"]
+
+
+def children_ranks(launcher_pid):
+    """pids of the rank processes a launcher started (its children with RANK set)."""
+    out = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            ppid = int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
+            if ppid == launcher_pid and any(e.startswith(b"RANK=") for e in open(f"/proc/{pid}/environ", "rb").read().split(b"\0")):
+                out.append(int(pid))
+        except (OSError, ValueError, IndexError):
+            continue
+    return sorted(out)
+
+
+def group_of(pid):
+    args = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
+    return int(args[args.index(b"--replica-group") + 1]) if b"--replica-group" in args else None
+
+
+def run_with_kills(cmd, kill_every, rng, timeout):
+    """Runs cmd; every kill_every seconds SIGKILLs a random rank of it. Returns (rc, out, err,
+    wall seconds, kills as (unix ms, replica group or None))."""
+    start = time.time()
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    outs = {}
+
+    def drain(name, stream):
+        outs[name] = stream.read()
+    import threading
+    readers = [threading.Thread(target=drain, args=(n, s), daemon=True) for n, s in (("out", p.stdout), ("err", p.stderr))]
+    for r in readers:
+        r.start()
+    kills, next_kill = [], start + kill_every
+    while p.poll() is None and time.time() - start < timeout:
+        if time.time() >= next_kill:
+            ranks = children_ranks(p.pid)
+            if ranks:
+                victim = rng.choice(ranks)
+                try:
+                    group = group_of(victim)
+                    os.kill(victim, signal.SIGKILL)
+                    kills.append((time.time() * 1000, group))
+                except (OSError, ValueError):
+                    pass
+            next_kill += kill_every
+        time.sleep(0.05)
+    if p.poll() is None:
+        p.kill()
+    p.wait()
+    for r in readers:
+        r.join()
+    return p.returncode, outs.get("out", ""), outs.get("err", ""), time.time() - start, kills
+
+
+def step_logs(prefix):
+    """{group: [(step, end unix ms, ms, committed)]} from --step-log files."""
+    logs = {}
+    for path in glob.glob(prefix + ".replica-*"):
+        g = int(path.rsplit("-", 1)[1])
+        logs[g] = [tuple(float(x) for x in line.split()) for line in open(path) if line.strip()]
+    return logs
+
+
+def percentile(xs, q):
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))] if xs else float("nan")
+
+
+def schedule(binary, seconds, kill_every, timeout):
+    rng = random.Random(1)
+    work = tempfile.mkdtemp(prefix="ddpkit-ft-bench-")
+    try:
+        # How many steps a failure-free run takes `seconds` for: a 60-step probe.
+        probe = reports(subprocess.run([binary, "train", "--fault-tolerant", "--replica-groups", "4", "--nproc", "1",
+                                        "--steps", "60", "--no-eval"] + TRANSFORMER, capture_output=True, text=True,
+                                       timeout=timeout).stdout)
+        step_ms = max(r["median_step_ms"] for r in probe)
+        steps = max(100, int(seconds * 1000 / step_ms))
+        ft = [binary, "train", "--fault-tolerant", "--replica-groups", "4", "--nproc", "1", "--steps", str(steps),
+              "--max-restarts", "1000"] + TRANSFORMER
+        print(f"\nschedule: {steps} steps (failure-free FT step {step_ms:.1f} ms), a random rank SIGKILLed every "
+              f"{kill_every} s", flush=True)
+        clean = reports(subprocess.run(ft, capture_output=True, text=True, timeout=timeout).stdout)
+        log = os.path.join(work, "steps")
+        rc, out, err, wall, kills = run_with_kills(ft + ["--step-log", log], kill_every, rng, timeout)
+        if rc != 0:
+            raise SystemExit(f"ft_bench: the fault-tolerant schedule failed (exit {rc})\n{err[-2000:]}")
+        reps = reports(out)
+        logs = step_logs(log)
+        latencies, lost = [], 0
+        for t_kill, victim in kills:
+            for g, lines in logs.items():
+                if g == victim:
+                    continue
+                after = [end for (_, end, _, ok) in lines if end > t_kill and ok]
+                if after:
+                    latencies.append((after[0] - t_kill) / 1000)
+        for g, lines in logs.items():
+            lost += sum(1 for line in lines if not line[3])
+        survivors = max(1, len(kills) * (len(logs) - 1))
+        ft_loss = statistics.mean(r["test_loss"] for r in reps)
+        clean_loss = statistics.mean(r["test_loss"] for r in clean)
+        ft_goodput = steps / wall
+        print(f"fault-tolerant: exit {rc} (job restarts: 0), {len(kills)} failures, group restarts "
+              f"{err.count('restarting every rank')}, wall {wall:.0f} s")
+        print(f"  steps lost per failure per survivor: {lost / survivors:.2f} (target <= 1)")
+        print(f"  failure -> survivor's next committed step: p50 {percentile(latencies, 50):.2f} s, p95 "
+              f"{percentile(latencies, 95):.2f} s, max {max(latencies) if latencies else float('nan'):.2f} s "
+              f"({len(latencies)} survivor-failures; target p95 <= 2 s)")
+        print(f"  final test loss {ft_loss:.4f} vs failure-free {clean_loss:.4f}: "
+              f"{100 * (ft_loss - clean_loss) / clean_loss:+.2f} % (target within 2 %)")
+        ckpt = os.path.join(work, "ckpt")
+        plain = [binary, "train", "--nproc", "4", "--steps", str(steps), "--max-restarts", "1000", "--checkpoint-dir",
+                 ckpt, "--checkpoint-every", "100", "--resume", "--no-eval"] + TRANSFORMER
+        # Bounded: where failures come faster than a restart plus a checkpoint interval, a restarted
+        # job may never finish. Its goodput is then the newest checkpoint's step over the time.
+        limit = min(timeout, max(3 * wall, wall + 120))
+        rc2, out2, err2, wall2, kills2 = run_with_kills(plain, kill_every, random.Random(1), limit)
+        saved = [int(os.path.basename(f)[len("checkpoint-"):-len(".ddpk")]) for f in glob.glob(os.path.join(ckpt, "checkpoint-*.ddpk"))]
+        done = steps if rc2 == 0 else max(saved, default=0)
+        plain_goodput = done / wall2
+        print(f"--max-restarts + checkpoints every 100: {'finished' if rc2 == 0 else f'stopped after {wall2:.0f} s'}, "
+              f"{done} of {steps} steps kept, {len(kills2)} failures, job restarts "
+              f"{err2.count('restarting every rank')}, wall {wall2:.0f} s")
+        print(f"goodput (steps/s over the run): fault-tolerant {ft_goodput:.2f}, --max-restarts {plain_goodput:.2f}: "
+              + (f"{ft_goodput / plain_goodput:.2f}x" if plain_goodput > 0 else "no step kept") + " (target >= 2x)")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -74,22 +222,33 @@ def main():
     p.add_argument("--mlp-dims", default="1024,4096,4096,1024")
     p.add_argument("--heal-dims", default="64,4096,4096,10")
     p.add_argument("--ddpkit", default=os.path.join(ROOT, "build", "ddpkit"))
-    p.add_argument("--timeout", type=float, default=900, help="seconds one run may take")
+    p.add_argument("--timeout", type=float, default=3600, help="seconds one run may take")
+    p.add_argument("--schedule-seconds", type=float, default=600, help="a failure-free run's length")
+    p.add_argument("--kill-every", type=float, default=20)
+    p.add_argument("--skip", default="", help="comma-separated: step, heal, schedule")
     args = p.parse_args()
+    skip = set(filter(None, args.skip.split(",")))
     common = ["--mlp-dims", args.mlp_dims, "--steps", str(args.steps)]
     sides = {"plain": ["--nproc", "2"], "ft": ["--fault-tolerant", "--replica-groups", "2", "--nproc", "1"]}
     steps = {k: [] for k in sides}
-    for rep in range(args.reps):
+    for rep in range(0 if "step" in skip else args.reps):
         for name, flags in sides.items():
             rs = train(args.ddpkit, common + flags, args.timeout)
             ms = max(r["median_step_ms"] for r in rs)
             steps[name].append(ms)
             print(f"  rep {rep + 1} {name:6s} step {ms:8.1f} ms", flush=True)
-    plain, ft = statistics.median(steps["plain"]), statistics.median(steps["ft"])
-    print(f"\nside    step ms (median of {args.reps})  vs plain")
-    print(f"plain   {plain:10.1f}                  1.000")
-    print(f"ft      {ft:10.1f}                  {ft / plain:.3f}   (target <= 1.05)")
+    if "step" not in skip:
+        plain, ft = statistics.median(steps["plain"]), statistics.median(steps["ft"])
+        print(f"\nside    step ms (median of {args.reps})  vs plain")
+        print(f"plain   {plain:10.1f}                  1.000")
+        print(f"ft      {ft:10.1f}                  {ft / plain:.3f}   (target <= 1.05)")
+    if "heal" not in skip:
+        print_heal(args)
+    if "schedule" not in skip:
+        schedule(args.ddpkit, args.schedule_seconds, args.kill_every, args.timeout)
 
+
+def print_heal(args):
     groups = heal(args.ddpkit, args.heal_dims, args.timeout)
     h = groups[1]
     rate = h["heal_bytes"] / h["heal_seconds"] / 1e9 if h["heal_seconds"] > 0 else float("nan")

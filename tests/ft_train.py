@@ -12,6 +12,14 @@ MODE:
   lighthouse  the lighthouse (ddpkit lighthouse) killed and restarted on its port mid-run
   min-replicas  2 groups, --min-replicas 2, one group's restarts exhausted: the job stops with an
               error naming the live groups
+  strategies  2 groups of 2 ranks under PowerSGD (hook state), ZeRO-1 and FSDP; a rank of group 1
+              SIGKILLed in each: it heals (optimizer shards, FSDP shards, hook state) and every
+              group ends alike
+  every-strategy  the same for every DDP hook fault tolerance takes, ZeRO-1 and FSDP's strategies
+  phases      3 groups; a rank dies (DDPKIT_FT_FAULT) exactly in forward, in backward, inside the
+              cross-group allreduce, and mid-heal: the source dies as it serves the heal, and the
+              joiner dies after copying, before loading; every time the job goes on, the lost
+              groups heal, and every group ends alike
 
 Checks: exit status 0 (min-replicas: nonzero with the error), one JSON line per group, equal
 parameter checksums, and that something was lost and healed where a group died.
@@ -91,8 +99,9 @@ def check_same(reps, groups):
         sys.exit("FAILED: the groups' parameters differ:\n" + "\n".join(json.dumps(r) for r in reps))
 
 
-def run(flags, act, timeout=300):
-    p = subprocess.Popen([BIN] + BASE + flags, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+def run(flags, act, timeout=300, env=None):
+    p = subprocess.Popen([BIN] + BASE + flags, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env=dict(os.environ, **(env or {})))
     try:
         act(p)
         out, err = p.communicate(timeout=timeout)
@@ -130,7 +139,11 @@ def stop_mode():
         for pid in ranks_of(2):
             os.kill(pid, signal.SIGSTOP)
             stopped.append(pid)
-    rc, out, err = run(["--replica-groups", "3", "--nproc", "1", "--steps", "800"], act)
+    # --timeout-s 10: the survivors' aborted Gloo collective with the stopped group ends by the
+    # cross-group timeout (min(--timeout-s, 30 s)), and their exit waits for it.
+    # --timeout-s 10: the survivors' aborted Gloo collective with the stopped group ends by the
+    # cross-group timeout (min(--timeout-s, 30 s)), and their exit waits for it.
+    rc, out, err = run(["--replica-groups", "3", "--nproc", "1", "--steps", "800", "--timeout-s", "10"], act)
     for pid in stopped:
         try:
             os.kill(pid, signal.SIGKILL)
@@ -219,7 +232,78 @@ def min_replicas_mode():
     print("below --min-replicas: the job stopped with an error naming the live groups")
 
 
-MODES = {"kill": kill_mode, "stop": stop_mode, "two-lost": two_lost_mode, "lighthouse": lighthouse_mode,
+# Inside a group: what a heal must copy rank by rank besides parameters and optimizer state.
+STRATEGIES = {
+    "powersgd": ["--hook", "powersgd", "--powersgd-start-iter", "2"],
+    "zero1": ["--zero", "1"],
+    "fsdp": ["--fsdp", "full_shard"],
+}
+EVERY_STRATEGY = dict(STRATEGIES, **{
+    "allreduce": ["--hook", "allreduce"], "fp16": ["--hook", "fp16"], "bf16": ["--hook", "bf16"],
+    "fp16_wrapper": ["--hook", "fp16_wrapper"], "bf16_wrapper": ["--hook", "bf16_wrapper"],
+    "int8": ["--hook", "int8", "--int8-error-feedback"], "quantize_per_tensor": ["--hook", "quantize_per_tensor"],
+    "quantize_per_channel": ["--hook", "quantize_per_channel"],
+    "batched_powersgd": ["--hook", "batched_powersgd", "--powersgd-start-iter", "2"],
+    "fsdp_shard_grad_op": ["--fsdp", "shard_grad_op"], "fsdp_no_shard": ["--fsdp", "no_shard"],
+    "fsdp_fp16": ["--fsdp", "full_shard", "--hook", "fp16"],
+})
+
+
+def strategies_mode(table=STRATEGIES):
+    for name, flags in table.items():
+        def act(p):
+            wait_for_ranks([0, 1], 2)
+            wait_until_training(1)
+            os.kill(ranks_of(1)[1], signal.SIGKILL)
+        rc, out, err = run(["--replica-groups", "2", "--nproc", "2", "--steps", "700"] + flags, act)
+        if rc != 0:
+            sys.exit(f"FAILED ({name}): exit {rc}\n{err[-3000:]}")
+        reps = reports(out)
+        check_same(reps, 2)
+        if reps[1]["heals"] < 1:
+            sys.exit(f"FAILED ({name}): group 1 did not heal: {reps[1]}")
+        if not all(r["final_loss"] == r["final_loss"] for r in reps):  # NaN
+            sys.exit(f"FAILED ({name}): the loss is not a number: {reps}")
+        print(f"{name}: a rank of group 1 killed; healed {reps[1]['heal_bytes']} B; parameters equal; "
+              f"final loss {reps[0]['final_loss']:.4f}", flush=True)
+
+
+# DDPKIT_FT_FAULT points (PHASE:STEP:GROUP:RANK[:ATTEMPT]), one run each; what must have healed.
+PHASES = {
+    "forward": (["forward:40:1:0"], {1}),
+    "backward": (["backward:40:1:0"], {1}),
+    "cross-group allreduce": (["crossing:40:1:0"], {1}),
+    # Group 1 dies at step 40; its heal source (the lighthouse names the first up-to-date group,
+    # 0) dies as it publishes: group 1 heals from group 2, and so does group 0.
+    "heal source dies": (["forward:40:1:0", "heal-publish:0:0:0"], {0, 1}),
+    # Group 1 dies at step 40, and again, restarted, after copying its state, before loading it.
+    "healing group dies": (["forward:40:1:0", "heal-fetched:0:1:0:1"], {1}),
+}
+
+
+def phases_mode():
+    for name, (faults, healed) in PHASES.items():
+        env = {"DDPKIT_FT_FAULT": ",".join(faults)}
+        rc, out, err = run(["--replica-groups", "3", "--nproc", "1", "--steps", "400"], lambda p: None, env=env)
+        if rc != 0:
+            sys.exit(f"FAILED ({name}): exit {rc}\n{err[-3000:]}")
+        died = err.count("DDPKIT_FT_FAULT: dying")
+        if died != len(faults):
+            sys.exit(f"FAILED ({name}): {died} of {len(faults)} fault points fired\n{err[-3000:]}")
+        reps = reports(out)
+        check_same(reps, 3)
+        heals = {r["replica_group"] for r in reps if r["heals"] > 0}
+        if not healed <= heals:
+            sys.exit(f"FAILED ({name}): groups {sorted(healed)} should have healed, healed: {sorted(heals)}")
+        lost = max(r["steps_not_committed"] for r in reps if r["replica_group"] not in heals)
+        if lost > len(faults):
+            sys.exit(f"FAILED ({name}): survivors lost {lost} steps to {len(faults)} failures: {reps}")
+        print(f"{name}: died there, healed groups {sorted(heals)}, survivors lost at most {lost} step(s); "
+              "parameters equal", flush=True)
+
+
+MODES = {"phases": phases_mode, "strategies": strategies_mode, "every-strategy": lambda: strategies_mode(EVERY_STRATEGY),
+         "kill": kill_mode, "stop": stop_mode, "two-lost": two_lost_mode, "lighthouse": lighthouse_mode,
          "min-replicas": min_replicas_mode}
 
 if __name__ == "__main__":

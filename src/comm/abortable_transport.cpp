@@ -35,6 +35,11 @@ class AbortableTransport final : public ForwardingTransport {
   FuturePtr allreduce(const at::Tensor& t, c10d::ReduceOp op) override {
     return guarded(t, [&] { return inner_->allreduce(t, op); });
   }
+  // The wrapped transport's own: where it sums in place (shared memory) the parts are not staged
+  // through the buffer, which the default on allreduce() would do.
+  FuturePtr allreduce_parts(const at::Tensor& buffer, const std::vector<at::Tensor>& parts, double scale) override {
+    return guarded(buffer, [&] { return inner_->allreduce_parts(buffer, parts, scale); });
+  }
   FuturePtr broadcast(const at::Tensor& t, int root) override {
     return guarded(t, [&] { return inner_->broadcast(t, root); });
   }

@@ -3,6 +3,7 @@
 
 #include <ddpkit/error.h>
 
+#include "cross_group_buckets.h"
 #include "state_transfer.h"
 #include "wire.h"
 
@@ -85,13 +86,47 @@ struct Manager::Impl {
   std::mutex cross_mu;
   std::shared_ptr<ProcessGroup> cross;
   std::set<std::string> cross_groups;  // the other groups it spans
+  int64_t staging_numel = 0;           // float32 elements of DDP's gradients (cross_group_reduction)
+  at::Tensor staging;                  // the cross group's allreduce_buffer of them
   int64_t cross_quorum = -1;
   std::string cross_store;
   std::map<std::string, c10::intrusive_ptr<c10d::TCPStore>> stores;
   std::vector<std::thread> reapers;  // destroy aborted groups (their Gloo work ends by its timeout)
 
-  bool failed = false;  // this step cannot commit
-  bool broken = false;  // the cross-group group must be rebuilt
+  // Set from collective callbacks too (wrap_hook's buckets cross on the transport's threads).
+  std::atomic<bool> failed{false};  // this step cannot commit
+  std::atomic<bool> broken{false};  // the cross-group group must be rebuilt
+  std::mutex failure_mu;
+  std::string failure;  // why the step cannot commit
+
+  void fail(const std::string& why) {
+    {
+      std::lock_guard<std::mutex> lock(failure_mu);
+      if (!failed) failure = why;
+    }
+    failed = true;
+    broken = true;
+  }
+
+  void phase(const char* name, int64_t step) {
+    if (options.on_phase()) options.on_phase()(name, step);
+  }
+
+  void clear_failure() {
+    std::lock_guard<std::mutex> lock(failure_mu);
+    failure.clear();
+    failed = false;
+  }
+
+  // The cross-group process group this step's collectives use; null when none is to be issued.
+  std::shared_ptr<ProcessGroup> crossing() {
+    std::lock_guard<std::mutex> lock(cross_mu);
+    return failed ? nullptr : cross;
+  }
+  Crossing bucket_crossing() {
+    std::lock_guard<std::mutex> lock(cross_mu);
+    return failed ? Crossing{} : Crossing{cross, staging};
+  }
 
   std::thread heartbeats;
   std::mutex beat_mu;
@@ -106,6 +141,7 @@ struct Manager::Impl {
     if (!cross) return;
     reapers.emplace_back([pg = std::move(cross)]() mutable { pg.reset(); });
     cross.reset();
+    staging = at::Tensor();
     cross_groups.clear();
     cross_quorum = -1;
   }
@@ -152,8 +188,11 @@ struct Manager::Impl {
     ProcessGroupOptions o = group->options();
     o.group_name("ft-cross").timeout(options.cross_group_timeout()).abortable(true).check_collectives(false);
     auto pg = std::make_shared<ProcessGroup>(prefix, replica, static_cast<int>(q.participants.size()), o);
+    // Collective over the new group: every participant made its reduction before its first quorum.
+    at::Tensor st = staging_numel > 0 ? pg->allreduce_buffer(staging_numel, at::kFloat) : at::Tensor();
     std::lock_guard<std::mutex> lock(cross_mu);
     cross = std::move(pg);
+    staging = std::move(st);
     for (const auto& p : q.participants)
       if (p.group_id != options.group_id()) cross_groups.insert(p.group_id);
     cross_quorum = q.quorum_id;
@@ -233,6 +272,7 @@ void Manager::start_step() {
     DDPKIT_CHECK(reply.ParseFromString(payload.substr(1)), "fault tolerance: a malformed quorum from rank 0");
     quorum_ = wire::from_wire(reply);
     ++stats_.quorums;
+    im.phase("quorum", step_);
     const int me = quorum_.replica_rank(im.options.group_id());
     DDPKIT_CHECK(me >= 0, "fault tolerance: the quorum does not include group ", im.options.group_id());
 
@@ -243,6 +283,7 @@ void Manager::start_step() {
       try {
         im.rebuild(quorum_, me);
         ++stats_.reconfigurations;
+        if (auto cross = im.crossing()) stats_.cross_transport = cross->transport_name();
       } catch (const std::exception& e) {
         ok = false;
         why = std::string("rebuilding the cross-group process group: ") + e.what();
@@ -265,19 +306,20 @@ void Manager::start_step() {
       TensorDict extra = im.extra ? im.extra() : TensorDict{};
       im.server->publish(step_, encode_tensors(im.state.snapshot(extra)));
       stats_.snapshot_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      im.phase("heal-publish", step_);
     } else {
       im.server->clear();
     }
     const int source = quorum_.heal_sources[me];
     if (source < 0) {
-      im.failed = false;
+      im.clear_failure();
       return;
     }
     ok = copy_state_from(source, &why);
     if (all_of(pg, ok)) {
       step_ = quorum_.max_step;
       ++stats_.heals;
-      im.failed = false;
+      im.clear_failure();
       return;
     }
     // Some rank could not copy (its source died mid-heal): ask again; the new quorum names
@@ -303,6 +345,7 @@ bool Manager::copy_state_from(int source, std::string* why) {
     fo.timeout = im.options.cross_group_timeout();
     Fetched got = fetch_state(from.state_addresses[pg.rank()], quorum_.max_step, fo);
     stats_.heal_fetch_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    im.phase("heal-fetched", quorum_.max_step);
     const TensorDict extra = im.state.load_snapshot(decode_tensors(got.bytes, what), what);
     if (im.load_extra) im.load_extra(extra);
     stats_.heal_bytes += static_cast<int64_t>(got.bytes.size());
@@ -315,27 +358,37 @@ bool Manager::copy_state_from(int source, std::string* why) {
   }
 }
 
+CrossReplicaReduction Manager::cross_group_reduction(const std::vector<at::Tensor>& parameters) {
+  Impl* im = impl_.get();
+  DDPKIT_CHECK(stats_.quorums == 0, "ft::Manager::cross_group_reduction: make it before the first start_step (every "
+               "group's rank allocates the same staging when the cross-group process group is made)");
+  int64_t numel = 0;
+  for (const auto& p : parameters)
+    if (p.requires_grad() && p.scalar_type() == at::kFloat) numel += p.numel();
+  im->staging_numel = numel;
+  std::function<void()> issued;
+  if (im->options.on_phase()) issued = [this] { impl_->options.on_phase()("crossing", step_); };
+  auto buckets = std::make_shared<CrossGroupBuckets>([im] { return im->bucket_crossing(); },
+                                                     [im](const std::string& why) { im->fail(why); }, issued);
+  return [buckets](const BucketCrossing& bucket) { return (*buckets)(bucket); };
+}
+
 void Manager::allreduce(const std::vector<at::Tensor>& tensors) {
   Impl& im = *impl_;
-  std::shared_ptr<ProcessGroup> cross;
-  {
-    std::lock_guard<std::mutex> lock(im.cross_mu);
-    cross = im.cross;
-  }
-  if (im.failed || !cross || tensors.empty()) return;
+  std::shared_ptr<ProcessGroup> cross = im.crossing();
+  if (!cross || tensors.empty()) return;
   std::vector<at::Tensor> flat;
   for (const auto& t : tensors) {
     DDPKIT_CHECK(t.device().is_cpu() && t.scalar_type() == tensors[0].scalar_type(), "ft::Manager::allreduce: "
                  "every tensor must be on the CPU and of one dtype (", tensors[0].scalar_type(), "), got ", t.scalar_type());
     flat.push_back(t.reshape({-1}));
   }
+  // A fresh buffer: an aborted collective may write into its tensor after the abort.
   at::Tensor all = at::cat(flat);
   try {
     ProcessGroup::wait(cross->allreduce(all, c10d::ReduceOp::AVG));
   } catch (const std::exception& e) {
-    im.failed = true;
-    im.broken = true;
-    stats_.last_error = e.what();
+    im.fail(e.what());
     return;
   }
   int64_t offset = 0;
@@ -353,9 +406,11 @@ bool Manager::should_commit() {
     ++stats_.steps_committed;
   } else {
     ++stats_.steps_not_committed;
+    std::lock_guard<std::mutex> lock(im.failure_mu);
+    stats_.last_error = im.failure.empty() ? "another rank of this group failed its step" : im.failure;
     im.broken = true;
   }
-  im.failed = false;
+  im.clear_failure();
   return commit;
 }
 

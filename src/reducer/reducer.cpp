@@ -119,6 +119,14 @@ void Reducer::register_comm_hook(CommHook hook, std::string name) {
   hook_name_ = name.empty() ? "user hook" : std::move(name);
 }
 
+void Reducer::set_cross_replica_reduction(CrossReplicaReduction reduction) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  DDPKIT_CHECK(reduction, "set_cross_replica_reduction: the reduction is empty");
+  DDPKIT_CHECK(!cross_, "set_cross_replica_reduction may be called only once");
+  DDPKIT_CHECK(!backward_started_ && iterations_ == 0, "set_cross_replica_reduction: before the first backward");
+  cross_ = std::move(reduction);
+}
+
 std::string Reducer::hook_name() const { return hook_ ? "comm hook '" + hook_name_ + "'" : "default allreduce"; }
 
 void Reducer::set_divisor(int64_t divisor) {
@@ -323,10 +331,12 @@ void Reducer::place_gradient(Bucket& bucket, size_t slot, size_t var, bool has_g
 }
 
 bool Reducer::reduces_gradients_in_place(const Bucket& bucket) const {
-  return bucket.in_place && !hook_ && !options_.gradient_as_bucket_view;
+  // Crossing replicas, the gradients are reduced where they lie on any transport (those that do
+  // not sum in place stage them through the buffer): in the group, then across.
+  return (bucket.in_place || (cross_ && !bucket.sparse)) && !hook_ && !options_.gradient_as_bucket_view;
 }
 
-bool Reducer::reduction_is_identity() const { return pg_->size() == 1 && !hook_ && divisor_value_ == 1; }
+bool Reducer::reduction_is_identity() const { return pg_->size() == 1 && !hook_ && !cross_ && divisor_value_ == 1; }
 
 void Reducer::launch_ready_buckets() {
   while (next_bucket_ < buckets_.size() && buckets_[next_bucket_].pending == 0) launch_bucket(next_bucket_++);
@@ -345,7 +355,10 @@ void Reducer::launch_bucket(size_t index) {
   if (reduces_gradients_in_place(bucket)) {
     // Scaled as the sum is taken, on every rank alike: a joined rank's zeros come as the buffer.
     if (bucket.parts.empty()) bucket.parts = {bucket.buffer};
-    bucket.future = pg_->allreduce_parts(bucket.buffer, bucket.parts, 1.0 / divisor_.item<double>());
+    bucket.future = pg_->size() == 1 && divisor_value_ == 1
+                        ? completed_future(bucket.buffer)
+                        : pg_->allreduce_parts(bucket.buffer, bucket.parts, 1.0 / divisor_.item<double>());
+    if (cross_) bucket.future = cross_({index, buckets_.size(), bucket.buffer, bucket.parts, bucket.future});
     return;
   }
   if (!hook_) {
@@ -354,6 +367,7 @@ void Reducer::launch_bucket(size_t index) {
       return;
     }
     bucket.future = pg_->allreduce(bucket.buffer);
+    if (cross_) bucket.future = cross_({index, buckets_.size(), bucket.buffer, {}, bucket.future});
     return;
   }
   std::vector<at::Tensor> params;
@@ -366,6 +380,7 @@ void Reducer::launch_bucket(size_t index) {
                     std::to_string(pg_->rank()) + ": " + e.what());
   }
   DDPKIT_CHECK(bucket.future, hook_name(), " returned a null future for bucket ", index);
+  if (cross_) bucket.future = cross_({index, buckets_.size(), bucket.buffer, {}, bucket.future});
 }
 
 at::Tensor Reducer::wait_bucket(size_t index) {

@@ -123,6 +123,8 @@ Fault tolerance across replica groups (docs/fault_tolerance.md):
   --lighthouse HOST:PORT  the quorum service (ddpkit lighthouse); default: started here
   --replica-group G       run only group G of R (a job over several hosts: one command per group,
                           all with the same --lighthouse)
+  --step-log PATH         each group's rank 0 appends a line per step to PATH.<group id>: the
+                          step, its end (Unix ms), its length (ms) and whether it committed
 )";
 
 namespace {

@@ -156,7 +156,7 @@ void check_fault_tolerance_flags(const Flags& f, TrainFlags& t) {
   t.lighthouse = f.str("lighthouse");
   t.replica_group = f.str("replica-group").empty() ? -1 : f.integer("replica-group");
   if (!t.fault_tolerant) {
-    for (const char* flag : {"replica-group", "lighthouse"})
+    for (const char* flag : {"replica-group", "lighthouse", "step-log"})
       if (!f.str(flag).empty()) throw UsageError(std::string("--") + flag + " needs --fault-tolerant");
     if (t.replica_groups != 1) throw UsageError("--replica-groups needs --fault-tolerant");
     if (t.min_replicas != 1) throw UsageError("--min-replicas needs --fault-tolerant");
@@ -200,7 +200,8 @@ Flags parse_train_flags(const std::vector<std::string>& args) {
                     {"local-sgd-group-size", "0"}, {"zero", "off"}, {"zero-overlap", "none"},
                     {"zero-precision", "fp32"}, {"checkpoint-dir", ""}, {"checkpoint-every", "100"},
                     {"max-restarts", ""}, {"report-resources", "0"}, {"replica-groups", "1"},
-                    {"replica-group", ""}, {"min-replicas", "1"}, {"lighthouse", ""}}),
+                    {"replica-group", ""}, {"min-replicas", "1"}, {"lighthouse", ""},
+                    {"step-log", ""}}),
                kTrainSwitches);
 }
 

@@ -15,8 +15,10 @@
 #include <ATen/CPUGeneratorImpl.h>
 
 #include <algorithm>
+#include <csignal>
 #include <cstdio>
 #include <cstdlib>
+#include <fstream>
 #include <iomanip>
 #include <iostream>
 #include <sstream>
@@ -44,6 +46,54 @@ std::string parameter_checksum(const std::vector<at::Tensor>& params) {
   os << std::hex << std::setw(16) << std::setfill('0') << h;
   return os.str();
 }
+
+// DDPKIT_FT_FAULT=PHASE:STEP:GROUP:RANK[:ATTEMPT][,...], for tests: this process SIGKILLs itself
+// at the first PHASE (forward, backward, or one of ft::ManagerOptions::on_phase's) of a step >= STEP
+// when it is rank RANK of group GROUP (or of any group: *) in its launcher's ATTEMPT-th start
+// (TORCHELASTIC_RESTART_COUNT; default 0, so a restarted group does not die again).
+class FaultPoints {
+ public:
+  FaultPoints(int group, int rank) {
+    const char* spec = std::getenv("DDPKIT_FT_FAULT");
+    if (!spec || !*spec) return;
+    const char* restarts = std::getenv("TORCHELASTIC_RESTART_COUNT");
+    const int attempt_now = restarts && *restarts ? std::atoi(restarts) : 0;
+    std::stringstream list(spec);
+    for (std::string one; std::getline(list, one, ',');) {
+      std::vector<std::string> f;
+      std::stringstream fields(one);
+      for (std::string x; std::getline(fields, x, ':');) f.push_back(x);
+      Point p;
+      int g = -1, r = 0, attempt = 0;
+      try {
+        if (f.size() != 4 && f.size() != 5) throw std::invalid_argument("fields");
+        p.phase = f[0];
+        p.step = std::stoll(f[1]);
+        g = f[2] == "*" ? -1 : std::stoi(f[2]);
+        r = std::stoi(f[3]);
+        attempt = f.size() == 5 ? std::stoi(f[4]) : 0;
+      } catch (const std::exception&) {
+        throw UsageError("DDPKIT_FT_FAULT must be PHASE:STEP:GROUP:RANK[:ATTEMPT][,...], got '" + one + "'");
+      }
+      if ((g < 0 || g == group) && r == rank && attempt == attempt_now) points_.push_back(p);
+    }
+  }
+  bool armed() const { return !points_.empty(); }
+  void at(const std::string& phase, int64_t step) const {
+    for (const Point& p : points_) {
+      if (phase != p.phase || step < p.step) continue;
+      std::cerr << "ddpkit: DDPKIT_FT_FAULT: dying at " << phase << ", step " << step << std::endl;
+      raise(SIGKILL);
+    }
+  }
+
+ private:
+  struct Point {
+    std::string phase;
+    int64_t step = 0;
+  };
+  std::vector<Point> points_;
+};
 
 // The launcher: a lighthouse, and a supervisor per group. The job ends when a group has trained
 // every step; the others (in the same quorum, done within moments) get 10 s, then are stopped.
@@ -102,9 +152,24 @@ int run_ft_rank(const Flags& f, const TrainFlags& t) {
   set_compute_threads(t.threads);
   std::shared_ptr<ProcessGroup> pg = join_group(f, t);
   const int rank = pg->rank(), world = pg->size();
+  const auto timeout = std::chrono::milliseconds(int64_t{f.integer("timeout-s")} * 1000);
+  const FaultPoints fault(t.replica_group, rank);
+  Training run;  // run.state is filled by build_rank; the Manager reads it from the first quorum on
+  ft::Manager manager(pg, run.state,
+                      ft::ManagerOptions()
+                          .lighthouse(t.lighthouse)
+                          .group_id(group_name(t.replica_group))
+                          .token(read_token("", "DDPKIT_FT_TOKEN"))
+                          .quorum_timeout(timeout)
+                          .cross_group_timeout(std::min(timeout, std::chrono::milliseconds(30000)))
+                          .on_phase(fault.armed() ? [&fault](const std::string& phase, int64_t step) { fault.at(phase, step); }
+                                                : std::function<void(const std::string&, int64_t)>()));
   // Every group starts from the same parameters; a group that starts late heals to the others'.
-  Training run;
+  // Under DDP the cross-group average runs bucket by bucket inside backward; FSDP's shards
+  // cross after backward.
   RunData run_data = build_rank(f, t, pg, run);
+  const bool crosses_in_backward = run.ddp != nullptr;
+  if (crosses_in_backward) run.ddp->reducer().set_cross_replica_reduction(manager.cross_group_reduction(run.params));
   Split& data = run_data.data;
 
   // Each group keeps its own share of every epoch (group g: ranks g*W .. g*W+W-1 of R*W); while a
@@ -115,17 +180,15 @@ int run_ft_rank(const Flags& f, const TrainFlags& t) {
   const int64_t per_rank = schedule.per_rank, steps_per_epoch = schedule.steps_per_epoch,
                 total_steps = schedule.total_steps;
 
-  const auto timeout = std::chrono::milliseconds(int64_t{f.integer("timeout-s")} * 1000);
-  ft::Manager manager(pg, run.state,
-                      ft::ManagerOptions()
-                          .lighthouse(t.lighthouse)
-                          .group_id(group_name(t.replica_group))
-                          .token(read_token("", "DDPKIT_FT_TOKEN"))
-                          .quorum_timeout(timeout)
-                          .cross_group_timeout(std::min(timeout, std::chrono::milliseconds(30000))));
   const bool lead = rank == 0;
   Progress progress(lead && t.replica_group == 0 && !f.on("quiet"));
-  std::vector<double> step_ms;
+  std::vector<double> step_ms, quorum_ms;
+  std::unique_ptr<std::ofstream> step_log;
+  if (lead && !f.str("step-log").empty()) {
+    const std::string path = f.str("step-log") + "." + manager.group_id();
+    step_log = std::make_unique<std::ofstream>(path, std::ios::app);
+    if (!*step_log) throw UsageError("--step-log: cannot append to " + path);
+  }
   double last_loss = 0;
   at::Tensor perm;
   int64_t perm_epoch = -1;
@@ -134,6 +197,7 @@ int run_ft_rank(const Flags& f, const TrainFlags& t) {
     // Also once after the last step: a group that did not commit it (its cross-group average
     // failed where the others' did not) heals in that last quorum rather than finishing alone.
     manager.start_step();
+    quorum_ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
     const int64_t step = manager.step();
     if (step >= total_steps) break;
     const int64_t epoch = step / steps_per_epoch, i = step % steps_per_epoch;
@@ -146,13 +210,18 @@ int run_ft_rank(const Flags& f, const TrainFlags& t) {
     at::Tensor x = data.train.inputs.index_select(0, idx), y = data.train.labels.index_select(0, idx);
     if (run.model.language_model) x = x.to(at::kLong), y = y.to(at::kLong);
     for (auto& p : run.params) p.mutable_grad().reset();
+    fault.at("forward", step);
     at::Tensor loss = model_loss(run.model, run.forward(x), y);
+    fault.at("backward", step);
     loss.backward();
-    std::vector<at::Tensor> grads;
-    for (const auto& p : run.params)
-      if (p.grad().defined()) grads.push_back(p.grad());
-    manager.allreduce(grads);
-    if (manager.should_commit()) {
+    if (!crosses_in_backward) {
+      std::vector<at::Tensor> grads;
+      for (const auto& p : run.params)
+        if (p.grad().defined()) grads.push_back(p.grad());
+      manager.allreduce(grads);
+    }
+    const bool committed = manager.should_commit();
+    if (committed) {
       if (run.zero)
         run.zero->step();
       else
@@ -160,6 +229,11 @@ int run_ft_rank(const Flags& f, const TrainFlags& t) {
       last_loss = loss.item<double>();
     }
     step_ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+    if (step_log) {
+      const auto now = std::chrono::duration_cast<std::chrono::milliseconds>(
+          std::chrono::system_clock::now().time_since_epoch()).count();
+      *step_log << step << ' ' << now << ' ' << step_ms.back() << ' ' << (committed ? 1 : 0) << '\n' << std::flush;
+    }
     progress.update("step", manager.step(), total_steps, last_loss, median(step_ms));
   }
   progress.finish();
@@ -171,12 +245,15 @@ int run_ft_rank(const Flags& f, const TrainFlags& t) {
     os << std::setprecision(6) << "{\"replica_group\": " << t.replica_group << ", \"group_id\": \"" << manager.group_id()
        << "\", \"replica_groups\": " << t.replica_groups << ", \"world_size\": " << world
        << ", \"steps\": " << manager.step() << ", \"median_step_ms\": " << (step_ms.empty() ? 0.0 : median(step_ms))
+       << ", \"median_quorum_ms\": " << median(quorum_ms)
        << ", \"longest_step_ms\": " << (step_ms.empty() ? 0.0 : *std::max_element(step_ms.begin(), step_ms.end()))
        << ", \"final_loss\": " << last_loss << ", \"test_accuracy\": " << score.accuracy
+       << ", \"test_loss\": " << score.loss
        << ", \"quorums\": " << s.quorums << ", \"reconfigurations\": " << s.reconfigurations << ", \"heals\": " << s.heals
        << ", \"heal_bytes\": " << s.heal_bytes << ", \"heal_seconds\": " << s.heal_seconds
        << ", \"heal_fetch_seconds\": " << s.heal_fetch_seconds << ", \"snapshot_seconds\": " << s.snapshot_seconds
        << ", \"heals_through_memory_file\": " << s.heals_through_memory_file
+       << ", \"cross_transport\": \"" << s.cross_transport << "\""
        << ", \"steps_committed\": " << s.steps_committed << ", \"steps_not_committed\": " << s.steps_not_committed
        << ", \"parameter_checksum\": \"" << parameter_checksum(run.params) << "\""
        << ", \"peak_rss_bytes\": " << memory.peak_rss_bytes() << "}";

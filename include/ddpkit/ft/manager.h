@@ -5,7 +5,8 @@
 //
 //   manager.start_step();                  // collective over the group: the quorum; heals if behind
 //   loss = train forward and backward;     // DDP / ZeRO / FSDP inside the group, as usual
-//   manager.allreduce(grads);              // average across the groups of the quorum
+//   manager.allreduce(grads);              // average across the groups of the quorum (DDP: set
+//                                          //   cross_group_reduction() instead; it overlaps)
 //   if (manager.should_commit())           // collective over the group: did every rank succeed?
 //     optimizer.step();                    // (manager.step() has advanced)
 //
@@ -20,6 +21,7 @@
 
 #include <ddpkit/comm/process_group.h>
 #include <ddpkit/ft/lighthouse.h>
+#include <ddpkit/reducer/reducer.h>
 #include <ddpkit/training/checkpoint.h>
 
 #include <torch/arg.h>
@@ -51,6 +53,12 @@ struct ManagerOptions {
   TORCH_ARG(std::string, state_host) = "127.0.0.1";
   // Parallel streams a heal copies over (between hosts; on one host it reads a memory file).
   TORCH_ARG(int, heal_connections) = 4;
+  // Called at each point of the protocol with the step: "quorum" (a quorum received),
+  // "heal-publish" (this rank, a heal source, published its state), "heal-fetched" (this rank
+  // copied a source's state, not yet loaded), "crossing" (the first bucket's cross-group
+  // collective issued). For tracing, and for tests that make a process die at one of them
+  // (`ddpkit train` reads DDPKIT_FT_FAULT).
+  TORCH_ARG(std::function<void(const std::string& phase, int64_t step)>, on_phase) = nullptr;
 };
 
 struct ManagerStats {
@@ -65,6 +73,7 @@ struct ManagerStats {
   int64_t steps_committed = 0;
   int64_t steps_not_committed = 0;
   std::string last_error;        // why the last step did not commit
+  std::string cross_transport;   // what the last cross-group process group runs on
 };
 
 class Manager {
@@ -80,6 +89,15 @@ class Manager {
   // Collective over the group: joins the quorum for the next step (rebuilding the cross-group
   // process group when the participants changed) and, when this group is behind, heals it.
   void start_step();
+  // DDP's gradients averaged across the groups of the quorum bucket by bucket, while backward goes
+  // on: register it with ddp.reducer().set_cross_replica_reduction(...) before the first
+  // start_step, passing DDP's parameters (float32 ones get a staging area in shared memory on one
+  // host, allocated with each cross-group process group), and do not also call allreduce() for
+  // those gradients. Each bucket is reduced inside the group
+  // first (DDP's allreduce or its comm hook), then across. Every group must have the same buckets:
+  // the same model and bucket cap (a heal copies the source's layout). A crossing that fails marks
+  // the step, as allreduce() does.
+  CrossReplicaReduction cross_group_reduction(const std::vector<at::Tensor>& parameters);
   // Averages `tensors` (CPU) across the replica groups of the quorum, in place. A failure (a lost
   // group, an aborted collective) leaves them as they were and marks the step not to commit.
   void allreduce(const std::vector<at::Tensor>& tensors);

@@ -60,6 +60,21 @@ struct ReducerTimes {
   double copy_out_ms = 0;   // end of backward: results into .grad
 };
 
+// One bucket on its way across replicas outside the process group (set_cross_replica_reduction).
+struct BucketCrossing {
+  size_t index = 0;           // launch order, as GradBucket::index()
+  size_t bucket_count = 0;
+  at::Tensor buffer;          // the bucket's flat buffer
+  // On the built-in path: the gradients where they lie (or their views in the buffer), reduced in
+  // place, with `buffer` as the staging area (ProcessGroup::allreduce_parts). Empty under a comm
+  // hook: the value of `group` is the bucket's result.
+  std::vector<at::Tensor> parts;
+  FuturePtr group;            // the reduction inside the process group (built-in or comm hook)
+};
+// Returns the future the reducer waits for: the bucket reduced across the replicas too. Its value:
+// `buffer` on the built-in path (the parts hold the result), else a tensor like the hook's result.
+using CrossReplicaReduction = std::function<FuturePtr(const BucketCrossing&)>;
+
 class Reducer {
  public:
   // params: leaf tensors that require grad; names: for error messages; expect_sparse: per param.
@@ -83,6 +98,12 @@ class Reducer {
   // For a rank that has run out of data (join): issue exactly the collectives one synchronized
   // backward issues (used-parameter map, every bucket through the hook) with zero gradients.
   void shadow_backward();
+
+  // A second reduction of every bucket, across replicas outside the process group (replica groups
+  // of fault-tolerant training, ft::Manager::cross_group_reduction), started as each bucket's
+  // group reduction completes. On the built-in path the gradients stay where they lie through both.
+  // Before the first backward; once.
+  void set_cross_replica_reduction(CrossReplicaReduction reduction);
 
   // The divisor of the no-hook path (world size by default).
   void set_divisor(int64_t divisor);
@@ -164,6 +185,7 @@ class Reducer {
 
   CommHook hook_;
   std::string hook_name_;
+  CrossReplicaReduction cross_;
 
   mutable std::mutex mutex_;
   std::vector<Bucket> buckets_;
