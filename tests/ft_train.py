@@ -16,6 +16,9 @@ MODE:
               SIGKILLed in each: it heals (optimizer shards, FSDP shards, hook state) and every
               group ends alike
   every-strategy  the same for every DDP hook fault tolerance takes, ZeRO-1 and FSDP's strategies
+  checkpoint  2 groups with --checkpoint-dir (a rank of group 1 killed: it restarts with --resume,
+              loads the newest checkpoint and heals); then 3 groups --resume from it: they go on
+              from its step, alike
   phases      3 groups; a rank dies (DDPKIT_FT_FAULT) exactly in forward, in backward, inside the
               cross-group allreduce, and mid-heal: the source dies as it serves the heal, and the
               joiner dies after copying, before loading; every time the job goes on, the lost
@@ -24,8 +27,11 @@ MODE:
 Checks: exit status 0 (min-replicas: nonzero with the error), one JSON line per group, equal
 parameter checksums, and that something was lost and healed where a group died.
 """
+import glob
 import json
 import os
+import shutil
+import tempfile
 import signal
 import socket
 import subprocess
@@ -111,18 +117,25 @@ def run(flags, act, timeout=300, env=None):
     return p.returncode, out, err
 
 
-def kill_mode():
+def train_killing_group_1(groups, nproc, flags, name):
+    """Runs the job and, once group 1 trains, SIGKILLs its last rank. Checks exit 0, a report per
+    group, equal parameters and that group 1 healed; returns the reports."""
     def act(p):
-        wait_for_ranks([0, 1, 2], 2)
+        wait_for_ranks(list(range(groups)), nproc)
         wait_until_training(1)
-        os.kill(ranks_of(1)[1], signal.SIGKILL)
-    rc, out, err = run(["--replica-groups", "3", "--nproc", "2", "--steps", "1000"], act)
+        os.kill(ranks_of(1)[-1], signal.SIGKILL)
+    rc, out, err = run(["--replica-groups", str(groups), "--nproc", str(nproc)] + flags, act)
     if rc != 0:
-        sys.exit(f"FAILED: exit {rc}\n{err[-3000:]}")
+        sys.exit(f"FAILED ({name}): exit {rc}\n{err[-3000:]}")
     reps = reports(out)
-    check_same(reps, 3)
+    check_same(reps, groups)
     if reps[1]["heals"] < 1:
-        sys.exit(f"FAILED: group 1 did not heal: {reps[1]}")
+        sys.exit(f"FAILED ({name}): group 1 did not heal: {reps[1]}")
+    return reps
+
+
+def kill_mode():
+    reps = train_killing_group_1(3, 2, ["--steps", "1000"], "kill")
     lost = [r["steps_not_committed"] for r in (reps[0], reps[2])]
     if max(lost) > 1:
         sys.exit(f"FAILED: survivors lost more than one step to the failure: {lost}")
@@ -251,21 +264,34 @@ EVERY_STRATEGY = dict(STRATEGIES, **{
 
 def strategies_mode(table=STRATEGIES):
     for name, flags in table.items():
-        def act(p):
-            wait_for_ranks([0, 1], 2)
-            wait_until_training(1)
-            os.kill(ranks_of(1)[1], signal.SIGKILL)
-        rc, out, err = run(["--replica-groups", "2", "--nproc", "2", "--steps", "700"] + flags, act)
-        if rc != 0:
-            sys.exit(f"FAILED ({name}): exit {rc}\n{err[-3000:]}")
-        reps = reports(out)
-        check_same(reps, 2)
-        if reps[1]["heals"] < 1:
-            sys.exit(f"FAILED ({name}): group 1 did not heal: {reps[1]}")
+        reps = train_killing_group_1(2, 2, ["--steps", "700"] + flags, name)
         if not all(r["final_loss"] == r["final_loss"] for r in reps):  # NaN
             sys.exit(f"FAILED ({name}): the loss is not a number: {reps}")
         print(f"{name}: a rank of group 1 killed; healed {reps[1]['heal_bytes']} B; parameters equal; "
               f"final loss {reps[0]['final_loss']:.4f}", flush=True)
+
+
+def checkpoint_mode():
+    work = tempfile.mkdtemp(prefix="ddpkit-ft-ckpt-")
+    try:
+        ckpt = os.path.join(work, "ckpt")
+        reps = train_killing_group_1(2, 1, ["--steps", "600", "--checkpoint-dir", ckpt, "--checkpoint-every", "100"],
+                                     "checkpointing")
+        files = sorted(os.path.basename(f) for f in glob.glob(os.path.join(ckpt, "checkpoint-*.ddpk")))
+        if "checkpoint-0000000600.ddpk" not in files or sum(r["checkpoints_written"] for r in reps) < 1:
+            sys.exit(f"FAILED (checkpointing): checkpoints {files}; reports {reps}")
+        rc, out, err = run(["--replica-groups", "3", "--nproc", "1", "--steps", "700", "--checkpoint-dir", ckpt,
+                            "--checkpoint-every", "100", "--resume"], lambda p: None)
+        if rc != 0:
+            sys.exit(f"FAILED (resuming under 3 groups): exit {rc}\n{err[-3000:]}")
+        reps3 = reports(out)
+        check_same(reps3, 3)
+        if {r["resumed_from"] for r in reps3} != {600} or any(r["steps"] != 700 for r in reps3):
+            sys.exit(f"FAILED (resuming under 3 groups): {reps3}")
+        print(f"checkpoints under --fault-tolerant ({', '.join(files)}); a killed group resumed and healed; "
+              "3 groups resumed the 2 groups' step 600 and trained on alike")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
 
 
 # DDPKIT_FT_FAULT points (PHASE:STEP:GROUP:RANK[:ATTEMPT]), one run each; what must have healed.
@@ -302,7 +328,7 @@ def phases_mode():
               "parameters equal", flush=True)
 
 
-MODES = {"phases": phases_mode, "strategies": strategies_mode, "every-strategy": lambda: strategies_mode(EVERY_STRATEGY),
+MODES = {"checkpoint": checkpoint_mode, "phases": phases_mode, "strategies": strategies_mode, "every-strategy": lambda: strategies_mode(EVERY_STRATEGY),
          "kill": kill_mode, "stop": stop_mode, "two-lost": two_lost_mode, "lighthouse": lighthouse_mode,
          "min-replicas": min_replicas_mode}
 

@@ -56,12 +56,10 @@ void CrossGroupBuckets::on_group_done(size_t index) {
   for (auto& c : completions) c();
 }
 
-at::Tensor CrossGroupBuckets::staging_for(size_t index, const ProcessGroup& group) {
-  const Slot& slot = slots_[index];
-  const at::Tensor& buffer = slot.bucket.buffer;
-  if (staging_.defined() && buffer.scalar_type() == staging_.scalar_type() &&
-      slot.offset + buffer.numel() <= staging_.numel()) {
-    at::Tensor s = staging_.narrow(0, slot.offset, buffer.numel());
+at::Tensor CrossGroupBuckets::staging_for(size_t index, const at::Tensor& buffer, const ProcessGroup& group) {
+  const int64_t offset = slots_[index].offset;
+  if (staging_.defined() && buffer.scalar_type() == staging_.scalar_type() && offset + buffer.numel() <= staging_.numel()) {
+    at::Tensor s = staging_.narrow(0, offset, buffer.numel());
     if (group.sums_in_place(s)) return s;
   }
   return scratch_for(index, buffer);
@@ -76,7 +74,8 @@ at::Tensor CrossGroupBuckets::scratch_for(size_t index, const at::Tensor& like) 
 }
 
 std::function<void()> CrossGroupBuckets::launch(size_t index) {
-  const BucketCrossing& b = slots_[index].bucket;
+  // Moved out: the slot must not keep this step's gradients alive into the next step.
+  const BucketCrossing b = std::move(slots_[index].bucket);
   FuturePtr result = slots_[index].result;
   if (b.group->hasError()) {  // the group's own reduction failed: a group failure, not a skipped step
     auto error = b.group->exception_ptr();
@@ -90,7 +89,7 @@ std::function<void()> CrossGroupBuckets::launch(size_t index) {
     std::shared_ptr<ProcessGroup> group = group_.lock();
     if (!group) throw CommError("the cross-group process group was retired (a new quorum) during the step");
     if (!b.parts.empty()) {
-      crossing = group->allreduce_parts(staging_for(index, *group), b.parts, 1.0 / group->size());
+      crossing = group->allreduce_parts(staging_for(index, b.buffer, *group), b.parts, 1.0 / group->size());
       averaged = b.buffer;  // the parts hold the result, as the reducer expects of its built-in path
     } else {
       at::Tensor s = scratch_for(index, value);

@@ -59,7 +59,7 @@ class CrossGroupBuckets : public std::enable_shared_from_this<CrossGroupBuckets>
   // Returns the completion to run once the lock is released.
   std::function<void()> launch(size_t index);
   at::Tensor scratch_for(size_t index, const at::Tensor& like);
-  at::Tensor staging_for(size_t index, const ProcessGroup& group);
+  at::Tensor staging_for(size_t index, const at::Tensor& buffer, const ProcessGroup& group);
   void on_crossing_failed(const std::string& why);
 
   std::function<Crossing()> current_cross_;

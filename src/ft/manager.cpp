@@ -245,6 +245,12 @@ const std::string& Manager::group_id() const { return impl_->options.group_id();
 int Manager::replica_rank() const { return quorum_.replica_rank(impl_->options.group_id()); }
 int Manager::replica_count() const { return static_cast<int>(quorum_.participants.size()); }
 
+void Manager::resume_at(int64_t step) {
+  DDPKIT_CHECK(stats_.quorums == 0, "ft::Manager::resume_at: before the first start_step");
+  DDPKIT_CHECK(step >= 0, "ft::Manager::resume_at: step must be >= 0, got ", step);
+  step_ = step;
+}
+
 void Manager::start_step() {
   Impl& im = *impl_;
   ProcessGroup& pg = *im.group;
@@ -304,7 +310,7 @@ void Manager::start_step() {
     if (is_source) {
       const auto start = std::chrono::steady_clock::now();
       TensorDict extra = im.extra ? im.extra() : TensorDict{};
-      im.server->publish(step_, encode_tensors(im.state.snapshot(extra)));
+      im.server->publish(step_, im.state.snapshot(extra));
       stats_.snapshot_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
       im.phase("heal-publish", step_);
     } else {
@@ -346,9 +352,9 @@ bool Manager::copy_state_from(int source, std::string* why) {
     Fetched got = fetch_state(from.state_addresses[pg.rank()], quorum_.max_step, fo);
     stats_.heal_fetch_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     im.phase("heal-fetched", quorum_.max_step);
-    const TensorDict extra = im.state.load_snapshot(decode_tensors(got.bytes, what), what);
+    const TensorDict extra = im.state.load_snapshot(decode_tensors(got.data.get(), got.size, what), what);
     if (im.load_extra) im.load_extra(extra);
-    stats_.heal_bytes += static_cast<int64_t>(got.bytes.size());
+    stats_.heal_bytes += static_cast<int64_t>(got.size);
     stats_.heal_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     stats_.heals_through_memory_file += got.through_memory_file ? 1 : 0;
     return true;

@@ -10,6 +10,7 @@
 
 #include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -27,20 +28,38 @@ namespace {
 constexpr int64_t kChunkBytes = 4 << 20;
 constexpr int kMaxMessage = 64 << 20;
 
-// The bytes in an anonymous memory file; -1 when the kernel has no memfd.
-int memory_file_of(const std::string& bytes) {
-  const int fd = static_cast<int>(memfd_create("ddpkit-ft-state", MFD_CLOEXEC));
-  if (fd < 0) return -1;
-  size_t done = 0;
-  while (done < bytes.size()) {
-    const ssize_t n = write(fd, bytes.data() + done, bytes.size() - done);
-    if (n <= 0) {
-      close(fd);
-      return -1;
-    }
-    done += static_cast<size_t>(n);
+// `size` bytes to encode a snapshot into: a memory file's shared mapping, or (no memfd) the heap.
+struct Held {
+  char* data = nullptr;
+  size_t size = 0;
+  int fd = -1;  // the memory file, or -1
+  std::string heap;
+  Held() = default;
+  Held(const Held&) = delete;
+  Held& operator=(const Held&) = delete;
+  ~Held() {
+    if (fd < 0) return;
+    munmap(data, size);
+    close(fd);
   }
-  return fd;
+};
+
+std::shared_ptr<Held> hold(size_t size) {
+  auto h = std::make_shared<Held>();
+  h->size = size;
+  const int fd = static_cast<int>(memfd_create("ddpkit-ft-state", MFD_CLOEXEC));
+  if (fd >= 0 && ftruncate(fd, static_cast<off_t>(size)) == 0) {
+    void* p = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
+    if (p != MAP_FAILED) {
+      h->fd = fd;
+      h->data = static_cast<char*>(p);
+      return h;
+    }
+  }
+  if (fd >= 0) close(fd);
+  h->heap.assign(size, '\0');
+  h->data = h->heap.data();
+  return h;
 }
 
 }  // namespace
@@ -49,46 +68,38 @@ struct StateServer::Impl {
   std::string token;
   std::mutex mu;
   int64_t step = -1;
-  std::shared_ptr<const std::string> bytes;
-  int memory_fd = -1;
+  std::shared_ptr<Held> held;
   std::string host;
   int port = 0;
   std::unique_ptr<grpc::Service> service;
   std::unique_ptr<grpc::Server> server;
 
-  void drop_memory_file() {
-    if (memory_fd >= 0) close(memory_fd);
-    memory_fd = -1;
-  }
-
   grpc::Status fetch(const grpc::ServerContext* ctx, const wire::StateRequest& req, wire::StateReply* reply) {
     const std::string refusal = ps::token_refusal(ctx->client_metadata(), token, "state service");
     if (!refusal.empty()) return grpc::Status(grpc::StatusCode::UNAUTHENTICATED, refusal);
-    std::shared_ptr<const std::string> held;
-    int fd = -1;
+    std::shared_ptr<Held> bytes;
     {
       std::lock_guard<std::mutex> lock(mu);
-      if (step != req.step())
+      if (step != req.step() || !held)
         return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
                             "holds the state of step " + std::to_string(step) + ", not " + std::to_string(req.step()));
-      held = bytes;
-      fd = memory_fd;
+      bytes = held;
     }
-    const int64_t total = static_cast<int64_t>(held->size());
+    const int64_t total = static_cast<int64_t>(bytes->size);
     const int64_t chunks = std::max<int64_t>(1, (total + kChunkBytes - 1) / kChunkBytes);
     reply->set_step(req.step());
     reply->set_total_bytes(total);
     reply->set_chunk_bytes(kChunkBytes);
     reply->set_chunks(chunks);
     if (req.chunk() < 0) {
-      if (fd >= 0) reply->set_memory_file("/proc/" + std::to_string(getpid()) + "/fd/" + std::to_string(fd));
+      if (bytes->fd >= 0) reply->set_memory_file("/proc/" + std::to_string(getpid()) + "/fd/" + std::to_string(bytes->fd));
       return grpc::Status::OK;
     }
     if (req.chunk() >= chunks)
       return grpc::Status(grpc::StatusCode::OUT_OF_RANGE, "chunk " + std::to_string(req.chunk()) + " of " +
                                                               std::to_string(chunks));
     const int64_t begin = req.chunk() * kChunkBytes;
-    reply->set_data(held->data() + begin, static_cast<size_t>(std::min(kChunkBytes, total - begin)));
+    reply->set_data(bytes->data + begin, static_cast<size_t>(std::min(kChunkBytes, total - begin)));
     return grpc::Status::OK;
   }
 };
@@ -127,26 +138,22 @@ StateServer::StateServer(const std::string& host, const std::string& token) : im
 
 StateServer::~StateServer() {
   impl_->server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
-  impl_->drop_memory_file();
 }
 
 std::string StateServer::address() const { return impl_->host + ":" + std::to_string(impl_->port); }
 
-void StateServer::publish(int64_t step, std::string bytes) {
-  auto held = std::make_shared<const std::string>(std::move(bytes));
-  const int fd = memory_file_of(*held);
+void StateServer::publish(int64_t step, const TensorDict& snapshot) {
+  std::shared_ptr<Held> h = hold(encoded_size(snapshot));
+  encode_tensors_into(snapshot, h->data, h->size);
   std::lock_guard<std::mutex> lock(impl_->mu);
-  impl_->drop_memory_file();
   impl_->step = step;
-  impl_->bytes = std::move(held);
-  impl_->memory_fd = fd;
+  impl_->held = std::move(h);  // a fetch still reading the previous one keeps it
 }
 
 void StateServer::clear() {
   std::lock_guard<std::mutex> lock(impl_->mu);
-  impl_->drop_memory_file();
   impl_->step = -1;
-  impl_->bytes.reset();
+  impl_->held.reset();
 }
 
 // ---- fetching ----------------------------------------------------------------------------------
@@ -175,18 +182,18 @@ grpc::Status call(wire::StateTransfer::Stub& stub, const std::string& token, int
   return stub.Fetch(&ctx, req, reply);
 }
 
-bool read_memory_file(const std::string& path, int64_t total, std::string& out) {
+// The source's memory file, mapped read-only; null when it cannot be (another host's, gone).
+std::shared_ptr<const char> map_memory_file(const std::string& path, int64_t total) {
   const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return false;
-  out.resize(static_cast<size_t>(total));
-  int64_t done = 0;
-  while (done < total) {
-    const ssize_t n = pread(fd, out.data() + done, static_cast<size_t>(total - done), done);
-    if (n <= 0) break;
-    done += n;
-  }
-  close(fd);
-  return done == total;
+  if (fd < 0) return nullptr;
+  struct stat st;
+  void* p = MAP_FAILED;
+  if (fstat(fd, &st) == 0 && st.st_size == total && total > 0)
+    p = mmap(nullptr, static_cast<size_t>(total), PROT_READ, MAP_SHARED | MAP_POPULATE, fd, 0);
+  close(fd);  // the mapping keeps the file
+  if (p == MAP_FAILED) return nullptr;
+  const size_t n = static_cast<size_t>(total);
+  return std::shared_ptr<const char>(static_cast<const char*>(p), [n](const char* q) { munmap(const_cast<char*>(q), n); });
 }
 
 }  // namespace
@@ -211,11 +218,22 @@ Fetched fetch_state(const std::string& address, int64_t step, const FetchOptions
   if (total < 0 || chunks < 1 || chunk_bytes < 1 || (total + chunk_bytes - 1) / chunk_bytes > chunks)
     throw fail("malformed description (" + std::to_string(total) + " bytes in " + std::to_string(chunks) + " chunks)");
   Fetched out;
-  if (options.try_memory_file && !head.memory_file().empty() && read_memory_file(head.memory_file(), total, out.bytes)) {
-    out.through_memory_file = true;
-    return out;
+  out.size = static_cast<size_t>(total);
+  if (options.try_memory_file && !head.memory_file().empty()) {
+    if (auto mapped = map_memory_file(head.memory_file(), total)) {
+      // Still the same step's file once ours is open (a re-publish of the step holds the same
+      // bytes; another step's would be refused here), so the descriptor was not reused under us.
+      wire::StateReply again;
+      if (call(*first, options.token, step, -1, deadline, &again).ok() && again.memory_file() == head.memory_file()) {
+        out.data = std::move(mapped);
+        out.through_memory_file = true;
+        return out;
+      }
+    }
   }
-  out.bytes.assign(static_cast<size_t>(total), '\0');
+  auto heap = std::make_shared<std::string>(static_cast<size_t>(total), '\0');
+  out.data = std::shared_ptr<const char>(heap, heap->data());
+  char* into = heap->data();
   const int streams = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(options.connections, chunks)));
   std::atomic<int64_t> next{0};
   std::mutex error_mu;
@@ -237,7 +255,7 @@ Fetched fetch_state(const std::string& address, int64_t step, const FetchOptions
         next = chunks;
         return;
       }
-      std::memcpy(out.bytes.data() + begin, part.data().data(), static_cast<size_t>(want));
+      std::memcpy(into + begin, part.data().data(), static_cast<size_t>(want));
     }
   };
   std::vector<std::thread> threads;

@@ -1,11 +1,14 @@
 // A rank's state, served to the matching rank of a healing replica group (internal; the
 // StateTransfer service of proto/lighthouse.proto). The server holds one encoded snapshot at a
-// time, tagged with its step; a fetch asks for a step and gets the bytes in chunks over several
-// connections at once, or, on the server's own host, reads them from the server's memory file
-// (a memfd, gone with the process: nothing is left in a shared namespace).
+// time, tagged with its step, in a memory file (a memfd, gone with the process: nothing is left in
+// a shared namespace) it encodes straight into; a fetch asks for a step and gets the bytes in
+// chunks over several connections at once, or, on the server's own host, maps the server's memory
+// file and decodes from it: no copy of the bytes on either side. Both map their memory populated at
+// once (MAP_POPULATE): one call instead of a page fault per page.
 #pragma once
 
 #include <ddpkit/ft/lighthouse.h>
+#include <ddpkit/training/checkpoint.h>
 
 #include <chrono>
 #include <cstdint>
@@ -24,8 +27,8 @@ class StateServer {
   StateServer& operator=(const StateServer&) = delete;
 
   std::string address() const;
-  // Replaces what is served with `bytes`, the state after `step` committed steps.
-  void publish(int64_t step, std::string bytes);
+  // Replaces what is served with the encoding of `snapshot`, the state after `step` committed steps.
+  void publish(int64_t step, const TensorDict& snapshot);
   // Serves nothing until the next publish.
   void clear();
 
@@ -43,7 +46,8 @@ struct FetchOptions {
 };
 
 struct Fetched {
-  std::string bytes;
+  std::shared_ptr<const char> data;  // the encoded state (decode_tensors), mapped or in the heap
+  size_t size = 0;
   bool through_memory_file = false;
 };
 

@@ -43,10 +43,25 @@ uint64_t checksum(const char* data, size_t n) {
   return h;
 }
 
-template <typename T>
-void put(std::string& out, T value) {
-  out.append(reinterpret_cast<const char*>(&value), sizeof(T));
-}
+// Writes forward into [data, data + size), refusing to pass its end.
+class Writer {
+ public:
+  Writer(char* data, size_t size) : data_(data), size_(size) {}
+  void append(const void* p, size_t n) {
+    DDPKIT_CHECK(n <= size_ - pos_, "encode_tensors: the entries outgrew the size computed for them");
+    if (n) std::memcpy(data_ + pos_, p, n);
+    pos_ += n;
+  }
+  template <typename T>
+  void put(T value) {
+    append(&value, sizeof(T));
+  }
+  size_t written() const { return pos_; }
+
+ private:
+  char* data_;
+  size_t size_, pos_ = 0;
+};
 
 bool storable(at::ScalarType t) {
   switch (t) {
@@ -61,7 +76,7 @@ bool storable(at::ScalarType t) {
 // Reads forward through `bytes`, refusing to pass its end.
 class Reader {
  public:
-  Reader(const std::string& bytes, size_t end, const std::string& what) : bytes_(bytes), end_(end), what_(what) {}
+  Reader(const char* bytes, size_t end, const std::string& what) : bytes_(bytes), end_(end), what_(what) {}
   template <typename T>
   T get(const char* field) {
     T value;
@@ -71,57 +86,66 @@ class Reader {
   const char* take(uint64_t n, const char* field) {
     DDPKIT_CHECK(n <= end_ - pos_, what_, " is truncated or corrupt: ", field, " needs ", n, " bytes at offset ", pos_,
                  ", ", end_ - pos_, " left");
-    const char* p = bytes_.data() + pos_;
+    const char* p = bytes_ + pos_;
     pos_ += n;
     return p;
   }
   size_t left() const { return end_ - pos_; }
 
  private:
-  const std::string& bytes_;
+  const char* bytes_;
   size_t end_, pos_ = 0;
   const std::string& what_;
 };
 
 }  // namespace
 
-std::string encode_tensors(const TensorDict& dict) {
-  // Sized once: growing a string of gigabytes by doubling copies (and faults in) it again each time.
+size_t encoded_size(const TensorDict& dict) {
   size_t total = sizeof(kMagic) + 16;
-  for (const auto& kv : dict)
-    if (kv.second.defined())
-      total += 14 + kv.first.size() + 8 * static_cast<size_t>(kv.second.dim()) +
-               static_cast<size_t>(kv.second.numel()) * kv.second.element_size();
-  std::string out;
-  out.reserve(total);
-  out.append(kMagic, sizeof(kMagic));
-  put<uint64_t>(out, dict.size());
   for (const auto& kv : dict) {
     DDPKIT_CHECK(kv.second.defined(), "encode_tensors: entry '", kv.first, "' is an undefined tensor");
+    total += 14 + kv.first.size() + 8 * static_cast<size_t>(kv.second.dim()) +
+             static_cast<size_t>(kv.second.numel()) * kv.second.element_size();
+  }
+  return total;
+}
+
+void encode_tensors_into(const TensorDict& dict, char* data, size_t size) {
+  DDPKIT_CHECK(size == encoded_size(dict), "encode_tensors_into: ", size, " bytes given for ", encoded_size(dict));
+  Writer out(data, size);
+  out.append(kMagic, sizeof(kMagic));
+  out.put<uint64_t>(dict.size());
+  for (const auto& kv : dict) {
     const at::Tensor t = kv.second.detach().cpu().contiguous();
     DDPKIT_CHECK(storable(t.scalar_type()), "encode_tensors: entry '", kv.first, "' has dtype ", t.scalar_type(),
                  ", which checkpoints do not store");
     DDPKIT_CHECK(static_cast<size_t>(t.dim()) <= kMaxDims, "encode_tensors: entry '", kv.first, "' has ", t.dim(), " dimensions");
-    put<uint32_t>(out, static_cast<uint32_t>(kv.first.size()));
-    out += kv.first;
-    put<int8_t>(out, static_cast<int8_t>(t.scalar_type()));
-    put<uint8_t>(out, static_cast<uint8_t>(t.dim()));
-    for (int64_t s : t.sizes()) put<int64_t>(out, s);
+    out.put<uint32_t>(static_cast<uint32_t>(kv.first.size()));
+    out.append(kv.first.data(), kv.first.size());
+    out.put<int8_t>(static_cast<int8_t>(t.scalar_type()));
+    out.put<uint8_t>(static_cast<uint8_t>(t.dim()));
+    for (int64_t s : t.sizes()) out.put<int64_t>(s);
     const uint64_t nbytes = static_cast<uint64_t>(t.numel()) * t.element_size();
-    put<uint64_t>(out, nbytes);
-    if (nbytes) out.append(static_cast<const char*>(t.data_ptr()), nbytes);
+    out.put<uint64_t>(nbytes);
+    out.append(t.data_ptr(), nbytes);
   }
-  put<uint64_t>(out, checksum(out.data(), out.size()));
+  out.put<uint64_t>(checksum(data, out.written()));
+}
+
+std::string encode_tensors(const TensorDict& dict) {
+  // Sized once: growing a string of gigabytes by doubling copies (and faults in) it again each time.
+  std::string out(encoded_size(dict), '\0');
+  encode_tensors_into(dict, out.data(), out.size());
   return out;
 }
 
-TensorDict decode_tensors(const std::string& bytes, const std::string& what) {
-  DDPKIT_CHECK(bytes.size() >= sizeof(kMagic) + 16, what, " is truncated: ", bytes.size(), " bytes");
-  DDPKIT_CHECK(std::memcmp(bytes.data(), kMagic, sizeof(kMagic)) == 0, what, " is not a ddpkit tensor file (bad magic)");
-  const size_t body = bytes.size() - 8;
+TensorDict decode_tensors(const char* bytes, size_t size, const std::string& what) {
+  DDPKIT_CHECK(size >= sizeof(kMagic) + 16, what, " is truncated: ", size, " bytes");
+  DDPKIT_CHECK(std::memcmp(bytes, kMagic, sizeof(kMagic)) == 0, what, " is not a ddpkit tensor file (bad magic)");
+  const size_t body = size - 8;
   uint64_t stored;
-  std::memcpy(&stored, bytes.data() + body, 8);
-  DDPKIT_CHECK(stored == checksum(bytes.data(), body), what, " is corrupt: checksum mismatch");
+  std::memcpy(&stored, bytes + body, 8);
+  DDPKIT_CHECK(stored == checksum(bytes, body), what, " is corrupt: checksum mismatch");
   Reader in(bytes, body, what);
   in.take(sizeof(kMagic), "the magic");
   const uint64_t count = in.get<uint64_t>("the entry count");
@@ -157,6 +181,10 @@ TensorDict decode_tensors(const std::string& bytes, const std::string& what) {
   }
   DDPKIT_CHECK(in.left() == 0, what, " has ", in.left(), " bytes after its last entry");
   return dict;
+}
+
+TensorDict decode_tensors(const std::string& bytes, const std::string& what) {
+  return decode_tensors(bytes.data(), bytes.size(), what);
 }
 
 // ---- files ---------------------------------------------------------------------------------------

@@ -125,6 +125,8 @@ Fault tolerance across replica groups (docs/fault_tolerance.md):
                           all with the same --lighthouse)
   --step-log PATH         each group's rank 0 appends a line per step to PATH.<group id>: the
                           step, its end (Unix ms), its length (ms) and whether it committed
+  With --checkpoint-dir, the quorum's first group writes the checkpoints (the replicas are equal;
+  give every group's rank 0 the same directory); --resume loads one under any --replica-groups.
 )";
 
 namespace {
@@ -316,15 +318,25 @@ Schedule schedule_for(int64_t n_train, int data_world, const TrainFlags& t) {
   return s;
 }
 
-namespace {
+std::vector<std::string> checkpoint_settings(const Flags& f) {
+  // How the job is run and spread: a checkpoint resumes under other values of these (another
+  // world size, another replica count, with or without fault tolerance).
+  return f.settings({"nproc", "epochs", "steps", "quiet", "no-eval", "timeout-s", "threads", "gloo-threads",
+                     "gloo-connections", "piece-kb", "data-dir", "no-malloc-tuning", "no-divergence-guard",
+                     "checkpoint-dir", "checkpoint-every", "resume", "max-restarts", "backend", "report-resources",
+                     "fault-tolerant", "replica-groups", "replica-group", "min-replicas", "lighthouse", "step-log"});
+}
 
-struct StartPoint {
-  int64_t step = 0, epoch = 0, in_epoch = 0, resumed_from = -1;
-};
+TensorDict checkpoint_extra(const std::vector<std::string>& settings, int64_t epoch, int64_t samples_in_epoch) {
+  std::string text;
+  for (const auto& line : settings) text += line + "\n";
+  return {{"settings", bytes_entry(text)}, {"epoch", int_entry(epoch)}, {"samples_in_epoch", int_entry(samples_in_epoch)}};
+}
 
 StartPoint resume_point(const Flags& f, const TrainFlags& t, Training& run, ProcessGroup* pg,
-                        const std::vector<std::string>& settings, const std::string& settings_text,
-                        int64_t steps_per_epoch) {
+                        const std::vector<std::string>& settings, int64_t steps_per_epoch, int data_world) {
+  std::string settings_text;
+  for (const auto& line : settings) settings_text += line + "\n";
   StartPoint start;
   if (!f.on("resume")) return start;
   auto ck = run.state.restore(pg, t.checkpoint_dir);
@@ -340,11 +352,10 @@ StartPoint resume_point(const Flags& f, const TrainFlags& t, Training& run, Proc
                              "): resume with those, or name another --checkpoint-dir");
   }
   if (run.averager) run.averager->set_step(int_of(ck->local, "extra/averager_step", what));
-  const int world = pg ? pg->size() : 1;
   start.epoch = int_of(ck->common, "extra/epoch", what);
   const int64_t samples = int_of(ck->common, "extra/samples_in_epoch", what);
   // Same world size: the same step. Another: the global sample position, rounded down.
-  start.in_epoch = samples / (static_cast<int64_t>(t.batch) * world);
+  start.in_epoch = samples / (static_cast<int64_t>(t.batch) * data_world);
   if (start.in_epoch >= steps_per_epoch) {
     ++start.epoch;
     start.in_epoch = 0;
@@ -356,6 +367,8 @@ StartPoint resume_point(const Flags& f, const TrainFlags& t, Training& run, Proc
               << start.epoch + 1 << ", step " << start.step << "\n";
   return start;
 }
+
+namespace {
 
 // Every rank's resident memory and open descriptors, printed by rank 0 (--report-resources).
 void report_resources(ProcessGroup* pg, int64_t step) {
@@ -528,22 +541,15 @@ int run_train(const std::vector<std::string>& args, const std::vector<std::strin
   const int run_epochs = static_cast<int>((total_steps + steps_per_epoch - 1) / steps_per_epoch);
 
   // The flags that decide the arithmetic: a checkpoint resumes only under the same ones.
-  const auto settings = f.settings({"nproc", "epochs", "steps", "quiet", "no-eval", "timeout-s", "threads",
-                                    "gloo-threads", "gloo-connections", "piece-kb", "data-dir", "no-malloc-tuning",
-                                    "no-divergence-guard", "checkpoint-dir", "checkpoint-every", "resume",
-                                    "max-restarts", "backend", "report-resources"});
-  std::string settings_text;
-  for (const auto& line : settings) settings_text += line + "\n";
-  const StartPoint start = resume_point(f, t, run, pg.get(), settings, settings_text, steps_per_epoch);
+  const auto settings = checkpoint_settings(f);
+  const StartPoint start = resume_point(f, t, run, pg.get(), settings, steps_per_epoch, world);
   int64_t step = start.step;
   TrainReport report;
   auto write_checkpoint = [&](int64_t epoch, int64_t in_epoch) {
-    TensorDict extra{{"settings", bytes_entry(settings_text)},
-                     {"epoch", int_entry(epoch)},
-                     {"samples_in_epoch", int_entry(in_epoch * t.batch * world)}};
     TensorDict extra_local;
     if (run.averager) extra_local["averager_step"] = int_entry(run.averager->step());
-    run.state.save(pg.get(), t.checkpoint_dir, step, extra, extra_local);
+    run.state.save(pg.get(), t.checkpoint_dir, step, checkpoint_extra(settings, epoch, in_epoch * t.batch * world),
+                   extra_local);
     ++report.checkpoints_written;
   };
 

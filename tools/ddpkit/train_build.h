@@ -48,6 +48,18 @@ struct Schedule {
 };
 Schedule schedule_for(int64_t n_train, int data_world, const TrainFlags& t);
 
+// Checkpoints (--checkpoint-dir): the flags a checkpoint must be resumed under (not those of how
+// the job is run: ranks, replica groups, timeouts), what a checkpoint's `extra` holds, and where
+// --resume starts: the newest checkpoint's global sample position over `data_world` ranks'
+// batches (another world size or replica count: rounded down to a whole step). Collective over pg.
+std::vector<std::string> checkpoint_settings(const Flags& f);
+TensorDict checkpoint_extra(const std::vector<std::string>& settings, int64_t epoch, int64_t samples_in_epoch);
+struct StartPoint {
+  int64_t step = 0, epoch = 0, in_epoch = 0, resumed_from = -1;
+};
+StartPoint resume_point(const Flags& f, const TrainFlags& t, Training& run, ProcessGroup* pg,
+                        const std::vector<std::string>& settings, int64_t steps_per_epoch, int data_world);
+
 // `ddpkit train --fault-tolerant` (train_ft.cpp): the launcher of replica groups, or one rank of one.
 int run_fault_tolerant(const Flags& f, const TrainFlags& t, const std::vector<std::string>& argv);
 

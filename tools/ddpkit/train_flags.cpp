@@ -179,8 +179,6 @@ void check_fault_tolerance_flags(const Flags& f, TrainFlags& t) {
     throw UsageError("--fault-tolerant steps the optimizer after the cross-group average: not with --optimizer-in-hook, "
                      "--zero 2 or --zero-overlap (they step inside the hook)");
   if (t.hook == "post_local_sgd") throw UsageError("--fault-tolerant does not combine with --hook post_local_sgd");
-  if (!f.str("checkpoint-dir").empty())
-    throw UsageError("--fault-tolerant heals from live groups; --checkpoint-dir does not combine with it yet");
   if (t.tune_caps || t.tune_pieces)
     throw UsageError("--fault-tolerant: give --bucket-cap-mb and --piece-kb as numbers (auto tunes per group)");
 }

@@ -118,7 +118,10 @@ int run_replica_groups(const TrainFlags& t, const std::vector<std::string>& argv
     std::vector<std::string> args = argv;
     args.insert(args.end(), {"--replica-group", std::to_string(g), "--lighthouse", address});
     supervisors.emplace_back([&, g, args] {
-      codes[static_cast<size_t>(g)] = launch_local(t.nproc, args, "/proc/self/exe", t.max_restarts, {}, &stop);
+      // A restarted group loads the newest checkpoint, if any, then heals to the others' step.
+      codes[static_cast<size_t>(g)] =
+          launch_local(t.nproc, args, "/proc/self/exe", t.max_restarts,
+                       t.checkpoint_dir.empty() ? std::vector<std::string>{} : std::vector<std::string>{"--resume"}, &stop);
     });
   }
   auto finished_at = std::chrono::steady_clock::time_point::max();
@@ -179,6 +182,12 @@ int run_ft_rank(const Flags& f, const TrainFlags& t) {
   const Schedule schedule = schedule_for(n_train, data_world, t);
   const int64_t per_rank = schedule.per_rank, steps_per_epoch = schedule.steps_per_epoch,
                 total_steps = schedule.total_steps;
+  // --resume: the newest checkpoint's sample position over this job's R*W ranks (it may have been
+  // written under another replica count, or without fault tolerance).
+  const auto settings = checkpoint_settings(f);
+  const StartPoint start = resume_point(f, t, run, pg.get(), settings, steps_per_epoch, data_world);
+  if (start.resumed_from >= 0) manager.resume_at(start.step);
+  int64_t checkpoints_written = 0;
 
   const bool lead = rank == 0;
   Progress progress(lead && t.replica_group == 0 && !f.on("quiet"));
@@ -227,6 +236,15 @@ int run_ft_rank(const Flags& f, const TrainFlags& t) {
       else
         run.optimizer->step();
       last_loss = loss.item<double>();
+      // The replicas are equal: the quorum's first group writes for all (collective within it).
+      const int64_t done = manager.step();
+      if (!t.checkpoint_dir.empty() && manager.replica_rank() == 0 &&
+          (done % t.checkpoint_every == 0 || done == total_steps)) {
+        run.state.save(pg.get(), t.checkpoint_dir, done,
+                       checkpoint_extra(settings, done / steps_per_epoch,
+                                        (done % steps_per_epoch) * t.batch * data_world));
+        ++checkpoints_written;
+      }
     }
     step_ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
     if (step_log) {
@@ -254,6 +272,7 @@ int run_ft_rank(const Flags& f, const TrainFlags& t) {
        << ", \"heal_fetch_seconds\": " << s.heal_fetch_seconds << ", \"snapshot_seconds\": " << s.snapshot_seconds
        << ", \"heals_through_memory_file\": " << s.heals_through_memory_file
        << ", \"cross_transport\": \"" << s.cross_transport << "\""
+       << ", \"resumed_from\": " << start.resumed_from << ", \"checkpoints_written\": " << checkpoints_written
        << ", \"steps_committed\": " << s.steps_committed << ", \"steps_not_committed\": " << s.steps_not_committed
        << ", \"parameter_checksum\": \"" << parameter_checksum(run.params) << "\""
        << ", \"peak_rss_bytes\": " << memory.peak_rss_bytes() << "}";

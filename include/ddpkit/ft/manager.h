@@ -105,6 +105,10 @@ class Manager {
   bool should_commit();
 
   int64_t step() const { return step_; }
+  // This rank starts at `step` committed steps (its state loaded from a checkpoint of that step):
+  // before the first start_step, on every rank of the group. The quorum takes the highest step
+  // of its groups; a group behind it heals.
+  void resume_at(int64_t step);
   int replica_rank() const;   // in the current quorum
   int replica_count() const;  // groups in the current quorum
   const Quorum& quorum() const { return quorum_; }
