@@ -21,8 +21,8 @@ MODE:
               from its step, alike
   phases      3 groups; a rank dies (DDPKIT_FT_FAULT) exactly in forward, in backward, inside the
               cross-group allreduce, and mid-heal: the source dies as it serves the heal, and the
-              joiner dies after copying, before loading; every time the job goes on, the lost
-              groups heal, and every group ends alike
+              joiner dies after copying, before loading (under DDP, PowerSGD, ZeRO-1, FSDP, int8);
+              every time the job goes on, the lost groups heal, and every group ends alike
 
 Checks: exit status 0 (min-replicas: nonzero with the error), one JSON line per group, equal
 parameter checksums, and that something was lost and healed where a group died.
@@ -295,22 +295,25 @@ def checkpoint_mode():
 
 
 # DDPKIT_FT_FAULT points (PHASE:STEP:GROUP:RANK[:ATTEMPT]), one run each; what must have healed.
+# One run each: DDPKIT_FT_FAULT points (PHASE:STEP:GROUP:RANK[:ATTEMPT]), what inside the groups (so
+# the heals copy hook state, ZeRO partitions and FSDP shards too), and the groups that must heal.
 PHASES = {
-    "forward": (["forward:40:1:0"], {1}),
-    "backward": (["backward:40:1:0"], {1}),
-    "cross-group allreduce": (["crossing:40:1:0"], {1}),
+    "forward": (["forward:40:1:0"], [], {1}),
+    "backward": (["backward:40:1:0"], ["--hook", "powersgd", "--powersgd-start-iter", "2"], {1}),
+    "cross-group allreduce": (["crossing:40:1:0"], ["--zero", "1"], {1}),
     # Group 1 dies at step 40; its heal source (the lighthouse names the first up-to-date group,
-    # 0) dies as it publishes: group 1 heals from group 2, and so does group 0.
-    "heal source dies": (["forward:40:1:0", "heal-publish:0:0:0"], {0, 1}),
+    # 0) dies as it publishes: group 1 heals from group 2, and so does group 0. FSDP's shards cross
+    # after backward (Manager::allreduce).
+    "heal source dies": (["forward:40:1:0", "heal-publish:0:0:0"], ["--fsdp", "full_shard"], {0, 1}),
     # Group 1 dies at step 40, and again, restarted, after copying its state, before loading it.
-    "healing group dies": (["forward:40:1:0", "heal-fetched:0:1:0:1"], {1}),
+    "healing group dies": (["forward:40:1:0", "heal-fetched:0:1:0:1"], ["--hook", "int8", "--int8-error-feedback"], {1}),
 }
 
 
 def phases_mode():
-    for name, (faults, healed) in PHASES.items():
+    for name, (faults, flags, healed) in PHASES.items():
         env = {"DDPKIT_FT_FAULT": ",".join(faults)}
-        rc, out, err = run(["--replica-groups", "3", "--nproc", "1", "--steps", "400"], lambda p: None, env=env)
+        rc, out, err = run(["--replica-groups", "3", "--nproc", "1", "--steps", "400"] + flags, lambda p: None, env=env)
         if rc != 0:
             sys.exit(f"FAILED ({name}): exit {rc}\n{err[-3000:]}")
         died = err.count("DDPKIT_FT_FAULT: dying")
@@ -324,7 +327,7 @@ def phases_mode():
         lost = max(r["steps_not_committed"] for r in reps if r["replica_group"] not in heals)
         if lost > len(faults):
             sys.exit(f"FAILED ({name}): survivors lost {lost} steps to {len(faults)} failures: {reps}")
-        print(f"{name}: died there, healed groups {sorted(heals)}, survivors lost at most {lost} step(s); "
+        print(f"{name} ({' '.join(flags) or 'DDP allreduce'}): died there, healed groups {sorted(heals)}, survivors lost at most {lost} step(s); "
               "parameters equal", flush=True)
 
 
