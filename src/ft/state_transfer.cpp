@@ -28,7 +28,10 @@ namespace {
 constexpr int64_t kChunkBytes = 4 << 20;
 constexpr int kMaxMessage = 64 << 20;
 
+}  // namespace
+
 // `size` bytes to encode a snapshot into: a memory file's shared mapping, or (no memfd) the heap.
+// (Named: StateServer::Impl holds it; see quantization_hooks.cpp on -Wsubobject-linkage.)
 struct Held {
   char* data = nullptr;
   size_t size = 0;
@@ -43,6 +46,8 @@ struct Held {
     close(fd);
   }
 };
+
+namespace {
 
 std::shared_ptr<Held> hold(size_t size) {
   auto h = std::make_shared<Held>();

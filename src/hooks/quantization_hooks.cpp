@@ -104,7 +104,11 @@ CommHook gathered_uint8_hook(std::shared_ptr<ProcessGroup> pg, int64_t cols, con
   };
 }
 
+}  // namespace
+
 // ---- scalable int8 allreduce ----------------------------------------------------------------------
+// (Named, not in the anonymous namespace: Int8State::Impl holds it, and in a unity batch an
+// internal-linkage member type of an external class draws -Wsubobject-linkage.)
 // The bucket is cut into pieces (ProcessGroup::pieces_for), each of n chunks of `chunk` elements:
 // chunk r of piece p goes to rank r, which sums the n copies it receives and sends the int8 sum
 // back to everyone. ProcessGroup::two_phase overlaps one piece's codec with others' transfers.
@@ -115,8 +119,6 @@ struct Int8BucketState {
   at::Tensor worker_error;                // error feedback: this rank's quantization error, numel
   at::Tensor owner_error;                 // error feedback: requantization error of this rank's chunks
 };
-
-}  // namespace
 
 class Int8State::Impl {
  public:
