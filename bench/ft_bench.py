@@ -38,6 +38,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -114,7 +115,6 @@ def run_with_kills(cmd, kill_every, rng, timeout):
 
     def drain(name, stream):
         outs[name] = stream.read()
-    import threading
     readers = [threading.Thread(target=drain, args=(n, s), daemon=True) for n, s in (("out", p.stdout), ("err", p.stderr))]
     for r in readers:
         r.start()

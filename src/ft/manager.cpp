@@ -93,7 +93,7 @@ struct Manager::Impl {
   std::map<std::string, c10::intrusive_ptr<c10d::TCPStore>> stores;
   std::vector<std::thread> reapers;  // destroy aborted groups (their Gloo work ends by its timeout)
 
-  // Set from collective callbacks too (wrap_hook's buckets cross on the transport's threads).
+  // Set from collective callbacks too (DDP's buckets cross on the transports' threads).
   std::atomic<bool> failed{false};  // this step cannot commit
   std::atomic<bool> broken{false};  // the cross-group group must be rebuilt
   std::mutex failure_mu;
@@ -118,12 +118,8 @@ struct Manager::Impl {
     failed = false;
   }
 
-  // The cross-group process group this step's collectives use; null when none is to be issued.
-  std::shared_ptr<ProcessGroup> crossing() {
-    std::lock_guard<std::mutex> lock(cross_mu);
-    return failed ? nullptr : cross;
-  }
-  Crossing bucket_crossing() {
+  // What this step's cross-group collectives use; no group when none is to be issued.
+  Crossing crossing() {
     std::lock_guard<std::mutex> lock(cross_mu);
     return failed ? Crossing{} : Crossing{cross, staging};
   }
@@ -289,7 +285,7 @@ void Manager::start_step() {
       try {
         im.rebuild(quorum_, me);
         ++stats_.reconfigurations;
-        if (auto cross = im.crossing()) stats_.cross_transport = cross->transport_name();
+        if (auto cross = im.crossing().group) stats_.cross_transport = cross->transport_name();
       } catch (const std::exception& e) {
         ok = false;
         why = std::string("rebuilding the cross-group process group: ") + e.what();
@@ -374,14 +370,14 @@ CrossReplicaReduction Manager::cross_group_reduction(const std::vector<at::Tenso
   im->staging_numel = numel;
   std::function<void()> issued;
   if (im->options.on_phase()) issued = [this] { impl_->options.on_phase()("crossing", step_); };
-  auto buckets = std::make_shared<CrossGroupBuckets>([im] { return im->bucket_crossing(); },
+  auto buckets = std::make_shared<CrossGroupBuckets>([im] { return im->crossing(); },
                                                      [im](const std::string& why) { im->fail(why); }, issued);
   return [buckets](const BucketCrossing& bucket) { return (*buckets)(bucket); };
 }
 
 void Manager::allreduce(const std::vector<at::Tensor>& tensors) {
   Impl& im = *impl_;
-  std::shared_ptr<ProcessGroup> cross = im.crossing();
+  std::shared_ptr<ProcessGroup> cross = im.crossing().group;
   if (!cross || tensors.empty()) return;
   std::vector<at::Tensor> flat;
   for (const auto& t : tensors) {

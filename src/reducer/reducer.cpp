@@ -352,35 +352,38 @@ void Reducer::launch_bucket(size_t index) {
     if (allreduce_bytes_.size() <= index) allreduce_bytes_.resize(index + 1, 0);
     allreduce_bytes_[index] += 2 * (n - 1) * bytes / n;
   }
+  bucket.future = reduce_in_group(bucket, index);
+  if (cross_) {
+    // Across the replicas next; on the in-place path the gradients stay where they lie.
+    const bool in_place = reduces_gradients_in_place(bucket);
+    bucket.future = cross_({index, buckets_.size(), bucket.buffer, in_place ? bucket.parts : std::vector<at::Tensor>{},
+                            bucket.future});
+  }
+}
+
+FuturePtr Reducer::reduce_in_group(Bucket& bucket, size_t index) {
   if (reduces_gradients_in_place(bucket)) {
     // Scaled as the sum is taken, on every rank alike: a joined rank's zeros come as the buffer.
     if (bucket.parts.empty()) bucket.parts = {bucket.buffer};
-    bucket.future = pg_->size() == 1 && divisor_value_ == 1
-                        ? completed_future(bucket.buffer)
-                        : pg_->allreduce_parts(bucket.buffer, bucket.parts, 1.0 / divisor_.item<double>());
-    if (cross_) bucket.future = cross_({index, buckets_.size(), bucket.buffer, bucket.parts, bucket.future});
-    return;
+    if (pg_->size() == 1 && divisor_value_ == 1) return completed_future(bucket.buffer);  // crossing replicas only
+    return pg_->allreduce_parts(bucket.buffer, bucket.parts, 1.0 / divisor_.item<double>());
   }
   if (!hook_) {
-    if (reduction_is_identity()) {
-      bucket.future = completed_future(bucket.buffer);  // nothing to sum, nothing to scale
-      return;
-    }
-    bucket.future = pg_->allreduce(bucket.buffer);
-    if (cross_) bucket.future = cross_({index, buckets_.size(), bucket.buffer, {}, bucket.future});
-    return;
+    if (reduction_is_identity()) return completed_future(bucket.buffer);  // nothing to sum, nothing to scale
+    return pg_->allreduce(bucket.buffer);
   }
   std::vector<at::Tensor> params;
   for (size_t v : bucket.vars) params.push_back(params_[v]);
   GradBucket gb(index, buckets_.size(), bucket.buffer, bucket.offsets, bucket.shapes, std::move(params), bucket.sparse);
+  FuturePtr future;
   try {
-    bucket.future = hook_(gb);
+    future = hook_(gb);
   } catch (const std::exception& e) {
     throw CommError("ddpkit: " + hook_name() + " threw for bucket " + std::to_string(index) + " on rank " +
                     std::to_string(pg_->rank()) + ": " + e.what());
   }
-  DDPKIT_CHECK(bucket.future, hook_name(), " returned a null future for bucket ", index);
-  if (cross_) bucket.future = cross_({index, buckets_.size(), bucket.buffer, {}, bucket.future});
+  DDPKIT_CHECK(future, hook_name(), " returned a null future for bucket ", index);
+  return future;
 }
 
 at::Tensor Reducer::wait_bucket(size_t index) {

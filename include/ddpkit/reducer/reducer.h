@@ -164,6 +164,8 @@ class Reducer {
   void place_gradient(Bucket& bucket, size_t slot, size_t var, bool has_grad);
   void launch_ready_buckets();
   void launch_bucket(size_t index);
+  // The bucket's reduction inside the process group: the built-in allreduce or the comm hook.
+  FuturePtr reduce_in_group(Bucket& bucket, size_t index);
   bool reduces_gradients_in_place(const Bucket& bucket) const;
   // One rank, no hook, divisor 1: the built-in allreduce would hand every gradient back as it is,
   // so gradients stay where autograd put them (no copy into the bucket and back).
