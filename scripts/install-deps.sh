@@ -16,6 +16,8 @@ packages=(
   libgrpc++-dev protobuf-compiler-grpc protobuf-compiler libprotobuf-dev  # the parameter server's RPC
   openssl                          # the TLS test makes a throwaway certificate
   nlohmann-json3-dev               # metrics and benchmark configuration files
+  openmpi-bin                      # mpirun: tests/mpirun_jobs.py (ddpkit never links libmpi)
+  slurm-wlm munge                  # a real Slurm cluster in network namespaces: tests/slurm_cluster.py
 )
 
 missing=()

@@ -9,6 +9,6 @@ cd "$(dirname "$0")/.."
 cd build
 # A caller's own -LE replaces the default exclusion (CI's Debian 13 run also leaves out the long
 # end-to-end trials, label host-only, which the host run keeps).
-exclude='faults|soak|plan|convergence|torch-suite'
+exclude='faults|soak|plan|convergence|torch-suite|cluster'
 for arg in "$@"; do [ "$arg" = -LE ] && exclude=""; done
 ctest --output-on-failure --timeout 600 ${exclude:+-LE "$exclude"} "$@"

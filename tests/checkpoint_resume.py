@@ -7,6 +7,7 @@
     tests/checkpoint_resume.py build/ddpkit torchrun-hosts   # 2 agents in 2 network namespaces (root)
     tests/checkpoint_resume.py build/ddpkit world-size    # 2 ranks -> 3 ranks
     tests/checkpoint_resume.py build/ddpkit errors        # refusals name what is wrong
+    tests/checkpoint_resume.py build/ddpkit preempt       # SIGUSR1/SIGTERM: checkpoint, exit 143, resume
 
 "Bit for bit" is checked on the checkpoints both runs write at the same step: every tensor
 (model, hook state, buckets, RNG, position) byte-equal, and the optimizer's torch archive holding
@@ -189,6 +190,54 @@ def restart(tmp, trials=3):
     print("every killed job finished, bit-identical to the undisturbed run")
 
 
+def checkpoint_steps(d):
+    return sorted(int(n[len("checkpoint-"):-len(".ddpk")]) for n in os.listdir(d) if n.endswith(".ddpk"))
+
+
+def preempt(tmp):
+    """Preemption (docs/launching.md): SIGUSR1 to one rank (Slurm's --signal), SIGTERM to the
+    launcher (Kubernetes, scancel) and SIGUSR1 to a rank under --max-restarts. Every rank
+    checkpoints the same step and the job exits 143 (under --max-restarts the launcher starts it
+    again); the resumed job ends bit-identical to an undisturbed run."""
+    flags = ["--mlp-dims", "64,512,512,10", "--checkpoint-every", "500", "--epochs", "50", "--steps", "1500",
+             "--nproc", "2"]
+    ref = os.path.join(tmp, "preempt-ref")
+    started = time.time()
+    train(flags + ["--checkpoint-dir", ref])
+    duration = time.time() - started
+    cases = [("SIGUSR1 to rank 1", signal.SIGUSR1, "rank", []),
+             ("SIGTERM to the launcher", signal.SIGTERM, "launcher", []),
+             ("SIGUSR1 to rank 0 under --max-restarts 1", signal.SIGUSR1, "rank0", ["--max-restarts", "1"])]
+    for i, (what, sig, target, extra) in enumerate(cases):
+        d = os.path.join(tmp, f"preempt-{i}")
+        job = subprocess.Popen([BIN, "train"] + BASE + flags + extra + ["--checkpoint-dir", d], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+        deadline = time.time() + 120
+        while len(children_of(job.pid)) != 2 and job.poll() is None and time.time() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.4 * duration)
+        ranks = children_of(job.pid)
+        if job.poll() is not None or len(ranks) != 2:
+            sys.exit(f"FAILED: {what}: the job was not running two ranks:\n{job.communicate()[1][-3000:]}")
+        os.kill({"rank": ranks[-1], "rank0": ranks[0], "launcher": job.pid}[target], sig)
+        out, err = job.communicate(timeout=300)
+        if extra:
+            if job.returncode != 0 or "restarting every rank" not in err:
+                sys.exit(f"FAILED: {what}: exit {job.returncode}, no restart:\n{err[-3000:]}")
+            resumed_from = last_json(subprocess.CompletedProcess([], 0, out, err))["resumed_from_step"]
+        else:
+            steps = checkpoint_steps(d)
+            if job.returncode != 143 or "preempted" not in err or not steps or steps[-1] >= 1500:
+                sys.exit(f"FAILED: {what}: exit {job.returncode} (expected 143), checkpoints {steps}:\n{err[-3000:]}")
+            resumed_from = last_json(train(flags + ["--checkpoint-dir", d, "--resume"]))["resumed_from_step"]
+        diffs = differences(ckpt(ref, 1500), ckpt(d, 1500))
+        print(f"{what}: checkpoint at step {resumed_from}, exit {job.returncode}; resumed to 1500: "
+              f"{'bit-identical' if not diffs else 'DIFFERENT ' + ', '.join(diffs[:5])}")
+        if diffs or not resumed_from:
+            sys.exit(f"FAILED: {what}")
+    print("every preempted job checkpointed together and resumed bit for bit")
+
+
 def skip_without_torchrun():
     if subprocess.run(["/usr/bin/python3", "-c", "import torch.distributed.run"], capture_output=True).returncode != 0:
         print("SKIP: /usr/bin/python3 has no torch.distributed.run (apt install python3-torch)")
@@ -335,7 +384,7 @@ def errors(tmp):
 def main():
     global BIN
     modes = {"bit-exact": bit_exact, "restart": restart, "torchrun": torchrun, "torchrun-hosts": torchrun_hosts,
-             "world-size": world_size, "errors": errors}
+             "world-size": world_size, "errors": errors, "preempt": preempt}
     if len(sys.argv) != 3 or sys.argv[2] not in modes:
         sys.exit(__doc__)
     BIN = os.path.abspath(sys.argv[1])

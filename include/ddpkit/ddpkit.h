@@ -5,9 +5,11 @@
 #include <ddpkit/codecs/sparse.h>
 #include <ddpkit/comm/gradient_arena.h>
 #include <ddpkit/comm/host_topology.h>
+#include <ddpkit/comm/launch_environment.h>
 #include <ddpkit/comm/process_group.h>
 #include <ddpkit/runtime/block_cache.h>
 #include <ddpkit/training/checkpoint.h>
+#include <ddpkit/training/preemption.h>
 #include <ddpkit/runtime/runtime.h>
 #include <ddpkit/ddp/distributed_data_parallel.h>
 #include <ddpkit/fsdp/fully_sharded_data_parallel.h>

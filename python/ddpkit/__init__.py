@@ -23,6 +23,7 @@ DDPKIT_TIMEOUT_S) gives the values left unset. See docs/python.md.
 """
 import itertools
 import os
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Optional
@@ -42,7 +43,7 @@ from ._C import CommError, HookState, ProcessGroup  # noqa: E402
 
 __all__ = [
     "BACKEND", "CommError", "HookState", "Options", "PeriodicModelAverager", "ProcessGroup", "average_parameters",
-    "default_group", "hook_names", "new_group", "register_comm_hook",
+    "default_group", "hook_names", "launch_environment", "new_group", "register_comm_hook",
 ]
 __version__ = "0.1.0"
 
@@ -280,5 +281,34 @@ def _register_backend():
     dist.Backend.register_backend(BACKEND, _create_backend, **kwargs)
 
 
+def launch_environment():
+    """The engine that started this process (torchrun, slurm, openmpi, mpich, kubeflow-pytorchjob,
+    kubeflow-trainer, ray-train, ddpkit-launch, env, or '' for none) and the rank, world size and
+    rendezvous it implies, as a dict (docs/launching.md). Raises on a partial or contradictory
+    environment, naming the variables."""
+    return _C.launch_environment()
+
+
+def _fill_torchrun_env():
+    """torch.distributed's env:// reads RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT only. Under
+    srun, mpirun or Kubeflow Trainer (one process per node) those are derived here from the
+    engine's own variables, so init_process_group("ddpkit") works as under torchrun. Variables
+    already set are left alone."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return
+    env = launch_environment()
+    if not env["engine"] or env["per_node"]:
+        return
+    derived = {"RANK": env["rank"], "WORLD_SIZE": env["world_size"], "LOCAL_RANK": env["local_rank"],
+               "LOCAL_WORLD_SIZE": env["local_world_size"], "MASTER_ADDR": env["master_addr"],
+               "MASTER_PORT": env["master_port"]}
+    for name, value in derived.items():
+        if value not in (-1, "") and name not in os.environ:
+            os.environ[name] = str(value)
+    if env["rank"] == 0:
+        print(env["summary"], file=sys.stderr, flush=True)
+
+
 if dist.is_available():
     _register_backend()
+    _fill_torchrun_env()

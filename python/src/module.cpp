@@ -5,6 +5,7 @@
 #include "backend.h"
 #include "torch_ddp_hook.h"
 
+#include <ddpkit/comm/launch_environment.h>
 #include <ddpkit/comm/process_group.h>
 #include <ddpkit/hooks/default_hooks.h>
 #include <ddpkit/hooks/post_local_sgd_hook.h>
@@ -395,6 +396,25 @@ PYBIND11_MODULE(_C, m) {
         return "<ddpkit.HookState '" + s.name + "' on a group of " + std::to_string(s.group->size()) + ">";
       });
 
+  m.def(
+      "launch_environment",
+      []() {
+        const ddpkit::LaunchEnvironment e = ddpkit::detect_launch_environment();
+        py::dict d;
+        d["engine"] = e.engine;
+        d["per_node"] = e.per_node;
+        d["rank"] = e.rank;
+        d["world_size"] = e.world_size;
+        d["local_rank"] = e.local_rank;
+        d["local_world_size"] = e.local_world_size;
+        d["node_rank"] = e.node_rank;
+        d["nnodes"] = e.nnodes;
+        d["master_addr"] = e.master_addr;
+        d["master_port"] = e.master_port;
+        d["summary"] = e.summary;
+        return d;
+      },
+      "The engine that started this process and what it says (docs/launching.md)");
   m.def("hook_names", &all_hook_names, "Every hook ddpkit.register_comm_hook accepts");
   m.def("make_hook", &make_hook, py::arg("name"), py::arg("group"), py::arg("options"),
         py::arg("dense_group") = nullptr);

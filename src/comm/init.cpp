@@ -2,11 +2,20 @@
 // method, and subgroups of an existing group.
 #include <ddpkit/comm/process_group.h>
 
+#include <ddpkit/comm/launch_environment.h>
+
+#include "gloo_transport.h"
+
 #include <torch/csrc/distributed/c10d/FileStore.hpp>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
+#include <arpa/inet.h>
+#include <ifaddrs.h>
+#include <netinet/in.h>
+
 #include <cstdlib>
+#include <iostream>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -18,13 +27,23 @@ namespace {
 std::mutex g_default_mutex;
 std::shared_ptr<ProcessGroup> g_default;
 
-int env_int(const char* name, int fallback) {
-  const char* v = std::getenv(name);
-  if (!v || !*v) return fallback;
-  char* end = nullptr;
-  const long x = std::strtol(v, &end, 10);
-  DDPKIT_CHECK(end && *end == '\0', "environment variable ", name, "='", v, "' is not an integer");
-  return static_cast<int>(x);
+// Open MPI across hosts meets at mpirun's host (launch_environment.cpp), where rank 0 serves the
+// store: a rank 0 placed elsewhere would leave every rank waiting out the timeout.
+void check_rank0_holds_master(const LaunchEnvironment& launch) {
+  if (launch.master_addr == "127.0.0.1" || std::getenv("MASTER_ADDR")) return;
+  ifaddrs* list = nullptr;
+  if (getifaddrs(&list) != 0) return;
+  bool here = false;
+  for (ifaddrs* a = list; a && !here; a = a->ifa_next) {
+    if (!a->ifa_addr || a->ifa_addr->sa_family != AF_INET) continue;
+    char text[INET_ADDRSTRLEN] = {};
+    inet_ntop(AF_INET, &reinterpret_cast<sockaddr_in*>(a->ifa_addr)->sin_addr, text, sizeof(text));
+    here = launch.master_addr == text;
+  }
+  freeifaddrs(list);
+  DDPKIT_CHECK(here, "init_process_group: Open MPI placed rank 0 on a host other than mpirun's (",
+               launch.master_addr, "), where the ranks meet: run mpirun on one of the job's hosts, or pass "
+               "-x MASTER_ADDR=<rank 0's host>");
 }
 
 std::string env_str(const char* name) {
@@ -35,13 +54,26 @@ std::string env_str(const char* name) {
 }  // namespace
 
 std::shared_ptr<ProcessGroup> init_process_group(const InitOptions& o) {
-  int rank = o.rank() >= 0 ? o.rank() : env_int("RANK", -1);
-  int world = o.world_size() >= 0 ? o.world_size() : env_int("WORLD_SIZE", -1);
-  DDPKIT_CHECK(rank >= 0, "init_process_group: rank unknown: pass InitOptions().rank(r) or set RANK");
-  DDPKIT_CHECK(world >= 1, "init_process_group: world size unknown: pass InitOptions().world_size(n) or set WORLD_SIZE");
+  // Whatever the options leave open is read from the engine that started this process.
+  LaunchEnvironment launch;
+  if (o.rank() < 0 || o.world_size() < 0 || (!o.store() && o.init_method() == "env://")) {
+    launch = detect_launch_environment();
+    DDPKIT_CHECK(!launch.per_node, "init_process_group: ", launch.summary.substr(8),
+                 ": this process is the node's, not a rank; start the node's ranks with `ddpkit launch PROGRAM` "
+                 "(it reads the same variables) or torchrun");
+  }
+  const int rank = o.rank() >= 0 ? o.rank() : launch.rank;
+  const int world = o.world_size() >= 0 ? o.world_size() : launch.world_size;
+  DDPKIT_CHECK(rank >= 0, "init_process_group: rank unknown: pass InitOptions().rank(r), or start the process "
+               "under a launcher (torchrun, ddpkit launch, srun, mpirun: docs/launching.md)");
+  DDPKIT_CHECK(world >= 1, "init_process_group: world size unknown: pass InitOptions().world_size(n), or start "
+               "the process under a launcher (docs/launching.md)");
   DDPKIT_CHECK(rank < world, "init_process_group: rank ", rank, " is not below world size ", world);
+  if (launch.found() && launch.engine != "ddpkit-launch" && rank == 0) std::cerr << launch.summary << std::endl;
 
   c10::intrusive_ptr<c10d::Store> store = o.store();
+  std::string rendezvous_host;  // where the store is served, when over TCP
+  int rendezvous_port = 0;
   std::string where = "explicit store";
   if (!store) {
     const std::string& m = o.init_method();
@@ -53,10 +85,11 @@ std::shared_ptr<ProcessGroup> init_process_group(const InitOptions& o) {
         std::string host;
         int port = -1;
         if (m == "env://") {
-          host = env_str("MASTER_ADDR");
-          port = env_int("MASTER_PORT", -1);
+          host = launch.master_addr;
+          port = launch.master_port;
           DDPKIT_CHECK(!host.empty(), "init_process_group: MASTER_ADDR is not set (init_method env://)");
           DDPKIT_CHECK(port > 0, "init_process_group: MASTER_PORT is not set (init_method env://)");
+          if (launch.engine == "openmpi" && rank == 0) check_rank0_holds_master(launch);
         } else if (m.rfind("tcp://", 0) == 0) {
           const auto hp = m.substr(6);
           const auto colon = hp.rfind(':');
@@ -68,6 +101,8 @@ std::shared_ptr<ProcessGroup> init_process_group(const InitOptions& o) {
         }
         DDPKIT_CHECK(port > 0 && port < 65536, "init_process_group: port ", port, " is out of range");
         where = "TCPStore " + host + ":" + std::to_string(port);
+        rendezvous_host = host;
+        rendezvous_port = port;
         c10d::TCPStoreOptions so = compat::tcp_store_options();
         so.port = static_cast<uint16_t>(port);
         // torchrun's convention: with TORCHELASTIC_USE_AGENT_STORE=True the launcher already serves
@@ -94,12 +129,16 @@ std::shared_ptr<ProcessGroup> init_process_group(const InitOptions& o) {
     }
     store->setTimeout(o.timeout());
   }
+  std::string gloo_hostname = o.gloo_hostname();
+  if (gloo_hostname.empty() && !std::getenv("GLOO_SOCKET_IFNAME") && !rendezvous_host.empty() &&
+      rendezvous_host != "localhost" && rendezvous_host.rfind("127.", 0) != 0)
+    gloo_hostname = local_address_towards(rendezvous_host, rendezvous_port);
   auto pg = std::make_shared<ProcessGroup>(store, rank, world,
                                            ProcessGroupOptions()
                                                .backend(o.backend())
                                                .timeout(o.timeout())
                                                .gloo_threads(o.gloo_threads())
-                                               .gloo_hostname(o.gloo_hostname())
+                                               .gloo_hostname(gloo_hostname)
                                                .two_phase_min_bytes(o.two_phase_min_bytes())
                                                .gloo_connections(o.gloo_connections())
                                                .piece_bytes(o.piece_bytes())

@@ -1,6 +1,8 @@
 // Shared pieces of the ddpkit command line: flag parsing, launcher, data sets.
 #pragma once
 
+#include <ddpkit/comm/launch_environment.h>
+
 #include <ATen/ATen.h>
 
 #include <atomic>
@@ -48,8 +50,12 @@ constexpr int kStoppedByCaller = 143;
 // `ddpkit launch`: launch_local for any program, found on PATH like a shell would.
 extern const char* kLaunchUsage;
 int run_launch(const std::vector<std::string>& args);
-// True when a torchrun-style environment names this process's rank.
+// The engine that started this process (detected once; docs/launching.md).
+const LaunchEnvironment& launch_environment();
+// True when the environment names this process's rank (torchrun, srun, mpirun, ...).
 bool in_distributed_env();
+// Rank 0 of such an environment, or a process outside one.
+bool is_lead_process();
 // A service's shared secret: the first line of `path`, or the environment variable `env` when
 // `path` is empty ("" when neither is set). UsageError for an unreadable or empty file.
 std::string read_token(const std::string& path, const char* env = "DDPKIT_PS_TOKEN");

@@ -1,5 +1,6 @@
 #include "cli.h"
 
+#include <ddpkit/comm/launch_environment.h>
 #include <ddpkit/compat.h>
 #include <ddpkit/error.h>
 
@@ -103,13 +104,27 @@ std::vector<int64_t> Flags::int_list(const std::string& name) const {
 }
 
 // ---- launcher ------------------------------------------------------------------------------------
-bool in_distributed_env() { return std::getenv("RANK") && std::getenv("WORLD_SIZE"); }
+const LaunchEnvironment& launch_environment() {
+  static const LaunchEnvironment detected = detect_launch_environment();
+  return detected;
+}
+
+bool in_distributed_env() {
+  const LaunchEnvironment& e = launch_environment();
+  return e.found() && !e.per_node;
+}
+
+bool is_lead_process() { return !in_distributed_env() || launch_environment().rank == 0; }
 
 namespace {
 
-
 volatile sig_atomic_t g_interrupted = 0;
 void on_signal(int) { g_interrupted = 1; }
+// SIGTERM/SIGUSR1: an engine preempting the job. Passed on to the ranks, which checkpoint and
+// exit (ddpkit train --checkpoint-dir); the launcher waits for them and does not restart.
+volatile sig_atomic_t g_preempted = 0;
+void on_preemption(int sig) { g_preempted = sig; }
+constexpr auto kPreemptionGrace = std::chrono::seconds(120);
 
 // One set of ranks, from start to the last one's exit.
 int run_attempt(int nproc, const std::vector<std::string>& argv, const std::string& program, int restart_count,
@@ -118,8 +133,16 @@ int run_attempt(int nproc, const std::vector<std::string>& argv, const std::stri
   // bound: choosing a free port and letting rank 0 bind it later raced with every other process
   // binding ephemeral ports meanwhile (Gloo and gRPC listeners of concurrent jobs).
   c10::intrusive_ptr<c10d::TCPStore> store;
-  std::string port;
-  if (const char* given = std::getenv("MASTER_PORT")) {
+  std::string port, host = "127.0.0.1";
+  // A node of a multi-node job (launch_environment().per_node): its ranks are numbered from
+  // node_rank * nproc, and rank 0 (on node 0) serves the store at the engine's address.
+  const LaunchEnvironment& node = launch_environment();
+  const int first_rank = node.per_node ? node.node_rank * nproc : 0;
+  const int world = node.per_node ? node.nnodes * nproc : nproc;
+  if (node.per_node) {
+    host = node.master_addr;
+    port = std::to_string(node.master_port);
+  } else if (const char* given = std::getenv("MASTER_PORT")) {
     port = given;
   } else {
     c10d::TCPStoreOptions so = compat::tcp_store_options();
@@ -139,7 +162,7 @@ int run_attempt(int nproc, const std::vector<std::string>& argv, const std::stri
   std::vector<std::vector<std::string>> envs(nproc);
   std::vector<std::vector<char*>> envps(nproc);
   const std::vector<std::string> ours{"MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE",
-                                      "LOCAL_WORLD_SIZE", "TORCHELASTIC_USE_AGENT_STORE",
+                                      "LOCAL_WORLD_SIZE", "GROUP_RANK", "TORCHELASTIC_USE_AGENT_STORE",
                                       "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "DDPKIT_LAUNCHED"};
   for (int r = 0; r < nproc; ++r) {
     for (char** e = environ; *e; ++e) {
@@ -147,12 +170,13 @@ int run_attempt(int nproc, const std::vector<std::string>& argv, const std::stri
       const std::string name = entry.substr(0, entry.find('='));
       if (std::find(ours.begin(), ours.end(), name) == ours.end()) envs[r].push_back(entry);
     }
-    envs[r].push_back("MASTER_ADDR=127.0.0.1");
+    envs[r].push_back("MASTER_ADDR=" + host);
     envs[r].push_back("MASTER_PORT=" + port);
-    envs[r].push_back("RANK=" + std::to_string(r));
+    envs[r].push_back("RANK=" + std::to_string(first_rank + r));
     envs[r].push_back("LOCAL_RANK=" + std::to_string(r));
-    envs[r].push_back("WORLD_SIZE=" + std::to_string(nproc));
+    envs[r].push_back("WORLD_SIZE=" + std::to_string(world));
     envs[r].push_back("LOCAL_WORLD_SIZE=" + std::to_string(nproc));
+    if (node.per_node) envs[r].push_back("GROUP_RANK=" + std::to_string(node.node_rank));
     envs[r].push_back("TORCHELASTIC_RESTART_COUNT=" + std::to_string(restart_count));
     envs[r].push_back("TORCHELASTIC_MAX_RESTARTS=" + std::to_string(max_restarts));
     if (store) envs[r].push_back("TORCHELASTIC_USE_AGENT_STORE=True");
@@ -178,8 +202,10 @@ int run_attempt(int nproc, const std::vector<std::string>& argv, const std::stri
   }
   const std::vector<pid_t> groups = children;
   signal(SIGINT, on_signal);
-  signal(SIGTERM, on_signal);
+  signal(SIGTERM, on_preemption);
+  signal(SIGUSR1, on_preemption);
   int exit_code = 0;
+  bool preemption_passed_on = false;
   size_t alive = children.size();
   bool stopping = false;
   auto stop_all = [&](int sig) {
@@ -222,6 +248,13 @@ int run_attempt(int nproc, const std::vector<std::string>& argv, const std::stri
       }
       continue;
     }
+    if (g_preempted && !preemption_passed_on) {
+      // The ranks decide together when to stop (a checkpoint first, with --checkpoint-dir): no
+      // SIGTERM of our own, only a SIGKILL if they outlast the grace period.
+      preemption_passed_on = stopping = true;
+      stop_all(g_preempted);
+      stop_deadline = std::min(stop_deadline, clock::now() + kPreemptionGrace);
+    }
     const bool told_to_stop = stop && stop->load();
     if ((g_interrupted || told_to_stop) && !stopping) {
       stopping = true;
@@ -248,12 +281,20 @@ int launch_local(int nproc, const std::vector<std::string>& argv, const std::str
                  const std::vector<std::string>& restart_args, const std::atomic<bool>* stop) {
   DDPKIT_CHECK(nproc >= 1, "--nproc must be >= 1, got ", nproc);
   DDPKIT_CHECK(max_restarts >= 0, "--max-restarts must be >= 0, got ", max_restarts);
+  if (launch_environment().per_node) {
+    // One node of several: a restart here alone could not meet the other nodes' ranks again.
+    if (max_restarts > 0)
+      throw UsageError("--max-restarts restarts one machine's ranks; under " + launch_environment().engine +
+                       " the engine restarts the pods (restartPolicy), which resume with --resume");
+    nproc = launch_environment().local_world_size;
+    std::cerr << launch_environment().summary << std::endl;
+  }
   std::vector<std::string> args = argv;
   for (int attempt = 0;; ++attempt) {
     const int code = run_attempt(nproc, args, program, attempt, max_restarts, stop);
     const bool told_to_stop = stop && stop->load();
-    if (code == 0 || g_interrupted || told_to_stop || attempt >= max_restarts) {
-      if (code != 0 && max_restarts > 0 && !g_interrupted && !told_to_stop)
+    if (code == 0 || g_interrupted || g_preempted || told_to_stop || attempt >= max_restarts) {
+      if (code != 0 && max_restarts > 0 && !g_interrupted && !g_preempted && !told_to_stop)
         std::cerr << "ddpkit: the job failed after " << attempt << " restart" << (attempt == 1 ? "" : "s")
                   << " (--max-restarts " << max_restarts << ")\n";
       return code;
@@ -273,6 +314,9 @@ torchrun's TORCHELASTIC_USE_AGENT_STORE). A program that calls ddpkit::init_proc
 them. If a rank fails, the others are stopped; the exit status is the first failure's. With
 --max-restarts K, a failed set is replaced by a new one up to K times, with
 TORCHELASTIC_RESTART_COUNT counting restarts (torchrun's meaning): the program resumes itself.
+SIGTERM and SIGUSR1 are passed on to the ranks (preemption: docs/launching.md), and the launcher
+exits with their status. Under a per-node engine (Kubeflow's PET_NNODES/PET_NODE_RANK/
+PET_NPROC_PER_NODE) it starts this node's PET_NPROC_PER_NODE ranks of the whole job.
 )";
 
 namespace {

@@ -73,8 +73,13 @@ int main(int argc, char** argv) {
   using namespace ddpkit::cli;
   tune_allocator(argc, argv);
   // Once per job: by ddpkit's launcher (or a lone process), or by rank 0 of another launcher's job.
-  const char* rank = std::getenv("RANK");
-  if (!std::getenv("DDPKIT_LAUNCHED") && (!rank || std::strcmp(rank, "0") == 0)) {
+  bool lead = true;
+  try {
+    lead = !std::getenv("DDPKIT_LAUNCHED") && is_lead_process();
+  } catch (const c10::Error&) {
+    // A contradictory launch environment: named by the command that reads it, below.
+  }
+  if (lead) {
     const std::string blas = ddpkit::blas_kernel_advice();
     if (!blas.empty()) print_error("ddpkit: " + blas + "\n");
   }

@@ -7,6 +7,7 @@
 #include <ddpkit/ddpkit.h>
 #include <ddpkit/runtime/memory_sampler.h>
 #include <ddpkit/training/divergence_guard.h>
+#include <ddpkit/training/preemption.h>
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <sys/resource.h>
@@ -15,6 +16,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <cstring>
 #include <iomanip>
 #include <iostream>
 #include <sstream>
@@ -23,9 +25,9 @@ namespace ddpkit {
 namespace cli {
 const char* kTrainUsage = R"(usage: ddpkit train [flags]
 
-Trains data-parallel across --nproc local processes (or joins a torchrun-style environment:
-MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE). Rank 0 prints progress, per-epoch loss and test
-accuracy, and a last line that is one JSON object.
+Trains data-parallel across --nproc local processes, or as one rank of a job another engine
+started: torchrun, srun, mpirun, Kubeflow, Ray Train (their variables are read: docs/launching.md).
+Rank 0 prints progress, per-epoch loss and test accuracy, and a last line that is one JSON object.
 
   --nproc N               local processes to launch (default 2)
   --model mlp|cnn|transformer         (default mlp)
@@ -106,7 +108,8 @@ accuracy, and a last line that is one JSON object.
 Checkpoints and restarts (docs/fault_tolerance.md):
   --checkpoint-dir DIR    rank 0 writes DIR/checkpoint-<step>.ddpk atomically: model, optimizer
                           (ZeRO: consolidated), hook state, DDP buckets, RNG and data position
-  --checkpoint-every N    every N steps, and after the last (default 100)
+  --checkpoint-every N    every N steps, and after the last (default 100); and on SIGTERM or
+                          SIGUSR1 (preemption): every rank checkpoints the same step, exit 143
   --resume                continue from the newest complete checkpoint in DIR (none: start afresh);
                           the training flags must match the ones it was written with
   --max-restarts K        when a rank dies or fails, stop every rank and start a new set that
@@ -525,6 +528,10 @@ int run_train(const std::vector<std::string>& args, const std::vector<std::strin
     return launch_local(t.nproc, argv, "/proc/self/exe", t.max_restarts,
                         t.checkpoint_dir.empty() ? std::vector<std::string>{} : std::vector<std::string>{"--resume"});
 
+  // With checkpoints, SIGTERM/SIGUSR1 mean "checkpoint now and exit for a requeue": caught from
+  // before the rendezvous, so a signal during start-up is not the default's sudden death.
+  std::unique_ptr<PreemptionWatch> preemption;
+  if (!t.checkpoint_dir.empty()) preemption = std::make_unique<PreemptionWatch>();
   PeakMemorySampler memory;  // this rank's peak with shared pages counted in proportion (PSS)
   set_compute_threads(t.threads);
   std::shared_ptr<ProcessGroup> pg = t.use_ddp ? join_group(f, t) : nullptr;
@@ -581,7 +588,19 @@ int run_train(const std::vector<std::string>& args, const std::vector<std::strin
       ++epoch_steps;
       ++i;
       ++step;
-      if (!t.checkpoint_dir.empty() && (step % t.checkpoint_every == 0 || step == total_steps)) write_checkpoint(epoch, i);
+      const bool scheduled = step % t.checkpoint_every == 0 || step == total_steps;
+      if (!t.checkpoint_dir.empty() && scheduled) write_checkpoint(epoch, i);
+      if (preemption && preemption->stop_now(pg.get())) {
+        if (!scheduled) write_checkpoint(epoch, i);
+        progress.finish();
+        if (lead)
+          std::cerr << "ddpkit: preempted (" << (preemption->received() ? strsignal(preemption->received()) : "a signal")
+                    << (preemption->received() ? "" : " on another rank") << "): checkpoint of step " << step
+                    << " written to " << t.checkpoint_dir << "; exiting with status " << kPreemptedExitCode
+                    << " for the engine to run the job again (--resume continues from it)\n";
+        if (pg) ProcessGroup::wait(pg->barrier());
+        return kPreemptedExitCode;
+      }
       if (t.report_every > 0 && step % t.report_every == 0) report_resources(pg.get(), step);
       progress.update("epoch " + std::to_string(epoch + 1) + "/" + std::to_string(run_epochs), i,
                       std::min<int64_t>(steps_per_epoch, total_steps - (step - i)), last_loss, median(log.step_ms));

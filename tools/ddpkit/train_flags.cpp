@@ -138,7 +138,7 @@ void check_checkpoint_flags(const Flags& f, TrainFlags& t) {
   if (!t.checkpoint_dir.empty() && t.optimizer_in_hook)
     throw UsageError("--checkpoint-dir does not save the per-parameter optimizer state of --optimizer-in-hook");
   if (!t.checkpoint_dir.empty() && !f.on("resume") &&
-      (!in_distributed_env() || std::getenv("RANK") == std::string("0"))) {
+      is_lead_process()) {
     const auto existing = list_checkpoints(t.checkpoint_dir);
     if (!existing.empty())
       throw UsageError("--checkpoint-dir " + t.checkpoint_dir + " already holds checkpoints (newest " +
