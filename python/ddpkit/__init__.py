@@ -24,6 +24,7 @@ DDPKIT_TIMEOUT_S) gives the values left unset. See docs/python.md.
 import itertools
 import os
 import sys
+import warnings
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Optional
@@ -294,9 +295,13 @@ def _fill_torchrun_env():
     srun, mpirun or Kubeflow Trainer (one process per node) those are derived here from the
     engine's own variables, so init_process_group("ddpkit") works as under torchrun. Variables
     already set are left alone."""
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+    if "RANK" in os.environ or "WORLD_SIZE" in os.environ:
+        return  # torchrun's variables (or some of them, with the rank passed in code): torch's business
+    try:
+        env = launch_environment()
+    except RuntimeError as e:  # a partial engine environment: said now, and again by init_process_group
+        warnings.warn(f"ddpkit: {e}", RuntimeWarning, stacklevel=2)
         return
-    env = launch_environment()
     if not env["engine"] or env["per_node"]:
         return
     derived = {"RANK": env["rank"], "WORLD_SIZE": env["world_size"], "LOCAL_RANK": env["local_rank"],

@@ -56,11 +56,22 @@ std::string env_str(const char* name) {
 std::shared_ptr<ProcessGroup> init_process_group(const InitOptions& o) {
   // Whatever the options leave open is read from the engine that started this process.
   LaunchEnvironment launch;
-  if (o.rank() < 0 || o.world_size() < 0 || (!o.store() && o.init_method() == "env://")) {
+  if (o.rank() < 0 || o.world_size() < 0) {
     launch = detect_launch_environment();
     DDPKIT_CHECK(!launch.per_node, "init_process_group: ", launch.summary.substr(8),
                  ": this process is the node's, not a rank; start the node's ranks with `ddpkit launch PROGRAM` "
                  "(it reads the same variables) or torchrun");
+  } else if (!o.store() && o.init_method() == "env://") {
+    // Rank and world given (as PyTorch's own tests do, beside a lone WORLD_SIZE): only the
+    // rendezvous is wanted, from MASTER_ADDR/MASTER_PORT, else from the engine when it is whole.
+    try {
+      launch = detect_launch_environment();
+    } catch (const c10::Error&) {
+      launch = LaunchEnvironment();
+    }
+    if (const char* a = std::getenv("MASTER_ADDR")) launch.master_addr = a;
+    if (const char* p = std::getenv("MASTER_PORT")) launch.master_port = std::atoi(p);
+    launch.engine.clear();  // nothing to announce: the caller named the rank
   }
   const int rank = o.rank() >= 0 ? o.rank() : launch.rank;
   const int world = o.world_size() >= 0 ? o.world_size() : launch.world_size;
