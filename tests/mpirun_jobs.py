@@ -140,8 +140,11 @@ def main():
     if not shutil.which("mpirun"):
         print("SKIP: mpirun is not installed (scripts/install-deps.sh installs openmpi-bin)")
         sys.exit(77)
-    libs = subprocess.run(["ldd", os.path.join(build, "libddpkit.so")], capture_output=True, text=True).stdout
-    if "libmpi" in libs:
+    # What libddpkit itself links (NEEDED), not what libtorch brings: Debian 13's libtorch is built
+    # with MPI and so loads libmpi into every process anyway.
+    dynamic = subprocess.run(["readelf", "-d", os.path.join(build, "libddpkit.so")], capture_output=True,
+                             text=True).stdout
+    if any("NEEDED" in line and "libmpi" in line for line in dynamic.splitlines()):
         sys.exit("FAILED: libddpkit.so links libmpi")
     env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_CORETYPE=os.environ.get("OPENBLAS_CORETYPE", "SkylakeX"),
                DDPKIT_SHM="0")
