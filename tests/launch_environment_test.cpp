@@ -205,6 +205,21 @@ TEST(LaunchEnvironment, OpenMpiOneHostMeetsOnLoopback) {
   EXPECT_EQ(e.master_port, 12000 + static_cast<int>(1266089985LL % 20000));
 }
 
+TEST(LaunchEnvironment, OpenMpi5OneHostDerivesThePortFromItsNamespace) {
+  // Open MPI 5 (PRRTE, Debian 13): no OMPI_MCA_ess_base_jobid; the PMIx namespace names the job.
+  Env env = open_mpi_rank(1, 2, 1, 2);
+  env.erase("OMPI_MCA_ess_base_jobid");
+  env.erase("OMPI_MCA_orte_hnp_uri");
+  env["PMIX_NAMESPACE"] = "prterun-vm-2440@1";
+  const auto a = detect_launch_environment(env);
+  env["OMPI_COMM_WORLD_RANK"] = env["OMPI_COMM_WORLD_LOCAL_RANK"] = "0";
+  const auto b = detect_launch_environment(env);
+  EXPECT_EQ(a.master_addr, "127.0.0.1");
+  EXPECT_EQ(a.master_port, b.master_port);
+  EXPECT_GE(a.master_port, 12000);
+  EXPECT_LT(a.master_port, 32000);
+}
+
 TEST(LaunchEnvironment, OpenMpiAcrossHostsMeetsAtMpirunsHost) {
   const auto e = detect_launch_environment(open_mpi_rank(3, 4, 1, 2));
   EXPECT_EQ(e.master_addr, "192.0.2.2");  // mpirun's first address, from OMPI_MCA_orte_hnp_uri

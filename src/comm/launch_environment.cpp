@@ -6,6 +6,7 @@
 
 #include <ddpkit/error.h>
 
+#include <cstdint>
 #include <cstdlib>
 #include <sstream>
 
@@ -178,6 +179,14 @@ bool detect_open_mpi(const Env& env, LaunchEnvironment& e) {
     }
   }
   if (e.master_port < 0 && !e.job_id.empty()) e.master_port = derived_port("OMPI_MCA_ess_base_jobid", e.job_id);
+  if (e.master_port < 0 && has(env, "PMIX_NAMESPACE")) {
+    // Open MPI 5 (PRRTE) has no numeric job id; its PMIx namespace ("prterun-host-2440@1") is the
+    // job's name on every rank alike.
+    e.job_id = get(env, "PMIX_NAMESPACE");
+    uint64_t h = 1469598103934665603ULL;  // FNV-1a: the same on every rank, whatever the build
+    for (unsigned char ch : e.job_id) h = (h ^ ch) * 1099511628211ULL;
+    e.master_port = kDerivedPortBase + static_cast<int>(h % kDerivedPortSpan);
+  }
   return true;
 }
 
