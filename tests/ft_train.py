@@ -275,21 +275,22 @@ def checkpoint_mode():
     work = tempfile.mkdtemp(prefix="ddpkit-ft-ckpt-")
     try:
         ckpt = os.path.join(work, "ckpt")
-        reps = train_killing_group_1(2, 1, ["--steps", "600", "--checkpoint-dir", ckpt, "--checkpoint-every", "100"],
+        # Enough steps that the kill lands in them however fast a step is (a few ms each).
+        reps = train_killing_group_1(2, 1, ["--steps", "2000", "--checkpoint-dir", ckpt, "--checkpoint-every", "100"],
                                      "checkpointing")
         files = sorted(os.path.basename(f) for f in glob.glob(os.path.join(ckpt, "checkpoint-*.ddpk")))
-        if "checkpoint-0000000600.ddpk" not in files or sum(r["checkpoints_written"] for r in reps) < 1:
+        if "checkpoint-0000002000.ddpk" not in files or sum(r["checkpoints_written"] for r in reps) < 1:
             sys.exit(f"FAILED (checkpointing): checkpoints {files}; reports {reps}")
-        rc, out, err = run(["--replica-groups", "3", "--nproc", "1", "--steps", "700", "--checkpoint-dir", ckpt,
+        rc, out, err = run(["--replica-groups", "3", "--nproc", "1", "--steps", "2100", "--checkpoint-dir", ckpt,
                             "--checkpoint-every", "100", "--resume"], lambda p: None)
         if rc != 0:
             sys.exit(f"FAILED (resuming under 3 groups): exit {rc}\n{err[-3000:]}")
         reps3 = reports(out)
         check_same(reps3, 3)
-        if {r["resumed_from"] for r in reps3} != {600} or any(r["steps"] != 700 for r in reps3):
+        if {r["resumed_from"] for r in reps3} != {2000} or any(r["steps"] != 2100 for r in reps3):
             sys.exit(f"FAILED (resuming under 3 groups): {reps3}")
         print(f"checkpoints under --fault-tolerant ({', '.join(files)}); a killed group resumed and healed; "
-              "3 groups resumed the 2 groups' step 600 and trained on alike")
+              "3 groups resumed the 2 groups' step 2000 and trained on alike")
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

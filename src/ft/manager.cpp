@@ -1,6 +1,7 @@
 // The Manager (include/ddpkit/ft/manager.h): quorum, cross-group process groups, heals, commits.
 #include <ddpkit/ft/manager.h>
 
+#include <ddpkit/comm/gradient_arena.h>
 #include <ddpkit/error.h>
 
 #include "cross_group_buckets.h"
@@ -88,6 +89,11 @@ struct Manager::Impl {
   std::set<std::string> cross_groups;  // the other groups it spans
   int64_t staging_numel = 0;           // float32 elements of DDP's gradients (cross_group_reduction)
   at::Tensor staging;                  // the cross group's allreduce_buffer of them
+  // Groups of one rank: the block sizes of DDP's float32 gradients, and the memory of the cross
+  // group they are born in, so that its allreduce sums them where they lie (as DDP's own arena
+  // does inside a group of several ranks).
+  std::vector<int64_t> arena_blocks;
+  std::shared_ptr<GradientArena> arena;
   int64_t cross_quorum = -1;
   std::string cross_store;
   std::map<std::string, c10::intrusive_ptr<c10d::TCPStore>> stores;
@@ -138,6 +144,9 @@ struct Manager::Impl {
     reapers.emplace_back([pg = std::move(cross)]() mutable { pg.reset(); });
     cross.reset();
     staging = at::Tensor();
+    // A gradient born in it may still be written by an aborted collective: none is born there again.
+    if (arena) arena->retire();
+    arena.reset();
     cross_groups.clear();
     cross_quorum = -1;
   }
@@ -186,9 +195,11 @@ struct Manager::Impl {
     auto pg = std::make_shared<ProcessGroup>(prefix, replica, static_cast<int>(q.participants.size()), o);
     // Collective over the new group: every participant made its reduction before its first quorum.
     at::Tensor st = staging_numel > 0 ? pg->allreduce_buffer(staging_numel, at::kFloat) : at::Tensor();
+    std::shared_ptr<GradientArena> a = arena_blocks.empty() ? nullptr : pg->gradient_arena(arena_blocks);
     std::lock_guard<std::mutex> lock(cross_mu);
     cross = std::move(pg);
     staging = std::move(st);
+    arena = std::move(a);
     for (const auto& p : q.participants)
       if (p.group_id != options.group_id()) cross_groups.insert(p.group_id);
     cross_quorum = q.quorum_id;
@@ -365,14 +376,27 @@ CrossReplicaReduction Manager::cross_group_reduction(const std::vector<at::Tenso
   DDPKIT_CHECK(stats_.quorums == 0, "ft::Manager::cross_group_reduction: make it before the first start_step (every "
                "group's rank allocates the same staging when the cross-group process group is made)");
   int64_t numel = 0;
-  for (const auto& p : parameters)
-    if (p.requires_grad() && p.scalar_type() == at::kFloat) numel += p.numel();
+  im->arena_blocks.clear();
+  for (const auto& p : parameters) {
+    if (!p.requires_grad() || p.scalar_type() != at::kFloat) continue;
+    numel += p.numel();
+    // As DDP's own arena: gradients big enough to be worth a block (the same on every group).
+    const int64_t bytes = p.numel() * static_cast<int64_t>(p.element_size());
+    if (im->group->size() == 1 && p.device().is_cpu() && p.is_contiguous() && bytes >= (64 << 10))
+      im->arena_blocks.push_back(bytes);
+  }
   im->staging_numel = numel;
   std::function<void()> issued;
   if (im->options.on_phase()) issued = [this] { impl_->options.on_phase()("crossing", step_); };
   auto buckets = std::make_shared<CrossGroupBuckets>([im] { return im->crossing(); },
                                                      [im](const std::string& why) { im->fail(why); }, issued);
-  return [buckets](const BucketCrossing& bucket) { return (*buckets)(bucket); };
+  CrossReplicaReduction reduction;
+  reduction.reduce = [buckets](const BucketCrossing& bucket) { return (*buckets)(bucket); };
+  reduction.gradient_arena = [im]() -> std::shared_ptr<GradientArena> {
+    std::lock_guard<std::mutex> lock(im->cross_mu);
+    return im->failed || !im->cross ? nullptr : im->arena;
+  };
+  return reduction;
 }
 
 void Manager::allreduce(const std::vector<at::Tensor>& tensors) {

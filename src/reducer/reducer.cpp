@@ -99,10 +99,14 @@ Reducer::Reducer(std::vector<at::Tensor> params, std::vector<std::string> names,
 
 Reducer::~Reducer() {
   for (size_t i = 0; i < accumulators_.size(); ++i) accumulators_[i]->del_post_hook(hook_keys_[i]);
-  if (arena_) {
-    if (GradientArena::in_use() == arena_) GradientArena::use(nullptr);
-    arena_->retire();
-  }
+  stop_using_arenas();
+  if (arena_) arena_->retire();
+}
+
+void Reducer::stop_using_arenas() {
+  const std::shared_ptr<GradientArena> current = GradientArena::in_use();
+  if (current && (current == arena_ || current == cross_arena_)) GradientArena::use(nullptr);
+  cross_arena_.reset();  // its owner (the cross-replica reduction) decides when it goes
 }
 
 void Reducer::register_comm_hook(CommHook hook, std::string name) {
@@ -121,8 +125,8 @@ void Reducer::register_comm_hook(CommHook hook, std::string name) {
 
 void Reducer::set_cross_replica_reduction(CrossReplicaReduction reduction) {
   std::lock_guard<std::mutex> lock(mutex_);
-  DDPKIT_CHECK(reduction, "set_cross_replica_reduction: the reduction is empty");
-  DDPKIT_CHECK(!cross_, "set_cross_replica_reduction may be called only once");
+  DDPKIT_CHECK(reduction.reduce, "set_cross_replica_reduction: the reduction is empty");
+  DDPKIT_CHECK(!cross_.reduce, "set_cross_replica_reduction may be called only once");
   DDPKIT_CHECK(!backward_started_ && iterations_ == 0, "set_cross_replica_reduction: before the first backward");
   cross_ = std::move(reduction);
 }
@@ -140,7 +144,7 @@ void Reducer::prepare_for_forward(int source_rank) {
   DDPKIT_CHECK(!backward_started_,
                "the previous backward pass did not finish its gradient reduction (an exception, or a backward "
                "that never reached the end); this DistributedDataParallel instance cannot continue");
-  if (GradientArena::in_use() == arena_ && arena_) GradientArena::use(nullptr);
+  stop_using_arenas();
   if (!arena_considered_) make_arena(lock);
   if (!rebuild_pending_) return;
   // Agree on one order: the source rank's recorded gradient-ready order, completed with the
@@ -213,7 +217,7 @@ void Reducer::reset_iteration_state() {
   next_bucket_ = 0;
   used_map_future_.reset();
   backward_started_ = false;
-  if (arena_ && GradientArena::in_use() == arena_) GradientArena::use(nullptr);
+  stop_using_arenas();
 }
 
 void Reducer::prepare_for_backward(const std::vector<at::Tensor>& outputs) {
@@ -230,7 +234,14 @@ void Reducer::prepare_for_backward(const std::vector<at::Tensor>& outputs) {
     locally_used_.assign(params_.size(), true);
   }
   expect_hooks_ = true;
-  if (arena_ && !hook_) GradientArena::use(arena_);  // this backward's gradients are born there
+  // This backward's gradients are born where the built-in path sums them in place.
+  if (!hook_ && arena_) {
+    GradientArena::use(arena_);
+  } else if (!hook_ && !options_.gradient_as_bucket_view && options_.gradients_in_shared_memory &&
+             cross_.gradient_arena) {
+    cross_arena_ = cross_.gradient_arena();
+    if (cross_arena_) GradientArena::use(cross_arena_);
+  }
 }
 
 void Reducer::autograd_hook(size_t var) {
@@ -333,10 +344,10 @@ void Reducer::place_gradient(Bucket& bucket, size_t slot, size_t var, bool has_g
 bool Reducer::reduces_gradients_in_place(const Bucket& bucket) const {
   // Crossing replicas, the gradients are reduced where they lie on any transport (those that do
   // not sum in place stage them through the buffer): in the group, then across.
-  return (bucket.in_place || (cross_ && !bucket.sparse)) && !hook_ && !options_.gradient_as_bucket_view;
+  return (bucket.in_place || (cross_.reduce && !bucket.sparse)) && !hook_ && !options_.gradient_as_bucket_view;
 }
 
-bool Reducer::reduction_is_identity() const { return pg_->size() == 1 && !hook_ && !cross_ && divisor_value_ == 1; }
+bool Reducer::reduction_is_identity() const { return pg_->size() == 1 && !hook_ && !cross_.reduce && divisor_value_ == 1; }
 
 void Reducer::launch_ready_buckets() {
   while (next_bucket_ < buckets_.size() && buckets_[next_bucket_].pending == 0) launch_bucket(next_bucket_++);
@@ -353,10 +364,10 @@ void Reducer::launch_bucket(size_t index) {
     allreduce_bytes_[index] += 2 * (n - 1) * bytes / n;
   }
   bucket.future = reduce_in_group(bucket, index);
-  if (cross_) {
+  if (cross_.reduce) {
     // Across the replicas next; on the in-place path the gradients stay where they lie.
     const bool in_place = reduces_gradients_in_place(bucket);
-    bucket.future = cross_({index, buckets_.size(), bucket.buffer, in_place ? bucket.parts : std::vector<at::Tensor>{},
+    bucket.future = cross_.reduce({index, buckets_.size(), bucket.buffer, in_place ? bucket.parts : std::vector<at::Tensor>{},
                             bucket.future});
   }
 }

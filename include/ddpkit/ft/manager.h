@@ -92,7 +92,8 @@ class Manager {
   // DDP's gradients averaged across the groups of the quorum bucket by bucket, while backward goes
   // on: register it with ddp.reducer().set_cross_replica_reduction(...) before the first
   // start_step, passing DDP's parameters (float32 ones get a staging area in shared memory on one
-  // host, allocated with each cross-group process group), and do not also call allreduce() for
+  // host, allocated with each cross-group process group; in groups of one rank their gradients are
+  // born in that group's shared memory and summed where they lie), and do not also call allreduce() for
   // those gradients. Each bucket is reduced inside the group
   // first (DDP's allreduce or its comm hook), then across. Every group must have the same buckets:
   // the same model and bucket cap (a heal copies the source's layout). A crossing that fails marks

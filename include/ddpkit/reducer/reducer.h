@@ -71,9 +71,16 @@ struct BucketCrossing {
   std::vector<at::Tensor> parts;
   FuturePtr group;            // the reduction inside the process group (built-in or comm hook)
 };
-// Returns the future the reducer waits for: the bucket reduced across the replicas too. Its value:
-// `buffer` on the built-in path (the parts hold the result), else a tensor like the hook's result.
-using CrossReplicaReduction = std::function<FuturePtr(const BucketCrossing&)>;
+// A second reduction of every bucket, across replicas outside the process group.
+struct CrossReplicaReduction {
+  // Returns the future the reducer waits for: the bucket reduced across the replicas too. Its
+  // value: `buffer` on the built-in path (the parts hold the result), else a tensor like the hook's.
+  std::function<FuturePtr(const BucketCrossing&)> reduce;
+  // Optional. Asked before each backward on the built-in path when the reducer has no arena of its
+  // own (a process group of one rank): where this backward's gradients are born, so that `reduce`
+  // sums them where they lie (the cross-replica group's shared memory). May return null.
+  std::function<std::shared_ptr<GradientArena>()> gradient_arena;
+};
 
 class Reducer {
  public:
@@ -219,6 +226,9 @@ class Reducer {
   // every local rank maps (made at the first forward; dropped when a hook is registered).
   std::shared_ptr<GradientArena> arena_;
   bool arena_considered_ = false;
+  // This backward's arena from cross_.gradient_arena, when arena_ is null.
+  std::shared_ptr<GradientArena> cross_arena_;
+  void stop_using_arenas();  // on the calling thread
   void make_arena(std::unique_lock<std::mutex>& lock);  // collective over the host's ranks, at the first forward
 };
 
