@@ -2,7 +2,8 @@
 """What fault tolerance costs when nothing fails, what a heal costs, and what it saves when ranks die.
 
     bench/ft_bench.py [--reps 3] [--steps 60] [--ddpkit build/ddpkit] [--heal-dims 64,4096,4096,10]
-                      [--schedule-seconds 600] [--kill-every 20] [--skip step,heal,schedule]
+                      [--schedule-seconds 600] [--kill-every 20] [--link-rates 1gbit,10gbit]
+                      [--skip step,heal,heal-netns,schedule]
 
 Step: the same job, 2 ranks in all, interleaved --reps times:
   plain   ddpkit train --nproc 2                                  (DDP across both ranks)
@@ -17,6 +18,11 @@ SIGKILLed; it restarts, copies its state from group 0 and trains on. Printed: th
 the heal's time (fetch, including the wait for the source's current step, and load) and its rate,
 beside this machine's floor: writing as many bytes into memory never touched (what a new
 process's decoded state and optimizer state are).
+Heal between namespaces (--skip heal-netns to leave out; needs root): the same heal with the two
+groups on two network namespaces joined by a veth pair shaped with tc tbf to each --link-rates rate,
+the lighthouse and group 0 in one, group 1 in the other, so the state crosses the link over
+--heal-connections gRPC streams. Printed beside each: the link as a plain TCP stream measures it
+(the rate a heal could reach) and the heal's rate against it (the issue's target: >= 0.8x).
 Schedule: 4 replica groups of 1 rank train a small transformer (2 layers, d_model 128, 4 heads,
 64 tokens, batch 16) for the steps a failure-free run takes about --schedule-seconds for; every
 --kill-every seconds a random group's rank is SIGKILLed (the group restarts and heals). Printed:
@@ -227,7 +233,9 @@ def main():
     p.add_argument("--timeout", type=float, default=3600, help="seconds one run may take")
     p.add_argument("--schedule-seconds", type=float, default=600, help="a failure-free run's length")
     p.add_argument("--kill-every", type=float, default=20)
-    p.add_argument("--skip", default="", help="comma-separated: step, heal, schedule")
+    p.add_argument("--link-rates", default="1gbit,10gbit", help="tc tbf rates of the heal between namespaces")
+    p.add_argument("--heal-connections", type=int, default=4, help="gRPC streams a heal between hosts copies over")
+    p.add_argument("--skip", default="", help="comma-separated: step, heal, heal-netns, schedule")
     args = p.parse_args()
     skip = set(filter(None, args.skip.split(",")))
     common = ["--mlp-dims", args.mlp_dims, "--steps", str(args.steps)]
@@ -246,6 +254,8 @@ def main():
         print(f"ft      {ft:10.1f}                  {ft / plain:.3f}   (target <= 1.05)")
     if "heal" not in skip:
         print_heal(args)
+    if "heal-netns" not in skip:
+        print_heal_netns(args)
     if "schedule" not in skip:
         schedule(args.ddpkit, args.schedule_seconds, args.kill_every, args.timeout)
 
@@ -271,6 +281,88 @@ def print_heal(args):
           f"parameters equal: {groups[0]['parameter_checksum'] == h['parameter_checksum']}")
     print(f"floor here: writing {h['heal_bytes'] / 1e6:.1f} MB into fresh memory takes {floor:.3f} s "
           f"({h['heal_bytes'] / floor / 1e9:.2f} GB/s); the heal took {h['heal_seconds'] / floor:.1f}x that")
+
+
+def tcp_rate(ns_from, ns_to, addr, nbytes=400 << 20):
+    """Bytes per second of one TCP stream from namespace ns_from to addr in ns_to."""
+    sink = ("import socket,sys\ns=socket.socket();s.setsockopt(socket.SOL_SOCKET,socket.SO_REUSEADDR,1);"
+            f"s.bind(('{addr}',29699));s.listen(1);print('up',flush=True);c,_=s.accept();n=0\n"
+            "while True:\n b=c.recv(1<<20)\n if not b: break\n n+=len(b)\nprint(n,flush=True)")
+    rx = subprocess.Popen(["ip", "netns", "exec", ns_to, sys.executable, "-c", sink], stdout=subprocess.PIPE, text=True)
+    rx.stdout.readline()
+    source = ("import socket,time\ns=socket.create_connection(('" + addr + "',29699));b=bytes(1<<20);t=time.time()\n"
+              f"for _ in range({nbytes >> 20}): s.sendall(b)\n"
+              "s.shutdown(socket.SHUT_WR);s.recv(1);print(time.time()-t)")
+    tx = subprocess.run(["ip", "netns", "exec", ns_from, sys.executable, "-c", source], capture_output=True, text=True,
+                        timeout=300)
+    rx.wait(timeout=60)
+    return nbytes / float(tx.stdout.strip())
+
+
+def heal_between_namespaces(binary, dims, rate, connections, timeout):
+    """The heal of heal(), group 0 (and the lighthouse) in one namespace, group 1 in another, the
+    veth between them shaped to `rate`. Returns (the healed group's report, TCP bytes/s of the link)."""
+    import two_hosts
+    tag = f"dkh{os.getpid() % 10000}"
+    a, b = "10.213.0.1", "10.213.0.2"
+    lighthouse = None
+    try:
+        (ns_a, if_a), (ns_b, if_b) = two_hosts.create(tag, a, b)
+        for ns, dev in ((ns_a, if_a), (ns_b, if_b)):
+            subprocess.run(["tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "tbf", "rate", rate, "burst", "4mb",
+                            "latency", "50ms"], check=True)
+        link = tcp_rate(ns_a, ns_b, b)
+        lighthouse = subprocess.Popen(["ip", "netns", "exec", ns_a, binary, "lighthouse", "--address", f"{a}:29610",
+                                       "--expected-groups", "2"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        work = tempfile.mkdtemp(prefix="ddpkit-ft-heal-")
+        log = os.path.join(work, "steps")
+        common = ["train", "--fault-tolerant", "--replica-groups", "2", "--nproc", "1", "--lighthouse", f"{a}:29610",
+                  "--dataset", "synthetic", "--mlp-dims", dims, "--optimizer", "adam", "--batch-size", "32",
+                  "--threads", "1", "--epochs", "1000", "--steps", "16", "--no-eval", "--quiet", "--max-restarts", "2",
+                  "--step-log", log]
+        common += ["--heal-connections", str(connections)]
+        # Each "host" its own host name too (a UTS namespace): the groups then know they are on two
+        # hosts and the heal crosses the link rather than reading the source's memory file.
+        groups = [subprocess.Popen(["ip", "netns", "exec", ns, "unshare", "--uts", "sh", "-c",
+                                    f'hostname {ns} && exec "$0" "$@"', binary] + common + ["--replica-group", str(g)],
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                  for g, ns in ((0, ns_a), (1, ns_b))]
+        end, killed = time.time() + timeout, False
+        while time.time() < end and not killed and groups[1].poll() is None:
+            try:
+                lines = open(log + ".replica-001").read().count("\n")
+            except OSError:
+                lines = 0
+            if lines >= 3 and ranks_of(1):
+                os.kill(ranks_of(1)[0], signal.SIGKILL)
+                killed = True
+            time.sleep(0.05)
+        outs = [g.communicate(timeout=max(1, end - time.time())) for g in groups]
+        shutil.rmtree(work, ignore_errors=True)
+        if any(g.returncode != 0 for g in groups) or not killed:
+            raise SystemExit(f"ft_bench: the heal between namespaces failed (exits {[g.returncode for g in groups]}, "
+                             f"killed {killed})\n{outs[1][1][-2000:]}")
+        reps = {r["replica_group"]: r for o, _ in outs for r in reports(o)}
+        if reps[1]["heals"] < 1 or reps[1]["heals_through_memory_file"] or "gloo" not in reps[1]["cross_transport"]:
+            raise SystemExit(f"ft_bench: group 1 did not heal across the link: {reps[1]}")
+        if reps[0]["parameter_checksum"] != reps[1]["parameter_checksum"]:
+            raise SystemExit(f"ft_bench: the groups' parameters differ after the heal: {reps}")
+        return reps[1], link
+    finally:
+        if lighthouse:
+            lighthouse.terminate()
+            lighthouse.wait()
+        two_hosts.remove(tag)
+
+
+def print_heal_netns(args):
+    print(f"\nheal between two network namespaces ({args.heal_dims}, Adam; {args.heal_connections} streams):")
+    print(f"{'link (tbf)':>11} {'TCP stream':>11} {'healed':>9} {'heal s':>7} {'fetch s':>8} {'rate':>10} {'vs link':>8}")
+    for rate in filter(None, args.link_rates.split(",")):
+        h, link = heal_between_namespaces(args.ddpkit, args.heal_dims, rate, args.heal_connections, args.timeout)
+        healed = h["heal_bytes"] / h["heal_seconds"]
+        print(f"{rate:>11} {link * 8 / 1e9:>7.2f} Gb/s {h['heal_bytes'] / 1e6:>6.1f} MB {h['heal_seconds']:>7.3f} "
+              f"{h['heal_fetch_seconds']:>8.3f} {healed * 8 / 1e9:>5.2f} Gb/s {healed / link:>7.2f}x", flush=True)
 
 
 if __name__ == "__main__":

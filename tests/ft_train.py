@@ -24,6 +24,9 @@ MODE:
               joiner dies after copying, before loading (under DDP, PowerSGD, ZeRO-1, FSDP, int8);
               every time the job goes on, the lost groups heal, and every group ends alike
 
+  hosts       (root) 2 groups of 2 ranks, each group over two hosts (network namespaces); a rank of
+              group 1 killed, the group restarted: it heals from group 0 across the link
+
 Checks: exit status 0 (min-replicas: nonzero with the error), one JSON line per group, equal
 parameter checksums, and that something was lost and healed where a group died.
 """
@@ -332,9 +335,70 @@ def phases_mode():
               "parameters equal", flush=True)
 
 
+def hosts_mode():
+    """2 groups of 2 ranks on two hosts (network namespaces, each with its own host name), every
+    group spanning both, crossed: group 0's rank 0 on host a, group 1's on host b, so each cross-group
+    process group and each heal goes over the link. A rank of group 1 is killed and its other rank
+    stopped as a launcher's agent would; both restarted (fresh rendezvous port), group 1 heals from
+    group 0 across the link, and both groups end alike."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import two_hosts
+    if os.geteuid() != 0:
+        sys.exit("FAILED: mode hosts needs root (network namespaces)")
+    tag = f"dft{os.getpid() % 10000}"
+    a, b = "10.214.0.1", "10.214.0.2"
+    lighthouse, ranks = None, {}
+    try:
+        (ns_a, _), (ns_b, _) = two_hosts.create(tag, a, b)
+        lighthouse = subprocess.Popen(["ip", "netns", "exec", ns_a, BIN, "lighthouse", "--address", f"{a}:29620",
+                                       "--expected-groups", "2"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+        def start(group, rank, attempt):
+            ns = (ns_a, ns_b)[(group + rank) % 2]
+            env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                       MASTER_ADDR=(a, b)[group], MASTER_PORT=str(29630 + 10 * group + attempt))
+            cmd = ["ip", "netns", "exec", ns, "unshare", "--uts", "sh", "-c", f'hostname {ns} && exec "$0" "$@"', BIN] + \
+                BASE + ["--steps", "600", "--replica-groups", "2",
+                        "--replica-group", str(group), "--lighthouse", f"{a}:29620"]
+            ranks[(group, rank)] = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                                    env=env)
+        for g in (0, 1):
+            for r in (0, 1):
+                start(g, r, 0)
+        wait_for_ranks([0, 1], 2)
+        wait_until_training(1)
+        for r in (1, 0):  # the rank that dies, then the rest of its group, as torchrun's agent does
+            ranks[(1, r)].kill()
+            ranks[(1, r)].communicate()
+        if ranks[(0, 0)].poll() is not None:
+            sys.exit("FAILED (hosts): group 0 ended before group 1 was restarted")
+        for r in (0, 1):
+            start(1, r, 1)
+        outs = {k: p.communicate(timeout=300) for k, p in ranks.items()}
+        for k, p in ranks.items():
+            if p.returncode != 0:
+                sys.exit(f"FAILED (hosts): group {k[0]} rank {k[1]} exit {p.returncode}\n{outs[k][1][-3000:]}")
+        reps = sorted((json.loads(l) for o, _ in outs.values() for l in o.splitlines() if l.startswith("{")),
+                      key=lambda r: r["replica_group"])
+        check_same(reps, 2)
+        healed = reps[1]
+        if healed["heals"] < 1 or healed["heals_through_memory_file"] or "gloo" not in healed["cross_transport"]:
+            sys.exit(f"FAILED (hosts): group 1 should have healed over the link (Gloo across groups): {healed}")
+        print(f"groups spanning two hosts: group 1 restarted, healed {healed['heal_bytes']} B across the link in "
+              f"{healed['heal_seconds']:.3f} s, cross-group transport '{healed['cross_transport']}'; parameters equal")
+    finally:
+        for p in ranks.values():
+            if p.poll() is None:
+                p.kill()
+        if lighthouse:
+            lighthouse.kill()
+            lighthouse.wait()
+        two_hosts.remove(tag)
+
+
 MODES = {"checkpoint": checkpoint_mode, "phases": phases_mode, "strategies": strategies_mode, "every-strategy": lambda: strategies_mode(EVERY_STRATEGY),
          "kill": kill_mode, "stop": stop_mode, "two-lost": two_lost_mode, "lighthouse": lighthouse_mode,
-         "min-replicas": min_replicas_mode}
+         "min-replicas": min_replicas_mode, "hosts": hosts_mode}
 
 if __name__ == "__main__":
     BIN = os.path.abspath(sys.argv[1])

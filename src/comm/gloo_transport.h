@@ -4,6 +4,7 @@
 #pragma once
 
 #include "job_thread.h"
+#include "local_address.h"
 #include "transport.h"
 
 #include <functional>
@@ -12,12 +13,6 @@
 #include <vector>
 
 namespace ddpkit {
-
-// The local IPv4 address on the route to `host` (a name or an address): the one the other ranks
-// can reach this process at, where the host name's own address (Gloo's default) is often not (a
-// node whose name resolves to another network, or to nothing in a container). "" when `host`
-// does not resolve. Sends nothing.
-std::string local_address_towards(const std::string& host, int port);
 
 class GlooTransport final : public Transport {
  public:

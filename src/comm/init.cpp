@@ -4,7 +4,7 @@
 
 #include <ddpkit/comm/launch_environment.h>
 
-#include "gloo_transport.h"
+#include "local_address.h"
 
 #include <torch/csrc/distributed/c10d/FileStore.hpp>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>

@@ -4,6 +4,7 @@
 #include <ddpkit/comm/gradient_arena.h>
 #include <ddpkit/error.h>
 
+#include "../comm/local_address.h"
 #include "cross_group_buckets.h"
 #include "state_transfer.h"
 #include "wire.h"
@@ -60,6 +61,26 @@ std::string host_name() {
   char name[256] = {0};
   if (gethostname(name, sizeof(name) - 1) != 0 || !name[0]) return "localhost";
   return name;
+}
+
+// "host" of "host:port" (or "[v6]:port").
+std::string host_of(const std::string& address) {
+  const size_t colon = address.rfind(':');
+  DDPKIT_CHECK(colon != std::string::npos && colon > 0, "fault tolerance: '", address, "' is not host:port");
+  std::string host = address.substr(0, colon);
+  if (host.size() > 2 && host.front() == '[' && host.back() == ']') host = host.substr(1, host.size() - 2);
+  return host;
+}
+
+// Where the other groups reach this rank's state service: the given host, else this host's address
+// on the route to the lighthouse (they reach the lighthouse, so they reach that network).
+std::string state_host_for(const ManagerOptions& o) {
+  if (!o.state_host().empty()) return o.state_host();
+  const std::string host = host_of(o.lighthouse());
+  const std::string towards = local_address_towards(host, 1);
+  DDPKIT_CHECK(!towards.empty(), "ft::Manager: no route to the lighthouse host '", host,
+               "' to pick this rank's state service address from; set ManagerOptions::state_host");
+  return towards;
 }
 
 std::string new_incarnation() {
@@ -192,6 +213,10 @@ struct Manager::Impl {
         "ddpkit-ft/q" + std::to_string(q.quorum_id) + "/r" + std::to_string(group->rank()), store_at(q.store_address));
     ProcessGroupOptions o = group->options();
     o.group_name("ft-cross").timeout(options.cross_group_timeout()).abortable(true).check_collectives(false);
+    // Gloo listens on the address the other groups reach this host at: the one on the route to the
+    // store they meet at (the group's own address may be loopback: its ranks share a host).
+    const std::string towards = local_address_towards(host_of(q.store_address), 1);
+    if (!towards.empty()) o.gloo_hostname(towards);
     auto pg = std::make_shared<ProcessGroup>(prefix, replica, static_cast<int>(q.participants.size()), o);
     // Collective over the new group: every participant made its reduction before its first quorum.
     at::Tensor st = staging_numel > 0 ? pg->allreduce_buffer(staging_numel, at::kFloat) : at::Tensor();
@@ -226,7 +251,7 @@ Manager::Manager(std::shared_ptr<ProcessGroup> group, TrainingState& state, Mana
   for (int r = 0; r < pg.size(); ++r)
     DDPKIT_CHECK(ids[r] == im.options.group_id(), "ft::Manager: rank ", r, " of this group says group_id '", ids[r],
                  "', rank ", pg.rank(), " says '", im.options.group_id(), "'");
-  im.server = std::make_unique<StateServer>(im.options.state_host(), im.options.token());
+  im.server = std::make_unique<StateServer>(state_host_for(im.options), im.options.token());
   im.addresses = allgather_strings(pg, im.server->address());
   im.hosts = allgather_strings(pg, host_name());
   im.client = std::make_unique<LighthouseClient>(LighthouseClientOptions()

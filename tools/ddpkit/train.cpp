@@ -126,6 +126,8 @@ Fault tolerance across replica groups (docs/fault_tolerance.md):
   --lighthouse HOST:PORT  the quorum service (ddpkit lighthouse); default: started here
   --replica-group G       run only group G of R (a job over several hosts: one command per group,
                           all with the same --lighthouse)
+  --heal-connections N    parallel streams a heal copies a peer's state over, between hosts
+                          (default 4; on one host it reads the peer's memory file)
   --step-log PATH         each group's rank 0 appends a line per step to PATH.<group id>: the
                           step, its end (Unix ms), its length (ms) and whether it committed
   With --checkpoint-dir, the quorum's first group writes the checkpoints (the replicas are equal;
@@ -327,7 +329,7 @@ std::vector<std::string> checkpoint_settings(const Flags& f) {
   return f.settings({"nproc", "epochs", "steps", "quiet", "no-eval", "timeout-s", "threads", "gloo-threads",
                      "gloo-connections", "piece-kb", "data-dir", "no-malloc-tuning", "no-divergence-guard",
                      "checkpoint-dir", "checkpoint-every", "resume", "max-restarts", "backend", "report-resources",
-                     "fault-tolerant", "replica-groups", "replica-group", "min-replicas", "lighthouse", "step-log"});
+                     "fault-tolerant", "replica-groups", "replica-group", "min-replicas", "lighthouse", "step-log", "heal-connections"});
 }
 
 TensorDict checkpoint_extra(const std::vector<std::string>& settings, int64_t epoch, int64_t samples_in_epoch) {

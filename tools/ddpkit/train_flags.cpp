@@ -155,17 +155,21 @@ void check_fault_tolerance_flags(const Flags& f, TrainFlags& t) {
   t.min_replicas = f.integer("min-replicas");
   t.lighthouse = f.str("lighthouse");
   t.replica_group = f.str("replica-group").empty() ? -1 : f.integer("replica-group");
+  t.heal_connections = f.integer("heal-connections");
   if (!t.fault_tolerant) {
     for (const char* flag : {"replica-group", "lighthouse", "step-log"})
       if (!f.str(flag).empty()) throw UsageError(std::string("--") + flag + " needs --fault-tolerant");
     if (t.replica_groups != 1) throw UsageError("--replica-groups needs --fault-tolerant");
     if (t.min_replicas != 1) throw UsageError("--min-replicas needs --fault-tolerant");
+    if (t.heal_connections != 4) throw UsageError("--heal-connections needs --fault-tolerant");
     return;
   }
   if (t.replica_groups < 1) throw UsageError("--replica-groups must be >= 1, got " + std::to_string(t.replica_groups));
   if (t.min_replicas < 1 || t.min_replicas > t.replica_groups)
     throw UsageError("--min-replicas must be in 1..--replica-groups (" + std::to_string(t.replica_groups) + "), got " +
                      std::to_string(t.min_replicas));
+  if (t.heal_connections < 1 || t.heal_connections > 64)
+    throw UsageError("--heal-connections must be in 1..64, got " + std::to_string(t.heal_connections));
   if (t.replica_group != -1 && (t.replica_group < 0 || t.replica_group >= t.replica_groups))
     throw UsageError("--replica-group must be in 0.." + std::to_string(t.replica_groups - 1) + ", got " +
                      f.str("replica-group"));
@@ -199,7 +203,7 @@ Flags parse_train_flags(const std::vector<std::string>& args) {
                     {"zero-precision", "fp32"}, {"checkpoint-dir", ""}, {"checkpoint-every", "100"},
                     {"max-restarts", ""}, {"report-resources", "0"}, {"replica-groups", "1"},
                     {"replica-group", ""}, {"min-replicas", "1"}, {"lighthouse", ""},
-                    {"step-log", ""}}),
+                    {"step-log", ""}, {"heal-connections", "4"}}),
                kTrainSwitches);
 }
 

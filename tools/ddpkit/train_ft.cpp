@@ -165,6 +165,7 @@ int run_ft_rank(const Flags& f, const TrainFlags& t) {
                           .token(read_token("", "DDPKIT_FT_TOKEN"))
                           .quorum_timeout(timeout)
                           .cross_group_timeout(std::min(timeout, std::chrono::milliseconds(30000)))
+                          .heal_connections(t.heal_connections)
                           .on_phase(fault.armed() ? [&fault](const std::string& phase, int64_t step) { fault.at(phase, step); }
                                                 : std::function<void(const std::string&, int64_t)>()));
   // Every group starts from the same parameters; a group that starts late heals to the others'.

@@ -49,8 +49,9 @@ struct ManagerOptions {
   // The cross-group process groups' rendezvous and collective timeout (a lost group's heartbeat
   // releases a collective sooner).
   TORCH_ARG(std::chrono::milliseconds, cross_group_timeout) = std::chrono::seconds(30);
-  // The address this rank's state service listens on, as the other groups reach it.
-  TORCH_ARG(std::string, state_host) = "127.0.0.1";
+  // The address this rank's state service listens on, as the other groups reach it; empty: this
+  // host's address on the route to the lighthouse (127.0.0.1 when the lighthouse is on loopback).
+  TORCH_ARG(std::string, state_host) = "";
   // Parallel streams a heal copies over (between hosts; on one host it reads a memory file).
   TORCH_ARG(int, heal_connections) = 4;
   // Called at each point of the protocol with the step: "quorum" (a quorum received),
