@@ -1,14 +1,15 @@
 #!/usr/bin/python3
 """What fault tolerance costs when nothing fails, what a heal costs, and what it saves when ranks die.
 
-    bench/ft_bench.py [--reps 3] [--steps 60] [--ddpkit build/ddpkit] [--heal-dims 64,4096,4096,10]
+    bench/ft_bench.py [--reps 3] [--steps 60] [--ddpkit build/ddpkit] [--heal-dims 64,4096,4096,10] [--heal-steps 400]
                       [--schedule-seconds 600] [--kill-every 20] [--link-rates 1gbit,10gbit]
                       [--skip step,heal,heal-netns,schedule]
 
 Step: the same job, 2 ranks in all, interleaved --reps times:
   plain   ddpkit train --nproc 2                                  (DDP across both ranks)
   ft      ddpkit train --fault-tolerant --replica-groups 2 --nproc 1  (each rank a replica group:
-          the gradient average crosses groups, after backward, under a per-step quorum)
+          the gradient average crosses groups bucket by bucket during backward, under a per-step
+          quorum)
 Synthetic MLP (--mlp-dims, default the 25.2M-parameter 1024-4096-4096-1024), batch 32 per rank,
 one thread per rank, SGD. The table shows each side's median step (FT: the slower group's) and
 the ratio ft/plain (the issue's target: <= 1.05).
@@ -66,10 +67,10 @@ def train(binary, flags, timeout):
     return reports(p.stdout)
 
 
-def heal(binary, dims, timeout):
+def heal(binary, dims, steps, timeout):
     cmd = [binary, "train", "--fault-tolerant", "--replica-groups", "2", "--nproc", "1", "--dataset", "synthetic",
            "--mlp-dims", dims, "--optimizer", "adam", "--batch-size", "32", "--threads", "1", "--epochs", "1000",
-           "--steps", "400", "--no-eval", "--quiet"]
+           "--steps", str(steps), "--no-eval", "--quiet"]
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     end = time.time() + timeout
     killed = False
@@ -233,6 +234,7 @@ def main():
     p.add_argument("--timeout", type=float, default=3600, help="seconds one run may take")
     p.add_argument("--schedule-seconds", type=float, default=600, help="a failure-free run's length")
     p.add_argument("--kill-every", type=float, default=20)
+    p.add_argument("--heal-steps", type=int, default=400, help="steps of the heal run (fewer for big --heal-dims)")
     p.add_argument("--link-rates", default="1gbit,10gbit", help="tc tbf rates of the heal between namespaces")
     p.add_argument("--heal-connections", type=int, default=4, help="gRPC streams a heal between hosts copies over")
     p.add_argument("--skip", default="", help="comma-separated: step, heal, heal-netns, schedule")
@@ -271,7 +273,7 @@ def fresh_write_seconds(n):
 
 
 def print_heal(args):
-    groups = heal(args.ddpkit, args.heal_dims, args.timeout)
+    groups = heal(args.ddpkit, args.heal_dims, args.heal_steps, args.timeout)
     h = groups[1]
     rate = h["heal_bytes"] / h["heal_seconds"] / 1e9 if h["heal_seconds"] > 0 else float("nan")
     floor = min(fresh_write_seconds(h["heal_bytes"]) for _ in range(3))
