@@ -195,12 +195,11 @@ struct Manager::Impl {
   c10::intrusive_ptr<c10d::Store> store_at(const std::string& address) {
     auto it = stores.find(address);
     if (it != stores.end()) return it->second;
-    const size_t colon = address.rfind(':');
     c10d::TCPStoreOptions so = compat::tcp_store_options();
-    so.port = static_cast<uint16_t>(std::stoi(address.substr(colon + 1)));
+    so.port = static_cast<uint16_t>(std::stoi(address.substr(address.rfind(':') + 1)));
     so.isServer = false;
     so.timeout = options.cross_group_timeout();
-    auto store = c10::make_intrusive<c10d::TCPStore>(address.substr(0, colon), so);
+    auto store = c10::make_intrusive<c10d::TCPStore>(host_of(address), so);
     stores[address] = store;
     return store;
   }
@@ -407,7 +406,7 @@ CrossReplicaReduction Manager::cross_group_reduction(const std::vector<at::Tenso
     numel += p.numel();
     // As DDP's own arena: gradients big enough to be worth a block (the same on every group).
     const int64_t bytes = p.numel() * static_cast<int64_t>(p.element_size());
-    if (im->group->size() == 1 && p.device().is_cpu() && p.is_contiguous() && bytes >= (64 << 10))
+    if (im->group->size() == 1 && p.device().is_cpu() && p.is_contiguous() && bytes >= GradientArena::kMinBlockBytes)
       im->arena_blocks.push_back(bytes);
   }
   im->staging_numel = numel;

@@ -237,8 +237,7 @@ void Reducer::prepare_for_backward(const std::vector<at::Tensor>& outputs) {
   // This backward's gradients are born where the built-in path sums them in place.
   if (!hook_ && arena_) {
     GradientArena::use(arena_);
-  } else if (!hook_ && !options_.gradient_as_bucket_view && options_.gradients_in_shared_memory &&
-             cross_.gradient_arena) {
+  } else if (gradients_born_in_arenas() && cross_.gradient_arena) {
     cross_arena_ = cross_.gradient_arena();
     if (cross_arena_) GradientArena::use(cross_arena_);
   }
@@ -345,6 +344,10 @@ bool Reducer::reduces_gradients_in_place(const Bucket& bucket) const {
   // Crossing replicas, the gradients are reduced where they lie on any transport (those that do
   // not sum in place stage them through the buffer): in the group, then across.
   return (bucket.in_place || (cross_.reduce && !bucket.sparse)) && !hook_ && !options_.gradient_as_bucket_view;
+}
+
+bool Reducer::gradients_born_in_arenas() const {
+  return options_.gradients_in_shared_memory && !options_.gradient_as_bucket_view && !hook_;
 }
 
 bool Reducer::reduction_is_identity() const { return pg_->size() == 1 && !hook_ && !cross_.reduce && divisor_value_ == 1; }

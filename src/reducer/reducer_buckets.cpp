@@ -26,14 +26,14 @@ at::Tensor alias_of(const at::Tensor& buffer, int64_t offset, const std::vector<
 
 void Reducer::make_arena(std::unique_lock<std::mutex>& lock) {
   arena_considered_ = true;
-  if (!options_.gradients_in_shared_memory || options_.gradient_as_bucket_view || hook_) return;
+  if (!gradients_born_in_arenas()) return;
   // One block per parameter big enough to be worth it; small gradients go through the bucket.
   std::vector<int64_t> sizes;
   for (const Bucket& b : buckets_) {
     if (!b.in_place) continue;
     for (size_t v : b.vars) {
       const int64_t bytes = params_[v].numel() * static_cast<int64_t>(params_[v].element_size());
-      if (bytes >= (64 << 10) && params_[v].is_contiguous()) sizes.push_back(bytes);
+      if (bytes >= GradientArena::kMinBlockBytes && params_[v].is_contiguous()) sizes.push_back(bytes);
     }
   }
   if (sizes.empty()) return;

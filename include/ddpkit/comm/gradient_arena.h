@@ -56,6 +56,10 @@ class GradientArena : public std::enable_shared_from_this<GradientArena> {
   void give_back(void* p);
   bool serves(size_t n) const { return sizes_.count(n) > 0; }
 
+  // DDP's arenas hold a block only for gradients at least this big; smaller ones go through the
+  // bucket (a block of its own would cost a page for little).
+  static constexpr int64_t kMinBlockBytes = 64 << 10;
+
  private:
   static constexpr size_t kAlign = 4096;
   bool poisoned() const;  // DDP's: a failed collective may still write into the buffer

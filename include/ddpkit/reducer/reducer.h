@@ -177,6 +177,8 @@ class Reducer {
   // One rank, no hook, divisor 1: the built-in allreduce would hand every gradient back as it is,
   // so gradients stay where autograd put them (no copy into the bucket and back).
   bool reduction_is_identity() const;
+  // The built-in path may have gradients born in an arena (its own or the cross reduction's).
+  bool gradients_born_in_arenas() const;
   void finalize_backward();
   void apply_used_map();  // waits for the used-map allreduce; records globally unused parameters
   void reset_iteration_state();
