@@ -252,6 +252,7 @@ def min_replicas_mode():
 STRATEGIES = {
     "powersgd": ["--hook", "powersgd", "--powersgd-start-iter", "2"],
     "zero1": ["--zero", "1"],
+    "zero2": ["--zero", "2", "--optimizer", "adam"],
     "fsdp": ["--fsdp", "full_shard"],
 }
 EVERY_STRATEGY = dict(STRATEGIES, **{
@@ -302,7 +303,7 @@ def checkpoint_mode():
 # One run each: DDPKIT_FT_FAULT points (PHASE:STEP:GROUP:RANK[:ATTEMPT]), what inside the groups (so
 # the heals copy hook state, ZeRO partitions and FSDP shards too), and the groups that must heal.
 PHASES = {
-    "forward": (["forward:40:1:0"], [], {1}),
+    "forward": (["forward:40:1:0"], ["--zero", "2"], {1}),
     "backward": (["backward:40:1:0"], ["--hook", "powersgd", "--powersgd-start-iter", "2"], {1}),
     "cross-group allreduce": (["crossing:40:1:0"], ["--zero", "1"], {1}),
     # Group 1 dies at step 40; its heal source (the lighthouse names the first up-to-date group,

@@ -385,6 +385,14 @@ void ZeroRedundancyOptimizer::shard_gradients(const std::vector<std::vector<size
   consolidated_.reset();
 }
 
+std::vector<at::Tensor> ZeroRedundancyOptimizer::gradient_shards() const {
+  DDPKIT_CHECK(mode_ == Mode::kBucketShards, "gradient_shards: this optimizer does not shard gradients (ZeRO-2 "
+               "lays them out in zero2_hook)");
+  std::vector<at::Tensor> out;
+  for (const auto& b : bucket_shards_) out.push_back(b.grad_shard);
+  return out;
+}
+
 ZeroRedundancyOptimizer::BucketShard& ZeroRedundancyOptimizer::bucket_shard(size_t bucket) {
   DDPKIT_CHECK(bucket < bucket_shards_.size(), "ZeRO-2: bucket ", bucket, " is beyond the ", bucket_shards_.size(),
                " buckets the gradients were sharded by");

@@ -179,9 +179,9 @@ void check_fault_tolerance_flags(const Flags& f, TrainFlags& t) {
     throw UsageError("--lighthouse must be HOST:PORT, got '" + t.lighthouse + "'");
   // What a heal cannot copy yet, or what makes the replicas of a group differ.
   if (!t.use_ddp) throw UsageError("--fault-tolerant replicates across groups of DDP or FSDP: drop --no-ddp");
-  if (t.optimizer_in_hook || t.zero_level == "2" || t.zero_overlap != ZeroOverlap::kNone)
-    throw UsageError("--fault-tolerant steps the optimizer after the cross-group average: not with --optimizer-in-hook, "
-                     "--zero 2 or --zero-overlap (they step inside the hook)");
+  if (t.optimizer_in_hook || t.zero_overlap != ZeroOverlap::kNone)
+    throw UsageError("--fault-tolerant steps the optimizer after the cross-group average: not with --optimizer-in-hook "
+                     "or --zero-overlap (they step inside the hook)");
   if (t.hook == "post_local_sgd") throw UsageError("--fault-tolerant does not combine with --hook post_local_sgd");
   if (t.tune_caps || t.tune_pieces)
     throw UsageError("--fault-tolerant: give --bucket-cap-mb and --piece-kb as numbers (auto tunes per group)");

@@ -169,10 +169,11 @@ int run_ft_rank(const Flags& f, const TrainFlags& t) {
                           .on_phase(fault.armed() ? [&fault](const std::string& phase, int64_t step) { fault.at(phase, step); }
                                                 : std::function<void(const std::string&, int64_t)>()));
   // Every group starts from the same parameters; a group that starts late heals to the others'.
-  // Under DDP the cross-group average runs bucket by bucket inside backward; FSDP's shards
-  // cross after backward.
+  // Under DDP the cross-group average runs bucket by bucket inside backward; FSDP's shards and
+  // ZeRO-2's gradient shards (rank r of every group holds the same elements) cross after backward.
   RunData run_data = build_rank(f, t, pg, run);
-  const bool crosses_in_backward = run.ddp != nullptr;
+  const bool zero2 = run.zero && run.zero->sharded_gradients();
+  const bool crosses_in_backward = run.ddp != nullptr && !zero2;
   if (crosses_in_backward) run.ddp->reducer().set_cross_replica_reduction(manager.cross_group_reduction(run.params));
   Split& data = run_data.data;
 
@@ -224,7 +225,9 @@ int run_ft_rank(const Flags& f, const TrainFlags& t) {
     at::Tensor loss = model_loss(run.model, run.forward(x), y);
     fault.at("backward", step);
     loss.backward();
-    if (!crosses_in_backward) {
+    if (zero2) {
+      manager.allreduce(run.zero->gradient_shards());
+    } else if (!crosses_in_backward) {
       std::vector<at::Tensor> grads;
       for (const auto& p : run.params)
         if (p.grad().defined()) grads.push_back(p.grad());

@@ -171,6 +171,9 @@ class ZeroRedundancyOptimizer {
   int64_t local_numel() const;
   torch::optim::Optimizer& local_optimizer() { return *local_; }
   bool sharded_gradients() const { return mode_ == Mode::kBucketShards; }
+  // ZeRO-2: this rank's reduced gradient shard of each bucket, what step() applies (the tensors
+  // themselves: averaging them further, e.g. across replica groups, changes the step).
+  std::vector<at::Tensor> gradient_shards() const;
 
   // ---- Internal: the DDP hooks of ddp_zero_hook.h call these (step_bucket on the sequencer). ----
   // ZeRO-2: one DDP bucket, its parameters laid out flat and split into world equal shards.
