@@ -16,9 +16,9 @@ the ratio ft/plain (the issue's target: <= 1.05).
 
 Heal: 2 groups of 1 rank train --heal-dims with Adam; once both are in their steps, group 1 is
 SIGKILLed; it restarts, copies its state from group 0 and trains on. Printed: the bytes healed,
-the heal's time (fetch, including the wait for the source's current step, and load) and its rate,
-beside this machine's floor: writing as many bytes into memory never touched (what a new
-process's decoded state and optimizer state are).
+the heal's time (fetch, including the wait for the source's current step, and load), its rate and
+route, beside, for scale, writing as many bytes into memory never touched (where a restarted
+process's copy lands).
 Heal between namespaces (--skip heal-netns to leave out; needs root): the same heal with the two
 groups on two network namespaces joined by a veth pair shaped with tc tbf to each --link-rates rate,
 the lighthouse and group 0 in one, group 1 in the other, so the state crosses the link over
@@ -278,10 +278,10 @@ def print_heal(args):
     rate = h["heal_bytes"] / h["heal_seconds"] / 1e9 if h["heal_seconds"] > 0 else float("nan")
     floor = min(fresh_write_seconds(h["heal_bytes"]) for _ in range(3))
     print(f"\nheal of group 1 ({args.heal_dims}, Adam): {h['heal_bytes'] / 1e6:.1f} MB in {h['heal_seconds']:.3f} s "
-          f"(fetch {h['heal_fetch_seconds']:.3f} s, through the memory file: {h['heals_through_memory_file']}), "
-          f"{rate:.2f} GB/s; the source's snapshots took {groups[0]['snapshot_seconds']:.3f} s; "
+          f"(fetch {h['heal_fetch_seconds']:.3f} s, route: {h['heal_route']}), "
+          f"{rate:.2f} GB/s; the source served for {groups[0]['serve_seconds']:.3f} s; "
           f"parameters equal: {groups[0]['parameter_checksum'] == h['parameter_checksum']}")
-    print(f"floor here: writing {h['heal_bytes'] / 1e6:.1f} MB into fresh memory takes {floor:.3f} s "
+    print(f"for scale: writing {h['heal_bytes'] / 1e6:.1f} MB into fresh memory takes {floor:.3f} s "
           f"({h['heal_bytes'] / floor / 1e9:.2f} GB/s); the heal took {h['heal_seconds'] / floor:.1f}x that")
 
 
@@ -324,7 +324,7 @@ def heal_between_namespaces(binary, dims, rate, connections, timeout):
                   "--step-log", log]
         common += ["--heal-connections", str(connections)]
         # Each "host" its own host name too (a UTS namespace): the groups then know they are on two
-        # hosts and the heal crosses the link rather than reading the source's memory file.
+        # hosts and the heal crosses the link rather than reading the source's memory.
         groups = [subprocess.Popen(["ip", "netns", "exec", ns, "unshare", "--uts", "sh", "-c",
                                     f'hostname {ns} && exec "$0" "$@"', binary] + common + ["--replica-group", str(g)],
                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -345,7 +345,7 @@ def heal_between_namespaces(binary, dims, rate, connections, timeout):
             raise SystemExit(f"ft_bench: the heal between namespaces failed (exits {[g.returncode for g in groups]}, "
                              f"killed {killed})\n{outs[1][1][-2000:]}")
         reps = {r["replica_group"]: r for o, _ in outs for r in reports(o)}
-        if reps[1]["heals"] < 1 or reps[1]["heals_through_memory_file"] or "gloo" not in reps[1]["cross_transport"]:
+        if reps[1]["heals"] < 1 or reps[1]["heals_single_copy"] or "gloo" not in reps[1]["cross_transport"]:
             raise SystemExit(f"ft_bench: group 1 did not heal across the link: {reps[1]}")
         if reps[0]["parameter_checksum"] != reps[1]["parameter_checksum"]:
             raise SystemExit(f"ft_bench: the groups' parameters differ after the heal: {reps}")

@@ -1,9 +1,14 @@
 // The lighthouse's quorum rule and its checks, in one process: an in-process lighthouse and its
-// clients on threads, each client standing for one replica group's rank 0.
+// clients on threads, each client standing for one replica group's rank 0. And the state service
+// a heal copies from, on both of its routes, with its refusals.
 #include <ddpkit/error.h>
 #include <ddpkit/ft/lighthouse.h>
 
+#include "lighthouse.grpc.pb.h"
+#include "state_transfer.h"
 #include "wire.h"
+
+#include <grpcpp/grpcpp.h>
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -136,6 +141,143 @@ TEST(Lighthouse, AForgedQuorumIsRefused) {
   EXPECT_THAT(wire::check_reply(reply), HasSubstr("world_size must be in 1..65536"));
   reply.clear_participants();
   EXPECT_THAT(wire::check_reply(reply), HasSubstr("no participants"));
+}
+
+// ---- the state service -------------------------------------------------------------------------
+
+TensorDict some_state() {
+  TensorDict d;
+  d["model/w"] = at::randn({1500, 1000});  // 6 MB: two chunks over the network, a mapping of its own
+  d["model/b"] = at::randn({10}).to(at::kDouble);
+  d["optimizer/0/adam_step"] = at::tensor({int64_t{42}}, at::kLong);
+  d["rng/cpu"] = at::randint(0, 255, {5056}, at::kByte);
+  d["empty"] = at::empty({0, 3});
+  return d;
+}
+
+void expect_equal(const TensorDict& got, const TensorDict& want) {
+  ASSERT_EQ(got.size(), want.size());
+  for (const auto& kv : want) {
+    ASSERT_TRUE(got.count(kv.first)) << kv.first;
+    EXPECT_TRUE(got.at(kv.first).equal(kv.second)) << kv.first;
+  }
+}
+
+// On this host the healer reads the server's memory; the server waits for its release.
+TEST(StateTransfer, OnOneHostTheHealerCopiesOnceFromTheServersMemory) {
+  StateServer server("127.0.0.1", "");
+  const TensorDict state = some_state();
+  server.publish(7, state, {"joiner"});
+  FetchOptions o;
+  o.healer = "joiner";
+  o.same_host = true;
+  auto released = std::async(std::launch::async, [&] {
+    return server.wait_released(std::chrono::steady_clock::now() + 20s, [](const std::string&) { return false; });
+  });
+  const Fetched got = fetch_state(server.address(), 7, o);
+  EXPECT_TRUE(got.single_copy) << got.single_copy_refused;
+  EXPECT_EQ(got.bytes, 6000000 + 80 + 8 + 5056);
+  expect_equal(got.state, state);
+  EXPECT_EQ(released.get(), 1u);
+}
+
+// Between hosts: 4 MiB chunks over several streams, each checked; the same bytes.
+TEST(StateTransfer, OverTheNetworkInChunks) {
+  StateServer server("127.0.0.1", "secret");
+  const TensorDict state = some_state();
+  server.publish(7, state, {"joiner"});
+  FetchOptions o;
+  o.token = "secret";
+  o.healer = "joiner";
+  o.connections = 3;
+  const Fetched got = fetch_state(server.address(), 7, o);
+  EXPECT_FALSE(got.single_copy);
+  expect_equal(got.state, state);
+  EXPECT_EQ(server.wait_released(std::chrono::steady_clock::now(), nullptr), 1u);
+}
+
+TEST(StateTransfer, RefusalsAreNamed) {
+  StateServer server("127.0.0.1", "secret");
+  server.publish(7, some_state(), {"joiner"});
+  FetchOptions o;
+  o.healer = "joiner";
+  o.timeout = 300ms;
+  EXPECT_THAT(error_of([&] { fetch_state(server.address(), 7, o); }), HasSubstr("requires a token"));
+  o.token = "secret";
+  EXPECT_THAT(error_of([&] { fetch_state(server.address(), 6, o); }), HasSubstr("holds the state of step 7, not 6"));
+  // A healer the server does not serve: its copy is refused at the release.
+  o.healer = "stranger";
+  EXPECT_THAT(error_of([&] { fetch_state(server.address(), 7, o); }),
+              HasSubstr("did not accept the release: no longer serves step 7 to stranger"));
+  // Given up on (lost): a copy it may have read meanwhile is refused, and nothing is served.
+  auto stub = wire::StateTransfer::NewStub(grpc::CreateChannel(server.address(), grpc::InsecureChannelCredentials()));
+  EXPECT_EQ(server.wait_released(std::chrono::steady_clock::now() + 20s, [](const std::string&) { return true; }), 0u);
+  grpc::ClientContext ctx;
+  ctx.AddMetadata("authorization", "Bearer secret");
+  wire::StateRequest req;
+  req.set_step(7);
+  req.set_healer("joiner");
+  wire::StateReply reply;
+  const grpc::Status s = stub->Release(&ctx, req, &reply);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_THAT(s.error_message(), HasSubstr("no longer serves step 7 to joiner"));
+  o.healer = "joiner";
+  EXPECT_THAT(error_of([&] { fetch_state(server.address(), 7, o); }), HasSubstr("holds the state of step -1, not 7"));
+  EXPECT_THAT(error_of([&] { server.publish(1, {{"c", at::zeros({2}, at::kComplexFloat)}}, {"x"}); }),
+              HasSubstr("state entry 'c' has dtype ComplexFloat"));
+}
+
+// A server that describes what it does not hold: each lie is a named error, nothing is read.
+class ForgedStateService final : public wire::StateTransfer::Service {
+ public:
+  std::function<void(wire::StateReply*)> forge;
+  grpc::Status Fetch(grpc::ServerContext*, const wire::StateRequest* req, wire::StateReply* reply) override {
+    reply->set_step(req->step());
+    reply->set_chunk_bytes(4 << 20);
+    reply->set_chunks(1);
+    wire::StateEntry* e = reply->add_entries();
+    e->set_key("w");
+    e->set_dtype(static_cast<int>(at::kFloat));
+    e->add_sizes(4);
+    e->set_nbytes(16);
+    reply->set_total_bytes(16);
+    forge(reply);
+    return grpc::Status::OK;
+  }
+  grpc::Status Release(grpc::ServerContext*, const wire::StateRequest*, wire::StateReply*) override {
+    return grpc::Status::OK;
+  }
+};
+
+TEST(StateTransfer, AForgedDescriptionIsRefused) {
+  ForgedStateService service;
+  int port = 0;
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+  builder.RegisterService(&service);
+  auto server = builder.BuildAndStart();
+  ASSERT_GT(port, 0);
+  const std::string address = "127.0.0.1:" + std::to_string(port);
+  FetchOptions o;
+  o.healer = "joiner";
+  auto refusal = [&](std::function<void(wire::StateReply*)> forge) {
+    service.forge = std::move(forge);
+    return error_of([&] { fetch_state(address, 3, o); });
+  };
+  EXPECT_THAT(refusal([](wire::StateReply* r) { r->mutable_entries(0)->set_nbytes(1 << 30); }),
+              HasSubstr("entry 'w' claims 1073741824 bytes for 4 elements of Float"));
+  EXPECT_THAT(refusal([](wire::StateReply* r) { r->mutable_entries(0)->set_dtype(99); }),
+              HasSubstr("entry 'w' has dtype code 99"));
+  EXPECT_THAT(refusal([](wire::StateReply* r) { r->mutable_entries(0)->set_sizes(0, -4); }),
+              HasSubstr("entry 'w' has size -4"));
+  EXPECT_THAT(refusal([](wire::StateReply* r) { *r->add_entries() = r->entries(0); }), HasSubstr("'w' appears twice"));
+  EXPECT_THAT(refusal([](wire::StateReply* r) { r->set_total_bytes(32); }), HasSubstr("entries of 16 bytes, total 32"));
+  EXPECT_THAT(refusal([](wire::StateReply* r) { r->set_chunks(0); }), HasSubstr("malformed description"));
+  EXPECT_THAT(refusal([](wire::StateReply*) {}), HasSubstr("chunk 0 has 0 bytes, not 16"));
+  // A chunk whose checksum does not match its bytes (the forged server sends none).
+  EXPECT_THAT(refusal([](wire::StateReply* r) { r->set_data(std::string(16, 'x')); }),
+              HasSubstr("chunk 0 is corrupt (checksum mismatch)"));
+  server->Shutdown();
 }
 
 }  // namespace

@@ -36,10 +36,12 @@ import os
 import shutil
 import tempfile
 import signal
-import socket
 import subprocess
 import sys
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from ports import free_port  # noqa: E402
 
 BIN = None  # build/ddpkit, from the command line
 # Steps long enough that a failure lands mid-run, short enough for the default suite.
@@ -143,7 +145,7 @@ def kill_mode():
     if max(lost) > 1:
         sys.exit(f"FAILED: survivors lost more than one step to the failure: {lost}")
     print(f"killed a rank of group 1: restarted, healed {reps[1]['heal_bytes']} B in {reps[1]['heal_seconds']:.3f} s "
-          f"(memory file: {reps[1]['heals_through_memory_file']}); survivors lost {lost} steps; parameters equal")
+          f"(heal: {reps[1]['heal_route']}); survivors lost {lost} steps; parameters equal")
 
 
 def stop_mode():
@@ -191,14 +193,6 @@ def two_lost_mode():
     if reps[1]["heals"] < 1 or reps[3]["heals"] < 1:
         sys.exit(f"FAILED: groups 1 and 3 did not both heal: {reps}")
     print("killed groups 1 and 3 at once: both restarted and healed; parameters equal")
-
-
-def free_port():
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
 
 
 def lighthouse_mode():
@@ -342,7 +336,6 @@ def hosts_mode():
     process group and each heal goes over the link. A rank of group 1 is killed and its other rank
     stopped as a launcher's agent would; both restarted (fresh rendezvous port), group 1 heals from
     group 0 across the link, and both groups end alike."""
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import two_hosts
     if os.geteuid() != 0:
         sys.exit("FAILED: mode hosts needs root (network namespaces)")
@@ -383,7 +376,7 @@ def hosts_mode():
                       key=lambda r: r["replica_group"])
         check_same(reps, 2)
         healed = reps[1]
-        if healed["heals"] < 1 or healed["heals_through_memory_file"] or "gloo" not in healed["cross_transport"]:
+        if healed["heals"] < 1 or healed["heals_single_copy"] or "gloo" not in healed["cross_transport"]:
             sys.exit(f"FAILED (hosts): group 1 should have healed over the link (Gloo across groups): {healed}")
         print(f"groups spanning two hosts: group 1 restarted, healed {healed['heal_bytes']} B across the link in "
               f"{healed['heal_seconds']:.3f} s, cross-group transport '{healed['cross_transport']}'; parameters equal")

@@ -151,6 +151,16 @@ struct Manager::Impl {
     return failed ? Crossing{} : Crossing{cross, staging};
   }
 
+  // What the last heartbeat said: the newest quorum's lost groups, and its id.
+  std::mutex seen_mu;
+  std::set<std::string> lost_now;
+  int64_t newest_quorum = -1;
+  // A healer of quorum `quorum` this rank serves need not be waited for any longer.
+  bool healer_gone(const std::string& healer, int64_t quorum) {
+    std::lock_guard<std::mutex> lock(seen_mu);
+    return lost_now.count(healer) || newest_quorum > quorum;
+  }
+
   std::thread heartbeats;
   std::mutex beat_mu;
   std::condition_variable beat_cv;
@@ -178,6 +188,11 @@ struct Manager::Impl {
       lock.unlock();
       try {
         const auto beat = client->heartbeat(options.group_id(), group->rank(), incarnation);
+        {
+          std::lock_guard<std::mutex> guard(seen_mu);
+          lost_now = std::set<std::string>(beat.lost.begin(), beat.lost.end());
+          newest_quorum = beat.quorum_id;
+        }
         std::lock_guard<std::mutex> guard(cross_mu);
         for (const auto& lost : beat.lost) {
           if (!cross || !cross_groups.count(lost)) continue;
@@ -339,11 +354,18 @@ void Manager::start_step() {
     bool is_source = false;
     for (int s : quorum_.heal_sources) is_source = is_source || s == me;
     if (is_source) {
+      // Served from the live tensors: nothing changes them until the healers have read them.
       const auto start = std::chrono::steady_clock::now();
+      std::set<std::string> healers;
+      for (size_t j = 0; j < quorum_.heal_sources.size(); ++j)
+        if (quorum_.heal_sources[j] == me) healers.insert(quorum_.participants[j].group_id);
       TensorDict extra = im.extra ? im.extra() : TensorDict{};
-      im.server->publish(step_, im.state.snapshot(extra));
-      stats_.snapshot_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      im.server->publish(step_, im.state.snapshot(extra), healers);
       im.phase("heal-publish", step_);
+      const int64_t serving = quorum_.quorum_id;
+      im.server->wait_released(start + im.options.cross_group_timeout(),
+                               [&](const std::string& h) { return im.healer_gone(h, serving); });
+      stats_.serve_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     } else {
       im.server->clear();
     }
@@ -377,17 +399,21 @@ bool Manager::copy_state_from(int source, std::string* why) {
     const auto start = std::chrono::steady_clock::now();
     FetchOptions fo;
     fo.token = im.options.token();
+    fo.healer = im.options.group_id();
     fo.connections = im.options.heal_connections();
-    fo.try_memory_file = from.hosts[pg.rank()] == im.hosts[pg.rank()];
+    fo.same_host = from.hosts[pg.rank()] == im.hosts[pg.rank()];
     fo.timeout = im.options.cross_group_timeout();
     Fetched got = fetch_state(from.state_addresses[pg.rank()], quorum_.max_step, fo);
     stats_.heal_fetch_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    stats_.heal_route = got.single_copy ? "process_vm_readv"
+                        : got.single_copy_refused.empty() ? "network"
+                                                          : "network (single copy refused: " + got.single_copy_refused + ")";
     im.phase("heal-fetched", quorum_.max_step);
-    const TensorDict extra = im.state.load_snapshot(decode_tensors(got.data.get(), got.size, what), what);
+    const TensorDict extra = im.state.load_snapshot(got.state, what);
     if (im.load_extra) im.load_extra(extra);
-    stats_.heal_bytes += static_cast<int64_t>(got.size);
+    stats_.heal_bytes += got.bytes;
     stats_.heal_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    stats_.heals_through_memory_file += got.through_memory_file ? 1 : 0;
+    stats_.heals_single_copy += got.single_copy ? 1 : 0;
     return true;
   } catch (const std::exception& e) {
     *why = "healing from " + what + ": " + e.what();

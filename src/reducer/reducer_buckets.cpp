@@ -132,7 +132,10 @@ void Reducer::restore_bucket_layout(const std::vector<std::vector<size_t>>& buck
   }
   for (size_t v = 0; v < params_.size(); ++v)
     DDPKIT_CHECK(seen[v], "restore_bucket_layout: parameter ", names_[v], " is in no bucket");
-  build_buckets(assignment);
+  // The same layout keeps its buckets (and their memory: a heal restores the layout every time).
+  bool same = buckets.size() == buckets_.size();
+  for (size_t b = 0; same && b < buckets.size(); ++b) same = buckets_[b].vars == buckets[b];
+  if (!same) build_buckets(assignment);
   layout_fixed_ = true;
   rebuilt_ = true;
   rebuild_pending_ = false;

@@ -100,7 +100,7 @@ class Reader {
 
 }  // namespace
 
-size_t encoded_size(const TensorDict& dict) {
+static size_t encoded_size(const TensorDict& dict) {
   size_t total = sizeof(kMagic) + 16;
   for (const auto& kv : dict) {
     DDPKIT_CHECK(kv.second.defined(), "encode_tensors: entry '", kv.first, "' is an undefined tensor");
@@ -110,7 +110,7 @@ size_t encoded_size(const TensorDict& dict) {
   return total;
 }
 
-void encode_tensors_into(const TensorDict& dict, char* data, size_t size) {
+static void encode_tensors_into(const TensorDict& dict, char* data, size_t size) {
   DDPKIT_CHECK(size == encoded_size(dict), "encode_tensors_into: ", size, " bytes given for ", encoded_size(dict));
   Writer out(data, size);
   out.append(kMagic, sizeof(kMagic));
@@ -139,7 +139,7 @@ std::string encode_tensors(const TensorDict& dict) {
   return out;
 }
 
-TensorDict decode_tensors(const char* bytes, size_t size, const std::string& what) {
+static TensorDict decode_tensors(const char* bytes, size_t size, const std::string& what) {
   DDPKIT_CHECK(size >= sizeof(kMagic) + 16, what, " is truncated: ", size, " bytes");
   DDPKIT_CHECK(std::memcmp(bytes, kMagic, sizeof(kMagic)) == 0, what, " is not a ddpkit tensor file (bad magic)");
   const size_t body = size - 8;

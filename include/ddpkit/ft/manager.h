@@ -16,7 +16,8 @@
 // group. A group that starts late, or restarts, joins at the next quorum and first copies the
 // state the step depends on (TrainingState::snapshot) from a live group, rank by matching rank:
 // no checkpoint is read. A group that did not commit a step the others did heals the same way, so
-// the live replicas are identical after every step.
+// the live replicas are identical after every step. The source serves its live tensors and holds
+// its start_step until its healers have read them (or are lost).
 #pragma once
 
 #include <ddpkit/comm/process_group.h>
@@ -52,7 +53,7 @@ struct ManagerOptions {
   // The address this rank's state service listens on, as the other groups reach it; empty: this
   // host's address on the route to the lighthouse (127.0.0.1 when the lighthouse is on loopback).
   TORCH_ARG(std::string, state_host) = "";
-  // Parallel streams a heal copies over (between hosts; on one host it reads a memory file).
+  // Parallel streams a heal copies over between hosts (threads of the single copy on one host).
   TORCH_ARG(int, heal_connections) = 4;
   // Called at each point of the protocol with the step: "quorum" (a quorum received),
   // "heal-publish" (this rank, a heal source, published its state), "heal-fetched" (this rank
@@ -69,8 +70,9 @@ struct ManagerStats {
   int64_t heal_bytes = 0;
   double heal_seconds = 0;       // fetch and load, all heals
   double heal_fetch_seconds = 0; // of which copying the bytes (waiting for the source included)
-  double snapshot_seconds = 0;   // as a source: taking and publishing snapshots
-  int64_t heals_through_memory_file = 0;
+  double serve_seconds = 0;      // as a source: serving its state until the healers released it
+  int64_t heals_single_copy = 0; // heals read from the source's memory (same host)
+  std::string heal_route;        // how the last heal was read ("process_vm_readv", "network (...)")
   int64_t steps_committed = 0;
   int64_t steps_not_committed = 0;
   std::string last_error;        // why the last step did not commit

@@ -36,10 +36,6 @@ class ZeroRedundancyOptimizer;
 // checksum, naming `what` and the first thing wrong; it never reads past `bytes`.
 std::string encode_tensors(const TensorDict& dict);
 TensorDict decode_tensors(const std::string& bytes, const std::string& what);
-// The same into memory of the caller's (a mapped file): exactly encoded_size(dict) bytes.
-size_t encoded_size(const TensorDict& dict);
-void encode_tensors_into(const TensorDict& dict, char* data, size_t size);
-TensorDict decode_tensors(const char* bytes, size_t size, const std::string& what);
 
 struct Checkpoint {
   int64_t step = 0;
