@@ -18,7 +18,6 @@ what ddpkit makes of them.
 """
 import glob
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -27,6 +26,7 @@ import shutil
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from checkpoint_resume import ckpt, differences  # noqa: E402
+from ports import free_port  # noqa: E402
 
 STEPS = 200
 TRAIN = ["train", "--dataset", "synthetic", "--mlp-dims", "64,256,10", "--synthetic-size", "4096", "--batch-size",
@@ -35,12 +35,6 @@ TRAIN = ["train", "--dataset", "synthetic", "--mlp-dims", "64,256,10", "--synthe
 # What the test's own environment may carry from a launcher around it.
 ENGINE_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK",
                "DDPKIT_LAUNCHED", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_RESTART_COUNT")
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start(ddpkit, d, envs):

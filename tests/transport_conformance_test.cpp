@@ -8,6 +8,7 @@
 #include <torch/cuda.h>
 
 #include <chrono>
+#include <csignal>
 #include <optional>
 
 namespace ddpkit {
@@ -366,6 +367,25 @@ TEST(SharedMemoryTransport, NamesAMismatchUnchecked) {
     at::Tensor t = at::ones({rank == 0 ? 1200 : 1000});
     expect_comm_error_within([&] { ProcessGroup::wait(pg->allreduce(t)); }, std::chrono::seconds(60));
   });
+}
+
+// Gloo writes with writev, so a peer that died raises SIGPIPE in the writer: that must fail the
+// collective (EPIPE), not end the process as the signal's default would.
+TEST(GlooTransport, SigpipeFromADeadPeerDoesNotEndTheProcess) {
+  const auto cases = transports();
+  const auto gloo = std::find_if(cases.begin(), cases.end(), [](const TransportCase& c) { return c.name == "Gloo"; });
+  ASSERT_NE(gloo, cases.end());
+  spawn_groups(
+      2,
+      [&](const c10::intrusive_ptr<c10d::Store>& store, int rank) {
+        ScopedHostKey host(gloo->host(rank));
+        return std::make_shared<ProcessGroup>(store, rank, 2, gloo->options);
+      },
+      [&](int rank, std::shared_ptr<ProcessGroup> pg) {
+        ASSERT_EQ(pg->transport_name().rfind(gloo->transport, 0), 0u) << pg->transport_name();
+        if (rank == 0) std::raise(SIGPIPE);
+        ProcessGroup::wait(pg->barrier());
+      });
 }
 
 INSTANTIATE_TEST_SUITE_P(EveryTransport, Conformance, ::testing::ValuesIn(transports()),

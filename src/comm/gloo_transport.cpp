@@ -2,9 +2,12 @@
 // c10d's; allgather and alltoall of CPU tensors go point to point (gloo_exchange.cpp).
 #include "gloo_transport.h"
 
+#include <signal.h>
+
 #include <algorithm>
 #include <atomic>
 #include <cstdlib>
+#include <mutex>
 
 namespace ddpkit {
 
@@ -33,9 +36,31 @@ std::shared_ptr<::gloo::transport::Device> make_gloo_device(const ProcessGroupOp
   return c10d::ProcessGroupGloo::createDefaultDevice();
 }
 
+void swallow_sigpipe(int) {}
+
+// Gloo writes to its sockets with writev, which raises SIGPIPE once the peer has gone; at the
+// signal's default that ends this process instead of failing the collective. Python ignores
+// SIGPIPE at startup, so PyTorch never meets it; here, once, a handler that does nothing is set
+// unless the program has its own: the write then fails with EPIPE and the collective with a
+// CommError. (A handler rather than SIG_IGN: programs this one execs start with the default.)
+void survive_writes_to_dead_peers() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    struct sigaction current {};
+    if (sigaction(SIGPIPE, nullptr, &current) != 0 || (current.sa_flags & SA_SIGINFO) || current.sa_handler != SIG_DFL)
+      return;
+    struct sigaction swallow {};
+    swallow.sa_handler = swallow_sigpipe;
+    swallow.sa_flags = SA_RESTART;
+    sigemptyset(&swallow.sa_mask);
+    sigaction(SIGPIPE, &swallow, nullptr);
+  });
+}
+
 }  // namespace
 
 GlooTransport::GlooTransport(GroupCore& core, const c10::intrusive_ptr<c10d::Store>& store) : Transport(core) {
+  survive_writes_to_dead_peers();
   const ProcessGroupOptions& o = core.options();
   DDPKIT_CHECK(o.gloo_threads() >= 1, "gloo_threads must be >= 1, got ", o.gloo_threads());
   DDPKIT_CHECK(o.gloo_connections() >= 1, "gloo_connections must be >= 1, got ", o.gloo_connections());
