@@ -251,6 +251,7 @@ STRATEGIES = {
 }
 EVERY_STRATEGY = dict(STRATEGIES, **{
     "allreduce": ["--hook", "allreduce"], "fp16": ["--hook", "fp16"], "bf16": ["--hook", "bf16"],
+    "zero2_bf16": ["--zero", "2", "--zero-precision", "bf16"],
     "fp16_wrapper": ["--hook", "fp16_wrapper"], "bf16_wrapper": ["--hook", "bf16_wrapper"],
     "int8": ["--hook", "int8", "--int8-error-feedback"], "quantize_per_tensor": ["--hook", "quantize_per_tensor"],
     "quantize_per_channel": ["--hook", "quantize_per_channel"],
