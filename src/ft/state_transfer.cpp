@@ -298,10 +298,12 @@ at::Tensor fresh_tensor(const std::vector<int64_t>& sizes, at::ScalarType type, 
   return at::empty(sizes, at::TensorOptions().dtype(type));
 }
 
-// Fresh tensors for the described entries; "" or why the description is malformed.
+// Fresh tensors for the described entries, once all of them are checked; "" or why the
+// description is malformed.
 std::string allocate(const wire::StateReply& head, StateLayout* out) {
   if (head.entries_size() > kMaxEntries) return std::to_string(head.entries_size()) + " entries";
   std::set<std::string> seen;
+  int64_t total = 0;
   for (const auto& e : head.entries()) {
     if (!seen.insert(e.key()).second) return "entry '" + e.key() + "' appears twice";
     if (!transferable(e.dtype())) return "entry '" + e.key() + "' has dtype code " + std::to_string(e.dtype());
@@ -311,13 +313,16 @@ std::string allocate(const wire::StateReply& head, StateLayout* out) {
       numel *= s;
     }
     const auto type = static_cast<at::ScalarType>(e.dtype());
-    if (e.nbytes() != numel * static_cast<int64_t>(c10::elementSize(type)) || out->total() > kMaxTotal - e.nbytes())
+    if (e.nbytes() != numel * static_cast<int64_t>(c10::elementSize(type)) || total > kMaxTotal - e.nbytes())
       return "entry '" + e.key() + "' claims " + std::to_string(e.nbytes()) + " bytes for " + std::to_string(numel) +
              " elements of " + c10::toString(type);
-    out->add(e.key(), fresh_tensor(std::vector<int64_t>(e.sizes().begin(), e.sizes().end()), type, e.nbytes()));
+    total += e.nbytes();
   }
-  if (out->total() != head.total_bytes())
-    return "entries of " + std::to_string(out->total()) + " bytes, total " + std::to_string(head.total_bytes());
+  if (total != head.total_bytes())
+    return "entries of " + std::to_string(total) + " bytes, total " + std::to_string(head.total_bytes());
+  for (const auto& e : head.entries())
+    out->add(e.key(), fresh_tensor(std::vector<int64_t>(e.sizes().begin(), e.sizes().end()),
+                                   static_cast<at::ScalarType>(e.dtype()), e.nbytes()));
   return "";
 }
 
