@@ -347,7 +347,7 @@ struct LighthouseClient::Impl {
 
   void prepare(grpc::ClientContext& ctx, std::chrono::milliseconds deadline) const {
     ctx.set_deadline(std::chrono::system_clock::now() + deadline);
-    if (!options.token().empty()) ctx.AddMetadata("authorization", "Bearer " + options.token());
+    ps::add_token(ctx, options.token());
   }
   [[noreturn]] void fail(const char* what, const grpc::Status& s) const {
     throw CommError("ddpkit: lighthouse " + options.address() + ": " + what + " failed (" +

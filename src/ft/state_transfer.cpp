@@ -34,14 +34,10 @@ constexpr int kMaxEntries = 1 << 20;
 constexpr int64_t kMaxTotal = int64_t{1} << 48;
 constexpr size_t kMaxIov = 1024;  // IOV_MAX
 
+// A dtype code from the wire that names a dtype checkpoints store.
 bool transferable(int code) {
-  switch (static_cast<at::ScalarType>(code)) {
-    case at::kByte: case at::kChar: case at::kShort: case at::kInt: case at::kLong: case at::kHalf:
-    case at::kFloat: case at::kDouble: case at::kBool: case at::kBFloat16:
-      return true;
-    default:
-      return false;
-  }
+  return code >= 0 && code < static_cast<int>(at::ScalarType::NumOptions) &&
+         storable_dtype(static_cast<at::ScalarType>(code));
 }
 
 // Four independent lanes of 64-bit FNV-1a over 8-byte words (one dependency chain would make the
@@ -271,7 +267,7 @@ std::unique_ptr<grpc::ClientContext> context(const std::string& token, std::chro
   auto ctx = std::make_unique<grpc::ClientContext>();
   ctx->set_deadline(std::chrono::system_clock::now() +
                     std::chrono::duration_cast<std::chrono::system_clock::duration>(deadline - std::chrono::steady_clock::now()));
-  if (!token.empty()) ctx->AddMetadata("authorization", "Bearer " + token);
+  ps::add_token(*ctx, token);
   return ctx;
 }
 
@@ -326,6 +322,14 @@ std::string allocate(const wire::StateReply& head, StateLayout* out) {
   return "";
 }
 
+// worker(0 .. n-1), each on a thread of its own (0 on the caller's).
+void on_threads(int n, const std::function<void(int)>& worker) {
+  std::vector<std::thread> threads;
+  for (int i = 1; i < n; ++i) threads.emplace_back(worker, i);
+  worker(0);
+  for (auto& t : threads) t.join();
+}
+
 // Reads [remote, remote + n) pieces of process `pid` into local memory; "" or why not.
 std::string read_process(pid_t pid, std::vector<iovec>& local, std::vector<iovec>& remote) {
   for (size_t i = 0; i < local.size(); i += kMaxIov) {
@@ -366,10 +370,7 @@ std::string copy_from_process(const wire::StateReply& head, const StateLayout& i
     });
     errors[s] = read_process(pid, local, remote);
   };
-  std::vector<std::thread> threads;
-  for (int s = 1; s < streams; ++s) threads.emplace_back(worker, s);
-  worker(0);
-  for (auto& t : threads) t.join();
+  on_threads(streams, worker);
   for (const auto& e : errors)
     if (!e.empty()) return e;
   return "";
@@ -410,10 +411,7 @@ std::string fetch_chunks(wire::StateTransfer::Stub& first, const std::string& ad
       });
     }
   };
-  std::vector<std::thread> threads;
-  for (int i = 1; i < streams; ++i) threads.emplace_back(worker, i);
-  worker(0);
-  for (auto& t : threads) t.join();
+  on_threads(streams, worker);
   return error;
 }
 

@@ -106,7 +106,7 @@ ParameterServerClient::ParameterServerClient(ClientOptions options) : impl_(std:
   impl_->generic = std::make_unique<grpc::GenericStub>(impl_->channel);
   if (o.open_session()) {
     impl_->session = std::make_unique<Impl::Session>();
-    if (!o.token().empty()) impl_->session->ctx.AddMetadata("authorization", "Bearer " + o.token());
+    add_token(impl_->session->ctx, o.token());
     wire::SessionRequest request;
     request.set_trainer_id(o.trainer_id());
     impl_->offer_shared_memory(&request);

@@ -41,7 +41,7 @@ struct ParameterServerClient::Impl {
   }
   void prepare(grpc::ClientContext& ctx, std::chrono::milliseconds timeout) const {
     ctx.set_deadline(std::chrono::system_clock::now() + timeout);
-    if (!options.token().empty()) ctx.AddMetadata("authorization", "Bearer " + options.token());
+    add_token(ctx, options.token());
   }
   // A blocking call (`rpc(ctx)` returns its status), bounded by connect_timeout.
   template <typename Rpc>

@@ -49,6 +49,11 @@ inline bool same_secret(const std::string& a, const std::string& b) {
   return diff == 0 && !a.empty();
 }
 
+// The client's side of the token: "authorization: Bearer <token>" on the call (none when empty).
+inline void add_token(grpc::ClientContext& ctx, const std::string& token) {
+  if (!token.empty()) ctx.AddMetadata("authorization", "Bearer " + token);
+}
+
 // What a call's "authorization: Bearer <token>" metadata says against `token` (empty: none needed):
 // empty when it may pass, else why not (`who` names the service in the message).
 template <typename Metadata>

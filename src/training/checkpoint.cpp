@@ -63,7 +63,9 @@ class Writer {
   size_t size_, pos_ = 0;
 };
 
-bool storable(at::ScalarType t) {
+}  // namespace
+
+bool storable_dtype(at::ScalarType t) {
   switch (t) {
     case at::kByte: case at::kChar: case at::kShort: case at::kInt: case at::kLong: case at::kHalf:
     case at::kFloat: case at::kDouble: case at::kBool: case at::kBFloat16:
@@ -72,6 +74,8 @@ bool storable(at::ScalarType t) {
       return false;
   }
 }
+
+namespace {
 
 // Reads forward through `bytes`, refusing to pass its end.
 class Reader {
@@ -117,7 +121,7 @@ static void encode_tensors_into(const TensorDict& dict, char* data, size_t size)
   out.put<uint64_t>(dict.size());
   for (const auto& kv : dict) {
     const at::Tensor t = kv.second.detach().cpu().contiguous();
-    DDPKIT_CHECK(storable(t.scalar_type()), "encode_tensors: entry '", kv.first, "' has dtype ", t.scalar_type(),
+    DDPKIT_CHECK(storable_dtype(t.scalar_type()), "encode_tensors: entry '", kv.first, "' has dtype ", t.scalar_type(),
                  ", which checkpoints do not store");
     DDPKIT_CHECK(static_cast<size_t>(t.dim()) <= kMaxDims, "encode_tensors: entry '", kv.first, "' has ", t.dim(), " dimensions");
     out.put<uint32_t>(static_cast<uint32_t>(kv.first.size()));
@@ -158,7 +162,7 @@ static TensorDict decode_tensors(const char* bytes, size_t size, const std::stri
     DDPKIT_CHECK(!dict.count(key), what, ": entry '", key, "' appears twice");
     const int8_t dtype = in.get<int8_t>("a dtype");
     DDPKIT_CHECK(dtype >= 0 && dtype < static_cast<int8_t>(at::ScalarType::NumOptions) &&
-                     storable(static_cast<at::ScalarType>(dtype)),
+                     storable_dtype(static_cast<at::ScalarType>(dtype)),
                  what, ": entry '", key, "' has an unknown dtype code ", static_cast<int>(dtype));
     const at::ScalarType type = static_cast<at::ScalarType>(dtype);
     const uint8_t ndim = in.get<uint8_t>("a rank");

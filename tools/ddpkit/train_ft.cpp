@@ -12,6 +12,8 @@
 #include <ddpkit/ft/manager.h>
 #include <ddpkit/runtime/memory_sampler.h>
 
+#include <nlohmann/json.hpp>
+
 #include <ATen/CPUGeneratorImpl.h>
 
 #include <algorithm>
@@ -27,17 +29,6 @@
 namespace ddpkit {
 namespace cli {
 namespace {
-
-// `s` inside a JSON string: quotes, backslashes and control characters escaped.
-std::string json_text(const std::string& s) {
-  std::string out;
-  for (char c : s) {
-    if (c == '"' || c == '\\') out += '\\';
-    if (static_cast<unsigned char>(c) < 0x20) c = ' ';
-    out += c;
-  }
-  return out;
-}
 
 std::string group_name(int g) {
   char id[32];
@@ -285,7 +276,7 @@ int run_ft_rank(const Flags& f, const TrainFlags& t) {
        << ", \"quorums\": " << s.quorums << ", \"reconfigurations\": " << s.reconfigurations << ", \"heals\": " << s.heals
        << ", \"heal_bytes\": " << s.heal_bytes << ", \"heal_seconds\": " << s.heal_seconds
        << ", \"heal_fetch_seconds\": " << s.heal_fetch_seconds << ", \"serve_seconds\": " << s.serve_seconds
-       << ", \"heals_single_copy\": " << s.heals_single_copy << ", \"heal_route\": \"" << json_text(s.heal_route) << "\""
+       << ", \"heals_single_copy\": " << s.heals_single_copy << ", \"heal_route\": " << nlohmann::json(s.heal_route).dump()
        << ", \"cross_transport\": \"" << s.cross_transport << "\""
        << ", \"resumed_from\": " << start.resumed_from << ", \"checkpoints_written\": " << checkpoints_written
        << ", \"steps_committed\": " << s.steps_committed << ", \"steps_not_committed\": " << s.steps_not_committed

@@ -35,6 +35,8 @@ class ZeroRedundancyOptimizer;
 // Named CPU tensors <-> bytes with a checksum. decode_tensors checks every length, dtype and the
 // checksum, naming `what` and the first thing wrong; it never reads past `bytes`.
 std::string encode_tensors(const TensorDict& dict);
+// The dtypes encode_tensors stores (and a heal copies).
+bool storable_dtype(at::ScalarType type);
 TensorDict decode_tensors(const std::string& bytes, const std::string& what);
 
 struct Checkpoint {
