@@ -3,7 +3,7 @@
 
     bench/ft_bench.py [--reps 3] [--steps 60] [--ddpkit build/ddpkit] [--heal-dims 64,4096,4096,10] [--heal-steps 400]
                       [--schedule-seconds 600] [--kill-every 20] [--link-rates 1gbit,10gbit]
-                      [--skip step,heal,heal-netns,schedule]
+                      [--heal-connections 1,2,4] [--skip step,heal,heal-netns,schedule]
 
 Step: the same job, 2 ranks in all, interleaved --reps times:
   plain   ddpkit train --nproc 2                                  (DDP across both ranks)
@@ -21,9 +21,10 @@ route, beside, for scale, writing as many bytes into memory never touched (where
 process's copy lands).
 Heal between namespaces (--skip heal-netns to leave out; needs root): the same heal with the two
 groups on two network namespaces joined by a veth pair shaped with tc tbf to each --link-rates rate,
-the lighthouse and group 0 in one, group 1 in the other, so the state crosses the link over
---heal-connections gRPC streams. Printed beside each: the link as a plain TCP stream measures it
-(the rate a heal could reach) and the heal's rate against it (the issue's target: >= 0.8x).
+the lighthouse and group 0 in one, group 1 in the other, so the state crosses the link, streamed
+over the heal's pair group (Gloo) with each of --heal-connections connections. Printed beside
+each: the link as a plain TCP stream measures it (the rate a heal could reach) and the heal's rate
+against it (the issue's target: >= 0.8x).
 Schedule: 4 replica groups of 1 rank train a small transformer (2 layers, d_model 128, 4 heads,
 64 tokens, batch 16) for the steps a failure-free run takes about --schedule-seconds for; every
 --kill-every seconds a random group's rank is SIGKILLed (the group restarts and heals). Printed:
@@ -236,7 +237,8 @@ def main():
     p.add_argument("--kill-every", type=float, default=20)
     p.add_argument("--heal-steps", type=int, default=400, help="steps of the heal run (fewer for big --heal-dims)")
     p.add_argument("--link-rates", default="1gbit,10gbit", help="tc tbf rates of the heal between namespaces")
-    p.add_argument("--heal-connections", type=int, default=4, help="gRPC streams a heal between hosts copies over")
+    p.add_argument("--heal-connections", default="1,2,4",
+                   help="comma-separated: connections of the heal's pair group between namespaces, one row each")
     p.add_argument("--skip", default="", help="comma-separated: step, heal, heal-netns, schedule")
     args = p.parse_args()
     skip = set(filter(None, args.skip.split(",")))
@@ -345,7 +347,7 @@ def heal_between_namespaces(binary, dims, rate, connections, timeout):
             raise SystemExit(f"ft_bench: the heal between namespaces failed (exits {[g.returncode for g in groups]}, "
                              f"killed {killed})\n{outs[1][1][-2000:]}")
         reps = {r["replica_group"]: r for o, _ in outs for r in reports(o)}
-        if reps[1]["heals"] < 1 or reps[1]["heals_single_copy"] or "gloo" not in reps[1]["cross_transport"]:
+        if reps[1]["heals"] < 1 or reps[1]["heals_single_copy"] or "gloo" not in reps[1]["heal_route"]:
             raise SystemExit(f"ft_bench: group 1 did not heal across the link: {reps[1]}")
         if reps[0]["parameter_checksum"] != reps[1]["parameter_checksum"]:
             raise SystemExit(f"ft_bench: the groups' parameters differ after the heal: {reps}")
@@ -358,13 +360,16 @@ def heal_between_namespaces(binary, dims, rate, connections, timeout):
 
 
 def print_heal_netns(args):
-    print(f"\nheal between two network namespaces ({args.heal_dims}, Adam; {args.heal_connections} streams):")
-    print(f"{'link (tbf)':>11} {'TCP stream':>11} {'healed':>9} {'heal s':>7} {'fetch s':>8} {'rate':>10} {'vs link':>8}")
+    print(f"\nheal between two network namespaces ({args.heal_dims}, Adam; streamed over the heal's pair group):")
+    print(f"{'link (tbf)':>11} {'TCP stream':>11} {'conns':>5} {'healed':>9} {'heal s':>7} {'fetch s':>8} {'rate':>10} "
+          f"{'vs link':>8}")
     for rate in filter(None, args.link_rates.split(",")):
-        h, link = heal_between_namespaces(args.ddpkit, args.heal_dims, rate, args.heal_connections, args.timeout)
-        healed = h["heal_bytes"] / h["heal_seconds"]
-        print(f"{rate:>11} {link * 8 / 1e9:>7.2f} Gb/s {h['heal_bytes'] / 1e6:>6.1f} MB {h['heal_seconds']:>7.3f} "
-              f"{h['heal_fetch_seconds']:>8.3f} {healed * 8 / 1e9:>5.2f} Gb/s {healed / link:>7.2f}x", flush=True)
+        for connections in map(int, filter(None, str(args.heal_connections).split(","))):
+            h, link = heal_between_namespaces(args.ddpkit, args.heal_dims, rate, connections, args.timeout)
+            healed = h["heal_bytes"] / h["heal_seconds"]
+            print(f"{rate:>11} {link * 8 / 1e9:>7.2f} Gb/s {connections:>5} {h['heal_bytes'] / 1e6:>6.1f} MB "
+                  f"{h['heal_seconds']:>7.3f} {h['heal_fetch_seconds']:>8.3f} {healed * 8 / 1e9:>5.2f} Gb/s "
+                  f"{healed / link:>7.2f}x", flush=True)
 
 
 if __name__ == "__main__":

@@ -9,10 +9,15 @@
 #include "wire.h"
 
 #include <grpcpp/grpcpp.h>
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <unistd.h>
+
+#include <atomic>
 #include <future>
 #include <thread>
 
@@ -163,17 +168,34 @@ void expect_equal(const TensorDict& got, const TensorDict& want) {
   }
 }
 
+// The pair groups of heals in this process: two ranks meet under a name on one in-memory store,
+// over Gloo on loopback (as between hosts), or through shared memory.
+PairGroupFactory pair_groups(bool shared_memory, std::chrono::milliseconds timeout = 20s) {
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  return [store, shared_memory, timeout](const std::string& name, int rank) {
+    return std::make_shared<ProcessGroup>(c10::make_intrusive<c10d::PrefixStore>(name, store), rank, 2,
+                                          ProcessGroupOptions()
+                                              .gloo_hostname("127.0.0.1")
+                                              .gloo_connections(2)
+                                              .shared_memory(shared_memory)
+                                              .timeout(timeout)
+                                              .abortable(true));
+  };
+}
+
+size_t wait_released(StateServer& server, std::function<bool(const std::string&)> gone = nullptr) {
+  return server.wait_released(std::chrono::steady_clock::now() + 20s, gone ? gone : [](const std::string&) { return false; });
+}
+
 // On this host the healer reads the server's memory; the server waits for its release.
 TEST(StateTransfer, OnOneHostTheHealerCopiesOnceFromTheServersMemory) {
-  StateServer server("127.0.0.1", "");
+  StateServer server("127.0.0.1", "", pair_groups(false));
   const TensorDict state = some_state();
   server.publish(7, state, {"joiner"});
   FetchOptions o;
   o.healer = "joiner";
   o.same_host = true;
-  auto released = std::async(std::launch::async, [&] {
-    return server.wait_released(std::chrono::steady_clock::now() + 20s, [](const std::string&) { return false; });
-  });
+  auto released = std::async(std::launch::async, [&] { return wait_released(server); });
   const Fetched got = fetch_state(server.address(), 7, o);
   EXPECT_TRUE(got.single_copy) << got.single_copy_refused;
   EXPECT_EQ(got.bytes, 6000000 + 80 + 8 + 5056);
@@ -181,37 +203,98 @@ TEST(StateTransfer, OnOneHostTheHealerCopiesOnceFromTheServersMemory) {
   EXPECT_EQ(released.get(), 1u);
 }
 
-// Between hosts: 4 MiB chunks over several streams, each checked; the same bytes.
-TEST(StateTransfer, OverTheNetworkInChunks) {
-  StateServer server("127.0.0.1", "secret");
-  const TensorDict state = some_state();
-  server.publish(7, state, {"joiner"});
+// Elsewhere the server streams its tensors over a group of the pair (4 MiB broadcasts over the
+// group's connections), Gloo between hosts, shared memory on one; the same bytes.
+TEST(StateTransfer, ElsewhereTheServerStreamsOverAPairGroup) {
+  for (bool shm : {false, true}) {
+    const auto pairs = pair_groups(shm);
+    StateServer server("127.0.0.1", "secret", pairs);
+    const TensorDict state = some_state();
+    server.publish(7, state, {"joiner"});
+    FetchOptions o;
+    o.token = "secret";
+    o.healer = "joiner";
+    o.pair_group = pairs;
+    auto released = std::async(std::launch::async, [&] { return wait_released(server); });
+    const Fetched got = fetch_state(server.address(), 7, o);
+    EXPECT_FALSE(got.single_copy);
+    EXPECT_THAT(got.streamed_over, HasSubstr(shm ? "shared memory" : "gloo"));
+    expect_equal(got.state, state);
+    EXPECT_EQ(released.get(), 1u);
+  }
+}
+
+// A healer that asks for a stream and never joins it, then is found lost: the wait ends at once
+// (not at the deadline), and the release it might still send is refused.
+TEST(StateTransfer, AStreamToALostHealerIsAbandoned) {
+  StateServer server("127.0.0.1", "", pair_groups(false, 2s));
+  server.publish(7, some_state(), {"joiner"});
+  auto stub = wire::StateTransfer::NewStub(grpc::CreateChannel(server.address(), grpc::InsecureChannelCredentials()));
+  wire::StateRequest req;
+  req.set_step(7);
+  req.set_healer("joiner");
+  req.set_pair_group("never-joined");
+  wire::StateReply reply;
+  {
+    grpc::ClientContext ctx;
+    ASSERT_TRUE(stub->Stream(&ctx, req, &reply).ok());
+  }
+  std::atomic<bool> lost{false};
+  auto released = std::async(std::launch::async, [&] {
+    return wait_released(server, [&](const std::string&) { return lost.load(); });
+  });
+  std::this_thread::sleep_for(100ms);
+  lost = true;
+  EXPECT_EQ(released.get(), 0u);
+  grpc::ClientContext ctx;
+  const grpc::Status s = stub->Release(&ctx, req, &reply);
+  EXPECT_THAT(s.error_message(), HasSubstr("no longer serves step 7 to joiner"));
+}
+
+// A healer the server gives up on while it streams (its heartbeats stopped, say): the stream is
+// aborted, and the healer's copy fails, whether its bytes arrived or not.
+TEST(StateTransfer, AHealerGivenUpOnMidStreamHasNoCopy) {
+  const auto pairs = pair_groups(false);
+  StateServer server("127.0.0.1", "", pairs);
+  server.publish(7, some_state(), {"joiner"});
+  std::atomic<bool> joining{false}, given_up{false};
   FetchOptions o;
-  o.token = "secret";
   o.healer = "joiner";
-  o.connections = 3;
-  const Fetched got = fetch_state(server.address(), 7, o);
-  EXPECT_FALSE(got.single_copy);
-  expect_equal(got.state, state);
-  EXPECT_EQ(server.wait_released(std::chrono::steady_clock::now(), nullptr), 1u);
+  o.pair_group = [&](const std::string& name, int rank) {
+    joining = true;  // the server streams (its thread is meeting this healer): now it gives up
+    for (int i = 0; i < 500 && !given_up; ++i) std::this_thread::sleep_for(10ms);
+    return pairs(name, rank);
+  };
+  auto released = std::async(std::launch::async, [&] {
+    return wait_released(server, [&](const std::string&) { return given_up = joining.load(); });
+  });
+  EXPECT_THAT(error_of([&] { fetch_state(server.address(), 7, o); }),
+              HasSubstr("fetching the state of step 7 from " + server.address() + " failed"));
+  EXPECT_EQ(released.get(), 0u);
 }
 
 TEST(StateTransfer, RefusalsAreNamed) {
-  StateServer server("127.0.0.1", "secret");
+  const auto pairs = pair_groups(false);
+  StateServer server("127.0.0.1", "secret", pairs);
   server.publish(7, some_state(), {"joiner"});
   FetchOptions o;
   o.healer = "joiner";
+  o.pair_group = pairs;
   o.timeout = 300ms;
   EXPECT_THAT(error_of([&] { fetch_state(server.address(), 7, o); }), HasSubstr("requires a token"));
   o.token = "secret";
   EXPECT_THAT(error_of([&] { fetch_state(server.address(), 6, o); }), HasSubstr("holds the state of step 7, not 6"));
-  // A healer the server does not serve: its copy is refused at the release.
+  // A healer the server does not serve: refused its stream, and its release.
   o.healer = "stranger";
   EXPECT_THAT(error_of([&] { fetch_state(server.address(), 7, o); }),
+              HasSubstr("the source refused to stream: does not serve step 7 to stranger"));
+  o.same_host = true;
+  EXPECT_THAT(error_of([&] { fetch_state(server.address(), 7, o); }),
               HasSubstr("did not accept the release: no longer serves step 7 to stranger"));
+  o.same_host = false;
   // Given up on (lost): a copy it may have read meanwhile is refused, and nothing is served.
   auto stub = wire::StateTransfer::NewStub(grpc::CreateChannel(server.address(), grpc::InsecureChannelCredentials()));
-  EXPECT_EQ(server.wait_released(std::chrono::steady_clock::now() + 20s, [](const std::string&) { return true; }), 0u);
+  EXPECT_EQ(wait_released(server, [](const std::string&) { return true; }), 0u);
   grpc::ClientContext ctx;
   ctx.AddMetadata("authorization", "Bearer secret");
   wire::StateRequest req;
@@ -225,16 +308,21 @@ TEST(StateTransfer, RefusalsAreNamed) {
   EXPECT_THAT(error_of([&] { fetch_state(server.address(), 7, o); }), HasSubstr("holds the state of step -1, not 7"));
   EXPECT_THAT(error_of([&] { server.publish(1, {{"c", at::zeros({2}, at::kComplexFloat)}}, {"x"}); }),
               HasSubstr("state entry 'c' has dtype ComplexFloat"));
+  // A pair group name the server would put into its store keys is checked.
+  server.publish(8, some_state(), {"joiner"});
+  grpc::ClientContext ctx2;
+  ctx2.AddMetadata("authorization", "Bearer secret");
+  req.set_step(8);
+  req.set_pair_group("../x");
+  EXPECT_THAT(stub->Stream(&ctx2, req, &reply).error_message(), HasSubstr("pair group name must be 1-128 characters"));
 }
 
 // A server that describes what it does not hold: each lie is a named error, nothing is read.
 class ForgedStateService final : public wire::StateTransfer::Service {
  public:
   std::function<void(wire::StateReply*)> forge;
-  grpc::Status Fetch(grpc::ServerContext*, const wire::StateRequest* req, wire::StateReply* reply) override {
+  grpc::Status Describe(grpc::ServerContext*, const wire::StateRequest* req, wire::StateReply* reply) override {
     reply->set_step(req->step());
-    reply->set_chunk_bytes(4 << 20);
-    reply->set_chunks(1);
     wire::StateEntry* e = reply->add_entries();
     e->set_key("w");
     e->set_dtype(static_cast<int>(at::kFloat));
@@ -243,6 +331,9 @@ class ForgedStateService final : public wire::StateTransfer::Service {
     reply->set_total_bytes(16);
     forge(reply);
     return grpc::Status::OK;
+  }
+  grpc::Status Stream(grpc::ServerContext*, const wire::StateRequest*, wire::StateReply*) override {
+    return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, "forged: streams nothing");
   }
   grpc::Status Release(grpc::ServerContext*, const wire::StateRequest*, wire::StateReply*) override {
     return grpc::Status::OK;
@@ -260,6 +351,7 @@ TEST(StateTransfer, AForgedDescriptionIsRefused) {
   const std::string address = "127.0.0.1:" + std::to_string(port);
   FetchOptions o;
   o.healer = "joiner";
+  o.pair_group = pair_groups(false);
   auto refusal = [&](std::function<void(wire::StateReply*)> forge) {
     service.forge = std::move(forge);
     return error_of([&] { fetch_state(address, 3, o); });
@@ -272,11 +364,15 @@ TEST(StateTransfer, AForgedDescriptionIsRefused) {
               HasSubstr("entry 'w' has size -4"));
   EXPECT_THAT(refusal([](wire::StateReply* r) { *r->add_entries() = r->entries(0); }), HasSubstr("'w' appears twice"));
   EXPECT_THAT(refusal([](wire::StateReply* r) { r->set_total_bytes(32); }), HasSubstr("entries of 16 bytes, total 32"));
-  EXPECT_THAT(refusal([](wire::StateReply* r) { r->set_chunks(0); }), HasSubstr("malformed description"));
-  EXPECT_THAT(refusal([](wire::StateReply*) {}), HasSubstr("chunk 0 has 0 bytes, not 16"));
-  // A chunk whose checksum does not match its bytes (the forged server sends none).
-  EXPECT_THAT(refusal([](wire::StateReply* r) { r->set_data(std::string(16, 'x')); }),
-              HasSubstr("chunk 0 is corrupt (checksum mismatch)"));
+  EXPECT_THAT(refusal([](wire::StateReply* r) { r->set_total_bytes(-1); }), HasSubstr("malformed description (-1 bytes)"));
+  // On this host, a pid and proof that are not the server's: not read; it is asked to stream instead.
+  o.same_host = true;
+  EXPECT_THAT(refusal([](wire::StateReply* r) {
+                r->set_pid(getpid());
+                r->set_proof("not the proof");
+                r->set_proof_address(reinterpret_cast<uint64_t>(r));
+              }),
+              HasSubstr("the source refused to stream: forged: streams nothing"));
   server->Shutdown();
 }
 

@@ -159,8 +159,6 @@ def stop_mode():
             stopped.append(pid)
     # --timeout-s 10: the survivors' aborted Gloo collective with the stopped group ends by the
     # cross-group timeout (min(--timeout-s, 30 s)), and their exit waits for it.
-    # --timeout-s 10: the survivors' aborted Gloo collective with the stopped group ends by the
-    # cross-group timeout (min(--timeout-s, 30 s)), and their exit waits for it.
     rc, out, err = run(["--replica-groups", "3", "--nproc", "1", "--steps", "800", "--timeout-s", "10"], act)
     for pid in stopped:
         try:
@@ -274,22 +272,23 @@ def checkpoint_mode():
     work = tempfile.mkdtemp(prefix="ddpkit-ft-ckpt-")
     try:
         ckpt = os.path.join(work, "ckpt")
-        # Enough steps that the kill lands in them however fast a step is (a few ms each).
-        reps = train_killing_group_1(2, 1, ["--steps", "2000", "--checkpoint-dir", ckpt, "--checkpoint-every", "100"],
+        # Enough steps that the kill lands in them, and group 0 still trains when group 1 is back,
+        # however fast a step is (a few ms each; a restart takes seconds).
+        reps = train_killing_group_1(2, 1, ["--steps", "4000", "--checkpoint-dir", ckpt, "--checkpoint-every", "100"],
                                      "checkpointing")
         files = sorted(os.path.basename(f) for f in glob.glob(os.path.join(ckpt, "checkpoint-*.ddpk")))
-        if "checkpoint-0000002000.ddpk" not in files or sum(r["checkpoints_written"] for r in reps) < 1:
+        if "checkpoint-0000004000.ddpk" not in files or sum(r["checkpoints_written"] for r in reps) < 1:
             sys.exit(f"FAILED (checkpointing): checkpoints {files}; reports {reps}")
-        rc, out, err = run(["--replica-groups", "3", "--nproc", "1", "--steps", "2100", "--checkpoint-dir", ckpt,
+        rc, out, err = run(["--replica-groups", "3", "--nproc", "1", "--steps", "4100", "--checkpoint-dir", ckpt,
                             "--checkpoint-every", "100", "--resume"], lambda p: None)
         if rc != 0:
             sys.exit(f"FAILED (resuming under 3 groups): exit {rc}\n{err[-3000:]}")
         reps3 = reports(out)
         check_same(reps3, 3)
-        if {r["resumed_from"] for r in reps3} != {2000} or any(r["steps"] != 2100 for r in reps3):
+        if {r["resumed_from"] for r in reps3} != {4000} or any(r["steps"] != 4100 for r in reps3):
             sys.exit(f"FAILED (resuming under 3 groups): {reps3}")
         print(f"checkpoints under --fault-tolerant ({', '.join(files)}); a killed group resumed and healed; "
-              "3 groups resumed the 2 groups' step 2000 and trained on alike")
+              "3 groups resumed the 2 groups' step 4000 and trained on alike")
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -377,10 +376,12 @@ def hosts_mode():
                       key=lambda r: r["replica_group"])
         check_same(reps, 2)
         healed = reps[1]
-        if healed["heals"] < 1 or healed["heals_single_copy"] or "gloo" not in healed["cross_transport"]:
+        if healed["heals"] < 1 or healed["heals_single_copy"] or "gloo" not in healed["cross_transport"] or \
+                "gloo" not in healed["heal_route"]:
             sys.exit(f"FAILED (hosts): group 1 should have healed over the link (Gloo across groups): {healed}")
         print(f"groups spanning two hosts: group 1 restarted, healed {healed['heal_bytes']} B across the link in "
-              f"{healed['heal_seconds']:.3f} s, cross-group transport '{healed['cross_transport']}'; parameters equal")
+              f"{healed['heal_seconds']:.3f} s over '{healed['heal_route']}', cross-group transport "
+              f"'{healed['cross_transport']}'; parameters equal")
     finally:
         for p in ranks.values():
             if p.poll() is None:

@@ -117,8 +117,32 @@ struct Manager::Impl {
   std::shared_ptr<GradientArena> arena;
   int64_t cross_quorum = -1;
   std::string cross_store;
+  std::mutex stores_mu;
   std::map<std::string, c10::intrusive_ptr<c10d::TCPStore>> stores;
-  std::vector<std::thread> reapers;  // destroy aborted groups (their Gloo work ends by its timeout)
+  // Threads that destroy groups off the training path: an aborted group's Gloo work ends by its
+  // timeout, and even a finished group's teardown takes a while. Finished ones are joined by the
+  // next reap, the rest by the destructor.
+  struct Reaper {
+    std::thread thread;
+    std::shared_ptr<std::atomic<bool>> done;
+  };
+  std::mutex reap_mu;
+  std::vector<Reaper> reapers;
+
+  void reap(std::shared_ptr<ProcessGroup> pg) {
+    std::lock_guard<std::mutex> lock(reap_mu);
+    for (auto it = reapers.begin(); it != reapers.end();) {
+      if (!*it->done) { ++it; continue; }
+      it->thread.join();
+      it = reapers.erase(it);
+    }
+    auto done = std::make_shared<std::atomic<bool>>(false);
+    reapers.push_back({std::thread([pg = std::move(pg), done]() mutable {
+                         pg.reset();
+                         *done = true;
+                       }),
+                       done});
+  }
 
   // Set from collective callbacks too (DDP's buckets cross on the transports' threads).
   std::atomic<bool> failed{false};  // this step cannot commit
@@ -172,7 +196,7 @@ struct Manager::Impl {
   void retire_cross() {
     std::lock_guard<std::mutex> lock(cross_mu);
     if (!cross) return;
-    reapers.emplace_back([pg = std::move(cross)]() mutable { pg.reset(); });
+    reap(std::move(cross));
     cross.reset();
     staging = at::Tensor();
     // A gradient born in it may still be written by an aborted collective: none is born there again.
@@ -208,6 +232,7 @@ struct Manager::Impl {
   }
 
   c10::intrusive_ptr<c10d::Store> store_at(const std::string& address) {
+    std::lock_guard<std::mutex> lock(stores_mu);  // heal streams make their groups on threads of their own
     auto it = stores.find(address);
     if (it != stores.end()) return it->second;
     c10d::TCPStoreOptions so = compat::tcp_store_options();
@@ -219,19 +244,44 @@ struct Manager::Impl {
     return store;
   }
 
+  // The options of the groups this rank makes across the replica groups: Gloo listens on the
+  // address the other groups reach this host at, the one on the route to the store they meet at
+  // (the group's own address may be loopback: its ranks share a host).
+  ProcessGroupOptions across_options(const std::string& name, const std::string& store_address) const {
+    ProcessGroupOptions o = group->options();
+    o.group_name(name).timeout(options.cross_group_timeout()).abortable(true).check_collectives(false);
+    const std::string towards = local_address_towards(host_of(store_address), 1);
+    if (!towards.empty()) o.gloo_hostname(towards);
+    return o;
+  }
+
+  // The group of one heal (StateServer / fetch_state): this rank and the matching rank of the
+  // source or healer group, met under `name` on the store of the current quorum's cross groups.
+  std::shared_ptr<ProcessGroup> pair_group(const std::string& name, int rank) {
+    std::string address;
+    int64_t quorum = -1;
+    {
+      std::lock_guard<std::mutex> lock(cross_mu);
+      address = cross_store;
+      quorum = cross_quorum;
+    }
+    DDPKIT_CHECK(quorum >= 0, "fault tolerance: no cross-group store to meet a heal's pair group at");
+    auto prefix = c10::make_intrusive<c10d::PrefixStore>(
+        "ddpkit-ft/q" + std::to_string(quorum) + "/heal/" + name + "/r" + std::to_string(group->rank()),
+        store_at(address));
+    ProcessGroupOptions o = across_options("ft-heal", address);
+    o.gloo_connections(options.heal_connections());
+    return std::make_shared<ProcessGroup>(prefix, rank, 2, o);
+  }
+
   // This rank's cross-group group for quorum `q` (none when this group is alone in it).
   void rebuild(const Quorum& q, int replica) {
     retire_cross();
     if (q.participants.size() < 2) return;
     auto prefix = c10::make_intrusive<c10d::PrefixStore>(
         "ddpkit-ft/q" + std::to_string(q.quorum_id) + "/r" + std::to_string(group->rank()), store_at(q.store_address));
-    ProcessGroupOptions o = group->options();
-    o.group_name("ft-cross").timeout(options.cross_group_timeout()).abortable(true).check_collectives(false);
-    // Gloo listens on the address the other groups reach this host at: the one on the route to the
-    // store they meet at (the group's own address may be loopback: its ranks share a host).
-    const std::string towards = local_address_towards(host_of(q.store_address), 1);
-    if (!towards.empty()) o.gloo_hostname(towards);
-    auto pg = std::make_shared<ProcessGroup>(prefix, replica, static_cast<int>(q.participants.size()), o);
+    auto pg = std::make_shared<ProcessGroup>(prefix, replica, static_cast<int>(q.participants.size()),
+                                             across_options("ft-cross", q.store_address));
     // Collective over the new group: every participant made its reduction before its first quorum.
     at::Tensor st = staging_numel > 0 ? pg->allreduce_buffer(staging_numel, at::kFloat) : at::Tensor();
     std::shared_ptr<GradientArena> a = arena_blocks.empty() ? nullptr : pg->gradient_arena(arena_blocks);
@@ -265,7 +315,8 @@ Manager::Manager(std::shared_ptr<ProcessGroup> group, TrainingState& state, Mana
   for (int r = 0; r < pg.size(); ++r)
     DDPKIT_CHECK(ids[r] == im.options.group_id(), "ft::Manager: rank ", r, " of this group says group_id '", ids[r],
                  "', rank ", pg.rank(), " says '", im.options.group_id(), "'");
-  im.server = std::make_unique<StateServer>(state_host_for(im.options), im.options.token());
+  im.server = std::make_unique<StateServer>(state_host_for(im.options), im.options.token(),
+                                            [&im](const std::string& name, int rank) { return im.pair_group(name, rank); });
   im.addresses = allgather_strings(pg, im.server->address());
   im.hosts = allgather_strings(pg, host_name());
   im.client = std::make_unique<LighthouseClient>(LighthouseClientOptions()
@@ -283,8 +334,9 @@ Manager::~Manager() {
   }
   im.beat_cv.notify_all();
   if (im.heartbeats.joinable()) im.heartbeats.join();
+  im.server.reset();  // first: its streams' threads make their groups through this Impl
   im.retire_cross();
-  for (auto& t : im.reapers) t.join();
+  for (auto& r : im.reapers) r.thread.join();
 }
 
 const std::string& Manager::group_id() const { return impl_->options.group_id(); }
@@ -400,14 +452,16 @@ bool Manager::copy_state_from(int source, std::string* why) {
     FetchOptions fo;
     fo.token = im.options.token();
     fo.healer = im.options.group_id();
-    fo.connections = im.options.heal_connections();
     fo.same_host = from.hosts[pg.rank()] == im.hosts[pg.rank()];
+    fo.pair_group = [&im](const std::string& name, int rank) { return im.pair_group(name, rank); };
     fo.timeout = im.options.cross_group_timeout();
     Fetched got = fetch_state(from.state_addresses[pg.rank()], quorum_.max_step, fo);
+    if (got.pair) im.reap(std::move(got.pair));
     stats_.heal_fetch_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     stats_.heal_route = got.single_copy ? "process_vm_readv"
-                        : got.single_copy_refused.empty() ? "network"
-                                                          : "network (single copy refused: " + got.single_copy_refused + ")";
+                        : got.single_copy_refused.empty()
+                            ? got.streamed_over
+                            : got.streamed_over + " (single copy refused: " + got.single_copy_refused + ")";
     im.phase("heal-fetched", quorum_.max_step);
     const TensorDict extra = im.state.load_snapshot(got.state, what);
     if (im.load_extra) im.load_extra(extra);

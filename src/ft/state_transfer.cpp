@@ -5,6 +5,7 @@
 
 #include "../ps/grpc_common.h"
 #include "lighthouse.grpc.pb.h"
+#include "wire.h"
 
 #include <grpcpp/grpcpp.h>
 
@@ -18,6 +19,7 @@
 #include <cerrno>
 #include <condition_variable>
 #include <cstring>
+#include <map>
 #include <mutex>
 #include <random>
 #include <thread>
@@ -28,11 +30,12 @@ namespace ft {
 
 namespace {
 
-constexpr int64_t kChunkBytes = 4 << 20;
+constexpr int64_t kPieceBytes = 4 << 20;  // one broadcast of the pair group
 constexpr int kMaxMessage = 64 << 20;
 constexpr int kMaxEntries = 1 << 20;
 constexpr int64_t kMaxTotal = int64_t{1} << 48;
 constexpr size_t kMaxIov = 1024;  // IOV_MAX
+constexpr int kCopyThreads = 4;    // of the single copy, one 8 MiB range each at least
 
 // A dtype code from the wire that names a dtype checkpoints store.
 bool transferable(int code) {
@@ -40,20 +43,11 @@ bool transferable(int code) {
          storable_dtype(static_cast<at::ScalarType>(code));
 }
 
-// Four independent lanes of 64-bit FNV-1a over 8-byte words (one dependency chain would make the
-// checksum slower than the copy it guards); catches truncated, torn or flipped bytes.
-uint64_t chunk_checksum(const char* p, size_t n) {
-  constexpr uint64_t kPrime = 0x100000001b3ULL;
-  uint64_t h[4] = {0xcbf29ce484222325ULL ^ n, 0x84222325cbf29ce4ULL, 0x9e3779b97f4a7c15ULL, 0xc2b2ae3d27d4eb4fULL};
-  size_t i = 0;
-  for (; i + 32 <= n; i += 32) {
-    uint64_t w[4];
-    std::memcpy(w, p + i, 32);
-    for (int l = 0; l < 4; ++l) h[l] = (h[l] ^ w[l]) * kPrime;
-  }
-  for (; i < n; ++i) h[0] = (h[0] ^ static_cast<unsigned char>(p[i])) * kPrime;
-  for (int l = 1; l < 4; ++l) h[0] = (h[0] ^ h[l]) * kPrime;
-  return h[0];
+std::string random_name() {
+  std::random_device rd;
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "h%08x%08x%08x", rd(), rd(), rd());
+  return buf;
 }
 
 }  // namespace
@@ -83,7 +77,43 @@ struct StateLayout {
       at += len;
     }
   }
+  // Broadcasts of every tensor's bytes from rank 0 of the pair group, in order, kPieceBytes each
+  // (successive ones go over the group's successive connections). Both ends issue the same list.
+  std::vector<FuturePtr> broadcast(ProcessGroup& pair) const {
+    std::vector<FuturePtr> sent;
+    for (size_t i = 0; i < tensors.size(); ++i)
+      for (int64_t at = 0, n = offsets[i + 1] - offsets[i]; at < n; at += kPieceBytes)
+        sent.push_back(pair.broadcast(at::from_blob(bytes(i) + at, {std::min(kPieceBytes, n - at)}, at::kByte), 0));
+    return sent;
+  }
 };
+
+namespace {
+
+// Waits for every future of `pair`; "" or the first error. `stop` is polled meanwhile: a reason
+// aborts the group (its collectives in flight fail at once) and is returned.
+std::string wait_all(ProcessGroup& pair, const std::vector<FuturePtr>& futures,
+                     const std::function<std::string()>& stop) {
+  const FuturePtr all = when_all(futures, at::Tensor());
+  auto done = std::make_shared<std::pair<std::mutex, std::condition_variable>>();
+  all->addCallback([done](c10::ivalue::Future&) {
+    std::lock_guard<std::mutex> lock(done->first);
+    done->second.notify_all();
+  });
+  std::unique_lock<std::mutex> lock(done->first);
+  while (!all->completed()) {
+    const std::string why = stop ? stop() : "";
+    if (!why.empty()) {
+      lock.unlock();
+      pair.abort(why);
+      return why;
+    }
+    done->second.wait_for(lock, std::chrono::milliseconds(10));
+  }
+  return all->hasError() ? all->tryRetrieveErrorMessage() : "";
+}
+
+}  // namespace
 
 struct ServedState {
   int64_t step = -1;
@@ -94,14 +124,34 @@ struct ServedState {
 
 struct StateServer::Impl {
   std::string token;
+  PairGroupFactory pair_group;
   std::mutex mu;
   std::condition_variable released;
   std::shared_ptr<ServedState> served;
+  std::vector<std::pair<std::string, std::string>> stream_requests;  // (healer, pair group name)
   std::array<char, 32> proof{};  // what a reader on this host checks it reads this process with
   std::string host;
   int port = 0;
   std::unique_ptr<grpc::Service> service;
   std::unique_ptr<grpc::Server> server;
+  // Streams, each on a thread of its own with its flags; a thread may outlive the wait that
+  // started it (a group still meeting its healer, or waiting for its transport's work to end after
+  // an abort), holding the state it streams until it ends. Finished ones are joined by the next
+  // wait, the rest by the destructor.
+  struct Streaming {
+    std::thread thread;
+    std::shared_ptr<std::atomic<int>> flags;  // kOver, kGone (set by the wait), kFinished (by the thread)
+  };
+  static constexpr int kOver = 1, kGone = 2, kFinished = 4;
+  std::vector<Streaming> streams;
+
+  void join_finished() {
+    for (auto it = streams.begin(); it != streams.end();) {
+      if (!(it->flags->load() & kFinished)) { ++it; continue; }
+      it->thread.join();
+      it = streams.erase(it);
+    }
+  }
 
   std::shared_ptr<ServedState> holding(int64_t step, grpc::Status* refused) {
     std::lock_guard<std::mutex> lock(mu);
@@ -112,44 +162,43 @@ struct StateServer::Impl {
     return nullptr;
   }
 
-  grpc::Status fetch(const grpc::ServerContext* ctx, const wire::StateRequest& req, wire::StateReply* reply) {
+  grpc::Status describe(const grpc::ServerContext* ctx, const wire::StateRequest& req, wire::StateReply* reply) {
     const std::string refusal = ps::token_refusal(ctx->client_metadata(), token, "state service");
     if (!refusal.empty()) return grpc::Status(grpc::StatusCode::UNAUTHENTICATED, refusal);
     grpc::Status refused;
     const std::shared_ptr<ServedState> s = holding(req.step(), &refused);
     if (!s) return refused;
     const StateLayout& layout = s->layout;
-    const int64_t total = layout.total();
-    const int64_t chunks = std::max<int64_t>(1, (total + kChunkBytes - 1) / kChunkBytes);
     reply->set_step(req.step());
-    reply->set_total_bytes(total);
-    reply->set_chunk_bytes(kChunkBytes);
-    reply->set_chunks(chunks);
-    if (req.chunk() < 0) {
-      for (size_t i = 0; i < layout.tensors.size(); ++i) {
-        const at::Tensor& t = layout.tensors[i];
-        wire::StateEntry* e = reply->add_entries();
-        e->set_key(layout.keys[i]);
-        e->set_dtype(static_cast<int32_t>(t.scalar_type()));
-        for (int64_t d : t.sizes()) e->add_sizes(d);
-        e->set_nbytes(layout.offsets[i + 1] - layout.offsets[i]);
-        e->set_address(reinterpret_cast<uint64_t>(layout.bytes(i)));
-      }
-      reply->set_pid(getpid());
-      reply->set_proof_address(reinterpret_cast<uint64_t>(proof.data()));
-      reply->set_proof(proof.data(), proof.size());
-      return grpc::Status::OK;
+    reply->set_total_bytes(layout.total());
+    for (size_t i = 0; i < layout.tensors.size(); ++i) {
+      const at::Tensor& t = layout.tensors[i];
+      wire::StateEntry* e = reply->add_entries();
+      e->set_key(layout.keys[i]);
+      e->set_dtype(static_cast<int32_t>(t.scalar_type()));
+      for (int64_t d : t.sizes()) e->add_sizes(d);
+      e->set_nbytes(layout.offsets[i + 1] - layout.offsets[i]);
+      e->set_address(reinterpret_cast<uint64_t>(layout.bytes(i)));
     }
-    if (req.chunk() >= chunks)
-      return grpc::Status(grpc::StatusCode::OUT_OF_RANGE, "chunk " + std::to_string(req.chunk()) + " of " +
-                                                              std::to_string(chunks));
-    const int64_t begin = req.chunk() * kChunkBytes, end = std::min(total, begin + kChunkBytes);
-    std::string* data = reply->mutable_data();
-    data->resize(static_cast<size_t>(end - begin));
-    layout.pieces(begin, end, [&](size_t i, int64_t in, int64_t out, int64_t len) {
-      std::memcpy(&(*data)[static_cast<size_t>(out)], layout.bytes(i) + in, static_cast<size_t>(len));
-    });
-    reply->set_checksum(chunk_checksum(data->data(), data->size()));
+    reply->set_pid(getpid());
+    reply->set_proof_address(reinterpret_cast<uint64_t>(proof.data()));
+    reply->set_proof(proof.data(), proof.size());
+    return grpc::Status::OK;
+  }
+
+  grpc::Status stream(const grpc::ServerContext* ctx, const wire::StateRequest& req, wire::StateReply* reply) {
+    const std::string refusal = ps::token_refusal(ctx->client_metadata(), token, "state service");
+    if (!refusal.empty()) return grpc::Status(grpc::StatusCode::UNAUTHENTICATED, refusal);
+    if (!wire::valid_name(req.pair_group()))
+      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "pair group name must be 1-128 characters of "
+                                                              "[A-Za-z0-9_.-]");
+    std::lock_guard<std::mutex> lock(mu);
+    if (!served || served->step != req.step() || !served->waiting.count(req.healer()))
+      return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, "does not serve step " + std::to_string(req.step()) +
+                                                                     " to " + req.healer());
+    stream_requests.emplace_back(req.healer(), req.pair_group());
+    reply->set_step(req.step());
+    released.notify_all();
     return grpc::Status::OK;
   }
 
@@ -165,6 +214,25 @@ struct StateServer::Impl {
     released.notify_all();
     return grpc::Status::OK;
   }
+
+  // Streams `s` to `healer` over the pair group `name` (rank 0). Ends when the healer has
+  // received it all, or aborts when the wait marks the healer lost or is over. A failure ends
+  // here: the healer's copy fails with it, and a Release it might still send is refused.
+  void stream_to(std::shared_ptr<ServedState> s, const std::string& healer, const std::string& name,
+                 std::shared_ptr<std::atomic<int>> flags) {
+    try {
+      std::shared_ptr<ProcessGroup> pair = pair_group(name, 0);
+      wait_all(*pair, s->layout.broadcast(*pair), [&]() -> std::string {
+        if (flags->load() & kGone) return "healer " + healer + " is lost";
+        if (flags->load() & kOver) return "the server no longer serves this state";
+        return "";
+      });
+    } catch (const std::exception&) {
+      // The healer's side fails too and says why.
+    }
+    s.reset();
+    flags->fetch_or(kFinished);
+  }
 };
 
 namespace {
@@ -172,8 +240,11 @@ namespace {
 class StateService final : public wire::StateTransfer::Service {
  public:
   explicit StateService(StateServer::Impl* impl) : impl_(impl) {}
-  grpc::Status Fetch(grpc::ServerContext* ctx, const wire::StateRequest* req, wire::StateReply* reply) override {
-    return impl_->fetch(ctx, *req, reply);
+  grpc::Status Describe(grpc::ServerContext* ctx, const wire::StateRequest* req, wire::StateReply* reply) override {
+    return impl_->describe(ctx, *req, reply);
+  }
+  grpc::Status Stream(grpc::ServerContext* ctx, const wire::StateRequest* req, wire::StateReply* reply) override {
+    return impl_->stream(ctx, *req, reply);
   }
   grpc::Status Release(grpc::ServerContext* ctx, const wire::StateRequest* req, wire::StateReply* reply) override {
     return impl_->release(ctx, *req, reply);
@@ -185,9 +256,12 @@ class StateService final : public wire::StateTransfer::Service {
 
 }  // namespace
 
-StateServer::StateServer(const std::string& host, const std::string& token) : impl_(std::make_unique<Impl>()) {
+StateServer::StateServer(const std::string& host, const std::string& token, PairGroupFactory pair_group)
+    : impl_(std::make_unique<Impl>()) {
+  DDPKIT_CHECK(pair_group, "fault tolerance: the state service needs a way to make its pair groups");
   ps::hold_grpc_runtime();
   impl_->token = token;
+  impl_->pair_group = std::move(pair_group);
   impl_->host = host;
   std::random_device rd;
   for (char& c : impl_->proof) c = static_cast<char>(rd());
@@ -196,7 +270,6 @@ StateServer::StateServer(const std::string& host, const std::string& token) : im
   builder.AddListeningPort(host + ":0", grpc::InsecureServerCredentials(), &impl_->port);
   builder.RegisterService(service.get());
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
-  ps::apply_bulk_transport_args([&](const char* name, int value) { builder.AddChannelArgument(name, value); });
   builder.SetMaxSendMessageSize(kMaxMessage);
   impl_->server = builder.BuildAndStart();
   DDPKIT_CHECK(impl_->server && impl_->port > 0, "fault tolerance: cannot listen on '", host,
@@ -206,6 +279,10 @@ StateServer::StateServer(const std::string& host, const std::string& token) : im
 
 StateServer::~StateServer() {
   impl_->server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
+  for (auto& st : impl_->streams) {
+    st.flags->fetch_or(Impl::kOver);
+    st.thread.join();
+  }
 }
 
 std::string StateServer::address() const { return impl_->host + ":" + std::to_string(impl_->port); }
@@ -222,44 +299,58 @@ void StateServer::publish(int64_t step, const TensorDict& snapshot, const std::s
   }
   std::lock_guard<std::mutex> lock(impl_->mu);
   impl_->served = std::move(s);
+  impl_->stream_requests.clear();
 }
 
 size_t StateServer::wait_released(std::chrono::steady_clock::time_point deadline,
                                   const std::function<bool(const std::string&)>& gone) {
-  std::unique_lock<std::mutex> lock(impl_->mu);
-  if (!impl_->served) return 0;
-  while (!impl_->served->waiting.empty() && std::chrono::steady_clock::now() < deadline) {
-    const std::set<std::string> left = impl_->served->waiting;
+  Impl& im = *impl_;
+  std::unique_lock<std::mutex> lock(im.mu);
+  im.join_finished();
+  if (!im.served) return 0;
+  const std::shared_ptr<ServedState> s = im.served;
+  std::map<std::string, std::vector<std::shared_ptr<std::atomic<int>>>> streaming;  // by healer
+  while (!s->waiting.empty() && std::chrono::steady_clock::now() < deadline) {
+    for (auto& request : im.stream_requests) {
+      auto flags = std::make_shared<std::atomic<int>>(0);
+      streaming[request.first].push_back(flags);
+      im.streams.push_back({std::thread(&Impl::stream_to, &im, s, request.first, request.second, flags), flags});
+    }
+    im.stream_requests.clear();
+    const std::set<std::string> left = s->waiting;
     lock.unlock();
     std::set<std::string> lost;
     for (const auto& h : left)
       if (gone && gone(h)) lost.insert(h);
     lock.lock();
     // A healer given up on is refused its Release from now on: what it read may be torn.
-    for (const auto& h : lost) impl_->served->waiting.erase(h);
-    impl_->released.wait_for(lock, std::chrono::milliseconds(20));
+    for (const auto& h : lost) {
+      s->waiting.erase(h);
+      for (auto& f : streaming[h]) f->fetch_or(Impl::kGone);
+    }
+    im.released.wait_for(lock, std::chrono::milliseconds(20));
   }
-  const size_t done = impl_->served->released;
-  impl_->served.reset();
+  const size_t done = s->released;
+  im.served.reset();
+  im.stream_requests.clear();
+  for (auto& kv : streaming)
+    for (auto& f : kv.second) f->fetch_or(Impl::kOver);
   return done;
 }
 
 void StateServer::clear() {
   std::lock_guard<std::mutex> lock(impl_->mu);
   impl_->served.reset();
+  impl_->stream_requests.clear();
 }
 
 // ---- fetching ----------------------------------------------------------------------------------
 
 namespace {
 
-std::unique_ptr<wire::StateTransfer::Stub> stub_for(const std::string& address, int index) {
+std::unique_ptr<wire::StateTransfer::Stub> stub_for(const std::string& address) {
   grpc::ChannelArguments args;
-  ps::apply_bulk_transport_args([&](const char* name, int value) { args.SetInt(name, value); });
   args.SetMaxReceiveMessageSize(kMaxMessage);
-  // A channel of its own per stream (else gRPC shares one connection among them).
-  args.SetInt("ddpkit.state_stream", index);
-  args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
   return wire::StateTransfer::NewStub(grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args));
 }
 
@@ -269,15 +360,6 @@ std::unique_ptr<grpc::ClientContext> context(const std::string& token, std::chro
                     std::chrono::duration_cast<std::chrono::system_clock::duration>(deadline - std::chrono::steady_clock::now()));
   ps::add_token(*ctx, token);
   return ctx;
-}
-
-grpc::Status call(wire::StateTransfer::Stub& stub, const std::string& token, int64_t step, int64_t chunk,
-                  std::chrono::steady_clock::time_point deadline, wire::StateReply* reply) {
-  auto ctx = context(token, deadline);
-  wire::StateRequest req;
-  req.set_step(step);
-  req.set_chunk(chunk);
-  return stub.Fetch(ctx.get(), req, reply);
 }
 
 // A tensor in memory of its own: large ones in a mapping of their own, unmapped with the tensor.
@@ -345,8 +427,8 @@ std::string read_process(pid_t pid, std::vector<iovec>& local, std::vector<iovec
 }
 
 // Copies the state straight from the server's memory (it is on this host): "" or why not, and
-// then the caller fetches over the network instead.
-std::string copy_from_process(const wire::StateReply& head, const StateLayout& into, int streams) {
+// then the caller has it streamed instead.
+std::string copy_from_process(const wire::StateReply& head, const StateLayout& into) {
   const pid_t pid = static_cast<pid_t>(head.pid());
   if (pid <= 0 || head.proof().empty()) return "no process to read";
   std::string proof(head.proof().size(), '\0');
@@ -359,7 +441,7 @@ std::string copy_from_process(const wire::StateReply& head, const StateLayout& i
   for (const auto& e : head.entries()) addresses.push_back(static_cast<int64_t>(e.address()));
   // Threads take equal byte ranges of the state.
   const int64_t total = into.total();
-  streams = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(streams, total / (8 << 20))));
+  const int streams = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(kCopyThreads, total / (8 << 20))));
   std::vector<std::string> errors(streams);
   auto worker = [&](int s) {
     const int64_t begin = total * s / streams, end = total * (s + 1) / streams;
@@ -376,53 +458,40 @@ std::string copy_from_process(const wire::StateReply& head, const StateLayout& i
   return "";
 }
 
-// Fetches every chunk over `connections` streams into `into`; "" or the first failure.
-std::string fetch_chunks(wire::StateTransfer::Stub& first, const std::string& address, int64_t step,
-                         const wire::StateReply& head, const StateLayout& into, const FetchOptions& options,
-                         std::chrono::steady_clock::time_point deadline) {
-  const int64_t total = head.total_bytes(), chunks = head.chunks(), chunk_bytes = head.chunk_bytes();
-  const int streams = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(options.connections, chunks)));
-  std::atomic<int64_t> next{0};
-  std::mutex error_mu;
-  std::string error;
-  auto worker = [&](int index) {
-    auto own = index == 0 ? nullptr : stub_for(address, index);
-    wire::StateTransfer::Stub& stub = own ? *own : first;
-    for (int64_t c = next++; c < chunks; c = next++) {
-      wire::StateReply part;
-      const grpc::Status s = call(stub, options.token, step, c, deadline, &part);
-      const int64_t begin = c * chunk_bytes, end = std::min(total, begin + chunk_bytes);
-      const std::string& data = part.data();
-      std::string why = !s.ok() ? s.error_message()
-                        : static_cast<int64_t>(data.size()) != end - begin
-                            ? "chunk " + std::to_string(c) + " has " + std::to_string(data.size()) + " bytes, not " +
-                                  std::to_string(end - begin)
-                        : chunk_checksum(data.data(), data.size()) != part.checksum()
-                            ? "chunk " + std::to_string(c) + " is corrupt (checksum mismatch)"
-                            : "";
-      if (!why.empty()) {
-        std::lock_guard<std::mutex> lock(error_mu);
-        if (error.empty()) error = why;
-        next = chunks;
-        return;
-      }
-      into.pieces(begin, end, [&](size_t i, int64_t in, int64_t out, int64_t len) {
-        std::memcpy(into.bytes(i) + in, data.data() + out, static_cast<size_t>(len));
-      });
-    }
-  };
-  on_threads(streams, worker);
-  return error;
-}
-
-grpc::Status release(wire::StateTransfer::Stub& stub, const FetchOptions& options, int64_t step,
-                     std::chrono::steady_clock::time_point deadline) {
+grpc::Status call(grpc::Status (wire::StateTransfer::Stub::*rpc)(grpc::ClientContext*, const wire::StateRequest&,
+                                                                   wire::StateReply*),
+                  wire::StateTransfer::Stub& stub, const FetchOptions& options, int64_t step,
+                  const std::string& pair_group, std::chrono::steady_clock::time_point deadline) {
   auto ctx = context(options.token, deadline);
   wire::StateRequest req;
   req.set_step(step);
   req.set_healer(options.healer);
+  req.set_pair_group(pair_group);
   wire::StateReply reply;
-  return stub.Release(ctx.get(), req, &reply);
+  return (stub.*rpc)(ctx.get(), req, &reply);
+}
+
+// Has the server stream `into` over a new pair group (rank 1 here); "" or why it failed. After a
+// failure the group is already destroyed (its transport wrote into the tensors until then);
+// after success it is left in *pair for the caller to destroy.
+std::string receive_stream(wire::StateTransfer::Stub& stub, const StateLayout& into, int64_t step,
+                           const FetchOptions& options, std::chrono::steady_clock::time_point deadline,
+                           std::shared_ptr<ProcessGroup>* pair) {
+  if (!options.pair_group) return "no pair group to stream over (FetchOptions::pair_group)";
+  const std::string name = random_name();
+  const grpc::Status asked = call(&wire::StateTransfer::Stub::Stream, stub, options, step, name, deadline);
+  if (!asked.ok()) return "the source refused to stream: " + asked.error_message();
+  std::string why;
+  try {
+    *pair = options.pair_group(name, 1);
+    why = wait_all(**pair, into.broadcast(**pair), [deadline]() -> std::string {
+      return std::chrono::steady_clock::now() >= deadline ? "the fetch timed out" : "";
+    });
+  } catch (const std::exception& e) {
+    why = std::string("the pair group: ") + e.what();
+  }
+  if (!why.empty()) pair->reset();
+  return why;
 }
 
 }  // namespace
@@ -433,11 +502,14 @@ Fetched fetch_state(const std::string& address, int64_t step, const FetchOptions
   auto fail = [&](const std::string& why) -> CommError {
     return CommError("ddpkit: fetching the state of step " + std::to_string(step) + " from " + address + " failed: " + why);
   };
-  auto first = stub_for(address, 0);
+  auto stub = stub_for(address);
   wire::StateReply head;
   std::string refused;  // the source's last "not yet": what a timeout reports
   for (;;) {
-    const grpc::Status s = call(*first, options.token, step, -1, deadline, &head);
+    auto ctx = context(options.token, deadline);
+    wire::StateRequest req;
+    req.set_step(step);
+    const grpc::Status s = stub->Describe(ctx.get(), req, &head);
     if (s.ok()) break;
     // The source publishes when it learns of the quorum, which may be a moment after we did.
     if (s.error_code() == grpc::StatusCode::FAILED_PRECONDITION) refused = s.error_message();
@@ -448,21 +520,23 @@ Fetched fetch_state(const std::string& address, int64_t step, const FetchOptions
                  std::to_string(options.timeout.count()) + " ms");
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
   }
-  const int64_t total = head.total_bytes(), chunks = head.chunks(), chunk_bytes = head.chunk_bytes();
-  if (total < 0 || total > kMaxTotal || chunks < 1 || chunk_bytes < 1 || (total + chunk_bytes - 1) / chunk_bytes > chunks)
-    throw fail("malformed description (" + std::to_string(total) + " bytes in " + std::to_string(chunks) + " chunks)");
+  const int64_t total = head.total_bytes();
+  if (total < 0 || total > kMaxTotal) throw fail("malformed description (" + std::to_string(total) + " bytes)");
   StateLayout into;
   std::string why = allocate(head, &into);
   if (!why.empty()) throw fail("malformed description: " + why);
   Fetched out;
   out.bytes = total;
   if (options.same_host) {
-    out.single_copy_refused = copy_from_process(head, into, options.connections);
+    out.single_copy_refused = copy_from_process(head, into);
     out.single_copy = out.single_copy_refused.empty();
   }
-  if (!out.single_copy) why = fetch_chunks(*first, address, step, head, into, options, deadline);
+  if (!out.single_copy) {
+    why = receive_stream(*stub, into, step, options, deadline, &out.pair);
+    if (out.pair) out.streamed_over = out.pair->transport_name();
+  }
   // Released even after a failure, so the source need not wait for this healer any longer.
-  const grpc::Status released = release(*first, options, step, deadline);
+  const grpc::Status released = call(&wire::StateTransfer::Stub::Release, *stub, options, step, "", deadline);
   if (!why.empty()) throw fail(why);
   if (!released.ok()) throw fail("the source did not accept the release: " + released.error_message());
   for (size_t i = 0; i < into.keys.size(); ++i) out.state.emplace(into.keys[i], std::move(into.tensors[i]));

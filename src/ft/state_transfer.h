@@ -6,12 +6,15 @@
 // wait_released() returns, as torchft's source holds its step while a peer reads its state dict.
 // A healer reads the description (keys, dtypes, sizes, addresses), then the bytes into tensors of
 // its own: on the server's host with one kernel copy per tensor from the server's memory
-// (process_vm_readv, the single-copy path of MPI's shared-memory transports), elsewhere in 4 MiB
-// chunks over several connections at once, each with a checksum. A copy counts only once the
-// server accepts its Release: a server that gave up waiting (the healer was lost) refuses it, so
-// a healer never keeps bytes read while the server had moved on.
+// (process_vm_readv, the single-copy path of MPI's shared-memory transports); elsewhere, or where
+// the kernel refuses that, over a process group of the two ranks made for this heal (Gloo between
+// hosts, shared memory on one), which sends the server's tensors as they lie into the healer's in
+// 4 MiB broadcasts spread over the group's connections. A copy counts only once the server
+// accepts its Release: a server that gave up waiting (the healer was lost) refuses it, so a healer
+// never keeps bytes read while the server had moved on.
 #pragma once
 
+#include <ddpkit/comm/process_group.h>
 #include <ddpkit/training/checkpoint.h>
 
 #include <chrono>
@@ -24,10 +27,15 @@
 namespace ddpkit {
 namespace ft {
 
+// The process group of one heal, rank 0 the server's rank and rank 1 its healer's, met under
+// `name` (the healer picks it, unique per heal). Both ends must make it on the same store: the
+// Manager makes it on the store its cross-group groups meet at.
+using PairGroupFactory = std::function<std::shared_ptr<ProcessGroup>(const std::string& name, int rank)>;
+
 class StateServer {
  public:
-  // Listens on `host`:0 (a free port).
-  StateServer(const std::string& host, const std::string& token);
+  // Listens on `host`:0 (a free port). `pair_group` makes the groups it streams over.
+  StateServer(const std::string& host, const std::string& token, PairGroupFactory pair_group);
   ~StateServer();
   StateServer(const StateServer&) = delete;
   StateServer& operator=(const StateServer&) = delete;
@@ -37,7 +45,9 @@ class StateServer {
   // from the snapshot's own tensors (CPU and contiguous ones as they are; others copied once).
   void publish(int64_t step, const TensorDict& snapshot, const std::set<std::string>& healers);
   // Blocks until every healer has released the state, the rest are `gone` (polled), or the
-  // deadline; then serves nothing. Returns how many released.
+  // deadline; then serves nothing. Returns how many released. Streams the state to the healers
+  // that ask for it meanwhile (on threads of its own, each a group of the pair; a stream to a
+  // healer found `gone` is aborted).
   size_t wait_released(std::chrono::steady_clock::time_point deadline,
                        const std::function<bool(const std::string& healer)>& gone);
   // Serves nothing until the next publish.
@@ -52,16 +62,20 @@ class StateServer {
 struct FetchOptions {
   std::string token;
   std::string healer;      // this rank's group, named in the Release
-  int connections = 4;     // parallel streams over the network (threads of the copy on one host)
   bool same_host = false;  // the server is on this host: copy from its memory if the kernel allows
+  PairGroupFactory pair_group;  // makes the heal's group where the bytes are streamed
   std::chrono::milliseconds timeout{std::chrono::seconds(60)};  // the whole fetch
 };
 
 struct Fetched {
   TensorDict state;  // fresh tensors, the server's bytes
   int64_t bytes = 0;
-  bool single_copy = false;  // read from the server's memory, not over the network
-  std::string single_copy_refused;  // same_host, yet read over the network: why
+  bool single_copy = false;  // read from the server's memory, not streamed
+  std::string single_copy_refused;  // same_host, yet streamed: why
+  std::string streamed_over;  // the pair group's transport ("gloo", "shared memory") when streamed
+  // The pair group it was streamed over, still to be destroyed: that waits for its transport's
+  // threads to end, which a caller may leave off its path. The tensors are complete either way.
+  std::shared_ptr<ProcessGroup> pair;
 };
 
 // The state after `step` steps from the server at `address`; waits (within the timeout) while the

@@ -126,8 +126,9 @@ Fault tolerance across replica groups (docs/fault_tolerance.md):
   --lighthouse HOST:PORT  the quorum service (ddpkit lighthouse); default: started here
   --replica-group G       run only group G of R (a job over several hosts: one command per group,
                           all with the same --lighthouse)
-  --heal-connections N    parallel streams a heal copies a peer's state over, between hosts
-                          (default 4; on one host it reads the peer's memory file)
+  --heal-connections N    connections a heal streams a peer's state over where it cannot read
+                          the peer's memory (between hosts; default 1: one TCP stream fills a
+                          link unless the network caps each flow below it)
   --step-log PATH         each group's rank 0 appends a line per step to PATH.<group id>: the
                           step, its end (Unix ms), its length (ms) and whether it committed
   With --checkpoint-dir, the quorum's first group writes the checkpoints (the replicas are equal;

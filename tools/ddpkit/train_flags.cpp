@@ -155,13 +155,12 @@ void check_fault_tolerance_flags(const Flags& f, TrainFlags& t) {
   t.min_replicas = f.integer("min-replicas");
   t.lighthouse = f.str("lighthouse");
   t.replica_group = f.str("replica-group").empty() ? -1 : f.integer("replica-group");
-  t.heal_connections = f.integer("heal-connections");
+  t.heal_connections = f.str("heal-connections").empty() ? 1 : f.integer("heal-connections");
   if (!t.fault_tolerant) {
-    for (const char* flag : {"replica-group", "lighthouse", "step-log"})
+    for (const char* flag : {"replica-group", "lighthouse", "step-log", "heal-connections"})
       if (!f.str(flag).empty()) throw UsageError(std::string("--") + flag + " needs --fault-tolerant");
     if (t.replica_groups != 1) throw UsageError("--replica-groups needs --fault-tolerant");
     if (t.min_replicas != 1) throw UsageError("--min-replicas needs --fault-tolerant");
-    if (t.heal_connections != 4) throw UsageError("--heal-connections needs --fault-tolerant");
     return;
   }
   if (t.replica_groups < 1) throw UsageError("--replica-groups must be >= 1, got " + std::to_string(t.replica_groups));
@@ -203,7 +202,7 @@ Flags parse_train_flags(const std::vector<std::string>& args) {
                     {"zero-precision", "fp32"}, {"checkpoint-dir", ""}, {"checkpoint-every", "100"},
                     {"max-restarts", ""}, {"report-resources", "0"}, {"replica-groups", "1"},
                     {"replica-group", ""}, {"min-replicas", "1"}, {"lighthouse", ""},
-                    {"step-log", ""}, {"heal-connections", "4"}}),
+                    {"step-log", ""}, {"heal-connections", ""}}),
                kTrainSwitches);
 }
 

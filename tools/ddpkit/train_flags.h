@@ -26,7 +26,7 @@ struct TrainFlags {
   // the fewest that may train on, and the lighthouse ("" : start one).
   bool fault_tolerant = false;
   int replica_groups = 1, replica_group = -1, min_replicas = 1;
-  int heal_connections = 4;  // parallel streams of a heal from another host
+  int heal_connections = 1;  // connections of a heal's pair group (ft::ManagerOptions::heal_connections)
   std::string lighthouse;
 };
 

@@ -53,8 +53,10 @@ struct ManagerOptions {
   // The address this rank's state service listens on, as the other groups reach it; empty: this
   // host's address on the route to the lighthouse (127.0.0.1 when the lighthouse is on loopback).
   TORCH_ARG(std::string, state_host) = "";
-  // Parallel streams a heal copies over between hosts (threads of the single copy on one host).
-  TORCH_ARG(int, heal_connections) = 4;
+  // Connections of a heal's pair group, which its 4 MiB pieces take in turn. One TCP stream
+  // fills a link unless the network caps each flow below it (as clouds do); each connection
+  // costs Gloo a rendezvous of its own when the group is made (docs/fault_tolerance.md).
+  TORCH_ARG(int, heal_connections) = 1;
   // Called at each point of the protocol with the step: "quorum" (a quorum received),
   // "heal-publish" (this rank, a heal source, published its state), "heal-fetched" (this rank
   // copied a source's state, not yet loaded), "crossing" (the first bucket's cross-group
@@ -72,7 +74,8 @@ struct ManagerStats {
   double heal_fetch_seconds = 0; // of which copying the bytes (waiting for the source included)
   double serve_seconds = 0;      // as a source: serving its state until the healers released it
   int64_t heals_single_copy = 0; // heals read from the source's memory (same host)
-  std::string heal_route;        // how the last heal was read ("process_vm_readv", "network (...)")
+  std::string heal_route;        // how the last heal was read: "process_vm_readv", or the pair
+                                 // group's transport ("gloo", "shared memory (single copy refused: ...)")
   int64_t steps_committed = 0;
   int64_t steps_not_committed = 0;
   std::string last_error;        // why the last step did not commit
