@@ -4,6 +4,7 @@
 #include <ddpkit/error.h>
 #include <ddpkit/ft/lighthouse.h>
 
+#include "detached.h"
 #include "lighthouse.grpc.pb.h"
 #include "state_transfer.h"
 #include "wire.h"
@@ -148,6 +149,30 @@ TEST(Lighthouse, AForgedQuorumIsRefused) {
   EXPECT_THAT(wire::check_reply(reply), HasSubstr("no participants"));
 }
 
+// ---- rendezvous given up ----------------------------------------------------------------------
+
+// A rendezvous whose peer never comes is given up as soon as the caller learns why (the peer is
+// lost), not at the rendezvous's timeout; the abandoned attempt ends alone.
+TEST(RunUnless, ARendezvousIsGivenUpWithItsReason) {
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  DetachedThreads detached;
+  const auto start = std::chrono::steady_clock::now();
+  auto stop = [start]() -> std::string {
+    return std::chrono::steady_clock::now() - start > 100ms ? "replica group g1 is lost" : "";
+  };
+  auto make = [store] {
+    return std::make_shared<ProcessGroup>(store, 0, 2, ProcessGroupOptions().gloo_hostname("127.0.0.1").timeout(3s));
+  };
+  EXPECT_THAT(error_of([&] { run_unless<std::shared_ptr<ProcessGroup>>(make, stop, detached); }),
+              HasSubstr("replica group g1 is lost"));
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 2s);  // not the rendezvous's 3 s
+  // What make() returns or throws comes back when nothing stops it.
+  EXPECT_EQ(run_unless<int>([] { return 7; }, nullptr, detached), 7);
+  EXPECT_THAT(error_of([&] { run_unless<int>([]() -> int { throw std::runtime_error("no store"); }, nullptr, detached); }),
+              HasSubstr("no store"));
+  detached.join_all();
+}
+
 // ---- the state service -------------------------------------------------------------------------
 
 TensorDict some_state() {
@@ -172,7 +197,7 @@ void expect_equal(const TensorDict& got, const TensorDict& want) {
 // over Gloo on loopback (as between hosts), or through shared memory.
 PairGroupFactory pair_groups(bool shared_memory, std::chrono::milliseconds timeout = 20s) {
   auto store = c10::make_intrusive<c10d::HashStore>();
-  return [store, shared_memory, timeout](const std::string& name, int rank) {
+  return [store, shared_memory, timeout](const std::string& name, int rank, const std::string&) {
     return std::make_shared<ProcessGroup>(c10::make_intrusive<c10d::PrefixStore>(name, store), rank, 2,
                                           ProcessGroupOptions()
                                               .gloo_hostname("127.0.0.1")
@@ -260,10 +285,10 @@ TEST(StateTransfer, AHealerGivenUpOnMidStreamHasNoCopy) {
   std::atomic<bool> joining{false}, given_up{false};
   FetchOptions o;
   o.healer = "joiner";
-  o.pair_group = [&](const std::string& name, int rank) {
+  o.pair_group = [&](const std::string& name, int rank, const std::string& peer) {
     joining = true;  // the server streams (its thread is meeting this healer): now it gives up
     for (int i = 0; i < 500 && !given_up; ++i) std::this_thread::sleep_for(10ms);
-    return pairs(name, rank);
+    return pairs(name, rank, peer);
   };
   auto released = std::async(std::launch::async, [&] {
     return wait_released(server, [&](const std::string&) { return given_up = joining.load(); });

@@ -22,7 +22,9 @@ MODE:
   phases      3 groups; a rank dies (DDPKIT_FT_FAULT) exactly in forward, in backward, inside the
               cross-group allreduce, and mid-heal: the source dies as it serves the heal, and the
               joiner dies after copying, before loading (under DDP, PowerSGD, ZeRO-1, FSDP, int8);
-              every time the job goes on, the lost groups heal, and every group ends alike
+              and a restarted group dies as the cross-group rendezvous with it begins (the
+              others give it up within a heartbeat timeout); every time the job goes on, the lost
+              groups heal, no survivor's step takes 10 s, and every group ends alike
 
   hosts       (root) 2 groups of 2 ranks, each group over two hosts (network namespaces); a rank of
               group 1 killed, the group restarted: it heals from group 0 across the link
@@ -306,6 +308,9 @@ PHASES = {
     "heal source dies": (["forward:40:1:0", "heal-publish:0:0:0"], ["--fsdp", "full_shard"], {0, 1}),
     # Group 1 dies at step 40, and again, restarted, after copying its state, before loading it.
     "healing group dies": (["forward:40:1:0", "heal-fetched:0:1:0:1"], ["--hook", "int8", "--int8-error-feedback"], {1}),
+    # Group 1 dies at step 40, and again, restarted, as the cross-group rendezvous with it begins:
+    # the others give that rendezvous up when its heartbeats stop, not at the rendezvous's 30 s.
+    "rendezvous": (["forward:40:1:0", "rendezvous:0:1:0:1"], [], {1}),
 }
 
 
@@ -326,6 +331,9 @@ def phases_mode():
         lost = max(r["steps_not_committed"] for r in reps if r["replica_group"] not in heals)
         if lost > len(faults):
             sys.exit(f"FAILED ({name}): survivors lost {lost} steps to {len(faults)} failures: {reps}")
+        held = max(r["longest_step_ms"] for r in reps if r["replica_group"] not in heals) / 1000
+        if held > 10:  # a failure costs a heartbeat timeout (1 s) and a step, not a collective's 30 s
+            sys.exit(f"FAILED ({name}): a survivor's step took {held:.1f} s: {reps}")
         print(f"{name} ({' '.join(flags) or 'DDP allreduce'}): died there, healed groups {sorted(heals)}, survivors lost at most {lost} step(s); "
               "parameters equal", flush=True)
 

@@ -105,10 +105,15 @@ struct Lighthouse::Impl {
     b.last[0] = now;
   }
 
+  // The last quorum's participants that are gone: not live, or restarted since (the process
+  // that took part is not the one heartbeating now, however soon its successor came).
   std::vector<std::string> lost_of_last(Clock::time_point now) const {
     std::vector<std::string> lost;
-    for (const auto& p : last.participants)
-      if (!live(p.group_id, now)) lost.push_back(p.group_id);
+    for (const auto& p : last.participants) {
+      auto it = beats.find(p.group_id);
+      if (!live(p.group_id, now) || it == beats.end() || it->second.incarnation != p.incarnation)
+        lost.push_back(p.group_id);
+    }
     return lost;
   }
 

@@ -6,6 +6,7 @@
 
 #include "../comm/local_address.h"
 #include "cross_group_buckets.h"
+#include "detached.h"
 #include "state_transfer.h"
 #include "wire.h"
 
@@ -117,31 +118,12 @@ struct Manager::Impl {
   std::shared_ptr<GradientArena> arena;
   int64_t cross_quorum = -1;
   std::string cross_store;
-  std::mutex stores_mu;
-  std::map<std::string, c10::intrusive_ptr<c10d::TCPStore>> stores;
-  // Threads that destroy groups off the training path: an aborted group's Gloo work ends by its
-  // timeout, and even a finished group's teardown takes a while. Finished ones are joined by the
-  // next reap, the rest by the destructor.
-  struct Reaper {
-    std::thread thread;
-    std::shared_ptr<std::atomic<bool>> done;
-  };
-  std::mutex reap_mu;
-  std::vector<Reaper> reapers;
+  // Groups destroyed off the training path (an aborted group's Gloo work ends by its timeout, and
+  // even a finished group's teardown takes a while), and rendezvous given up on.
+  DetachedThreads detached;
 
   void reap(std::shared_ptr<ProcessGroup> pg) {
-    std::lock_guard<std::mutex> lock(reap_mu);
-    for (auto it = reapers.begin(); it != reapers.end();) {
-      if (!*it->done) { ++it; continue; }
-      it->thread.join();
-      it = reapers.erase(it);
-    }
-    auto done = std::make_shared<std::atomic<bool>>(false);
-    reapers.push_back({std::thread([pg = std::move(pg), done]() mutable {
-                         pg.reset();
-                         *done = true;
-                       }),
-                       done});
+    detached.start([pg = std::move(pg)]() mutable { pg.reset(); });
   }
 
   // Set from collective callbacks too (DDP's buckets cross on the transports' threads).
@@ -175,14 +157,26 @@ struct Manager::Impl {
     return failed ? Crossing{} : Crossing{cross, staging};
   }
 
-  // What the last heartbeat said: the newest quorum's lost groups, and its id.
+  // What the last heartbeat said: the newest quorum's lost groups, and its id; heartbeats answered.
   std::mutex seen_mu;
   std::set<std::string> lost_now;
   int64_t newest_quorum = -1;
-  // A healer of quorum `quorum` this rank serves need not be waited for any longer.
-  bool healer_gone(const std::string& healer, int64_t quorum) {
+  int64_t beats = 0;
+  int64_t beats_now() {
     std::lock_guard<std::mutex> lock(seen_mu);
-    return lost_now.count(healer) || newest_quorum > quorum;
+    return beats;
+  }
+  // Why work of quorum `quorum` with `groups` is given up: one of them is lost, or a newer quorum
+  // formed; "" if neither. Only heartbeats answered after the `since`-th count (the one in flight
+  // then may have been answered before the quorum formed, naming a group since restarted).
+  std::string given_up(const std::set<std::string>& groups, int64_t quorum, int64_t since) {
+    std::lock_guard<std::mutex> lock(seen_mu);
+    if (beats < since + 2) return "";
+    for (const auto& g : groups)
+      if (lost_now.count(g)) return "replica group " + g + " is lost (no heartbeat at the lighthouse " + options.lighthouse() + ")";
+    if (newest_quorum > quorum)
+      return "a newer quorum (" + std::to_string(newest_quorum) + ") replaced quorum " + std::to_string(quorum);
+    return "";
   }
 
   std::thread heartbeats;
@@ -216,10 +210,13 @@ struct Manager::Impl {
           std::lock_guard<std::mutex> guard(seen_mu);
           lost_now = std::set<std::string>(beat.lost.begin(), beat.lost.end());
           newest_quorum = beat.quorum_id;
+          ++beats;
         }
         std::lock_guard<std::mutex> guard(cross_mu);
+        // Only what the lighthouse says of the quorum the cross group was made for: a reply about
+        // an older one may name a group since restarted and back in this one.
         for (const auto& lost : beat.lost) {
-          if (!cross || !cross_groups.count(lost)) continue;
+          if (!cross || beat.quorum_id != cross_quorum || !cross_groups.count(lost)) continue;
           cross->abort("replica group " + lost + " is lost (no heartbeat at the lighthouse " + options.lighthouse() + ")");
           break;
         }
@@ -231,17 +228,14 @@ struct Manager::Impl {
     }
   }
 
-  c10::intrusive_ptr<c10d::Store> store_at(const std::string& address) {
-    std::lock_guard<std::mutex> lock(stores_mu);  // heal streams make their groups on threads of their own
-    auto it = stores.find(address);
-    if (it != stores.end()) return it->second;
+  // A connection of its own to the store at `address`, under `prefix`: a TCPStore client holds its
+  // lock through a blocking wait, so a rendezvous given up on must not share one with the next.
+  c10::intrusive_ptr<c10d::Store> store_at(const std::string& address, const std::string& prefix) const {
     c10d::TCPStoreOptions so = compat::tcp_store_options();
     so.port = static_cast<uint16_t>(std::stoi(address.substr(address.rfind(':') + 1)));
     so.isServer = false;
     so.timeout = options.cross_group_timeout();
-    auto store = c10::make_intrusive<c10d::TCPStore>(host_of(address), so);
-    stores[address] = store;
-    return store;
+    return c10::make_intrusive<c10d::PrefixStore>(prefix, c10::make_intrusive<c10d::TCPStore>(host_of(address), so));
   }
 
   // The options of the groups this rank makes across the replica groups: Gloo listens on the
@@ -255,9 +249,10 @@ struct Manager::Impl {
     return o;
   }
 
-  // The group of one heal (StateServer / fetch_state): this rank and the matching rank of the
-  // source or healer group, met under `name` on the store of the current quorum's cross groups.
-  std::shared_ptr<ProcessGroup> pair_group(const std::string& name, int rank) {
+  // The group of one heal (StateServer / fetch_state): this rank and the matching rank of `peer`,
+  // the source or healer group, met under `name` on the store of the current quorum's cross
+  // groups. Given up (CommError) when the peer is lost or a newer quorum forms meanwhile.
+  std::shared_ptr<ProcessGroup> pair_group(const std::string& name, int rank, const std::string& peer) {
     std::string address;
     int64_t quorum = -1;
     {
@@ -266,31 +261,52 @@ struct Manager::Impl {
       quorum = cross_quorum;
     }
     DDPKIT_CHECK(quorum >= 0, "fault tolerance: no cross-group store to meet a heal's pair group at");
-    auto prefix = c10::make_intrusive<c10d::PrefixStore>(
-        "ddpkit-ft/q" + std::to_string(quorum) + "/heal/" + name + "/r" + std::to_string(group->rank()),
-        store_at(address));
+    const std::string prefix =
+        "ddpkit-ft/q" + std::to_string(quorum) + "/heal/" + name + "/r" + std::to_string(group->rank());
     ProcessGroupOptions o = across_options("ft-heal", address);
     o.gloo_connections(options.heal_connections());
-    return std::make_shared<ProcessGroup>(prefix, rank, 2, o);
+    const int64_t since = beats_now();
+    return run_unless<std::shared_ptr<ProcessGroup>>(
+        [this, address, prefix, rank, o] { return std::make_shared<ProcessGroup>(store_at(address, prefix), rank, 2, o); },
+        [this, peer, quorum, since] { return given_up({peer}, quorum, since); }, detached);
   }
 
-  // This rank's cross-group group for quorum `q` (none when this group is alone in it).
+  // This rank's cross-group group for quorum `q` (none when this group is alone in it). Its
+  // rendezvous is given up (CommError) when a participant is lost or a newer quorum forms
+  // meanwhile: a group that stopped before joining holds the others for a heartbeat timeout,
+  // not for the rendezvous's.
   void rebuild(const Quorum& q, int replica) {
     retire_cross();
     if (q.participants.size() < 2) return;
-    auto prefix = c10::make_intrusive<c10d::PrefixStore>(
-        "ddpkit-ft/q" + std::to_string(q.quorum_id) + "/r" + std::to_string(group->rank()), store_at(q.store_address));
-    auto pg = std::make_shared<ProcessGroup>(prefix, replica, static_cast<int>(q.participants.size()),
-                                             across_options("ft-cross", q.store_address));
-    // Collective over the new group: every participant made its reduction before its first quorum.
-    at::Tensor st = staging_numel > 0 ? pg->allreduce_buffer(staging_numel, at::kFloat) : at::Tensor();
-    std::shared_ptr<GradientArena> a = arena_blocks.empty() ? nullptr : pg->gradient_arena(arena_blocks);
-    std::lock_guard<std::mutex> lock(cross_mu);
-    cross = std::move(pg);
-    staging = std::move(st);
-    arena = std::move(a);
+    const std::string prefix = "ddpkit-ft/q" + std::to_string(q.quorum_id) + "/r" + std::to_string(group->rank());
+    struct Made {
+      std::shared_ptr<ProcessGroup> pg;
+      at::Tensor staging;
+      std::shared_ptr<GradientArena> arena;
+    };
+    const ProcessGroupOptions o = across_options("ft-cross", q.store_address);
+    const int size = static_cast<int>(q.participants.size());
+    const int64_t numel = staging_numel;
+    const std::vector<int64_t> blocks = arena_blocks;
+    std::set<std::string> others;
     for (const auto& p : q.participants)
-      if (p.group_id != options.group_id()) cross_groups.insert(p.group_id);
+      if (p.group_id != options.group_id()) others.insert(p.group_id);
+    const int64_t since = beats_now();
+    Made made = run_unless<Made>(
+        [this, address = q.store_address, prefix, replica, size, o, numel, blocks] {
+          Made m;
+          m.pg = std::make_shared<ProcessGroup>(store_at(address, prefix), replica, size, o);
+          // Collective over the new group: every participant made its reduction before its first quorum.
+          if (numel > 0) m.staging = m.pg->allreduce_buffer(numel, at::kFloat);
+          if (!blocks.empty()) m.arena = m.pg->gradient_arena(blocks);
+          return m;
+        },
+        [this, others, &q, since] { return given_up(others, q.quorum_id, since); }, detached);
+    std::lock_guard<std::mutex> lock(cross_mu);
+    cross = std::move(made.pg);
+    staging = std::move(made.staging);
+    arena = std::move(made.arena);
+    cross_groups = others;
     cross_quorum = q.quorum_id;
     cross_store = q.store_address;
   }
@@ -315,8 +331,9 @@ Manager::Manager(std::shared_ptr<ProcessGroup> group, TrainingState& state, Mana
   for (int r = 0; r < pg.size(); ++r)
     DDPKIT_CHECK(ids[r] == im.options.group_id(), "ft::Manager: rank ", r, " of this group says group_id '", ids[r],
                  "', rank ", pg.rank(), " says '", im.options.group_id(), "'");
-  im.server = std::make_unique<StateServer>(state_host_for(im.options), im.options.token(),
-                                            [&im](const std::string& name, int rank) { return im.pair_group(name, rank); });
+  im.server = std::make_unique<StateServer>(
+      state_host_for(im.options), im.options.token(),
+      [&im](const std::string& name, int rank, const std::string& peer) { return im.pair_group(name, rank, peer); });
   im.addresses = allgather_strings(pg, im.server->address());
   im.hosts = allgather_strings(pg, host_name());
   im.client = std::make_unique<LighthouseClient>(LighthouseClientOptions()
@@ -336,7 +353,7 @@ Manager::~Manager() {
   if (im.heartbeats.joinable()) im.heartbeats.join();
   im.server.reset();  // first: its streams' threads make their groups through this Impl
   im.retire_cross();
-  for (auto& r : im.reapers) r.thread.join();
+  im.detached.join_all();
 }
 
 const std::string& Manager::group_id() const { return impl_->options.group_id(); }
@@ -385,6 +402,7 @@ void Manager::start_step() {
     const bool changed = im.broken || quorum_.quorum_id != im.cross_quorum || quorum_.store_address != im.cross_store;
     if (changed) {
       try {
+        im.phase("rendezvous", step_);
         im.rebuild(quorum_, me);
         ++stats_.reconfigurations;
         if (auto cross = im.crossing().group) stats_.cross_transport = cross->transport_name();
@@ -414,9 +432,9 @@ void Manager::start_step() {
       TensorDict extra = im.extra ? im.extra() : TensorDict{};
       im.server->publish(step_, im.state.snapshot(extra), healers);
       im.phase("heal-publish", step_);
-      const int64_t serving = quorum_.quorum_id;
+      const int64_t serving = quorum_.quorum_id, since = im.beats_now();
       im.server->wait_released(start + im.options.cross_group_timeout(),
-                               [&](const std::string& h) { return im.healer_gone(h, serving); });
+                               [&](const std::string& h) { return !im.given_up({h}, serving, since).empty(); });
       stats_.serve_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     } else {
       im.server->clear();
@@ -452,8 +470,14 @@ bool Manager::copy_state_from(int source, std::string* why) {
     FetchOptions fo;
     fo.token = im.options.token();
     fo.healer = im.options.group_id();
+    fo.source = from.group_id;
     fo.same_host = from.hosts[pg.rank()] == im.hosts[pg.rank()];
-    fo.pair_group = [&im](const std::string& name, int rank) { return im.pair_group(name, rank); };
+    fo.pair_group = [&im](const std::string& name, int rank, const std::string& peer) {
+      return im.pair_group(name, rank, peer);
+    };
+    // A source lost mid-heal (or a newer quorum) gives the heal up at once.
+    const int64_t quorum = quorum_.quorum_id, since = im.beats_now();
+    fo.stop = [&im, from, quorum, since] { return im.given_up({from.group_id}, quorum, since); };
     fo.timeout = im.options.cross_group_timeout();
     Fetched got = fetch_state(from.state_addresses[pg.rank()], quorum_.max_step, fo);
     if (got.pair) im.reap(std::move(got.pair));

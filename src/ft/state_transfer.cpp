@@ -4,6 +4,7 @@
 #include <ddpkit/error.h>
 
 #include "../ps/grpc_common.h"
+#include "detached.h"
 #include "lighthouse.grpc.pb.h"
 #include "wire.h"
 
@@ -134,24 +135,11 @@ struct StateServer::Impl {
   int port = 0;
   std::unique_ptr<grpc::Service> service;
   std::unique_ptr<grpc::Server> server;
-  // Streams, each on a thread of its own with its flags; a thread may outlive the wait that
+  // Streams, each on a thread of its own with its flags. A thread may outlive the wait that
   // started it (a group still meeting its healer, or waiting for its transport's work to end after
-  // an abort), holding the state it streams until it ends. Finished ones are joined by the next
-  // wait, the rest by the destructor.
-  struct Streaming {
-    std::thread thread;
-    std::shared_ptr<std::atomic<int>> flags;  // kOver, kGone (set by the wait), kFinished (by the thread)
-  };
-  static constexpr int kOver = 1, kGone = 2, kFinished = 4;
-  std::vector<Streaming> streams;
-
-  void join_finished() {
-    for (auto it = streams.begin(); it != streams.end();) {
-      if (!(it->flags->load() & kFinished)) { ++it; continue; }
-      it->thread.join();
-      it = streams.erase(it);
-    }
-  }
+  // an abort), holding the state it streams until it ends.
+  static constexpr int kOver = 1, kGone = 2;  // set by the wait
+  DetachedThreads streams;
 
   std::shared_ptr<ServedState> holding(int64_t step, grpc::Status* refused) {
     std::lock_guard<std::mutex> lock(mu);
@@ -218,10 +206,10 @@ struct StateServer::Impl {
   // Streams `s` to `healer` over the pair group `name` (rank 0). Ends when the healer has
   // received it all, or aborts when the wait marks the healer lost or is over. A failure ends
   // here: the healer's copy fails with it, and a Release it might still send is refused.
-  void stream_to(std::shared_ptr<ServedState> s, const std::string& healer, const std::string& name,
-                 std::shared_ptr<std::atomic<int>> flags) {
+  void stream_to(const std::shared_ptr<ServedState>& s, const std::string& healer, const std::string& name,
+                 const std::shared_ptr<std::atomic<int>>& flags) {
     try {
-      std::shared_ptr<ProcessGroup> pair = pair_group(name, 0);
+      std::shared_ptr<ProcessGroup> pair = pair_group(name, 0, healer);
       wait_all(*pair, s->layout.broadcast(*pair), [&]() -> std::string {
         if (flags->load() & kGone) return "healer " + healer + " is lost";
         if (flags->load() & kOver) return "the server no longer serves this state";
@@ -230,8 +218,6 @@ struct StateServer::Impl {
     } catch (const std::exception&) {
       // The healer's side fails too and says why.
     }
-    s.reset();
-    flags->fetch_or(kFinished);
   }
 };
 
@@ -279,10 +265,7 @@ StateServer::StateServer(const std::string& host, const std::string& token, Pair
 
 StateServer::~StateServer() {
   impl_->server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
-  for (auto& st : impl_->streams) {
-    st.flags->fetch_or(Impl::kOver);
-    st.thread.join();
-  }
+  impl_->streams.join_all();  // each was told its wait is over
 }
 
 std::string StateServer::address() const { return impl_->host + ":" + std::to_string(impl_->port); }
@@ -306,7 +289,6 @@ size_t StateServer::wait_released(std::chrono::steady_clock::time_point deadline
                                   const std::function<bool(const std::string&)>& gone) {
   Impl& im = *impl_;
   std::unique_lock<std::mutex> lock(im.mu);
-  im.join_finished();
   if (!im.served) return 0;
   const std::shared_ptr<ServedState> s = im.served;
   std::map<std::string, std::vector<std::shared_ptr<std::atomic<int>>>> streaming;  // by healer
@@ -314,7 +296,9 @@ size_t StateServer::wait_released(std::chrono::steady_clock::time_point deadline
     for (auto& request : im.stream_requests) {
       auto flags = std::make_shared<std::atomic<int>>(0);
       streaming[request.first].push_back(flags);
-      im.streams.push_back({std::thread(&Impl::stream_to, &im, s, request.first, request.second, flags), flags});
+      im.streams.start([&im, s, healer = request.first, name = request.second, flags] {
+        im.stream_to(s, healer, name, flags);
+      });
     }
     im.stream_requests.clear();
     const std::set<std::string> left = s->waiting;
@@ -483,9 +467,10 @@ std::string receive_stream(wire::StateTransfer::Stub& stub, const StateLayout& i
   if (!asked.ok()) return "the source refused to stream: " + asked.error_message();
   std::string why;
   try {
-    *pair = options.pair_group(name, 1);
-    why = wait_all(**pair, into.broadcast(**pair), [deadline]() -> std::string {
-      return std::chrono::steady_clock::now() >= deadline ? "the fetch timed out" : "";
+    *pair = options.pair_group(name, 1, options.source);
+    why = wait_all(**pair, into.broadcast(**pair), [&]() -> std::string {
+      if (std::chrono::steady_clock::now() >= deadline) return "the fetch timed out";
+      return options.stop ? options.stop() : "";
     });
   } catch (const std::exception& e) {
     why = std::string("the pair group: ") + e.what();

@@ -28,9 +28,11 @@ namespace ddpkit {
 namespace ft {
 
 // The process group of one heal, rank 0 the server's rank and rank 1 its healer's, met under
-// `name` (the healer picks it, unique per heal). Both ends must make it on the same store: the
-// Manager makes it on the store its cross-group groups meet at.
-using PairGroupFactory = std::function<std::shared_ptr<ProcessGroup>(const std::string& name, int rank)>;
+// `name` (the healer picks it, unique per heal); `peer` names the other end's group. Both ends
+// must make it on the same store: the Manager makes it on the store its cross-group groups meet
+// at, and gives it up (CommError) when the peer is lost meanwhile.
+using PairGroupFactory =
+    std::function<std::shared_ptr<ProcessGroup>(const std::string& name, int rank, const std::string& peer)>;
 
 class StateServer {
  public:
@@ -63,7 +65,11 @@ struct FetchOptions {
   std::string token;
   std::string healer;      // this rank's group, named in the Release
   bool same_host = false;  // the server is on this host: copy from its memory if the kernel allows
+  std::string source;           // the server's group (the pair group's peer)
   PairGroupFactory pair_group;  // makes the heal's group where the bytes are streamed
+  // Polled while the bytes are streamed: a reason (the source was lost, say) gives the heal up at
+  // once rather than by the timeout.
+  std::function<std::string()> stop;
   std::chrono::milliseconds timeout{std::chrono::seconds(60)};  // the whole fetch
 };
 

@@ -115,7 +115,7 @@ class LighthouseClient {
   Quorum quorum(const GroupInfo& self, std::chrono::milliseconds timeout, bool broken = false);
   struct Beat {
     int64_t quorum_id = -1;
-    std::vector<std::string> lost;  // groups of the newest quorum whose heartbeats stopped
+    std::vector<std::string> lost;  // groups of the newest quorum whose heartbeats stopped, or that restarted since
   };
   Beat heartbeat(const std::string& group_id, int rank, const std::string& incarnation);
 

@@ -58,6 +58,7 @@ struct ManagerOptions {
   // costs Gloo a rendezvous of its own when the group is made (docs/fault_tolerance.md).
   TORCH_ARG(int, heal_connections) = 1;
   // Called at each point of the protocol with the step: "quorum" (a quorum received),
+  // "rendezvous" (the cross-group process group of a new membership about to be made),
   // "heal-publish" (this rank, a heal source, published its state), "heal-fetched" (this rank
   // copied a source's state, not yet loaded), "crossing" (the first bucket's cross-group
   // collective issued). For tracing, and for tests that make a process die at one of them
