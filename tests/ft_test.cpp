@@ -243,7 +243,8 @@ TEST(StateTransfer, ElsewhereTheServerStreamsOverAPairGroup) {
     auto released = std::async(std::launch::async, [&] { return wait_released(server); });
     const Fetched got = fetch_state(server.address(), 7, o);
     EXPECT_FALSE(got.single_copy);
-    EXPECT_THAT(got.streamed_over, HasSubstr(shm ? "shared memory" : "gloo"));
+    ASSERT_TRUE(got.pair);
+    EXPECT_THAT(got.pair->transport_name(), HasSubstr(shm ? "shared memory" : "gloo"));
     expect_equal(got.state, state);
     EXPECT_EQ(released.get(), 1u);
   }

@@ -157,6 +157,12 @@ struct Manager::Impl {
     return failed ? Crossing{} : Crossing{cross, staging};
   }
 
+  // Why a group the lighthouse reports lost is: its heartbeats stopped, or it restarted since the quorum.
+  std::string lost_reason(const std::string& g) const {
+    return "replica group " + g + " is lost (no heartbeat at the lighthouse " + options.lighthouse() +
+           ", or it restarted since the quorum formed)";
+  }
+
   // What the last heartbeat said: the newest quorum's lost groups, and its id; heartbeats answered.
   std::mutex seen_mu;
   std::set<std::string> lost_now;
@@ -173,7 +179,7 @@ struct Manager::Impl {
     std::lock_guard<std::mutex> lock(seen_mu);
     if (beats < since + 2) return "";
     for (const auto& g : groups)
-      if (lost_now.count(g)) return "replica group " + g + " is lost (no heartbeat at the lighthouse " + options.lighthouse() + ")";
+      if (lost_now.count(g)) return lost_reason(g);
     if (newest_quorum > quorum)
       return "a newer quorum (" + std::to_string(newest_quorum) + ") replaced quorum " + std::to_string(quorum);
     return "";
@@ -217,7 +223,7 @@ struct Manager::Impl {
         // an older one may name a group since restarted and back in this one.
         for (const auto& lost : beat.lost) {
           if (!cross || beat.quorum_id != cross_quorum || !cross_groups.count(lost)) continue;
-          cross->abort("replica group " + lost + " is lost (no heartbeat at the lighthouse " + options.lighthouse() + ")");
+          cross->abort(lost_reason(lost));
           break;
         }
       } catch (const std::exception&) {
@@ -247,6 +253,11 @@ struct Manager::Impl {
     const std::string towards = local_address_towards(host_of(store_address), 1);
     if (!towards.empty()) o.gloo_hostname(towards);
     return o;
+  }
+
+  // pair_group as the state service and fetch_state take it.
+  PairGroupFactory pair_groups() {
+    return [this](const std::string& name, int rank, const std::string& peer) { return pair_group(name, rank, peer); };
   }
 
   // The group of one heal (StateServer / fetch_state): this rank and the matching rank of `peer`,
@@ -331,9 +342,7 @@ Manager::Manager(std::shared_ptr<ProcessGroup> group, TrainingState& state, Mana
   for (int r = 0; r < pg.size(); ++r)
     DDPKIT_CHECK(ids[r] == im.options.group_id(), "ft::Manager: rank ", r, " of this group says group_id '", ids[r],
                  "', rank ", pg.rank(), " says '", im.options.group_id(), "'");
-  im.server = std::make_unique<StateServer>(
-      state_host_for(im.options), im.options.token(),
-      [&im](const std::string& name, int rank, const std::string& peer) { return im.pair_group(name, rank, peer); });
+  im.server = std::make_unique<StateServer>(state_host_for(im.options), im.options.token(), im.pair_groups());
   im.addresses = allgather_strings(pg, im.server->address());
   im.hosts = allgather_strings(pg, host_name());
   im.client = std::make_unique<LighthouseClient>(LighthouseClientOptions()
@@ -472,20 +481,18 @@ bool Manager::copy_state_from(int source, std::string* why) {
     fo.healer = im.options.group_id();
     fo.source = from.group_id;
     fo.same_host = from.hosts[pg.rank()] == im.hosts[pg.rank()];
-    fo.pair_group = [&im](const std::string& name, int rank, const std::string& peer) {
-      return im.pair_group(name, rank, peer);
-    };
+    fo.pair_group = im.pair_groups();
     // A source lost mid-heal (or a newer quorum) gives the heal up at once.
     const int64_t quorum = quorum_.quorum_id, since = im.beats_now();
     fo.stop = [&im, from, quorum, since] { return im.given_up({from.group_id}, quorum, since); };
     fo.timeout = im.options.cross_group_timeout();
     Fetched got = fetch_state(from.state_addresses[pg.rank()], quorum_.max_step, fo);
-    if (got.pair) im.reap(std::move(got.pair));
     stats_.heal_fetch_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     stats_.heal_route = got.single_copy ? "process_vm_readv"
                         : got.single_copy_refused.empty()
-                            ? got.streamed_over
-                            : got.streamed_over + " (single copy refused: " + got.single_copy_refused + ")";
+                            ? got.pair->transport_name()
+                            : got.pair->transport_name() + " (single copy refused: " + got.single_copy_refused + ")";
+    if (got.pair) im.reap(std::move(got.pair));
     im.phase("heal-fetched", quorum_.max_step);
     const TensorDict extra = im.state.load_snapshot(got.state, what);
     if (im.load_extra) im.load_extra(extra);

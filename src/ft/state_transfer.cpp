@@ -516,10 +516,7 @@ Fetched fetch_state(const std::string& address, int64_t step, const FetchOptions
     out.single_copy_refused = copy_from_process(head, into);
     out.single_copy = out.single_copy_refused.empty();
   }
-  if (!out.single_copy) {
-    why = receive_stream(*stub, into, step, options, deadline, &out.pair);
-    if (out.pair) out.streamed_over = out.pair->transport_name();
-  }
+  if (!out.single_copy) why = receive_stream(*stub, into, step, options, deadline, &out.pair);
   // Released even after a failure, so the source need not wait for this healer any longer.
   const grpc::Status released = call(&wire::StateTransfer::Stub::Release, *stub, options, step, "", deadline);
   if (!why.empty()) throw fail(why);

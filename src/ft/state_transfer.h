@@ -78,9 +78,9 @@ struct Fetched {
   int64_t bytes = 0;
   bool single_copy = false;  // read from the server's memory, not streamed
   std::string single_copy_refused;  // same_host, yet streamed: why
-  std::string streamed_over;  // the pair group's transport ("gloo", "shared memory") when streamed
-  // The pair group it was streamed over, still to be destroyed: that waits for its transport's
-  // threads to end, which a caller may leave off its path. The tensors are complete either way.
+  // The pair group it was streamed over (none when single_copy), still to be destroyed: that
+  // waits for its transport's threads to end, which a caller may leave off its path. The tensors
+  // are complete either way.
   std::shared_ptr<ProcessGroup> pair;
 };
 
