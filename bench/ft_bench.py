@@ -2,7 +2,8 @@
 """What fault tolerance costs when nothing fails, what a heal costs, and what it saves when ranks die.
 
     bench/ft_bench.py [--reps 3] [--steps 60] [--ddpkit build/ddpkit] [--heal-dims 64,4096,4096,10] [--heal-steps 400]
-                      [--schedule-seconds 600] [--kill-every 20] [--link-rates 1gbit,10gbit]
+                      [--schedule-seconds 600] [--kill-every 20] [--schedule-model small,default]
+                      [--link-rates 1gbit,10gbit]
                       [--heal-connections 1,2,4] [--skip step,heal,heal-netns,schedule]
 
 Step: the same job, 2 ranks in all, interleaved --reps times:
@@ -25,16 +26,21 @@ the lighthouse and group 0 in one, group 1 in the other, so the state crosses th
 over the heal's pair group (Gloo) with each of --heal-connections connections. Printed beside
 each: the link as a plain TCP stream measures it (the rate a heal could reach) and the heal's rate
 against it (the issue's target: >= 0.8x).
-Schedule: 4 replica groups of 1 rank train a small transformer (2 layers, d_model 128, 4 heads,
-64 tokens, batch 16) for the steps a failure-free run takes about --schedule-seconds for; every
---kill-every seconds a random group's rank is SIGKILLed (the group restarts and heals). Printed:
-job restarts (the launcher's exit), failures, steps the survivors lost per failure (steps that did
-not commit), failure to each survivor's next committed step (p50/p95/max, from --step-log), and
-the final test loss against a failure-free run of the same steps. Then the same job as plain DDP
-(--nproc 4) under --max-restarts with --checkpoint-dir and --checkpoint-every 100 (--resume) on the
-same kill schedule: goodput, completed steps per second over the whole run, of each side. Last,
-the plain job once more without failures: the goodput a fault-tolerant job could at best reach
-(losing nothing and costing nothing per step), whose ratio bounds what this machine can show.
+Schedule: 4 replica groups of 1 rank train a transformer (--schedule-model: "small", 2 layers,
+d_model 128, 4 heads; "default", the 4 layers and d_model 256 `ddpkit train --model transformer`
+builds; 64 tokens, batch 16) for the steps a failure-free run takes about --schedule-seconds for;
+failures come every --kill-every seconds on average (gaps drawn uniformly from half to 1.5 times
+it, seeded: the same failure times for every side), each SIGKILLing a random group's rank (the
+group restarts and heals). Printed: job restarts (the launcher's exit), failures, steps the
+survivors lost per failure (steps that did not commit), failure to each survivor's next committed
+step (p50/p95/max, from --step-log), and the final test loss against a failure-free run of the
+same steps. Then the same job as plain DDP (--nproc 4) under --max-restarts with --checkpoint-dir
+and --checkpoint-every 100 (--resume) on the same failure times: goodput, completed steps per
+second over the whole run, of each side. Last, the plain job once more without failures: the
+goodput a fault-tolerant job could at best reach (losing nothing and costing nothing per step),
+whose ratio bounds what this machine can show. The two sizes differ in where the checkpoint
+interval falls: 100 small steps take less than the mean time between failures, 100 default steps
+more.
 Both sides run under the same environment (set OPENBLAS_CORETYPE for every side).
 """
 import argparse
@@ -92,8 +98,15 @@ def heal(binary, dims, steps, timeout):
     return {r["replica_group"]: r for r in reports(out)}
 
 
-TRANSFORMER = ["--model", "transformer", "--dataset", "text", "--layers", "2", "--d-model", "128", "--heads", "4",
-               "--seq-len", "64", "--batch-size", "16", "--threads", "1", "--epochs", "100000", "--quiet"]
+# The schedule's model: `ddpkit train --model transformer` at its own size ("default": 4 layers,
+# d_model 256) or a smaller one whose 100-step checkpoint interval is shorter than the mean time
+# between failures ("small").
+TRANSFORMER_SIZES = {"small": ["--layers", "2", "--d-model", "128", "--heads", "4"], "default": []}
+
+
+def transformer(size):
+    return (["--model", "transformer", "--dataset", "text"] + TRANSFORMER_SIZES[size] +
+            ["--seq-len", "64", "--batch-size", "16", "--threads", "1", "--epochs", "100000", "--quiet"])
 
 
 def children_ranks(launcher_pid):
@@ -116,9 +129,23 @@ def group_of(pid):
     return int(args[args.index(b"--replica-group") + 1]) if b"--replica-group" in args else None
 
 
-def run_with_kills(cmd, kill_every, rng, timeout):
-    """Runs cmd; every kill_every seconds SIGKILLs a random rank of it. Returns (rc, out, err,
-    wall seconds, kills as (unix ms, replica group or None))."""
+def kill_times(kill_every, seed, horizon):
+    """Seconds from the start at which to kill: gaps drawn uniformly between 0.5 and 1.5 times
+    kill_every (mean kill_every), seeded, so both sides of a comparison meet the same failures. A
+    fixed period falls in step with a restarted job: each restart costs about the same, so every
+    failure would land the same number of steps after a checkpoint, and the steps it loses would be
+    set by the step time rather than averaging half a checkpoint interval."""
+    rng, t, out = random.Random(seed), 0.0, []
+    while t < horizon:
+        t += rng.uniform(0.5 * kill_every, 1.5 * kill_every)
+        out.append(t)
+    return out
+
+
+def run_with_kills(cmd, kill_every, seed, timeout):
+    """Runs cmd; at kill_times(kill_every, seed) SIGKILLs a random rank of it (victims drawn from
+    their own seeded generator). Returns (rc, out, err, wall seconds, kills as (unix ms, replica
+    group or None))."""
     start = time.time()
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     outs = {}
@@ -128,22 +155,31 @@ def run_with_kills(cmd, kill_every, rng, timeout):
     readers = [threading.Thread(target=drain, args=(n, s), daemon=True) for n, s in (("out", p.stdout), ("err", p.stderr))]
     for r in readers:
         r.start()
-    kills, next_kill = [], start + kill_every
+    victims = random.Random(seed + 1)
+    kills, pending = [], kill_times(kill_every, seed, timeout)
     while p.poll() is None and time.time() - start < timeout:
-        if time.time() >= next_kill:
+        if pending and time.time() - start >= pending[0]:
+            pending.pop(0)
             ranks = children_ranks(p.pid)
             if ranks:
-                victim = rng.choice(ranks)
+                victim = victims.choice(ranks)
                 try:
                     group = group_of(victim)
                     os.kill(victim, signal.SIGKILL)
                     kills.append((time.time() * 1000, group))
                 except (OSError, ValueError):
                     pass
-            next_kill += kill_every
         time.sleep(0.05)
     if p.poll() is None:
+        # Its ranks too (each leads a process group of its own), found before the launcher goes
+        # and they are no longer its children.
+        ranks = children_ranks(p.pid)
         p.kill()
+        for pid in ranks:
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except OSError:
+                pass
     p.wait()
     for r in readers:
         r.join()
@@ -164,25 +200,25 @@ def percentile(xs, q):
     return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))] if xs else float("nan")
 
 
-def schedule(binary, seconds, kill_every, timeout):
-    rng = random.Random(1)
+def schedule(binary, seconds, kill_every, timeout, size):
+    model = transformer(size)
     work = tempfile.mkdtemp(prefix="ddpkit-ft-bench-")
     try:
         # How many steps a failure-free run takes `seconds` for: a 60-step probe.
         probe = reports(subprocess.run([binary, "train", "--fault-tolerant", "--replica-groups", "4", "--nproc", "1",
-                                        "--steps", "60", "--no-eval"] + TRANSFORMER, capture_output=True, text=True,
+                                        "--steps", "60", "--no-eval"] + model, capture_output=True, text=True,
                                        timeout=timeout).stdout)
         step_ms = max(r["median_step_ms"] for r in probe)
         steps = max(100, int(seconds * 1000 / step_ms))
         ft = [binary, "train", "--fault-tolerant", "--replica-groups", "4", "--nproc", "1", "--steps", str(steps),
-              "--max-restarts", "1000"] + TRANSFORMER
-        print(f"\nschedule: {steps} steps (failure-free FT step {step_ms:.1f} ms), a random rank SIGKILLed every "
-              f"{kill_every} s", flush=True)
+              "--max-restarts", "1000"] + model
+        print(f"\nschedule ({size} transformer): {steps} steps (failure-free FT step {step_ms:.1f} ms), a random rank "
+              f"SIGKILLed every {kill_every:g} s on average", flush=True)
         start = time.time()
         clean = reports(subprocess.run(ft, capture_output=True, text=True, timeout=timeout).stdout)
         clean_wall = time.time() - start
         log = os.path.join(work, "steps")
-        rc, out, err, wall, kills = run_with_kills(ft + ["--step-log", log], kill_every, rng, timeout)
+        rc, out, err, wall, kills = run_with_kills(ft + ["--step-log", log], kill_every, 1, timeout)
         if rc != 0:
             raise SystemExit(f"ft_bench: the fault-tolerant schedule failed (exit {rc})\n{err[-2000:]}")
         reps = reports(out)
@@ -211,11 +247,11 @@ def schedule(binary, seconds, kill_every, timeout):
               f"{100 * (ft_loss - clean_loss) / clean_loss:+.2f} % (target within 2 %)")
         ckpt = os.path.join(work, "ckpt")
         plain = [binary, "train", "--nproc", "4", "--steps", str(steps), "--max-restarts", "1000", "--checkpoint-dir",
-                 ckpt, "--checkpoint-every", "100", "--resume", "--no-eval"] + TRANSFORMER
+                 ckpt, "--checkpoint-every", "100", "--resume", "--no-eval"] + model
         # Bounded: where failures come faster than a restart plus a checkpoint interval, a restarted
         # job may never finish. Its goodput is then the newest checkpoint's step over the time.
         limit = min(timeout, 2 * wall + 60)
-        rc2, out2, err2, wall2, kills2 = run_with_kills(plain, kill_every, random.Random(1), limit)
+        rc2, out2, err2, wall2, kills2 = run_with_kills(plain, kill_every, 1, limit)
         saved = [int(os.path.basename(f)[len("checkpoint-"):-len(".ddpk")]) for f in glob.glob(os.path.join(ckpt, "checkpoint-*.ddpk"))]
         done = steps if rc2 == 0 else max(saved, default=0)
         plain_goodput = done / wall2
@@ -250,7 +286,9 @@ def main():
     p.add_argument("--ddpkit", default=os.path.join(ROOT, "build", "ddpkit"))
     p.add_argument("--timeout", type=float, default=3600, help="seconds one run may take")
     p.add_argument("--schedule-seconds", type=float, default=600, help="a failure-free run's length")
-    p.add_argument("--kill-every", type=float, default=20)
+    p.add_argument("--kill-every", type=float, default=20, help="mean seconds between failures")
+    p.add_argument("--schedule-model", default="small,default",
+                   help="comma-separated transformer sizes of the schedule, one run each: " + ", ".join(TRANSFORMER_SIZES))
     p.add_argument("--heal-steps", type=int, default=400, help="steps of the heal run (fewer for big --heal-dims)")
     p.add_argument("--link-rates", default="1gbit,10gbit", help="tc tbf rates of the heal between namespaces")
     p.add_argument("--heal-connections", default="1,2,4",
@@ -277,7 +315,8 @@ def main():
     if "heal-netns" not in skip:
         print_heal_netns(args)
     if "schedule" not in skip:
-        schedule(args.ddpkit, args.schedule_seconds, args.kill_every, args.timeout)
+        for size in args.schedule_model.split(","):
+            schedule(args.ddpkit, args.schedule_seconds, args.kill_every, args.timeout, size)
 
 
 def fresh_write_seconds(n):

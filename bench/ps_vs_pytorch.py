@@ -26,6 +26,9 @@ import tempfile
 
 from pytorch_peer import PEER_ENV, torch_version_or_exit
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+from ports import free_port  # noqa: E402
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -43,13 +46,6 @@ def run(cmd):
     if p.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed ({p.returncode}):\n{p.stdout[-2000:]}\n{p.stderr[-2000:]}")
     return last_json(p.stdout)
-
-
-def free_port():
-    import socket
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def ddpkit_sizes(ddpkit, sizes, rounds, trainers, warmup):

@@ -15,13 +15,14 @@ import argparse
 import functools
 import json
 import os
-import socket
 import subprocess
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+from ports import free_port  # noqa: E402
 from pytorch_peer import PEER_ENV, torch_version_or_exit  # noqa: E402
 
 print = functools.partial(print, flush=True)  # noqa: A001 - progress shows while it runs
@@ -46,12 +47,6 @@ TARGET_PAIRS = [("pytorch", "none"), ("ddpkit", "allreduce"), ("pytorch", "fp16"
 TUNED_ENV = {"MALLOC_MMAP_THRESHOLD_": str(1 << 30), "MALLOC_TRIM_THRESHOLD_": str(1 << 30)}
 NETNS = [("pytorch", "none"), ("ddpkit", "allreduce"), ("ddpkit", "fp16"), ("ddpkit", "int8"), ("ddpkit", "powersgd")]
 ACCURACY = [("none", []), ("int8", []), ("powersgd", ["--powersgd-rank", "4", "--powersgd-start-iter", "10"])]
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def last_json(text, fallback):

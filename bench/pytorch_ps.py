@@ -13,7 +13,7 @@ import argparse
 import json
 import os
 import random
-import socket
+import sys
 import threading
 import time
 
@@ -25,6 +25,9 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+from ports import free_port  # noqa: E402
 
 SERVER = None
 
@@ -246,12 +249,6 @@ def engine_sweep(rank, a):
                               "round_ms_min": float(np.min(rounds))}), flush=True)
     rpc.shutdown()
     dist.destroy_process_group()
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main():

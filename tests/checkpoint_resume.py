@@ -8,6 +8,7 @@
     tests/checkpoint_resume.py build/ddpkit world-size    # 2 ranks -> 3 ranks
     tests/checkpoint_resume.py build/ddpkit errors        # refusals name what is wrong
     tests/checkpoint_resume.py build/ddpkit preempt       # SIGUSR1/SIGTERM: checkpoint, exit 143, resume
+    tests/checkpoint_resume.py build/ddpkit launcher-killed   # its ranks go with a SIGKILLed launcher
 
 "Bit for bit" is checked on the checkpoints both runs write at the same step: every tensor
 (model, hook state, buckets, RNG, position) byte-equal, and the optimizer's torch archive holding
@@ -192,6 +193,57 @@ def restart(tmp, trials=3):
 
 def checkpoint_steps(d):
     return sorted(int(n[len("checkpoint-"):-len(".ddpk")]) for n in os.listdir(d) if n.endswith(".ddpk"))
+
+
+def children_of_any_thread(pid):
+    """Children forked by any thread of pid (the replica groups' supervisors are threads)."""
+    out = []
+    try:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                out += [int(x) for x in f.read().split()]
+    except OSError:
+        pass
+    return sorted(out)
+
+
+def alive(pid):
+    """pid exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def launcher_killed(tmp):
+    """A launcher SIGKILLed (kill -9, the OOM killer: nothing it can catch) takes its ranks with it
+    instead of leaving them training on, orphaned: `ddpkit train --nproc 2` and the replica groups
+    of `ddpkit train --fault-tolerant`."""
+    cases = [("ddpkit train --nproc 2", ["--nproc", "2"]),
+             ("ddpkit train --fault-tolerant --replica-groups 2",
+              ["--fault-tolerant", "--replica-groups", "2", "--nproc", "1"])]
+    for what, extra in cases:
+        job = subprocess.Popen([BIN, "train"] + BASE + ["--epochs", "1000", "--steps", "1000000"] + extra,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        deadline = time.time() + 120
+        while len(children_of_any_thread(job.pid)) != 2 and job.poll() is None and time.time() < deadline:
+            time.sleep(0.05)
+        ranks = children_of_any_thread(job.pid)
+        if job.poll() is not None or len(ranks) != 2:
+            sys.exit(f"FAILED: {what}: the job was not running two ranks:\n{job.communicate()[1][-3000:]}")
+        time.sleep(1)  # in their steps
+        job.kill()
+        job.wait()
+        deadline = time.time() + 10
+        while any(alive(r) for r in ranks) and time.time() < deadline:
+            time.sleep(0.05)
+        left = [r for r in ranks if alive(r)]
+        for r in left:
+            os.killpg(r, signal.SIGKILL)
+        if left:
+            sys.exit(f"FAILED: {what}: ranks {left} outlived their SIGKILLed launcher by 10 s")
+        print(f"{what}: launcher SIGKILLed, its 2 ranks gone with it")
 
 
 def preempt(tmp):
@@ -384,7 +436,8 @@ def errors(tmp):
 def main():
     global BIN
     modes = {"bit-exact": bit_exact, "restart": restart, "torchrun": torchrun, "torchrun-hosts": torchrun_hosts,
-             "world-size": world_size, "errors": errors, "preempt": preempt}
+             "world-size": world_size, "errors": errors, "preempt": preempt,
+             "launcher-killed": launcher_killed}
     if len(sys.argv) != 3 or sys.argv[2] not in modes:
         sys.exit(__doc__)
     BIN = os.path.abspath(sys.argv[1])

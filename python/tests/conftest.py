@@ -6,7 +6,6 @@ import io
 import multiprocessing
 import os
 import queue
-import socket
 import sys
 import time
 import traceback
@@ -18,12 +17,8 @@ import torch
 TESTS = os.path.dirname(os.path.abspath(__file__))
 if TESTS not in sys.path:
     sys.path.insert(0, TESTS)
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(TESTS)), "tests"))
+from ports import free_port  # noqa: E402,F401  (the repository's one way to pick a port; tests import it from here)
 
 
 def _rank_main(fn, rank, world, port, args, results, env, backend):

@@ -102,9 +102,7 @@ class Reader {
   const std::string& what_;
 };
 
-}  // namespace
-
-static size_t encoded_size(const TensorDict& dict) {
+size_t encoded_size(const TensorDict& dict) {
   size_t total = sizeof(kMagic) + 16;
   for (const auto& kv : dict) {
     DDPKIT_CHECK(kv.second.defined(), "encode_tensors: entry '", kv.first, "' is an undefined tensor");
@@ -114,7 +112,7 @@ static size_t encoded_size(const TensorDict& dict) {
   return total;
 }
 
-static void encode_tensors_into(const TensorDict& dict, char* data, size_t size) {
+void encode_tensors_into(const TensorDict& dict, char* data, size_t size) {
   DDPKIT_CHECK(size == encoded_size(dict), "encode_tensors_into: ", size, " bytes given for ", encoded_size(dict));
   Writer out(data, size);
   out.append(kMagic, sizeof(kMagic));
@@ -136,14 +134,7 @@ static void encode_tensors_into(const TensorDict& dict, char* data, size_t size)
   out.put<uint64_t>(checksum(data, out.written()));
 }
 
-std::string encode_tensors(const TensorDict& dict) {
-  // Sized once: growing a string of gigabytes by doubling copies (and faults in) it again each time.
-  std::string out(encoded_size(dict), '\0');
-  encode_tensors_into(dict, out.data(), out.size());
-  return out;
-}
-
-static TensorDict decode_tensors(const char* bytes, size_t size, const std::string& what) {
+TensorDict decode_tensor_bytes(const char* bytes, size_t size, const std::string& what) {
   DDPKIT_CHECK(size >= sizeof(kMagic) + 16, what, " is truncated: ", size, " bytes");
   DDPKIT_CHECK(std::memcmp(bytes, kMagic, sizeof(kMagic)) == 0, what, " is not a ddpkit tensor file (bad magic)");
   const size_t body = size - 8;
@@ -187,8 +178,17 @@ static TensorDict decode_tensors(const char* bytes, size_t size, const std::stri
   return dict;
 }
 
+}  // namespace
+
+std::string encode_tensors(const TensorDict& dict) {
+  // Sized once: growing a string of gigabytes by doubling copies (and faults in) it again each time.
+  std::string out(encoded_size(dict), '\0');
+  encode_tensors_into(dict, out.data(), out.size());
+  return out;
+}
+
 TensorDict decode_tensors(const std::string& bytes, const std::string& what) {
-  return decode_tensors(bytes.data(), bytes.size(), what);
+  return decode_tensor_bytes(bytes.data(), bytes.size(), what);
 }
 
 // ---- files ---------------------------------------------------------------------------------------

@@ -7,6 +7,7 @@
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <signal.h>
+#include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -186,6 +187,7 @@ int run_attempt(int nproc, const std::vector<std::string>& argv, const std::stri
   }
   const std::string exec_failed = "ddpkit: cannot execute " + program + "\n";
   std::vector<pid_t> children;
+  const pid_t launcher = getpid();
   for (int r = 0; r < nproc; ++r) {
     const pid_t pid = fork();
     DDPKIT_CHECK(pid >= 0, "fork(): ", std::strerror(errno));
@@ -193,6 +195,11 @@ int run_attempt(int nproc, const std::vector<std::string>& argv, const std::stri
       // Each rank leads its own process group, so stopping it also stops what it started
       // (a shell's children, a data loader): signals go to the group, as torchrun does.
       setpgid(0, 0);
+      // A launcher that dies without stopping its ranks (SIGKILL, the OOM killer) takes them
+      // along rather than leaving them training on, orphaned, with nobody to restart or stop
+      // them. The signal comes when the forking thread ends: this one, which reaps them.
+      prctl(PR_SET_PDEATHSIG, SIGKILL);
+      if (getppid() != launcher) _exit(128 + SIGKILL);  // it died before the line above
       execve(program.c_str(), args.data(), envps[r].data());
       (void)!write(STDERR_FILENO, exec_failed.data(), exec_failed.size());
       _exit(127);
