@@ -61,6 +61,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 from ft_train import cpu_seconds, ranks_of  # noqa: E402  (finding a replica group's ranks)
+from procs import children  # noqa: E402
 
 
 def reports(out):
@@ -112,16 +113,13 @@ def transformer(size):
 def children_ranks(launcher_pid):
     """pids of the rank processes a launcher started (its children with RANK set)."""
     out = []
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
+    for pid in children(launcher_pid):
         try:
-            ppid = int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
-            if ppid == launcher_pid and any(e.startswith(b"RANK=") for e in open(f"/proc/{pid}/environ", "rb").read().split(b"\0")):
-                out.append(int(pid))
-        except (OSError, ValueError, IndexError):
+            if any(e.startswith(b"RANK=") for e in open(f"/proc/{pid}/environ", "rb").read().split(b"\0")):
+                out.append(pid)
+        except OSError:
             continue
-    return sorted(out)
+    return out
 
 
 def group_of(pid):

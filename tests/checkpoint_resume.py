@@ -29,6 +29,7 @@ import time
 import zipfile
 
 import two_hosts  # tests/two_hosts.py
+from procs import alive, children  # tests/procs.py
 
 BIN = None
 # Small and quick, several buckets (so bucket layouts and per-bucket hook state matter).
@@ -133,14 +134,6 @@ def bit_exact(tmp):
     print(f"all {len(CONFIGS)} configurations resume bit for bit")
 
 
-def children_of(pid):
-    try:
-        with open(f"/proc/{pid}/task/{pid}/children") as f:
-            return [int(x) for x in f.read().split()]
-    except OSError:
-        return []
-
-
 def restart(tmp, trials=3):
     """A job whose ranks are SIGKILLed at random moments finishes, restarted by the launcher, with
     the parameters of an undisturbed run (resume is bit-exact, so the accuracy is the same too).
@@ -168,10 +161,10 @@ def restart(tmp, trials=3):
                 time.sleep(rng.uniform(0.3, 0.6) * duration)
                 # (Re)starting: wait for three ranks, none of them from the generation killed last
                 # (a second kill among ranks the launcher is already stopping is no second restart).
-                ranks = children_of(job.pid)
+                ranks = children(job.pid)
                 while (len(ranks) != 3 or killed_generation & set(ranks)) and job.poll() is None and time.time() < deadline:
                     time.sleep(0.05)
-                    ranks = children_of(job.pid)
+                    ranks = children(job.pid)
                 if len(ranks) == 3 and not killed_generation & set(ranks):
                     victim = rng.choice(ranks)
                     os.kill(victim, signal.SIGKILL)
@@ -195,27 +188,6 @@ def checkpoint_steps(d):
     return sorted(int(n[len("checkpoint-"):-len(".ddpk")]) for n in os.listdir(d) if n.endswith(".ddpk"))
 
 
-def children_of_any_thread(pid):
-    """Children forked by any thread of pid (the replica groups' supervisors are threads)."""
-    out = []
-    try:
-        for tid in os.listdir(f"/proc/{pid}/task"):
-            with open(f"/proc/{pid}/task/{tid}/children") as f:
-                out += [int(x) for x in f.read().split()]
-    except OSError:
-        pass
-    return sorted(out)
-
-
-def alive(pid):
-    """pid exists and is not a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def launcher_killed(tmp):
     """A launcher SIGKILLed (kill -9, the OOM killer: nothing it can catch) takes its ranks with it
     instead of leaving them training on, orphaned: `ddpkit train --nproc 2` and the replica groups
@@ -227,9 +199,9 @@ def launcher_killed(tmp):
         job = subprocess.Popen([BIN, "train"] + BASE + ["--epochs", "1000", "--steps", "1000000"] + extra,
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         deadline = time.time() + 120
-        while len(children_of_any_thread(job.pid)) != 2 and job.poll() is None and time.time() < deadline:
+        while len(children(job.pid)) != 2 and job.poll() is None and time.time() < deadline:
             time.sleep(0.05)
-        ranks = children_of_any_thread(job.pid)
+        ranks = children(job.pid)
         if job.poll() is not None or len(ranks) != 2:
             sys.exit(f"FAILED: {what}: the job was not running two ranks:\n{job.communicate()[1][-3000:]}")
         time.sleep(1)  # in their steps
@@ -265,10 +237,10 @@ def preempt(tmp):
         job = subprocess.Popen([BIN, "train"] + BASE + flags + extra + ["--checkpoint-dir", d], stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, text=True)
         deadline = time.time() + 120
-        while len(children_of(job.pid)) != 2 and job.poll() is None and time.time() < deadline:
+        while len(children(job.pid)) != 2 and job.poll() is None and time.time() < deadline:
             time.sleep(0.05)
         time.sleep(0.4 * duration)
-        ranks = children_of(job.pid)
+        ranks = children(job.pid)
         if job.poll() is not None or len(ranks) != 2:
             sys.exit(f"FAILED: {what}: the job was not running two ranks:\n{job.communicate()[1][-3000:]}")
         os.kill({"rank": ranks[-1], "rank0": ranks[0], "launcher": job.pid}[target], sig)
@@ -318,7 +290,7 @@ def torchrun(tmp):
     deadline = time.time() + 120
     while time.time() < deadline and job.poll() is None and not (os.path.isdir(d) and os.listdir(d)):
         time.sleep(0.1)
-    workers = [c for c in children_of(job.pid) if "ddpkit" in open(f"/proc/{c}/cmdline").read()]
+    workers = [c for c in children(job.pid) if "ddpkit" in open(f"/proc/{c}/cmdline").read()]
     if not workers:
         job.kill()
         sys.exit(f"FAILED: no worker under torchrun:\n{job.communicate()[1][-3000:]}")
@@ -365,7 +337,7 @@ def torchrun_hosts(tmp):
         deadline = time.time() + 90
         while time.time() < deadline and not (os.path.isdir(d) and os.listdir(d)):
             time.sleep(0.1)
-        workers = [c for c in children_of(agents[1].pid) if "ddpkit" in open(f"/proc/{c}/cmdline").read()]
+        workers = [c for c in children(agents[1].pid) if "ddpkit" in open(f"/proc/{c}/cmdline").read()]
         if not workers:
             sys.exit("FAILED: no worker running on host b after 90 s")
         os.kill(workers[0], signal.SIGKILL)

@@ -28,6 +28,7 @@ import threading
 import time
 
 import two_hosts  # tests/two_hosts.py
+from procs import alive, children  # tests/procs.py
 
 TRAIN = ["--dataset", "synthetic", "--mlp-dims", "256,1024,1024,10", "--synthetic-size", "8192", "--epochs", "100000",
          "--quiet", "--no-eval", "--no-divergence-guard", "--report-resources", "50"]
@@ -73,11 +74,7 @@ def descendants(pid):
     out, todo = [], [pid]
     while todo:
         p = todo.pop()
-        try:
-            with open(f"/proc/{p}/task/{p}/children") as f:
-                kids = [int(x) for x in f.read().split()]
-        except OSError:
-            kids = []
+        kids = children(p)
         out += kids
         todo += kids
     return out
@@ -92,14 +89,6 @@ def rank_of(pid):
         if e.startswith(b"RANK="):
             return int(e[5:])
     return None
-
-
-def alive(pid):
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ")[1][0] != "Z"
-    except OSError:
-        return False
 
 
 def leftovers(pids):

@@ -488,10 +488,8 @@ bool Manager::copy_state_from(int source, std::string* why) {
     fo.timeout = im.options.cross_group_timeout();
     Fetched got = fetch_state(from.state_addresses[pg.rank()], quorum_.max_step, fo);
     stats_.heal_fetch_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    stats_.heal_route = got.single_copy ? "process_vm_readv"
-                        : got.single_copy_refused.empty()
-                            ? got.pair->transport_name()
-                            : got.pair->transport_name() + " (single copy refused: " + got.single_copy_refused + ")";
+    stats_.heal_route = got.single_copy ? "process_vm_readv" : got.pair->transport_name();
+    if (!got.single_copy_refused.empty()) stats_.heal_route += " (single copy refused: " + got.single_copy_refused + ")";
     if (got.pair) im.reap(std::move(got.pair));
     im.phase("heal-fetched", quorum_.max_step);
     const TensorDict extra = im.state.load_snapshot(got.state, what);
