@@ -43,9 +43,12 @@ class Flags {
 // up to `max_restarts` times a new set is started (with `restart_args` appended to `argv`, and
 // TORCHELASTIC_RESTART_COUNT set). Returns the exit code to use (0, or the last attempt's first
 // failure's). `stop`, when it turns true, stops the ranks and returns kStoppedByCaller.
+// As torchrun does, OMP_NUM_THREADS=1 is given to every rank when the environment leaves it unset
+// and more than one rank runs on this host: `ranks_on_host` of them (0: nproc; the replica groups
+// of --fault-tolerant launch several sets at once).
 int launch_local(int nproc, const std::vector<std::string>& argv, const std::string& program = "/proc/self/exe",
                  int max_restarts = 0, const std::vector<std::string>& restart_args = {},
-                 const std::atomic<bool>* stop = nullptr);
+                 const std::atomic<bool>* stop = nullptr, int ranks_on_host = 0);
 constexpr int kStoppedByCaller = 143;
 // `ddpkit launch`: launch_local for any program, found on PATH like a shell would.
 extern const char* kLaunchUsage;

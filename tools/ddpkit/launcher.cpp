@@ -17,6 +17,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <iostream>
+#include <mutex>
 #include <thread>
 #include <tuple>
 
@@ -127,9 +128,23 @@ volatile sig_atomic_t g_preempted = 0;
 void on_preemption(int sig) { g_preempted = sig; }
 constexpr auto kPreemptionGrace = std::chrono::seconds(120);
 
+// torchrun's default for several workers on one host: without it every rank of a libtorch program
+// starts an intra-op pool (and OpenBLAS, which falls back to OMP_NUM_THREADS, another) as wide as
+// the host, and N ranks run N x cores compute threads. The user's own setting wins. Said once.
+std::string compute_threads_entry(int ranks_on_host) {
+  if (ranks_on_host <= 1 || std::getenv("OMP_NUM_THREADS")) return "";
+  static std::once_flag said;
+  std::call_once(said, [ranks_on_host] {
+    std::cerr << "ddpkit: OMP_NUM_THREADS is unset: setting it to 1 for each of the " << ranks_on_host
+              << " ranks on this host so that they do not oversubscribe its cores (as torchrun does); set it "
+                 "yourself to give each rank more\n";
+  });
+  return "OMP_NUM_THREADS=1";
+}
+
 // One set of ranks, from start to the last one's exit.
 int run_attempt(int nproc, const std::vector<std::string>& argv, const std::string& program, int restart_count,
-                int max_restarts, const std::atomic<bool>* stop) {
+                int max_restarts, const std::atomic<bool>* stop, int ranks_on_host) {
   // The launcher serves the rendezvous store itself, on a port the kernel picks and that stays
   // bound: choosing a free port and letting rank 0 bind it later raced with every other process
   // binding ephemeral ports meanwhile (Gloo and gRPC listeners of concurrent jobs).
@@ -162,6 +177,7 @@ int run_attempt(int nproc, const std::vector<std::string>& argv, const std::stri
   args.push_back(nullptr);
   std::vector<std::vector<std::string>> envs(nproc);
   std::vector<std::vector<char*>> envps(nproc);
+  const std::string threads_entry = compute_threads_entry(ranks_on_host);
   const std::vector<std::string> ours{"MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE",
                                       "LOCAL_WORLD_SIZE", "GROUP_RANK", "TORCHELASTIC_USE_AGENT_STORE",
                                       "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "DDPKIT_LAUNCHED"};
@@ -182,6 +198,7 @@ int run_attempt(int nproc, const std::vector<std::string>& argv, const std::stri
     envs[r].push_back("TORCHELASTIC_MAX_RESTARTS=" + std::to_string(max_restarts));
     if (store) envs[r].push_back("TORCHELASTIC_USE_AGENT_STORE=True");
     envs[r].push_back("DDPKIT_LAUNCHED=1");  // what the launcher said once, its ranks need not repeat
+    if (!threads_entry.empty()) envs[r].push_back(threads_entry);
     for (auto& e : envs[r]) envps[r].push_back(e.data());
     envps[r].push_back(nullptr);
   }
@@ -285,7 +302,7 @@ int run_attempt(int nproc, const std::vector<std::string>& argv, const std::stri
 }  // namespace
 
 int launch_local(int nproc, const std::vector<std::string>& argv, const std::string& program, int max_restarts,
-                 const std::vector<std::string>& restart_args, const std::atomic<bool>* stop) {
+                 const std::vector<std::string>& restart_args, const std::atomic<bool>* stop, int ranks_on_host) {
   DDPKIT_CHECK(nproc >= 1, "--nproc must be >= 1, got ", nproc);
   DDPKIT_CHECK(max_restarts >= 0, "--max-restarts must be >= 0, got ", max_restarts);
   if (launch_environment().per_node) {
@@ -298,7 +315,7 @@ int launch_local(int nproc, const std::vector<std::string>& argv, const std::str
   }
   std::vector<std::string> args = argv;
   for (int attempt = 0;; ++attempt) {
-    const int code = run_attempt(nproc, args, program, attempt, max_restarts, stop);
+    const int code = run_attempt(nproc, args, program, attempt, max_restarts, stop, ranks_on_host > 0 ? ranks_on_host : nproc);
     const bool told_to_stop = stop && stop->load();
     if (code == 0 || g_interrupted || g_preempted || told_to_stop || attempt >= max_restarts) {
       if (code != 0 && max_restarts > 0 && !g_interrupted && !g_preempted && !told_to_stop)
@@ -322,7 +339,8 @@ them. If a rank fails, the others are stopped; the exit status is the first fail
 --max-restarts K, a failed set is replaced by a new one up to K times, with
 TORCHELASTIC_RESTART_COUNT counting restarts (torchrun's meaning): the program resumes itself.
 SIGTERM and SIGUSR1 are passed on to the ranks (preemption: docs/launching.md), and the launcher
-exits with their status. Under a per-node engine (Kubeflow's PET_NNODES/PET_NODE_RANK/
+exits with their status. With more than one rank and OMP_NUM_THREADS unset, each rank gets
+OMP_NUM_THREADS=1 (torchrun's default; the launcher says so once). Under a per-node engine (Kubeflow's PET_NNODES/PET_NODE_RANK/
 PET_NPROC_PER_NODE) it starts this node's PET_NPROC_PER_NODE ranks of the whole job.
 )";
 

@@ -123,7 +123,8 @@ int run_replica_groups(const TrainFlags& t, const std::vector<std::string>& argv
       // A restarted group loads the newest checkpoint, if any, then heals to the others' step.
       codes[static_cast<size_t>(g)] =
           launch_local(t.nproc, args, "/proc/self/exe", t.max_restarts,
-                       t.checkpoint_dir.empty() ? std::vector<std::string>{} : std::vector<std::string>{"--resume"}, &stop);
+                       t.checkpoint_dir.empty() ? std::vector<std::string>{} : std::vector<std::string>{"--resume"}, &stop,
+                       t.nproc * t.replica_groups);
     });
   }
   auto finished_at = std::chrono::steady_clock::time_point::max();
