@@ -9,6 +9,7 @@
 #include <ddpkit/codecs/cast.h>
 #include <ddpkit/codecs/quantize.h>
 #include <ddpkit/codecs/sparse.h>
+#include <ddpkit/runtime/program.h>
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -41,16 +42,20 @@ Stats time_it(int reps, const std::function<void()>& fn) {
 
 }  // namespace
 
-int main(int argc, char** argv) {
+static int program_main(int argc, char** argv) {
   int64_t n = 25 * 1000 * 1000;  // the 25M-parameter MLP's gradient
   int reps = 15;
-  for (int i = 1; i + 1 < argc; i += 2) {
-    if (!std::strcmp(argv[i], "--elements")) n = std::atoll(argv[i + 1]);
-    else if (!std::strcmp(argv[i], "--reps")) reps = std::atoi(argv[i + 1]);
+  for (int i = 1; i < argc; i += 2) {
+    if (i + 1 < argc && !std::strcmp(argv[i], "--elements")) n = std::atoll(argv[i + 1]);
+    else if (i + 1 < argc && !std::strcmp(argv[i], "--reps")) reps = std::atoi(argv[i + 1]);
     else {
       std::fprintf(stderr, "usage: codec_bench [--elements N] [--reps R]\n");
       return 2;
     }
+  }
+  if (n < 1 || reps < 1) {
+    std::fprintf(stderr, "codec_bench: --elements and --reps must be positive integers\n");
+    return 2;
   }
   at::set_num_threads(1);
   at::Tensor f32 = at::randn({n}), f32_out = at::empty({n});
@@ -114,4 +119,8 @@ int main(int argc, char** argv) {
   row("sparse coalesce (ATen)", sparse_bytes, aten);
   std::printf("# coalesce vs_aten %.2f (ATen p50 / ddpkit p50)\n", aten.p50_ms / ours.p50_ms);
   return 0;
+}
+
+int main(int argc, char** argv) {
+  return ddpkit::run_main("codec_bench", [&] { return program_main(argc, argv); });
 }

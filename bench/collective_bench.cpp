@@ -175,9 +175,12 @@ int processes(int reps, const std::vector<int64_t>& sizes_bytes) {
   return mismatches ? 1 : 0;
 }
 
-}  // namespace
+constexpr const char* kUsage =
+    "usage: collective_bench [--ranks N] [--reps R] [--gloo-threads T] [--max-mb M] [--gloo-variants]\n"
+    "       collective_bench --processes [--reps R] [--sizes-mb A,B,..]   (one process per rank, under a launcher:\n"
+    "                                    ddpkit launch --nproc N, torchrun, srun; MiB, fractions allowed: 0.004 is ~4 KiB)\n";
 
-int main(int argc, char** argv) {
+int bench_main(int argc, char** argv) {
   int world = 2, reps = 7, gloo_threads = 2;
   int64_t max_mb = 100;
   bool variants = false, from_env = false;
@@ -199,19 +202,16 @@ int main(int argc, char** argv) {
         else if (*p) sizes_bytes.push_back(-1), p += std::strlen(p);
       }
     }
-    else {
-      std::fprintf(stderr, "usage: collective_bench [--ranks N] [--reps R] [--gloo-threads T] [--max-mb M] [--gloo-variants]\n"
-                           "       collective_bench --processes [--reps R] [--sizes-mb A,B,..]   (one process per rank, torchrun env;\n"
-                           "                                                              MiB, fractions allowed: 0.004 is ~4 KiB)\n");
-      return 2;
-    }
+    else throw UsageError(std::string("unknown argument '") + argv[i] + "'" + (has_value ? "" : " (or a flag without its value)"));
   }
   if (world < 1 || reps < 1 || max_mb < 1 ||
-      std::any_of(sizes_bytes.begin(), sizes_bytes.end(), [](int64_t b) { return b < 4; })) {
-    std::fprintf(stderr, "collective_bench: --ranks, --reps and --max-mb must be positive integers, --sizes-mb "
-                         "positive numbers of MiB (at least 4 bytes each)\n");
-    return 2;
-  }
+      std::any_of(sizes_bytes.begin(), sizes_bytes.end(), [](int64_t b) { return b < 4; }))
+    throw UsageError("--ranks, --reps and --max-mb must be positive integers, --sizes-mb positive numbers of MiB (at "
+                     "least 4 bytes each)");
+  if (from_env && !detect_launch_environment().found())
+    throw UsageError("--processes runs one rank per process and finds no launcher's variables (RANK, WORLD_SIZE, "
+                     "MASTER_ADDR, MASTER_PORT): start it as `ddpkit launch --nproc 2 collective_bench --processes`, "
+                     "under torchrun or srun");
   tune_allocator_for_training();  // as ddpkit's programs do
   if (from_env) return processes(reps, sizes_bytes);
   shm_vs_gloo(world, reps, gloo_threads, max_mb << 20);
@@ -310,4 +310,10 @@ int main(int argc, char** argv) {
   }
   for (auto& t : threads) t.join();
   return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  return run_main("collective_bench", [&] { return bench_main(argc, argv); }, [] { return std::string(kUsage); });
 }

@@ -29,7 +29,7 @@
 
 using namespace ddpkit;
 
-int main(int argc, char** argv) {
+static int program_main(int argc, char** argv) {
   std::string mode = "full_shard";
   bool bf16 = false;
   int steps = 30;
@@ -105,4 +105,8 @@ int main(int argc, char** argv) {
   std::printf("{\"mode\": \"%s\", \"bf16\": %s, \"median_step_ms\": %.3f, \"min_step_ms\": %.3f}\n", mode.c_str(),
               bf16 ? "true" : "false", ms[ms.size() / 2], ms.front());
   return 0;
+}
+
+int main(int argc, char** argv) {
+  return ddpkit::run_main("fsdp_cuda_bench", [&] { return program_main(argc, argv); });
 }

@@ -11,6 +11,7 @@
 // Each size first runs --warmup rounds that are not measured (connections, allocator, threads).
 // DDPKIT_SHM=0 keeps the data in gRPC messages (no shared-memory region).
 #include <ddpkit/ps/parameter_server.h>
+#include <ddpkit/runtime/program.h>
 #include <ddpkit/runtime/runtime.h>
 
 #include <algorithm>
@@ -42,7 +43,7 @@ int usage() {
 
 }  // namespace
 
-int main(int argc, char** argv) {
+static int program_main(int argc, char** argv) {
   tune_allocator_for_training();  // as the ddpkit CLI does: keep large blocks in the heap for reuse
   int trainers = 2, batches = 20, warmup = 10, trainer_id = -1;
   int64_t first_batch = 0;
@@ -113,4 +114,8 @@ int main(int argc, char** argv) {
     }
   }
   return 0;
+}
+
+int main(int argc, char** argv) {
+  return ddpkit::run_main("ps_server_bench", [&] { return program_main(argc, argv); });
 }

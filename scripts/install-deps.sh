@@ -18,6 +18,7 @@ packages=(
   nlohmann-json3-dev               # metrics and benchmark configuration files
   openmpi-bin                      # mpirun: tests/mpirun_jobs.py (ddpkit never links libmpi)
   slurm-wlm munge                  # a real Slurm cluster in network namespaces: tests/slurm_cluster.py
+  iproute2                         # ip netns, tc: the multi-host tests' network namespaces and shaped links
 )
 
 missing=()

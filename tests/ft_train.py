@@ -347,6 +347,8 @@ def hosts_mode():
     import two_hosts
     if os.geteuid() != 0:
         sys.exit("FAILED: mode hosts needs root (network namespaces)")
+    if not shutil.which("ip"):
+        sys.exit("FAILED: mode hosts needs ip (network namespaces): scripts/install-deps.sh installs iproute2")
     tag = f"dft{os.getpid() % 10000}"
     a, b = "10.214.0.1", "10.214.0.2"
     lighthouse, ranks = None, {}

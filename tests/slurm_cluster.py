@@ -7,8 +7,10 @@ head with slurmctld, where srun/sbatch are typed, and node1, node2), each with i
 
     srun -N2 -n4 ddpkit train ...     trains, and ends with the parameters of `ddpkit train --nproc 4`
     srun -N2 -n4 python3 ...          torch.distributed.init_process_group("ddpkit") over env://
-    sbatch --requeue --signal=USR1@T  the signal checkpoints, the script requeues, the requeued job
-                                      resumes and ends bit-identical to the undisturbed run
+    sbatch --requeue --signal=USR1@T  a job with more steps than its time limit allows: the signal
+                                      checkpoints, the script requeues, the requeued job resumes for
+                                      REQUEUED_STEPS more and ends bit-identical to an undisturbed run
+                                      of the same length
     scancel mid-run                   no process of the job and nothing in /dev/shm is left on any node
 
     tests/slurm_cluster.py build/ddpkit [srun|requeue|scancel|all]    (root; exit 77 without)
@@ -36,10 +38,13 @@ NODES = ("node1", "node2")
 # The job every scenario runs (and the reference runs on one host): two ranks per node. No shared
 # memory, so the reduction is flat Gloo in rank order wherever the ranks are: the same sums as
 # `ddpkit train --nproc 4`, bit for bit.
-# Long enough (about 70 s of training here) that the time-limit signal of the requeue scenario
-# lands mid-run: slurmctld checks time limits every 30 s, so --signal=USR1@60 with --time=2 comes
-# 30 to 60 s after the start.
 STEPS = 3600
+# The requeue scenario's first run has more steps than any machine trains before its time limit,
+# so the signal always lands mid-run however fast the machine (slurmctld checks time limits every
+# 30 s: --signal=USR1@60 with --time=2 comes 60 to 90 s after the start); the requeued run trains
+# REQUEUED_STEPS past the step it resumes from, and the reference is an undisturbed run that long.
+UNBOUNDED_STEPS = 10_000_000
+REQUEUED_STEPS = 300
 TRAIN = ["train", "--dataset", "synthetic", "--mlp-dims", "64,512,512,10", "--synthetic-size", "4096",
          "--batch-size", "32", "--epochs", "1000", "--steps", str(STEPS), "--checkpoint-every", "1200", "--no-eval",
          "--quiet", "--timeout-s", "60"]
@@ -197,11 +202,11 @@ def shared_mappings(pids):
     return count
 
 
-def reference(c, work):
-    """The same job on one host under ddpkit's own launcher."""
-    d = os.path.join(work, "reference")
+def reference(c, d, steps=STEPS):
+    """The same job on one host under ddpkit's own launcher, `steps` long, into checkpoint dir d."""
     env = dict(c.env, DDPKIT_SHM="0")
-    subprocess.run([c.ddpkit] + TRAIN + ["--nproc", "4", "--checkpoint-dir", d], env=env, check=True,
+    train = TRAIN[:TRAIN.index("--steps")] + ["--steps", str(steps)] + TRAIN[TRAIN.index("--steps") + 2:]
+    subprocess.run([c.ddpkit] + train + ["--nproc", "4", "--checkpoint-dir", d], env=env, check=True,
                    capture_output=True, timeout=600)
     return d
 
@@ -241,9 +246,16 @@ BATCH = """#!/bin/bash
 #SBATCH --output={out} --open-mode=append
 # The job as examples/slurm/train.sbatch runs it: --resume continues from the newest checkpoint
 # (none: from the start); 143 means "preempted, checkpoint written", 138 a rank the signal ended
-# while it was still starting: requeue either way.
+# while it was still starting: requeue either way. The first run trains until its time limit's
+# signal; a requeued one trains {requeued_steps} steps past the checkpoint it resumes from.
 export DDPKIT_SHM=0
-srun {ddpkit} {train} --checkpoint-dir {ckpt} --resume
+steps={unbounded_steps}
+if [ "${{SLURM_RESTART_COUNT:-0}}" -gt 0 ]; then
+  newest=$(ls {ckpt} 2>/dev/null | sed -n 's/^checkpoint-0*\([0-9][0-9]*\)\.ddpk$/\1/p' | sort -n | tail -1)
+  steps=$(( ${{newest:-0}} + {requeued_steps} ))
+fi
+echo "restart ${{SLURM_RESTART_COUNT:-0}}: training to step $steps"
+srun {ddpkit} {train} --steps $steps --checkpoint-dir {ckpt} --resume
 rc=$?
 echo "restart ${{SLURM_RESTART_COUNT:-0}}: srun exited $rc"
 if [ $rc -eq 143 ] || [ $rc -eq 138 ]; then scontrol requeue $SLURM_JOB_ID; fi
@@ -251,17 +263,22 @@ exit $rc
 """
 
 
-def scenario_requeue(c, work, ref):
+def scenario_requeue(c, work):
     d = os.path.join(work, "requeue")
     out = os.path.join(work, "requeue.out")
     # The time limit's warning: USR1 arrives T seconds before the limit (Slurm checks about every
     # 30 s, so it may come earlier); the training step loop checkpoints at the next step.
-    script = BATCH.format(signal_at=60, minutes=2, out=out, ddpkit=c.ddpkit, train=" ".join(TRAIN), ckpt=d)
+    train = TRAIN[:TRAIN.index("--steps")] + TRAIN[TRAIN.index("--steps") + 2:]
+    train[train.index("--epochs") + 1] = str(UNBOUNDED_STEPS)  # the steps, not the epochs, bound it
+    script = BATCH.format(signal_at=60, minutes=2, out=out, ddpkit=c.ddpkit, train=" ".join(train), ckpt=d,
+                          unbounded_steps=UNBOUNDED_STEPS, requeued_steps=REQUEUED_STEPS)
     path = os.path.join(work, "requeue.sbatch")
     with open(path, "w") as f:
         f.write(script)
     job = c.run(["sbatch", "--parsable", path]).stdout.strip().split(";")[0]
     started = time.time()
+    # Bounded: the first run ends by its 2-minute limit, the requeued one (REQUEUED_STEPS) well
+    # within its own; a requeue that never comes leaves the job TIMEOUT after 2 minutes.
     deadline = started + 600
     fields = {}
     while time.time() < deadline:
@@ -273,13 +290,19 @@ def scenario_requeue(c, work, ref):
             c.run(["scontrol", "update", f"jobid={job}", "starttime=now"], check=False)
         time.sleep(1)
     log = open(out).read() if os.path.exists(out) else ""
-    preempted_at = re.findall(r"preempted \(User defined signal 1\): checkpoint of step (\d+)", log)
-    ok = fields.get("JobState") == "COMPLETED" and fields.get("Restarts") == "1" and bool(preempted_at) and \
-        os.path.exists(ckpt(d, STEPS)) and f"resumed from" in log
-    diffs = differences(ckpt(ref, STEPS), ckpt(d, STEPS)) if ok else ["(not finished)"]
+    preempted_at = [int(s) for s in re.findall(r"preempted \(User defined signal 1\): checkpoint of step (\d+)", log)]
+    targets = [int(s) for s in re.findall(r"restart [1-9][0-9]*: training to step (\d+)", log)]
+    final = targets[-1] if targets else None
+    ok = fields.get("JobState") == "COMPLETED" and fields.get("Restarts", "0") != "0" and bool(preempted_at) and \
+        final == preempted_at[-1] + REQUEUED_STEPS and os.path.exists(ckpt(d, final)) and "resumed from" in log
+    diffs = ["(not finished)"]
+    if ok:
+        ref = os.path.join(work, "requeue-reference")
+        reference(c, ref, final)
+        diffs = differences(ckpt(ref, final), ckpt(d, final))
     print(f"sbatch --requeue --signal=USR1@60 --time=2: {fields.get('JobState')} after {fields.get('Restarts')} requeue(s) "
-          f"in {time.time() - started:.0f} s; preemption checkpoint at step {','.join(preempted_at)}; step {STEPS} "
-          f"{'bit-identical to the undisturbed run' if not diffs else 'NOT equal: ' + ', '.join(diffs[:5])}")
+          f"in {time.time() - started:.0f} s; preemption checkpoint at step {','.join(map(str, preempted_at))}; "
+          f"step {final} {'bit-identical to an undisturbed run of that length' if not diffs else 'NOT equal: ' + ', '.join(diffs[:5])}")
     if not ok or diffs:
         print(log[-3000:] + c.logs())
     return ok and not diffs
@@ -336,11 +359,10 @@ def main():
         if which == "shell":
             print(f"try: SLURM_CONF={c.conf} {' '.join(c.on('head', ['srun', '-N2', 'hostname']))}")
             signal.pause()
-        ref = reference(c, work) if which in ("srun", "requeue", "all") else None
         if which in ("srun", "all"):
-            ok &= scenario_srun(c, work, ref)
+            ok &= scenario_srun(c, work, reference(c, os.path.join(work, "reference")))
         if which in ("requeue", "all"):
-            ok &= scenario_requeue(c, work, ref)
+            ok &= scenario_requeue(c, work)
         if which in ("scancel", "all"):
             ok &= scenario_scancel(c, work)
     except KeyboardInterrupt:

@@ -19,13 +19,13 @@
 #include <cstring>
 #include <string>
 
-int main(int argc, char** argv) {
+static int train(int argc, char** argv) {
   ddpkit::tune_allocator_for_training();  // before anything allocates: large blocks stay in the heap
   std::string hook = "allreduce";
   int epochs = 5;
-  for (int i = 1; i + 1 < argc; i += 2) {
-    if (!std::strcmp(argv[i], "--hook")) hook = argv[i + 1];
-    else if (!std::strcmp(argv[i], "--epochs")) epochs = std::atoi(argv[i + 1]);
+  for (int i = 1; i < argc; i += 2) {
+    if (i + 1 < argc && !std::strcmp(argv[i], "--hook")) hook = argv[i + 1];
+    else if (i + 1 < argc && !std::strcmp(argv[i], "--epochs")) epochs = std::atoi(argv[i + 1]);
     else { std::fprintf(stderr, "usage: train_mlp [--hook allreduce|fp16] [--epochs N]\n"); return 2; }
   }
   ddpkit::set_compute_threads(1);
@@ -82,4 +82,10 @@ int main(int argc, char** argv) {
                 agree ? "agree" : "DIFFER");
   }
   return agree && learnt ? 0 : 1;
+}
+
+// What train() throws (a rank lost, a bad launch environment) ends in one line and an exit
+// status, not a stack trace.
+int main(int argc, char** argv) {
+  return ddpkit::run_main("train_mlp", [&] { return train(argc, argv); });
 }

@@ -8,6 +8,7 @@
 #include <ddpkit/comm/launch_environment.h>
 #include <ddpkit/comm/process_group.h>
 #include <ddpkit/runtime/block_cache.h>
+#include <ddpkit/runtime/program.h>
 #include <ddpkit/training/checkpoint.h>
 #include <ddpkit/training/preemption.h>
 #include <ddpkit/runtime/runtime.h>

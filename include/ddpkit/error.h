@@ -19,6 +19,13 @@ class CommError : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+// Bad arguments to a program (a flag, a value, a launcher it needs and was started without):
+// ddpkit::run_main prints it with the program's usage and exits 2.
+class UsageError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
 // Formats "ddpkit: <op> failed on rank R of W: <cause>" from a caught exception.
 std::string describe_comm_failure(const std::string& op, int rank, int world_size,
                                   std::exception_ptr cause);

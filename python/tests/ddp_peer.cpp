@@ -56,7 +56,7 @@ ddpkit::hooks::HookOptions parse_options(const std::string& name, const std::str
 
 }  // namespace
 
-int main(int argc, char** argv) {
+static int program_main(int argc, char** argv) {
   std::vector<int64_t> dims;
   int64_t steps = 4, batch = 16;
   double lr = 0.1, bucket_cap_mb = 25;
@@ -117,4 +117,8 @@ int main(int argc, char** argv) {
   }
   std::cout << "ddp_peer: rank " << pg->rank() << " wrote " << hooks.size() << " hooks\n";
   return 0;
+}
+
+int main(int argc, char** argv) {
+  return ddpkit::run_main("ddpkit_ddp_peer", [&] { return program_main(argc, argv); });
 }

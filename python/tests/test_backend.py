@@ -463,7 +463,9 @@ def test_torchrun_elastic_restart(tmp_path):
         cmd += ["--rdzv_backend", "c10d", "--rdzv_endpoint", str(tmp_path / "rdzv"), "--rdzv_conf", "store_type=file",
                 "--local_addr", "127.0.0.1"]
     else:
-        cmd += ["--standalone"]
+        # 1.13 has no --local_addr, and --standalone gives the workers the host's name, which need
+        # not resolve (no /etc/hosts line in many containers): its static rendezvous at 127.0.0.1.
+        cmd += ["--nnodes", "1", "--master_addr", "127.0.0.1", "--master_port", str(free_port())]
     cmd.append(os.path.join(os.path.dirname(os.path.abspath(__file__)), "elastic_worker.py"))
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
     text = out.stdout + out.stderr

@@ -7,6 +7,8 @@
 
 #include <atomic>
 #include <map>
+#include <ddpkit/error.h>
+
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -14,10 +16,8 @@
 namespace ddpkit {
 namespace cli {
 
-// A usage error: main prints it with the subcommand's usage and exits 2.
-struct UsageError : std::runtime_error {
-  using std::runtime_error::runtime_error;
-};
+// A usage error: main prints it with the subcommand's usage and exits 2 (ddpkit::run_main).
+using UsageError = ddpkit::UsageError;
 
 // --name value / --name=value / --flag. Known flags are declared up front; anything else is a
 // UsageError naming it.

@@ -3,6 +3,7 @@
 
 #include <ddpkit/codecs/cast.h>
 #include <ddpkit/error.h>
+#include <ddpkit/runtime/program.h>
 #include <ddpkit/runtime/runtime.h>
 #include <torch/version.h>
 
@@ -56,19 +57,6 @@ void tune_allocator(int argc, char** argv) {
   ddpkit::tune_allocator_for_training();
 }
 
-// One write(2) per message: ranks share the launcher's stderr, and a message sent in pieces
-// interleaves with another rank's mid-line (seen in the fault-injection runs).
-namespace {
-void print_error(const std::string& text) {
-  std::cerr.flush();
-  for (size_t done = 0; done < text.size();) {
-    const ssize_t n = ::write(STDERR_FILENO, text.data() + done, text.size() - done);
-    if (n <= 0) break;
-    done += static_cast<size_t>(n);
-  }
-}
-}  // namespace
-
 int main(int argc, char** argv) {
   using namespace ddpkit::cli;
   tune_allocator(argc, argv);
@@ -81,7 +69,7 @@ int main(int argc, char** argv) {
   }
   if (lead) {
     const std::string blas = ddpkit::blas_kernel_advice();
-    if (!blas.empty()) print_error("ddpkit: " + blas + "\n");
+    if (!blas.empty()) ddpkit::print_error("ddpkit: " + blas + "\n");
   }
   std::vector<std::string> all(argv, argv + argc);
   all[0] = "ddpkit";
@@ -92,7 +80,7 @@ int main(int argc, char** argv) {
   const std::string cmd = all[1];
   std::vector<std::string> args(all.begin() + 2, all.end());
   const char* usage = kUsage;
-  try {
+  return ddpkit::run_main("ddpkit", [&]() -> int {
     // --help anywhere among a subcommand's flags prints its usage.
     const bool help = std::any_of(args.begin(), args.end(), [](const std::string& a) { return a == "--help" || a == "-h"; });
     if (cmd == "train") {
@@ -142,17 +130,5 @@ int main(int argc, char** argv) {
       return 0;
     }
     throw UsageError("unknown command '" + cmd + "'");
-  } catch (const UsageError& e) {
-    print_error("ddpkit: " + std::string(e.what()) + "\n\n" + usage);
-    return 2;
-  } catch (const ddpkit::CommError& e) {
-    print_error(std::string(e.what()) + "\n");
-    return 3;
-  } catch (const c10::Error& e) {
-    print_error(std::string(e.what_without_backtrace()) + "\n");
-    return 1;
-  } catch (const std::exception& e) {
-    print_error("ddpkit: " + std::string(e.what()) + "\n");
-    return 1;
-  }
+  }, [&] { return std::string(usage); });
 }
