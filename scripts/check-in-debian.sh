@@ -98,9 +98,17 @@ if [ ! -f "$root/.ddpkit-root-ready" ]; then
 fi
 
 cp /etc/resolv.conf "$root/etc/resolv.conf" 2>/dev/null || true
-mkdir -p "$root/proc" "$root/dev" "$root/ccache" "$root/work/ddpkit"
+mkdir -p "$root/proc" "$root/sys" "$root/dev" "$root/ccache" "$root/work/ddpkit"
+# The root on itself, so that its / is a mount point: `ip netns exec` and `ip -n` (the multi-host
+# tests' namespaces) make / a slave mount and remount /sys in a namespace of their own, which
+# fails on a plain directory ("mount --make-rslave /" failed: Invalid argument).
+mount --bind "$root" "$root"
+mount --make-private "$root"
+mounted+=("$root")
 mount -t proc proc "$root/proc"
 mounted+=("$root/proc")
+mount -t sysfs sysfs "$root/sys"
+mounted+=("$root/sys")
 mount --rbind /dev "$root/dev"
 mount --make-rslave "$root/dev"  # unmounting below must not reach the host's /dev
 mounted+=("$root/dev")

@@ -46,6 +46,24 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from ports import free_port  # noqa: E402
 
 BIN = None  # build/ddpkit, from the command line
+# The step counts below were sized for a machine whose plain step of this model takes this long:
+# a failure must land mid-run (wait_until_training waits for 1.8 s of a rank's CPU), so on a
+# faster machine every count grows by its speed-up (steps()), or the job ends before the fault.
+REFERENCE_STEP_MS = 3.0
+_scale = []
+
+
+def steps(n):
+    """`n` steps, scaled up by this machine's speed over the reference's (measured once: a plain
+    1-rank run of the same model), as a flag value."""
+    if not _scale:
+        out = subprocess.run([BIN, "train", "--dataset", "synthetic", "--mlp-dims", "64,512,512,10", "--epochs", "1000",
+                              "--quiet", "--no-eval", "--nproc", "1", "--steps", "300"],
+                             capture_output=True, text=True, timeout=120, check=True)
+        step_ms = json.loads(out.stdout.strip().splitlines()[-1])["median_step_ms"]
+        _scale.append(max(1.0, REFERENCE_STEP_MS / step_ms))
+        print(f"plain step {step_ms:.2f} ms: step counts x{_scale[0]:.1f}", flush=True)
+    return str(int(n * _scale[0]))
 # Steps long enough that a failure lands mid-run, short enough for the default suite.
 BASE = ["train", "--fault-tolerant", "--dataset", "synthetic", "--mlp-dims", "64,512,512,10",
         "--epochs", "1000", "--quiet", "--no-eval", "--timeout-s", "60"]
@@ -142,7 +160,7 @@ def train_killing_group_1(groups, nproc, flags, name):
 
 
 def kill_mode():
-    reps = train_killing_group_1(3, 2, ["--steps", "1000"], "kill")
+    reps = train_killing_group_1(3, 2, ["--steps", steps(1000)], "kill")
     lost = [r["steps_not_committed"] for r in (reps[0], reps[2])]
     if max(lost) > 1:
         sys.exit(f"FAILED: survivors lost more than one step to the failure: {lost}")
@@ -161,7 +179,7 @@ def stop_mode():
             stopped.append(pid)
     # --timeout-s 10: the survivors' aborted Gloo collective with the stopped group ends by the
     # cross-group timeout (min(--timeout-s, 30 s)), and their exit waits for it.
-    rc, out, err = run(["--replica-groups", "3", "--nproc", "1", "--steps", "800", "--timeout-s", "10"], act)
+    rc, out, err = run(["--replica-groups", "3", "--nproc", "1", "--steps", steps(800), "--timeout-s", "10"], act)
     for pid in stopped:
         try:
             os.kill(pid, signal.SIGKILL)
@@ -185,7 +203,7 @@ def two_lost_mode():
         victims = ranks_of(1) + ranks_of(3)
         for pid in victims:
             os.kill(pid, signal.SIGKILL)
-    rc, out, err = run(["--replica-groups", "4", "--nproc", "1", "--steps", "1000"], act)
+    rc, out, err = run(["--replica-groups", "4", "--nproc", "1", "--steps", steps(1000)], act)
     if rc != 0:
         sys.exit(f"FAILED: exit {rc}\n{err[-3000:]}")
     reps = reports(out)
@@ -217,7 +235,7 @@ def lighthouse_mode():
         time.sleep(1)
         lh[0] = start_lighthouse()
     try:
-        rc, out, err = run(["--replica-groups", "2", "--nproc", "1", "--steps", "800", "--lighthouse", address], act)
+        rc, out, err = run(["--replica-groups", "2", "--nproc", "1", "--steps", steps(800), "--lighthouse", address], act)
     finally:
         lh[0].kill()
     if rc != 0:
@@ -263,7 +281,7 @@ EVERY_STRATEGY = dict(STRATEGIES, **{
 
 def strategies_mode(table=STRATEGIES):
     for name, flags in table.items():
-        reps = train_killing_group_1(2, 2, ["--steps", "700"] + flags, name)
+        reps = train_killing_group_1(2, 2, ["--steps", steps(700)] + flags, name)
         if not all(r["final_loss"] == r["final_loss"] for r in reps):  # NaN
             sys.exit(f"FAILED ({name}): the loss is not a number: {reps}")
         print(f"{name}: a rank of group 1 killed; healed {reps[1]['heal_bytes']} B; parameters equal; "
@@ -362,7 +380,7 @@ def hosts_mode():
             env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
                        MASTER_ADDR=(a, b)[group], MASTER_PORT=str(29630 + 10 * group + attempt))
             cmd = ["ip", "netns", "exec", ns, "unshare", "--uts", "sh", "-c", f'hostname {ns} && exec "$0" "$@"', BIN] + \
-                BASE + ["--steps", "600", "--replica-groups", "2",
+                BASE + ["--steps", steps(600), "--replica-groups", "2",
                         "--replica-group", str(group), "--lighthouse", f"{a}:29620"]
             ranks[(group, rank)] = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                                     env=env)
