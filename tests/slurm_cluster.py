@@ -251,7 +251,7 @@ BATCH = """#!/bin/bash
 export DDPKIT_SHM=0
 steps={unbounded_steps}
 if [ "${{SLURM_RESTART_COUNT:-0}}" -gt 0 ]; then
-  newest=$(ls {ckpt} 2>/dev/null | sed -n 's/^checkpoint-0*\([0-9][0-9]*\)\.ddpk$/\1/p' | sort -n | tail -1)
+  newest=$(ls {ckpt} 2>/dev/null | sed -n 's/^checkpoint-0*\\([0-9][0-9]*\\)\\.ddpk$/\\1/p' | sort -n | tail -1)
   steps=$(( ${{newest:-0}} + {requeued_steps} ))
 fi
 echo "restart ${{SLURM_RESTART_COUNT:-0}}: training to step $steps"
