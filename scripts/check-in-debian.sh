@@ -69,6 +69,12 @@ cleanup() {
   for ((i = ${#mounted[@]} - 1; i >= 0; i--)); do
     umount -R "${mounted[$i]}" 2>/dev/null || umount -R -l "${mounted[$i]}" 2>/dev/null || true
   done
+  # What the tests mounted inside (ip netns's /run/netns), deepest first.
+  if [ -n "${root:-}" ]; then
+    awk -v r="$root/" 'index($2, r) == 1 {print $2}' /proc/mounts | sort -r | while read -r m; do
+      umount -l "$m" 2>/dev/null || true
+    done
+  fi
   if [ -n "${root:-}" ] && grep -q " $root/" /proc/mounts; then
     echo "check-in-debian: warning: mounts under $root remain:" >&2
     grep " $root/" /proc/mounts >&2 || true
