@@ -541,6 +541,36 @@ TEST(DivergenceGuard, NonFiniteLossOnOneRankStopsEveryRankAtTheSameStep) {
   });
 }
 
+// A resumed run's guard carries on from the checkpoint's history: a fitted run (loss ~0.005) whose
+// noise moves it to 0.007 after the resume is not "above where training started" (2.3, the
+// original first window), and the restored guard decides exactly as the uninterrupted one would.
+TEST(DivergenceGuard, ARestoredGuardCarriesOnFromItsHistory) {
+  auto loss = [](int64_t s) { return s < 100 ? 2.3 - 0.0229 * s : s < 615 ? 0.005 : 0.007; };
+  DivergenceGuard whole(nullptr, DivergenceGuardOptions().window(20));
+  DivergenceGuard before(nullptr, DivergenceGuardOptions().window(20));
+  for (int64_t s = 0; s < 598; ++s) {
+    EXPECT_FALSE(whole.observe(loss(s)));
+    EXPECT_FALSE(before.observe(loss(s)));
+  }
+  DivergenceGuard after(nullptr, DivergenceGuardOptions().window(20));
+  after.restore(before.history());
+  for (int64_t s = 598; s < 700; ++s) {
+    EXPECT_FALSE(after.observe(loss(s))) << "step " << s;
+    EXPECT_FALSE(whole.observe(loss(s)));
+  }
+  const auto a = after.history(), w = whole.history();
+  EXPECT_EQ(a.steps, w.steps);
+  EXPECT_DOUBLE_EQ(a.first_window_mean, w.first_window_mean);
+  EXPECT_DOUBLE_EQ(a.best_window_mean, w.best_window_mean);
+  EXPECT_EQ(a.best_window_end, w.best_window_end);
+  // Without the history, the same resume reads the noise as lost progress.
+  DivergenceGuard fresh(nullptr, DivergenceGuardOptions().window(20));
+  std::optional<Divergence> lost;
+  for (int64_t s = 598; s < 700 && !lost; ++s) lost = fresh.observe(loss(s));
+  ASSERT_TRUE(lost);
+  EXPECT_NE(lost->what.find("above where training started"), std::string::npos) << lost->what;
+}
+
 TEST(DivergenceGuard, ExplosionAndLostProgressAreCaughtAndTrainingIsNot) {
   auto run = [](const std::function<double(int64_t)>& loss) -> std::optional<Divergence> {
     DivergenceGuard guard(nullptr, DivergenceGuardOptions().window(10));

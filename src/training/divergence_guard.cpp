@@ -63,4 +63,19 @@ std::optional<Divergence> DivergenceGuard::observe(double loss) {
   return std::nullopt;
 }
 
+DivergenceGuard::History DivergenceGuard::history() const {
+  return History{step_, first_, best_, best_end_, sum_, count_, nonfinite_};
+}
+
+void DivergenceGuard::restore(const History& h) {
+  DDPKIT_CHECK(h.steps >= 0, "DivergenceGuard::restore: steps must be >= 0, got ", h.steps);
+  step_ = h.steps;
+  first_ = h.first_window_mean;
+  best_ = h.best_window_mean;
+  best_end_ = h.best_window_end;
+  sum_ = h.window_sum;
+  count_ = h.window_count;
+  nonfinite_ = h.window_nonfinite;
+}
+
 }  // namespace ddpkit

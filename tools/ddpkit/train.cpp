@@ -339,6 +339,20 @@ TensorDict checkpoint_extra(const std::vector<std::string>& settings, int64_t ep
   return {{"settings", bytes_entry(text)}, {"epoch", int_entry(epoch)}, {"samples_in_epoch", int_entry(samples_in_epoch)}};
 }
 
+at::Tensor guard_history_entry(const DivergenceGuard::History& h) {
+  return at::tensor({static_cast<double>(h.steps), h.first_window_mean, h.best_window_mean,
+                     static_cast<double>(h.best_window_end), h.window_sum, h.window_count, h.window_nonfinite},
+                    at::kDouble);
+}
+
+DivergenceGuard::History guard_history_of(const at::Tensor& entry) {
+  DDPKIT_CHECK(entry.scalar_type() == at::kDouble && entry.numel() == 7,
+               "checkpoint: extra/divergence_guard must hold 7 doubles, got ", entry.numel(), " of ", entry.scalar_type());
+  const at::Tensor e = entry.contiguous();
+  const double* v = e.data_ptr<double>();
+  return DivergenceGuard::History{static_cast<int64_t>(v[0]), v[1], v[2], static_cast<int64_t>(v[3]), v[4], v[5], v[6]};
+}
+
 StartPoint resume_point(const Flags& f, const TrainFlags& t, Training& run, ProcessGroup* pg,
                         const std::vector<std::string>& settings, int64_t steps_per_epoch, int data_world) {
   std::string settings_text;
@@ -368,6 +382,7 @@ StartPoint resume_point(const Flags& f, const TrainFlags& t, Training& run, Proc
   }
   start.step = start.epoch * steps_per_epoch + start.in_epoch;
   start.resumed_from = ck->step;
+  if (auto it = ck->local.find("extra/divergence_guard"); it != ck->local.end()) start.divergence_guard = it->second;
   if (!pg || pg->rank() == 0)
     std::cerr << "resumed from " << ck->path << " (step " << ck->step << " of " << ck->world_size << " ranks): epoch "
               << start.epoch + 1 << ", step " << start.step << "\n";
@@ -555,18 +570,21 @@ int run_train(const std::vector<std::string>& args, const std::vector<std::strin
   const StartPoint start = resume_point(f, t, run, pg.get(), settings, steps_per_epoch, world);
   int64_t step = start.step;
   TrainReport report;
+  // Every rank checks the loss every 20 steps, together: a diverged run stops with advice. A
+  // resumed run's guard carries on from the checkpoint's (where training started, the best so far).
+  std::unique_ptr<DivergenceGuard> guard;
+  if (!f.on("no-divergence-guard")) guard = std::make_unique<DivergenceGuard>(pg);
+  if (guard && start.divergence_guard.defined()) guard->restore(guard_history_of(start.divergence_guard));
   auto write_checkpoint = [&](int64_t epoch, int64_t in_epoch) {
     TensorDict extra_local;
     if (run.averager) extra_local["averager_step"] = int_entry(run.averager->step());
+    if (guard) extra_local["divergence_guard"] = guard_history_entry(guard->history());
     run.state.save(pg.get(), t.checkpoint_dir, step, checkpoint_extra(settings, epoch, in_epoch * t.batch * world),
                    extra_local);
     ++report.checkpoints_written;
   };
 
   Progress progress(lead && !f.on("quiet"));
-  // Every rank checks the loss every 20 steps, together: a diverged run stops with advice.
-  std::unique_ptr<DivergenceGuard> guard;
-  if (!f.on("no-divergence-guard")) guard = std::make_unique<DivergenceGuard>(pg);
   StepLog log;
   TestScore score{-1, -1};  // -1: not measured
   double last_loss = 0, train_seconds = 0;

@@ -2,6 +2,8 @@
 // fault-tolerant one (train_ft.cpp).
 #pragma once
 
+#include <ddpkit/training/divergence_guard.h>
+
 #include "train_flags.h"
 #include "training.h"
 
@@ -56,7 +58,11 @@ std::vector<std::string> checkpoint_settings(const Flags& f);
 TensorDict checkpoint_extra(const std::vector<std::string>& settings, int64_t epoch, int64_t samples_in_epoch);
 struct StartPoint {
   int64_t step = 0, epoch = 0, in_epoch = 0, resumed_from = -1;
+  at::Tensor divergence_guard;  // the guard's history (guard_history_entry), undefined when none
 };
+// DivergenceGuard's history as a checkpoint entry, and back.
+at::Tensor guard_history_entry(const DivergenceGuard::History& h);
+DivergenceGuard::History guard_history_of(const at::Tensor& entry);
 StartPoint resume_point(const Flags& f, const TrainFlags& t, Training& run, ProcessGroup* pg,
                         const std::vector<std::string>& settings, int64_t steps_per_epoch, int data_world);
 

@@ -47,6 +47,21 @@ class DivergenceGuard {
   // every rank, at the same step) or nothing.
   std::optional<Divergence> observe(double loss);
 
+  // What a resumed run carries on from (each rank's checkpoint holds its own): the steps observed,
+  // the first window's mean (where training started), the lowest window mean so far, and this
+  // rank's part of the window under way. Without it a resumed, well-trained run's first window
+  // became "where training started", and a loss of 0.005 that moved to 0.007 on noise read as
+  // everything learned lost.
+  struct History {
+    int64_t steps = 0;
+    double first_window_mean = -1;
+    double best_window_mean = std::numeric_limits<double>::infinity();
+    int64_t best_window_end = -1;
+    double window_sum = 0, window_count = 0, window_nonfinite = 0;
+  };
+  History history() const;
+  void restore(const History& h);
+
  private:
   std::shared_ptr<ProcessGroup> pg_;
   DivergenceGuardOptions options_;
