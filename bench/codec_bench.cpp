@@ -9,6 +9,7 @@
 #include <ddpkit/codecs/cast.h>
 #include <ddpkit/codecs/quantize.h>
 #include <ddpkit/codecs/sparse.h>
+#include <ddpkit/error.h>
 #include <ddpkit/runtime/program.h>
 
 #include <ATen/ATen.h>
@@ -48,15 +49,10 @@ static int program_main(int argc, char** argv) {
   for (int i = 1; i < argc; i += 2) {
     if (i + 1 < argc && !std::strcmp(argv[i], "--elements")) n = std::atoll(argv[i + 1]);
     else if (i + 1 < argc && !std::strcmp(argv[i], "--reps")) reps = std::atoi(argv[i + 1]);
-    else {
-      std::fprintf(stderr, "usage: codec_bench [--elements N] [--reps R]\n");
-      return 2;
-    }
+    else throw ddpkit::UsageError(std::string("unknown argument '") + argv[i] + "'" +
+                                  (i + 1 < argc ? "" : " (or a flag without its value)"));
   }
-  if (n < 1 || reps < 1) {
-    std::fprintf(stderr, "codec_bench: --elements and --reps must be positive integers\n");
-    return 2;
-  }
+  if (n < 1 || reps < 1) throw ddpkit::UsageError("--elements and --reps must be positive integers");
   at::set_num_threads(1);
   at::Tensor f32 = at::randn({n}), f32_out = at::empty({n});
   at::Tensor h = at::empty({n}, at::kHalf), b = at::empty({n}, at::kBFloat16);
@@ -122,5 +118,6 @@ static int program_main(int argc, char** argv) {
 }
 
 int main(int argc, char** argv) {
-  return ddpkit::run_main("codec_bench", [&] { return program_main(argc, argv); });
+  return ddpkit::run_main("codec_bench", [&] { return program_main(argc, argv); },
+                          [] { return std::string("usage: codec_bench [--elements N] [--reps R]\n"); });
 }

@@ -10,6 +10,7 @@
 //       size), as bench/ps_vs_pytorch.py --sizes runs it beside PyTorch's RPC server.
 // Each size first runs --warmup rounds that are not measured (connections, allocator, threads).
 // DDPKIT_SHM=0 keeps the data in gRPC messages (no shared-memory region).
+#include <ddpkit/error.h>
 #include <ddpkit/ps/parameter_server.h>
 #include <ddpkit/runtime/program.h>
 #include <ddpkit/runtime/runtime.h>
@@ -33,13 +34,10 @@ double p50(std::vector<double> v) {
   return v[v.size() / 2];
 }
 
-int usage() {
-  std::fprintf(stderr,
-               "usage: ps_server_bench [--trainers N] [--batches B] [--warmup W] [--sizes MB,MB,...] [--chunk-kb K] [--window W]\n"
-               "       ps_server_bench --connect HOST:PORT --trainer-id T [--batches B] [--sizes ...] [--chunk-kb K] [--window W]\n"
-               "                       [--first-batch N]   (batch numbers start at N: later runs against the same server)\n");
-  return 2;
-}
+constexpr const char* kUsage =
+    "usage: ps_server_bench [--trainers N] [--batches B] [--warmup W] [--sizes MB,MB,...] [--chunk-kb K] [--window W]\n"
+    "       ps_server_bench --connect HOST:PORT --trainer-id T [--batches B] [--sizes ...] [--chunk-kb K] [--window W]\n"
+    "                       [--first-batch N]   (batch numbers start at N: later runs against the same server)\n";
 
 }  // namespace
 
@@ -51,7 +49,7 @@ static int program_main(int argc, char** argv) {
   int window = ps::ClientOptions().chunks_in_flight();
   std::string connect, sizes = "1,4,16,64";
   for (int i = 1; i < argc; i += 2) {
-    if (i + 1 >= argc) return usage();
+    if (i + 1 >= argc) throw UsageError(std::string(argv[i]) + " needs a value");
     const std::string flag = argv[i], value = argv[i + 1];
     if (flag == "--trainers") trainers = std::atoi(value.c_str());
     else if (flag == "--batches") batches = std::atoi(value.c_str());
@@ -62,10 +60,11 @@ static int program_main(int argc, char** argv) {
     else if (flag == "--connect") connect = value;
     else if (flag == "--first-batch") first_batch = std::atoll(value.c_str());
     else if (flag == "--trainer-id") trainer_id = std::atoi(value.c_str());
-    else return usage();
+    else throw UsageError("unknown flag " + flag);
   }
   if (trainers < 1 || batches < 1 || warmup < 0 || chunk_bytes < 0 || window < 1 || first_batch < 0 || connect.empty() != (trainer_id < 0))
-    return usage();
+    throw UsageError("--trainers, --batches and --window must be positive, --warmup, --chunk-kb and --first-batch "
+                     "non-negative, and --connect and --trainer-id given together");
   std::vector<double> sizes_mb;
   std::stringstream list(sizes);
   for (std::string item; std::getline(list, item, ',');) sizes_mb.push_back(std::atof(item.c_str()));
@@ -117,5 +116,5 @@ static int program_main(int argc, char** argv) {
 }
 
 int main(int argc, char** argv) {
-  return ddpkit::run_main("ps_server_bench", [&] { return program_main(argc, argv); });
+  return ddpkit::run_main("ps_server_bench", [&] { return program_main(argc, argv); }, [] { return std::string(kUsage); });
 }

@@ -2,13 +2,12 @@
 #pragma once
 
 #include <ddpkit/comm/launch_environment.h>
+#include <ddpkit/error.h>
 
 #include <ATen/ATen.h>
 
 #include <atomic>
 #include <map>
-#include <ddpkit/error.h>
-
 #include <stdexcept>
 #include <string>
 #include <vector>
