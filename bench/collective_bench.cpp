@@ -293,7 +293,7 @@ int bench_main(int argc, char** argv) {
           native([&] {
             c10d::ReduceScatterOptions o;
             o.timeout = ring->timeout();
-            return ring->with_backend([&](compat::Backend& b) { return b._reduce_scatter_base(shard, f, o); });
+            return ring->with_backend([&](compat::Backend& b) { return compat::reduce_scatter_single(b, shard, f, o); });
           });
         });
         at::Tensor flat_out = at::empty({elems});
@@ -301,7 +301,7 @@ int bench_main(int argc, char** argv) {
           native([&] {
             c10d::AllgatherOptions o;
             o.timeout = ring->timeout();
-            return ring->with_backend([&](compat::Backend& b) { return b._allgather_base(flat_out, piece, o); });
+            return ring->with_backend([&](compat::Backend& b) { return compat::all_gather_single(b, flat_out, piece, o); });
           });
         });
 #endif

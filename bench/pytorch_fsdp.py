@@ -1,11 +1,12 @@
 #!/usr/bin/python3
-"""PyTorch's own DDP or FSDP FULL_SHARD on CPU/Gloo, the workload bench/fsdp_bench.py --pytorch runs
-under ddpkit: ddpkit's MLP (Linear layers, ReLU between) 1024-4096-1024 x4, synthetic data, cross
-entropy, SGD(lr 0.05, momentum 0.9), batch 32 per rank, 2 ranks, one thread each, every Linear an
-FSDP unit (ModuleWrapPolicy), device_id=cpu. Prints one JSON line: {"mode", "median_step_ms"}.
-FSDP needs PyTorch 2.x (1.13's cannot be imported on Debian 12's Python 3.11).
+"""PyTorch's own DDP, FSDP FULL_SHARD or FSDP2 (fully_shard) on CPU, the workload bench/fsdp_bench.py
+--pytorch and bench/fsdp2_backend.py run under ddpkit: ddpkit's MLP (Linear layers, ReLU between)
+1024-4096-1024 x4, synthetic data, cross entropy, SGD(lr 0.05, momentum 0.9), batch 32 per rank,
+2 ranks, one thread each, every Linear an FSDP unit (ModuleWrapPolicy; for FSDP2 fully_shard on each
+Linear, then the root), device_id=cpu. Prints one JSON line: {"mode", "backend", "median_step_ms"}.
+FSDP needs PyTorch 2.x (1.13's cannot be imported on Debian 12's Python 3.11), fully_shard on CPU 2.7.
 
-    python3 bench/pytorch_fsdp.py --mode ddp|full_shard [--steps 8]
+    python3 bench/pytorch_fsdp.py --mode ddp|full_shard|fsdp2 [--backend gloo|ddpkit] [--steps 8]
 """
 import argparse
 import json
@@ -24,14 +25,22 @@ from pytorch_ddp import build  # ddpkit's MLP layout (bench/pytorch_ddp.py)
 DIMS = [1024, 4096, 1024, 4096, 1024, 4096, 1024, 4096, 1024]
 
 
-def worker(rank, world, port, mode, steps, out):
+def worker(rank, world, port, mode, backend, steps, out):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), USE_LIBUV="0")
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    if backend == "ddpkit":
+        import ddpkit  # noqa: F401  registers the backend
+    dist.init_process_group(backend, rank=rank, world_size=world)
     torch.manual_seed(1)
     net = build(DIMS)
     if mode == "ddp":
         net = torch.nn.parallel.DistributedDataParallel(net)
+    elif mode == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+        for layer in net.modules():
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer)
+        fully_shard(net)
     else:
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, ShardingStrategy
         from torch.distributed.fsdp.wrap import ModuleWrapPolicy
@@ -56,7 +65,8 @@ def worker(rank, world, port, mode, steps, out):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--mode", choices=["ddp", "full_shard"], required=True)
+    ap.add_argument("--mode", choices=["ddp", "full_shard", "fsdp2"], required=True)
+    ap.add_argument("--backend", choices=["gloo", "ddpkit"], default="gloo")
     ap.add_argument("--steps", type=int, default=8)
     a = ap.parse_args()
     with socket.socket() as s:
@@ -64,14 +74,14 @@ def main():
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    procs = [ctx.Process(target=worker, args=(r, 2, port, a.mode, a.steps, q)) for r in range(2)]
+    procs = [ctx.Process(target=worker, args=(r, 2, port, a.mode, a.backend, a.steps, q)) for r in range(2)]
     for p in procs:
         p.start()
     for p in procs:
         p.join()
     if any(p.exitcode for p in procs):
         sys.exit(f"pytorch_fsdp: a rank failed ({[p.exitcode for p in procs]})")
-    print(json.dumps({"mode": a.mode, "torch": torch.__version__, "median_step_ms": q.get()}))
+    print(json.dumps({"mode": a.mode, "backend": a.backend, "torch": torch.__version__, "median_step_ms": q.get()}))
 
 
 if __name__ == "__main__":

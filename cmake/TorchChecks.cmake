@@ -2,18 +2,32 @@
 find_package(Threads REQUIRED)
 set(DDPKIT_TORCH_DEFINITIONS "")
 
+# The C++ standard follows libtorch: from 2.13 its headers require C++20 (ATen stops with "C++20 or
+# later compatible compiler is required"); below, ddpkit stays C++17, which 1.13's headers need.
+if(Torch_VERSION VERSION_GREATER_EQUAL 2.13)
+  set(CMAKE_CXX_STANDARD 20)
+  set(CMAKE_CUDA_STANDARD 20)
+else()
+  set(CMAKE_CXX_STANDARD 17)
+endif()
+set(CMAKE_CXX_STANDARD_REQUIRED ON)
+
+# Which libraries the `torch` target and TORCH_LIBRARIES name (a pip torch on a Debian host):
+# cmake/TorchLibraries.cmake, which the installed CMake package runs for its users too.
+include(${CMAKE_CURRENT_LIST_DIR}/TorchLibraries.cmake)
+
 # Debian's TorchConfig carries USE_C10D_GLOO on torch_cpu; a bare libtorch may not.
 get_target_property(_torch_cpu_defs torch_cpu INTERFACE_COMPILE_DEFINITIONS)
 if(NOT _torch_cpu_defs MATCHES "USE_C10D_GLOO")
   list(APPEND DDPKIT_TORCH_DEFINITIONS USE_C10D_GLOO)
 endif()
 
-# The c10d Gloo header includes <gloo/...>: Debian ships them in libgloo-dev.
+# The c10d Gloo header includes <gloo/...>: Debian ships them in libgloo-dev. ddpkit holds no gloo
+# layout, so they need not be the gloo libtorch was built with (tests/gloo_symbols.py checks it).
 find_path(DDPKIT_GLOO_INCLUDE gloo/algorithm.h HINTS ${TORCH_INCLUDE_DIRS})
 if(NOT DDPKIT_GLOO_INCLUDE)
-  message(FATAL_ERROR "gloo headers not found: install libgloo-dev (scripts/install-deps.sh); a pip torch ships "
-                      "none: put gloo's headers under <prefix>/include and add <prefix> to CMAKE_PREFIX_PATH "
-                      "(docs/compat.md)")
+  message(FATAL_ERROR "gloo headers not found: install libgloo-dev (scripts/install-deps.sh); pip's torch ships "
+                      "none, and Debian's serve it (docs/compat.md, \"Gloo headers\")")
 endif()
 
 # NCCL: present when libtorch was built with CUDA (torch_cuda carries USE_C10D_NCCL).

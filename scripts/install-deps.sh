@@ -21,6 +21,13 @@ packages=(
   iproute2                         # ip netns, tc: the multi-host tests' network namespaces and shaped links
 )
 
+# --pip-torch: also the pinned pip torch 2.15.0 venv (scripts/pip-torch-env.sh; CI's second suite).
+if [ "${1:-}" = "--pip-torch" ]; then
+  "$(dirname "$0")/install-deps.sh"
+  "$(dirname "$0")/pip-torch-env.sh" >/dev/null
+  exit 0
+fi
+
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -31,6 +31,9 @@ import zipfile
 import two_hosts  # tests/two_hosts.py
 from procs import alive, children  # tests/procs.py
 
+# The Python whose torch goes with the build (torchrun, the Python package): tests/CMakeLists.txt sets it.
+TORCH_PYTHON = os.environ.get("DDPKIT_TORCH_PYTHON", "/usr/bin/python3")
+
 BIN = None
 # Small and quick, several buckets (so bucket layouts and per-bucket hook state matter).
 BASE = ["--dataset", "synthetic", "--mlp-dims", "64,128,128,10", "--synthetic-size", "4096", "--batch-size", "32",
@@ -263,12 +266,12 @@ def preempt(tmp):
 
 
 def skip_without_torchrun():
-    if subprocess.run(["/usr/bin/python3", "-c", "import torch.distributed.run"], capture_output=True).returncode != 0:
-        print("SKIP: /usr/bin/python3 has no torch.distributed.run (apt install python3-torch)")
+    if subprocess.run([TORCH_PYTHON, "-c", "import torch.distributed.run"], capture_output=True).returncode != 0:
+        print(f"SKIP: {TORCH_PYTHON} has no torch.distributed.run (apt install python3-torch)")
         sys.exit(77)
     # Debian 13's torch 2.6 is built without libuv, yet torchrun's rendezvous creates its TCPStore with
     # the default use_libuv=True (no environment override on that path): torchrun cannot start there.
-    probe = subprocess.run(["/usr/bin/python3", "-c", "from torch.distributed import TCPStore\n"
+    probe = subprocess.run([TORCH_PYTHON, "-c", "from torch.distributed import TCPStore\n"
                             "TCPStore('127.0.0.1', 0, 1, True, multi_tenant=True)"], capture_output=True, text=True)
     if "without libuv" in probe.stderr:
         print("SKIP: this torch's torchrun cannot create its store (built without libuv, which its TCPStore requests)")
@@ -276,7 +279,7 @@ def skip_without_torchrun():
 
 
 def torchrun(tmp):
-    """ddpkit train under torchrun's own elastic agent (--no-python, Debian's python3-torch): a
+    """ddpkit train under torchrun's own elastic agent (--no-python, the torch of DDPKIT_TORCH_PYTHON): a
     SIGKILLed rank makes the agent restart the workers, which resume from the newest checkpoint."""
     skip_without_torchrun()
     flags = ["--mlp-dims", "64,512,512,10", "--checkpoint-every", "50", "--epochs", "50", "--steps", "1500"]
@@ -284,7 +287,7 @@ def torchrun(tmp):
     train(flags + ["--checkpoint-dir", ref])
     d = os.path.join(tmp, "torchrun")
     # --redirects/--tee 2: torch 1.13's default of 0 fails under Python 3.11 (Std.from_str("0") is None).
-    cmd = ["/usr/bin/python3", "-m", "torch.distributed.run", "--nproc_per_node", "2", "--max_restarts", "2",
+    cmd = [TORCH_PYTHON, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--max_restarts", "2",
            "--redirects", "2", "--tee", "2", "--no_python", BIN, "train"] + BASE + flags + ["--checkpoint-dir", d, "--resume"]
     job = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     deadline = time.time() + 120
@@ -328,7 +331,7 @@ def torchrun_hosts(tmp):
         two_hosts.create(tag, a, b, f"{a} {socket.gethostname()} {socket.getfqdn()}")
         # is_host: in a namespace torchrun cannot tell from the hostname which agent serves the store.
         for ns, ifname, host in ((tag + "a", tag + "x", "true"), (tag + "b", tag + "y", "false")):
-            cmd = ["ip", "netns", "exec", ns, "/usr/bin/python3", "-m", "torch.distributed.run", "--nnodes", "2",
+            cmd = ["ip", "netns", "exec", ns, TORCH_PYTHON, "-m", "torch.distributed.run", "--nnodes", "2",
                    "--nproc_per_node", "1", "--rdzv_backend", "c10d", "--rdzv_endpoint", f"{a}:{port}",
                    "--rdzv_conf", f"is_host={host}", "--rdzv_id", tag, "--max_restarts", "2", "--redirects", "2",
                    "--tee", "2", "--no_python", BIN, "train"] + BASE + flags + ["--checkpoint-dir", d, "--resume"]

@@ -40,7 +40,7 @@ echo "== the Python package from the prefix"
 pydirs=("$work"/prefix/lib/python3*/*-packages)
 if [ -d "${pydirs[0]}/ddpkit" ]; then
   # Loads the installed extension and, through its RPATH, the installed libddpkit.
-  PYTHONPATH="${pydirs[0]}" /usr/bin/python3 -c "
+  PYTHONPATH="${pydirs[0]}" "${DDPKIT_TORCH_PYTHON:-/usr/bin/python3}" -c "
 import ddpkit, os
 so = ddpkit._C.__file__
 assert so.startswith('$work/prefix/'), so
@@ -54,8 +54,10 @@ elif grep -q "ddpkit_python" "$build/build.ninja"; then
 fi
 
 echo "== add_subdirectory(ddpkit) without find_package(Torch)"
+# The libtorch the build used (a pip torch's, say), as such a project would name it.
+torch_dir=$(sed -n 's/^Torch_DIR:PATH=//p' "$build/CMakeCache.txt")
 cmake -S "$src/tests/consumer_subdir" -B "$work/subdir" -G Ninja -DCMAKE_BUILD_TYPE=Release \
-  -DDDPKIT_SOURCE_DIR="$src" >"$work/subdir.cfg.log" 2>&1 || { cat "$work/subdir.cfg.log"; exit 1; }
+  -DDDPKIT_SOURCE_DIR="$src" -DTorch_DIR="$torch_dir" >"$work/subdir.cfg.log" 2>&1 || { cat "$work/subdir.cfg.log"; exit 1; }
 grep -q "CMake Error" "$work/subdir.cfg.log" && { cat "$work/subdir.cfg.log"; exit 1; }
 # ddpkit's own tests and tools are off when it is a subproject.
 if grep -q "ddpkit_tests" "$work/subdir/build.ninja"; then echo "subproject builds ddpkit's tests"; exit 1; fi

@@ -28,6 +28,9 @@ sys.path.insert(0, HERE)
 from checkpoint_resume import ckpt, differences  # noqa: E402
 from ports import free_port  # noqa: E402
 
+# The Python whose torch goes with the build (torchrun, the Python package): tests/CMakeLists.txt sets it.
+TORCH_PYTHON = os.environ.get("DDPKIT_TORCH_PYTHON", "/usr/bin/python3")
+
 STEPS = 200
 TRAIN = ["train", "--dataset", "synthetic", "--mlp-dims", "64,256,10", "--synthetic-size", "4096", "--batch-size",
          "32", "--epochs", "100", "--steps", str(STEPS), "--checkpoint-every", "100", "--no-eval", "--quiet",
@@ -107,7 +110,7 @@ def examples(build_python):
         job = yaml.safe_load(open(path))
         for pod, env, command in operator_envs(job):
             base = {k: v for k, v in os.environ.items() if k not in ENGINE_VARS and not k.startswith("PET_")}
-            out = subprocess.run(["/usr/bin/python3", "-c", probe], env=dict(base, PYTHONPATH=build_python, **env),
+            out = subprocess.run([TORCH_PYTHON, "-c", probe], env=dict(base, PYTHONPATH=build_python, **env),
                                  capture_output=True, text=True)
             elastic = "elasticPolicy" in job["spec"]
             if elastic:

@@ -25,6 +25,9 @@ sys.path.insert(0, HERE)
 import two_hosts  # noqa: E402
 from checkpoint_resume import ckpt, differences  # noqa: E402
 
+# The Python whose torch goes with the build (torchrun, the Python package): tests/CMakeLists.txt sets it.
+TORCH_PYTHON = os.environ.get("DDPKIT_TORCH_PYTHON", "/usr/bin/python3")
+
 STEPS = 300
 TRAIN = ["train", "--dataset", "synthetic", "--mlp-dims", "64,512,512,10", "--synthetic-size", "4096",
          "--batch-size", "32", "--epochs", "100", "--steps", str(STEPS), "--checkpoint-every", "300", "--no-eval",
@@ -76,7 +79,7 @@ def local(build, work, env, ref):
                   "print(f'python rank {dist.get_rank()} of {dist.get_world_size()}: allreduce ok')\n"
                   "dist.destroy_process_group()\n")
         # USE_LIBUV=0: Debian 13's torch is built without libuv, which its env:// store asks for.
-        out = run(MPIRUN + ["-n", "2", "-x", "PYTHONPATH", "-x", "USE_LIBUV", "/usr/bin/python3", "-c", script],
+        out = run(MPIRUN + ["-n", "2", "-x", "PYTHONPATH", "-x", "USE_LIBUV", TORCH_PYTHON, "-c", script],
                   dict(env, PYTHONPATH=os.path.join(build, "python"), USE_LIBUV="0"))
         print("mpirun -n 2 python3 (dist.init_process_group('ddpkit')): " +
               ", ".join(sorted(re.findall(r"python rank \d+ of \d+: allreduce ok", out.stdout))))

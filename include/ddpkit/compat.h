@@ -5,6 +5,7 @@
 #include <torch/version.h>  // 1.13 includes it only from torch/all.h: include it explicitly.
 
 #include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/variable.h>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
@@ -13,6 +14,7 @@
 #include <chrono>
 #include <cstring>
 #include <functional>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <type_traits>
@@ -25,6 +27,18 @@
 
 namespace ddpkit {
 namespace compat {
+
+// An optional as libtorch's own APIs take it: c10::optional in 1.13 (a type of its own there),
+// std::optional from 2.x, where c10::optional is a deprecated alias of it.
+#if DDPKIT_TORCH_AT_LEAST(2, 0)
+template <class T>
+using optional = std::optional<T>;
+inline constexpr std::nullopt_t nullopt = std::nullopt;
+#else
+template <class T>
+using optional = c10::optional<T>;
+constexpr c10::nullopt_t nullopt = c10::nullopt;
+#endif
 
 // c10::Allocator::allocate is const in 1.13 and not in 2.x, where copy_data became pure virtual as
 // well. An allocator derives from this and implements allocate_bytes; both spellings of allocate
@@ -48,6 +62,43 @@ using Backend = c10d::ProcessGroup;
 // exist, bench/collective_bench measures them beside ddpkit's own alltoall-based reduce-scatter and
 // allgather; those were faster at 100 MB in both versions, so ProcessGroup uses its own (docs/compat.md).
 #define DDPKIT_GLOO_HAS_BASE_COLLECTIVES DDPKIT_TORCH_AT_LEAST(2, 2)
+
+// The single-tensor collectives took their torchcomms names in 2.13 (all_gather_single,
+// reduce_scatter_single, all_to_all_single and their _coalesced forms); the old names stay as
+// deprecated aliases that forward to them. ddpkit calls them by these, and a c10d backend
+// (the Python package's) overrides the DDPKIT_C10D_* name, the canonical one of its libtorch.
+#if DDPKIT_TORCH_AT_LEAST(2, 13)
+#define DDPKIT_C10D_ALL_GATHER_SINGLE all_gather_single
+#define DDPKIT_C10D_ALL_GATHER_SINGLE_COALESCED all_gather_single_coalesced
+#define DDPKIT_C10D_REDUCE_SCATTER_SINGLE reduce_scatter_single
+#define DDPKIT_C10D_REDUCE_SCATTER_SINGLE_COALESCED reduce_scatter_single_coalesced
+#define DDPKIT_C10D_ALL_TO_ALL_SINGLE all_to_all_single
+#else
+#define DDPKIT_C10D_ALL_GATHER_SINGLE _allgather_base
+#define DDPKIT_C10D_ALL_GATHER_SINGLE_COALESCED allgather_into_tensor_coalesced
+#define DDPKIT_C10D_REDUCE_SCATTER_SINGLE _reduce_scatter_base
+#define DDPKIT_C10D_REDUCE_SCATTER_SINGLE_COALESCED reduce_scatter_tensor_coalesced
+#define DDPKIT_C10D_ALL_TO_ALL_SINGLE alltoall_base
+#endif
+
+// c10d::Backend::split (torch.distributed.split_group for a backend other than NCCL's): overridden
+// from 2.15, the release whose header it was checked against (earlier ones had it in other shapes).
+#define DDPKIT_C10D_BACKEND_HAS_SPLIT DDPKIT_TORCH_AT_LEAST(2, 15)
+
+inline c10::intrusive_ptr<c10d::Work> all_gather_single(Backend& b, at::Tensor& out, at::Tensor& in,
+                                                        const c10d::AllgatherOptions& o) {
+  return b.DDPKIT_C10D_ALL_GATHER_SINGLE(out, in, o);
+}
+inline c10::intrusive_ptr<c10d::Work> reduce_scatter_single(Backend& b, at::Tensor& out, at::Tensor& in,
+                                                            const c10d::ReduceScatterOptions& o) {
+  return b.DDPKIT_C10D_REDUCE_SCATTER_SINGLE(out, in, o);
+}
+inline c10::intrusive_ptr<c10d::Work> all_to_all_single(Backend& b, at::Tensor& out, at::Tensor& in,
+                                                        std::vector<int64_t>& out_splits,
+                                                        std::vector<int64_t>& in_splits,
+                                                        const c10d::AllToAllOptions& o) {
+  return b.DDPKIT_C10D_ALL_TO_ALL_SINGLE(out, in, out_splits, in_splits, o);
+}
 
 // torch::optim::Optimizer::state() is keyed by the parameter's TensorImpl: as the pointer printed
 // to a string in 1.13, as the pointer itself (void*) in 2.x. Pass the map to get its key type.
@@ -110,6 +161,10 @@ class ForwardingStore : public c10d::Store {
  protected:
   c10::intrusive_ptr<c10d::Store> inner_;
 };
+
+// A parameter's grad accumulator as autograd hands it out: std::shared_ptr<Node> up to 2.14,
+// c10::intrusive_ptr<Node> in 2.15. Holders keep it by this type.
+using GradAccumulatorPtr = decltype(torch::autograd::impl::grad_accumulator(std::declval<const at::Tensor&>()));
 
 // A post hook on a grad accumulator. operator() is unchanged from 1.13 to 2.x; compiled_args
 // (added ~2.1, later const) is deliberately not overridden.

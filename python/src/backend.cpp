@@ -69,13 +69,22 @@ class DdpkitBackend : public compat::Backend {
                                                .timeout(timeout)
                                                .gloo_threads(gloo_threads)
                                                .shared_memory(shared_memory)
+                                               .abortable(kAbortable)
                                                .group_name("ddpkit"))) {}
 
-  ~DdpkitBackend() override {
-    // A queued collective must not be issued on a group that is gone; each ends within the timeout.
-    order_->drain(pg_->timeout() * 2);
-    runner_->stop();
+  ~DdpkitBackend() override { close(); }
+
+#if DDPKIT_TORCH_AT_LEAST(2, 7)
+  // torch.distributed.destroy_process_group: the collectives issued so far end (each within the
+  // timeout), then the group's sockets, threads and shared memory go, before the Python object does.
+  void shutdown() override { close(); }
+  // ProcessGroup.abort() (and torchft-style callers on a lost peer): the collectives in flight fail
+  // now with an error naming the abort, and the group goes as in shutdown.
+  void abort() override {
+    if (!closed_.load()) pg_->abort("the torch.distributed group was aborted");
+    close();
   }
+#endif
 
   const std::string getBackendName() const override { return "ddpkit"; }
 
@@ -83,7 +92,10 @@ class DdpkitBackend : public compat::Backend {
   // (PyTorch's debug wrapper, TORCH_DISTRIBUTED_DEBUG=DETAIL, compares them across the group).
   void setSequenceNumberForGroup() override { sequence_ = 0; }
   uint64_t getSequenceNumberForGroup() override { return sequence_.load(); }
-  const std::shared_ptr<ddpkit::ProcessGroup>& group() const { return pg_; }
+  const std::shared_ptr<ddpkit::ProcessGroup>& group() const {
+    check_open();
+    return pg_;
+  }
 
   WorkPtr broadcast(std::vector<at::Tensor>& tensors, const c10d::BroadcastOptions& opts) override {
     const at::Tensor t = one(tensors, "broadcast");
@@ -140,7 +152,7 @@ class DdpkitBackend : public compat::Backend {
     return work(OpType::ALLGATHER, outs, [this, outs, in] { return gather_list(outs, in); });
   }
 
-  WorkPtr _allgather_base(at::Tensor& output, at::Tensor& input, const c10d::AllgatherOptions&) override {
+  WorkPtr DDPKIT_C10D_ALL_GATHER_SINGLE(at::Tensor& output, at::Tensor& input, const c10d::AllgatherOptions&) override {
     check_world_times(output, "output", input, "input", "all_gather_into_tensor");
     const at::Tensor out = output, in = input;
     return work(OpType::_ALLGATHER_BASE, {out}, [this, out, in] { return gather_flat(out, in); });
@@ -172,7 +184,7 @@ class DdpkitBackend : public compat::Backend {
   }
 
 #if DDPKIT_TORCH_AT_LEAST(2, 1)
-  WorkPtr allgather_into_tensor_coalesced(std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+  WorkPtr DDPKIT_C10D_ALL_GATHER_SINGLE_COALESCED(std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
                                           const c10d::AllgatherOptions&) override {
     DDPKIT_CHECK(outputs.size() == inputs.size(), "ddpkit backend: allgather_into_tensor_coalesced has ",
                  outputs.size(), " outputs for ", inputs.size(), " inputs");
@@ -186,7 +198,7 @@ class DdpkitBackend : public compat::Backend {
     });
   }
 
-  WorkPtr reduce_scatter_tensor_coalesced(std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+  WorkPtr DDPKIT_C10D_REDUCE_SCATTER_SINGLE_COALESCED(std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
                                           const c10d::ReduceScatterOptions& opts) override {
     DDPKIT_CHECK(outputs.size() == inputs.size(), "ddpkit backend: reduce_scatter_tensor_coalesced has ",
                  outputs.size(), " outputs for ", inputs.size(), " inputs");
@@ -266,7 +278,7 @@ class DdpkitBackend : public compat::Backend {
     return work(OpType::REDUCE_SCATTER, {out}, [this, target, in, op] { return scatter_flat(target, in, op, "reduce_scatter"); });
   }
 
-  WorkPtr _reduce_scatter_base(at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) override {
+  WorkPtr DDPKIT_C10D_REDUCE_SCATTER_SINGLE(at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) override {
     check_world_times(input, "input", output, "output", "reduce_scatter_tensor");
     const at::Tensor out = output, in = input;
     const ReduceOp op = opts.reduceOp;
@@ -276,7 +288,7 @@ class DdpkitBackend : public compat::Backend {
     });
   }
 
-  WorkPtr alltoall_base(at::Tensor& output, at::Tensor& input, std::vector<int64_t>& output_splits,
+  WorkPtr DDPKIT_C10D_ALL_TO_ALL_SINGLE(at::Tensor& output, at::Tensor& input, std::vector<int64_t>& output_splits,
                         std::vector<int64_t>& input_splits, const c10d::AllToAllOptions&) override {
     check_alltoall(output, input, output_splits, input_splits);
     const at::Tensor out = output, in = input;
@@ -337,18 +349,21 @@ class DdpkitBackend : public compat::Backend {
 
   // Point to point: Gloo's own (tags keep them apart from collectives).
   WorkPtr send(std::vector<at::Tensor>& tensors, int dst, int tag) override {
+    check_open();
     one(tensors, "send");
     check_root(dst, "send");
     check_tag(tag, "send");
     return pg_->with_backend([&](compat::Backend& b) { return b.send(tensors, dst, tag); });
   }
   WorkPtr recv(std::vector<at::Tensor>& tensors, int src, int tag) override {
+    check_open();
     one(tensors, "recv");
     check_root(src, "recv");
     check_tag(tag, "recv");
     return pg_->with_backend([&](compat::Backend& b) { return b.recv(tensors, src, tag); });
   }
   WorkPtr recvAnysource(std::vector<at::Tensor>& tensors, int tag) override {
+    check_open();
     one(tensors, "recv");
     check_tag(tag, "recv");
     return pg_->with_backend([&](compat::Backend& b) { return b.recvAnysource(tensors, tag); });
@@ -382,7 +397,36 @@ class DdpkitBackend : public compat::Backend {
  private:
   static at::Tensor as_bytes(const at::Tensor& contiguous) { return contiguous.reshape({-1}).view(at::kByte); }
 
+#if DDPKIT_C10D_BACKEND_HAS_SPLIT
+  // torch.distributed.split_group: the child is a ddpkit group of `ranks` (ranks of this group, in
+  // the order that gives the child's ranks), made with this group's options over `store`, which
+  // PyTorch prefixes per child. The store is cloned: the child's rendezvous blocks on it and must
+  // not share the parent's connection (pytorch#196665).
+  bool supportsSplitting() const override { return true; }
+  // What split_group copies for each child (and may change: its timeout, group name).
+  c10::intrusive_ptr<Options> getBackendOptions() override {
+    check_open();
+    return c10::make_intrusive<Options>("ddpkit", pg_->timeout());
+  }
+  c10::intrusive_ptr<c10d::Backend> split(const c10::intrusive_ptr<c10d::Store>& store, const std::vector<int>& ranks,
+                                          const c10::intrusive_ptr<Options>& opts) override {
+    check_open();
+    const auto at = std::find(ranks.begin(), ranks.end(), getRank());
+    if (at == ranks.end()) return nullptr;  // not in this split: no group here (NON_GROUP_MEMBER)
+    for (int r : ranks) check_root(r, "split_group");
+    const auto& o = pg_->options();
+    const std::chrono::milliseconds timeout = opts ? opts->timeout : pg_->timeout();
+    return c10::make_intrusive<DdpkitBackend>(store->clone(), static_cast<int>(at - ranks.begin()),
+                                              static_cast<int>(ranks.size()), timeout, o.gloo_threads(),
+                                              o.shared_memory());
+  }
+#endif
+
   // ---- argument checks ----
+  void check_open() const {
+    DDPKIT_CHECK(!closed_.load(), "ddpkit backend: this process group was shut down or aborted "
+                 "(destroy_process_group, abort); make a new group");
+  }
   const at::Tensor& cpu(const at::Tensor& t, const char* op) const {
     DDPKIT_CHECK(t.defined(), "ddpkit backend: ", op, " got an undefined tensor");
     DDPKIT_CHECK(t.device().is_cpu(), "ddpkit backend: ", op, " got a tensor on ", t.device(),
@@ -419,6 +463,7 @@ class DdpkitBackend : public compat::Backend {
   // The work of the collective `start` issues, in the order IssueOrder keeps (backend_work.h).
   // Arguments are checked before, so that bad input is named at the call.
   WorkPtr work(OpType type, std::vector<at::Tensor> outputs, std::function<FuturePtr()> start) {
+    check_open();
     ++sequence_;
     FuturePtr done;
     {
@@ -590,6 +635,23 @@ class DdpkitBackend : public compat::Backend {
     });
   }
 
+  // Once: queued collectives end (each within the timeout), then the group goes. A collective
+  // issued afterwards fails in work() naming the shutdown.
+  void close() {
+    std::lock_guard<std::mutex> lock(close_mutex_);
+    if (closed_.exchange(true)) return;
+    order_->drain(pg_->timeout() * 2);
+    runner_->stop();
+    pg_.reset();
+  }
+
+#if DDPKIT_TORCH_AT_LEAST(2, 7)
+  static constexpr bool kAbortable = true;  // Backend::abort() exists from 2.7
+#else
+  static constexpr bool kAbortable = false;
+#endif
+  std::mutex close_mutex_;
+  std::atomic<bool> closed_{false};
   std::shared_ptr<ddpkit::ProcessGroup> pg_;
   std::shared_ptr<CallbackRunner> runner_ = CallbackRunner::make();
   std::shared_ptr<IssueOrder> order_ = std::make_shared<IssueOrder>(runner_);

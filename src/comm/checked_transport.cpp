@@ -60,38 +60,38 @@ class CheckedTransport final : public ForwardingTransport {
   std::string name() const override { return inner_->name() + ", checked"; }
 
   FuturePtr allreduce(const at::Tensor& t, c10d::ReduceOp op) override {
-    return checked(call_on(Kind::kAllreduce, t, static_cast<int64_t>(op)), [=] { return inner_->allreduce(t, op); });
+    return checked(call_on(Kind::kAllreduce, t, static_cast<int64_t>(op)), [this, t, op] { return inner_->allreduce(t, op); });
   }
   FuturePtr broadcast(const at::Tensor& t, int root) override {
-    return checked(call_on(Kind::kBroadcast, t, root), [=] { return inner_->broadcast(t, root); });
+    return checked(call_on(Kind::kBroadcast, t, root), [this, t, root] { return inner_->broadcast(t, root); });
   }
   FuturePtr allgather(const std::vector<at::Tensor>& outputs, const at::Tensor& input) override {
-    return checked(call_on(Kind::kAllgather, input), [=] { return inner_->allgather(outputs, input); });
+    return checked(call_on(Kind::kAllgather, input), [this, outputs, input] { return inner_->allgather(outputs, input); });
   }
   FuturePtr allgather_into_tensor(const at::Tensor& output, const at::Tensor& input) override {
-    return checked(call_on(Kind::kAllgather, input), [=] { return inner_->allgather_into_tensor(output, input); });
+    return checked(call_on(Kind::kAllgather, input), [this, output, input] { return inner_->allgather_into_tensor(output, input); });
   }
   FuturePtr alltoall(const at::Tensor& output, const at::Tensor& input) override {
-    return checked(call_on(Kind::kAlltoall, input), [=] { return inner_->alltoall(output, input); });
+    return checked(call_on(Kind::kAlltoall, input), [this, output, input] { return inner_->alltoall(output, input); });
   }
   FuturePtr reduce_scatter(const at::Tensor& output, const at::Tensor& input) override {
-    return checked(call_on(Kind::kReduceScatter, input), [=] { return inner_->reduce_scatter(output, input); });
+    return checked(call_on(Kind::kReduceScatter, input), [this, output, input] { return inner_->reduce_scatter(output, input); });
   }
   FuturePtr barrier() override {
     Call c{Kind::kBarrier};
     if (core_.options().backend() == "nccl") c.device = c10::Device(c10::kCUDA);
-    return checked(c, [=] { return inner_->barrier(); });
+    return checked(c, [this] { return inner_->barrier(); });
   }
   FuturePtr two_phase(const std::shared_ptr<TwoPhaseJob>& job, const at::Tensor& value,
                       const std::string& what) override {
-    return checked(call_on(Kind::kTwoPhase, job->send1, job->pieces), [=] { return inner_->two_phase(job, value, what); });
+    return checked(call_on(Kind::kTwoPhase, job->send1, job->pieces), [this, job, value, what] { return inner_->two_phase(job, value, what); });
   }
   // The parts' allreduce goes through this transport's allreduce (Transport's default), checked
   // there; where the inner transport sums in place it is checked as an allreduce of the buffer.
   FuturePtr allreduce_parts(const at::Tensor& buffer, const std::vector<at::Tensor>& parts, double scale) override {
     if (!inner_->sums_in_place(buffer)) return Transport::allreduce_parts(buffer, parts, scale);
     return checked(call_on(Kind::kAllreduce, buffer, static_cast<int64_t>(c10d::ReduceOp::SUM)),
-                   [=] { return inner_->allreduce_parts(buffer, parts, scale); });
+                   [this, buffer, parts, scale] { return inner_->allreduce_parts(buffer, parts, scale); });
   }
 
  private:

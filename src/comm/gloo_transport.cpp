@@ -181,7 +181,7 @@ FuturePtr GlooTransport::allgather_into_tensor(const at::Tensor& output, const a
                        at::Tensor out = output, in = input.contiguous();
                        c10d::AllgatherOptions o;
                        o.timeout = timeout;
-                       return with_backend([&](compat::Backend& b) { return b._allgather_base(out, in, o); });
+                       return with_backend([&](compat::Backend& b) { return compat::all_gather_single(b, out, in, o); });
                      });
 }
 
@@ -203,7 +203,7 @@ FuturePtr GlooTransport::alltoall(const at::Tensor& output, const at::Tensor& in
                        c10d::AllToAllOptions o;
                        o.timeout = timeout;
                        return with_backend(
-                           [&](compat::Backend& b) { return b.alltoall_base(out, in, equal, equal, o); });
+                           [&](compat::Backend& b) { return compat::all_to_all_single(b, out, in, equal, equal, o); });
                      });
 }
 

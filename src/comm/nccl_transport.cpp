@@ -70,7 +70,7 @@ class NcclTransport final : public Transport {
                    at::Tensor out = output, in = input.contiguous();
                    c10d::AllgatherOptions o;
                    o.timeout = timeout;
-                   return b._allgather_base(out, in, o);
+                   return compat::all_gather_single(b, out, in, o);
                  });
   }
 
@@ -82,7 +82,7 @@ class NcclTransport final : public Transport {
                    std::vector<int64_t> equal;
                    c10d::AllToAllOptions o;
                    o.timeout = timeout;
-                   return b.alltoall_base(out, in, equal, equal, o);
+                   return compat::all_to_all_single(b, out, in, equal, equal, o);
                  });
   }
 
@@ -93,7 +93,7 @@ class NcclTransport final : public Transport {
                    at::Tensor out = output, in = input;
                    c10d::ReduceScatterOptions o;
                    o.timeout = timeout;
-                   return b._reduce_scatter_base(out, in, o);
+                   return compat::reduce_scatter_single(b, out, in, o);
                  });
   }
 

@@ -146,7 +146,7 @@ void run_two_phase_over_backend(GroupCore& core, Transport& transport, const std
     c10d::AllToAllOptions o;
     o.timeout = core.timeout();
     detail::BackendCall call = transport.backend_call();
-    return call.backend->alltoall_base(recv, send, equal, equal, o);
+    return compat::all_to_all_single(*call.backend, recv, send, equal, equal, o);
   };
   try {
     check_two_phase(core, *job, what);

@@ -26,7 +26,7 @@ struct FlatParam {
   std::vector<int64_t> shape;
   int64_t offset = 0;
   int64_t numel = 0;
-  std::shared_ptr<torch::autograd::Node> accumulator;  // autograd holds it weakly: we keep it
+  compat::GradAccumulatorPtr accumulator;  // autograd holds it weakly: we keep it
   bool grad_in = false;  // this backward: its gradient was copied into the unit's flat gradient
 };
 

@@ -133,7 +133,7 @@ ModelProfile profile_model(const std::function<ProfileTarget()>& make, const Pro
 
   // Alone: the shapes, units and the heap a step needs for activations.
   {
-    const int64_t rss_start = process_resources().rss_bytes, heap_start = heap_in_use();
+    const int64_t rss_start = process_resources().anon_rss_bytes, heap_start = heap_in_use();
     ProfileTarget t = make();
     const auto params = t.module->parameters();
     std::map<const void*, int> unit_of;
@@ -167,11 +167,11 @@ ModelProfile profile_model(const std::function<ProfileTarget()>& make, const Pro
     at::Tensor loss = t.loss();
     const int64_t forward_extra = heap_in_use() - before;
     loss.backward();
-    // The resident memory the steps grew by, less the heap still in use (the model, its
-    // gradients and optimizer state): the peak of what steps free again plus the allocator's
-    // fragments, both of which a rank's peak holds. (The allocator keeps freed memory here: the
+    // The anonymous resident memory the steps grew by (library code faulted in is not counted),
+    // less the heap still in use (the model, its gradients and optimizer state): the peak of what
+    // steps free again plus the allocator's fragments, both of which a rank's peak holds. (The allocator keeps freed memory here: the
     // CLI tunes it as training does.) Seen between gradient births too, where the hooks are blind.
-    const int64_t slack = (process_resources().rss_bytes - rss_start) - (heap_in_use() - heap_start);
+    const int64_t slack = (process_resources().anon_rss_bytes - rss_start) - (heap_in_use() - heap_start);
     prof.activation_bytes = std::max<int64_t>(0, std::max({forward_extra, backward_extra, slack}));
   }
 

@@ -85,6 +85,7 @@ ProcessResources process_resources() {
     long long kb = 0;
     while (std::fgets(line, sizeof line, f))
       if (std::sscanf(line, "VmHWM: %lld kB", &kb) == 1) r.peak_rss_bytes = kb * 1024;
+      else if (std::sscanf(line, "RssAnon: %lld kB", &kb) == 1) r.anon_rss_bytes = kb * 1024;
     std::fclose(f);
   }
   if (DIR* d = opendir("/proc/self/fd")) {

@@ -8,6 +8,7 @@
 #include <ddpkit/runtime/runtime.h>
 
 #include <torch/torch.h>
+#include <torch/version.h>
 
 #include <algorithm>
 #include <cstdio>
@@ -439,12 +440,25 @@ plan::ModelProfile profile_job(const Flags& f, const std::vector<std::string>& a
 const std::vector<std::string> kCalibrationModel = {"--dataset", "synthetic", "--mlp-dims", "1024,3072,3072,1024",
                                                     "--synthetic-size", "2048", "--fsdp-min-unit-params", "1000"};
 
+// A rank's resident floor: the peak of a 2-rank job of a 16x16 MLP (libtorch's code and heap).
+int64_t measure_process_bytes() {
+  return train_result({"--nproc", "2", "--dataset", "synthetic", "--mlp-dims", "16,16", "--synthetic-size", "256",
+                       "--batch-size", "16", "--steps", "3"})
+      .peak_rss_bytes;
+}
+
+// The libtorch version constants were measured with ("libtorch X" in measured_on), or "".
+std::string measured_libtorch(const plan::MachineConstants& m) {
+  const size_t at = m.measured_on.find("libtorch ");
+  if (at == std::string::npos) return "";
+  const size_t from = at + std::strlen("libtorch ");
+  return m.measured_on.substr(from, m.measured_on.find_first_of(";, ", from) - from);
+}
+
 plan::MachineConstants calibrate(const std::string& path) {
   std::cerr << "ddpkit plan: measuring collectives, copies and codecs\n";
   plan::MachineConstants m = plan::calibrate_machine(2);
-  m.process_bytes = train_result({"--nproc", "2", "--dataset", "synthetic", "--mlp-dims", "16,16", "--synthetic-size",
-                                  "256", "--batch-size", "16", "--steps", "3"})
-                        .peak_rss_bytes;
+  m.process_bytes = measure_process_bytes();
   // What each strategy holds beyond the model's accounting, from a real 2-rank job's peak: with
   // shared memory, as ranks of one host; and over Gloo alone, as ranks of two hosts or a job of
   // one rank (a 2-rank job over Gloo holds 7-20 % more than over shared memory: its own buffers,
@@ -511,11 +525,23 @@ plan::MachineConstants load_or_calibrate(const std::string& path) {
     std::cerr << "ddpkit plan: " << path << " was measured " << stale << "; measuring again\n";
     return calibrate(path);
   }
+  plan::MachineConstants m;
   try {
-    return plan::machine_constants_from_json(*text);
+    m = plan::machine_constants_from_json(*text);
   } catch (const c10::Error& e) {
     throw std::runtime_error(path + ": " + e.what_without_backtrace());
   }
+  // The process floor is the libtorch's own (pip's CUDA torch 2.15 holds ~230 MB a rank more than
+  // Debian's 1.13): constants measured with another libtorch get this one's, measured now.
+  const std::string then = measured_libtorch(m);
+  if (!then.empty() && then != TORCH_VERSION) {
+    const int64_t before = m.process_bytes;
+    m.process_bytes = measure_process_bytes();
+    std::cerr << "ddpkit plan: " << path << " was measured with libtorch " << then << ", this is " << TORCH_VERSION
+              << ": a rank's floor measured again, " << before / (1 << 20) << " -> " << m.process_bytes / (1 << 20)
+              << " MiB (ddpkit plan --calibrate measures everything for this libtorch)\n";
+  }
+  return m;
 }
 
 }  // namespace

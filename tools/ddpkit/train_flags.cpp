@@ -19,9 +19,9 @@ const std::vector<std::string> kTrainSwitches = {
     "powersgd-batch-same-shape", "no-error-feedback", "no-warm-start", "int8-error-feedback", "optimizer-in-hook",
     "zero-shard-buckets", "zero-bucket-view", "no-divergence-guard", "resume", "fault-tolerant"};
 
-c10::optional<at::ScalarType> fsdp_dtype(const Flags& f, const std::string& flag) {
+compat::optional<at::ScalarType> fsdp_dtype(const Flags& f, const std::string& flag) {
   const std::string v = f.str(flag);
-  if (v.empty()) return c10::nullopt;
+  if (v.empty()) return compat::nullopt;
   if (v == "fp32") return at::kFloat;
   if (v == "bf16") return at::kBFloat16;
   throw UsageError("--" + flag + " must be fp32 or bf16, got '" + v + "'");

@@ -15,7 +15,7 @@ struct TrainFlags {
   std::string model, hook, dataset, fsdp_name, optimizer, zero_level, checkpoint_dir;
   bool use_fsdp = false, use_ddp = true, optimizer_in_hook = false;
   ShardingStrategy fsdp_strategy = ShardingStrategy::kFullShard;
-  c10::optional<at::ScalarType> fsdp_param_dtype, fsdp_reduce_dtype;
+  compat::optional<at::ScalarType> fsdp_param_dtype, fsdp_reduce_dtype;
   ZeroOverlap zero_overlap = ZeroOverlap::kNone;
   int nproc = 2, epochs = 3, max_steps = 0, batch = 64, threads = 1, piece_kb = 1024;
   int checkpoint_every = 100, max_restarts = 0, report_every = 0;

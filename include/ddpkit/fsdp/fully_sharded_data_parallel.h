@@ -52,7 +52,7 @@
 #include <torch/nn/pimpl.h>
 #include <torch/ordered_dict.h>
 
-#include <c10/util/Optional.h>
+#include <ddpkit/compat.h>
 
 #include <functional>
 #include <memory>
@@ -82,11 +82,11 @@ enum class BackwardPrefetch {
 // Compute in lower precision; the fp32 shards stay the master copy the optimizer steps.
 struct MixedPrecision {
   // dtype of the gathered parameters (and of the forward's floating-point inputs); none: fp32.
-  TORCH_ARG(c10::optional<at::ScalarType>, param_dtype) = c10::nullopt;
+  TORCH_ARG(compat::optional<at::ScalarType>, param_dtype) = compat::nullopt;
   // dtype gradients are reduced in; none: param_dtype's.
-  TORCH_ARG(c10::optional<at::ScalarType>, reduce_dtype) = c10::nullopt;
+  TORCH_ARG(compat::optional<at::ScalarType>, reduce_dtype) = compat::nullopt;
   // dtype of floating-point buffers during training; none: unchanged.
-  TORCH_ARG(c10::optional<at::ScalarType>, buffer_dtype) = c10::nullopt;
+  TORCH_ARG(compat::optional<at::ScalarType>, buffer_dtype) = compat::nullopt;
 };
 
 // Whether `module` (at path `name`), with `unwrapped_params` parameters not already in units nested

@@ -191,7 +191,7 @@ class Reducer {
   std::vector<bool> expect_sparse_;
   std::shared_ptr<ProcessGroup> pg_;
   ReducerOptions options_;
-  std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;
+  std::vector<compat::GradAccumulatorPtr> accumulators_;
   std::vector<uintptr_t> hook_keys_;
 
   CommHook hook_;

@@ -55,6 +55,10 @@ double median(std::vector<double> values);
 // leaks in long runs (`ddpkit train --report-resources N`) and memory per rank (peak_rss_bytes).
 struct ProcessResources {
   int64_t rss_bytes = 0;
+  // The anonymous part of rss_bytes (RssAnon: heap, stacks, private mappings), without the
+  // library code and files mapped in (RssFile, RssShmem). A pip torch's libraries fault in
+  // hundreds of MB of code during a first step, which is no memory a step needs.
+  int64_t anon_rss_bytes = 0;
   int64_t peak_rss_bytes = 0;
   int64_t open_fds = 0;
 };
