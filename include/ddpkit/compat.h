@@ -100,6 +100,20 @@ inline c10::intrusive_ptr<c10d::Work> all_to_all_single(Backend& b, at::Tensor& 
   return b.DDPKIT_C10D_ALL_TO_ALL_SINGLE(out, in, out_splits, in_splits, o);
 }
 
+// PREMUL_SUM's factor when it is a number (FSDP2's gradient divide factor, ReduceOp.PREMUL_SUM(x)),
+// nullopt when it is a tensor or missing. The supplement holds `tensor_factors` in 1.13 and
+// `tensor_factor` from 2.x (PreMulSumSupplement, with the old name an alias).
+inline compat::optional<double> premul_sum_factor(const c10d::ReduceOp& op) {
+  const auto* s = dynamic_cast<const c10d::NCCLPreMulSumSupplement*>(op.supplement_.get());
+  if (s == nullptr) return compat::nullopt;
+#if DDPKIT_TORCH_AT_LEAST(2, 0)
+  if (s->tensor_factor.defined()) return compat::nullopt;
+#else
+  if (!s->tensor_factors.empty()) return compat::nullopt;
+#endif
+  return s->double_factor;
+}
+
 // torch::optim::Optimizer::state() is keyed by the parameter's TensorImpl: as the pointer printed
 // to a string in 1.13, as the pointer itself (void*) in 2.x. Pass the map to get its key type.
 template <class StateMap>

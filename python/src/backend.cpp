@@ -53,6 +53,7 @@ const char* op_name(const ReduceOp& op) {
     case ReduceOp::BAND: return "BAND";
     case ReduceOp::BOR: return "BOR";
     case ReduceOp::BXOR: return "BXOR";
+    case ReduceOp::PREMUL_SUM: return "PREMUL_SUM";
     default: return "an unsupported op";
   }
 }
@@ -486,7 +487,23 @@ class DdpkitBackend : public compat::Backend {
   }
 
   // A reduction of t into itself on every rank, for every op and dtype torch.distributed names.
+  // PREMUL_SUM (FSDP2 with set_gradient_divide_factor; Gloo refuses it): SUM of the inputs times
+  // the factor. The factor, checked; `op` must be PREMUL_SUM.
+  double premul_factor(const ReduceOp& op, const at::Tensor& t, const char* what) const {
+    const compat::optional<double> f = compat::premul_sum_factor(op);
+    DDPKIT_CHECK(f.has_value(), "ddpkit backend: ", what, " with PREMUL_SUM takes a number as its factor "
+                 "(ReduceOp.PREMUL_SUM(x) / _make_nccl_premul_sum(x)), not a tensor");
+    DDPKIT_CHECK(at::isFloatingType(t.scalar_type()), "ddpkit backend: ", what,
+                 " with PREMUL_SUM needs a floating-point tensor, got ", t.scalar_type());
+    return *f;
+  }
+
   FuturePtr reduce_in_place(const at::Tensor& t, const ReduceOp& op, const char* what) {
+    if (op == ReduceOp::PREMUL_SUM) {
+      at::Tensor scaled = t;
+      scaled.mul_(premul_factor(op, t, what));
+      return reduce_in_place(t, ReduceOp::SUM, what);
+    }
     DDPKIT_CHECK(is_sum(op) || op == ReduceOp::PRODUCT || op == ReduceOp::MIN || op == ReduceOp::MAX ||
                      op == ReduceOp::BAND || op == ReduceOp::BOR || op == ReduceOp::BXOR,
                  "ddpkit backend: ", what, " does not support ", op_name(op));
@@ -566,6 +583,8 @@ class DdpkitBackend : public compat::Backend {
 
   // output = chunk rank() of the reduction of every rank's input.
   FuturePtr scatter_flat(const at::Tensor& output, const at::Tensor& input, const ReduceOp& op, const char* what) {
+    if (op == ReduceOp::PREMUL_SUM)
+      return scatter_flat(output, input * premul_factor(op, input, what), ReduceOp::SUM, what);
     const at::ScalarType dtype = input.scalar_type();
     const int64_t n = output.numel(), rank = getRank();
     at::Tensor target = output;

@@ -4,13 +4,15 @@ SGD and AdamW, in fp32 and with a bf16 MixedPrecisionPolicy, and must end where 
 runs on Gloo tell whether pytorch#162338 (FSDP2's AVG reduce-scatter summed on Gloo) holds.
 
 fully_shard runs on CPU from torch 2.7 on (docs/python.md, "FSDP2"): on 2.6 it stops in its
-all-gather (torch.cpu.Stream has no record_event), so these tests skip below 2.7."""
+all-gather (torch.cpu.Stream has no record_event, added in pytorch#145935), so these tests skip
+below 2.7."""
 import pytest
 import torch
 
 from conftest import run_ranks
 
-pytestmark = pytest.mark.skipif(tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) < (2, 7),
+TORCH_MINOR = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2])
+pytestmark = pytest.mark.skipif(TORCH_MINOR < (2, 7),
                                 reason="fully_shard runs on CPU from torch 2.7 (2.6: torch.cpu.Stream has no "
                                        "record_event, raised in its all-gather)")
 
@@ -35,17 +37,17 @@ def batches():
     return [(torch.randn(BATCH, 10, generator=g), torch.randn(BATCH, 5, generator=g)) for _ in range(STEPS)]
 
 
-def make_optimizer(name, params):
+def make_optimizer(name, params, lr_scale=1.0):
     if name == "sgd":
-        return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+        return torch.optim.SGD(params, lr=0.05 * lr_scale, momentum=0.9)
     return torch.optim.AdamW(params, lr=0.01, weight_decay=0.01)
 
 
-def train_single_process(optimizer_name, precision):
+def train_single_process(optimizer_name, precision, lr_scale=1.0):
     """The reference: one process, the whole batch. With bf16, as FSDP2's policy computes: the
     forward and backward in bf16 copies of the fp32 parameters, gradients back in fp32."""
     model = make_model()
-    opt = make_optimizer(optimizer_name, model.parameters())
+    opt = make_optimizer(optimizer_name, model.parameters(), lr_scale)
     for x, y in batches():
         opt.zero_grad()
         if precision == "bf16":
@@ -63,7 +65,7 @@ def train_single_process(optimizer_name, precision):
     return [p.detach().clone() for p in model.parameters()]
 
 
-def train_fsdp2(rank, world, optimizer_name, precision, mesh_shape):
+def train_fsdp2(rank, world, optimizer_name, precision, mesh_shape, divide_factor=None):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -79,6 +81,10 @@ def train_fsdp2(rank, world, optimizer_name, precision, mesh_shape):
         if isinstance(layer, torch.nn.Linear):
             fully_shard(layer, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
+    if divide_factor is not None:  # FSDP2 then reduce-scatters with PREMUL_SUM(1 / factor)
+        for m in model.modules():
+            if hasattr(m, "set_gradient_divide_factor"):
+                m.set_gradient_divide_factor(divide_factor)
     opt = make_optimizer(optimizer_name, model.parameters())
     share = BATCH // world
     for x, y in batches():
@@ -134,4 +140,28 @@ def _configs(world):
 @pytest.mark.parametrize("world", [2, 3, 4], ids=["fsdp-2", "fsdp-3", "hsdp-2x2"])
 @pytest.mark.parametrize("backend", ["ddpkit", "gloo"])
 def test_fully_shard_matches_single_process_training(backend, world):
+    if backend == "gloo" and TORCH_MINOR < (2, 15):
+        # pytorch#162338: on 2.7.1 FSDP2's AVG reduce-scatter sums on Gloo (gradients x world);
+        # 2.15.0 averages. Releases between were not tried.
+        pytest.xfail("pytorch#162338: FSDP2 on Gloo sums where it averages (2.7.1; fixed in 2.15.0)")
     run(backend, world, _configs(world))
+
+
+def summed_gradients(rank, world):
+    """set_gradient_divide_factor(1.0): gradients summed, not averaged (FSDP2 reduce-scatters with
+    PREMUL_SUM(1.0)); SGD then steps as the single process does at world x the rate."""
+    try:
+        got = train_fsdp2(rank, world, "sgd", "fp32", (world,), divide_factor=1.0)
+    except RuntimeError as e:
+        return str(e)
+    want = train_single_process("sgd", "fp32", lr_scale=world)
+    return max(((g - w).abs().max() / w.abs().max()).item() for g, w in zip(got, want))
+
+
+@pytest.mark.parametrize("backend", ["ddpkit", "gloo"])
+def test_gradient_divide_factor_reduces_with_premul_sum(backend):
+    results = run_ranks(summed_gradients, 2, backend=backend, timeout=300)
+    if backend == "gloo":  # Gloo refuses the op FSDP2 then uses
+        assert all(isinstance(r, str) and "PREMUL_SUM" in r for r in results), results
+        return
+    assert all(isinstance(r, float) and r <= FP32_TOLERANCE for r in results), results
