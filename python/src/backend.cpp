@@ -395,9 +395,6 @@ class DdpkitBackend : public compat::Backend {
   }
 #endif
 
- private:
-  static at::Tensor as_bytes(const at::Tensor& contiguous) { return contiguous.reshape({-1}).view(at::kByte); }
-
 #if DDPKIT_C10D_BACKEND_HAS_SPLIT
   // torch.distributed.split_group: the child is a ddpkit group of `ranks` (ranks of this group, in
   // the order that gives the child's ranks), made with this group's options over `store`, which
@@ -422,6 +419,9 @@ class DdpkitBackend : public compat::Backend {
                                               o.shared_memory());
   }
 #endif
+
+ private:
+  static at::Tensor as_bytes(const at::Tensor& contiguous) { return contiguous.reshape({-1}).view(at::kByte); }
 
   // ---- argument checks ----
   void check_open() const {
