@@ -67,11 +67,12 @@ if [ -x build-pip/ddpkit ]; then
   build-pip/ddpkit version
   # One NCCL in a process, the wheel's (libtorch_cuda's own), and no toolkit library besides the wheel's.
   if [ "$cuda" = 1 ]; then
-    nccl=$(ldd build-pip/ddpkit | awk '/libnccl/ {print $3}')
+    nccl=$(realpath "$(ldd build-pip/ddpkit | awk '/libnccl/ {print $3}')")
+    wheel_nvidia=$(realpath "$torch_dir/../nvidia")
     echo "check-pip-torch: libnccl.so.2 resolves to $nccl"
     case "$nccl" in
-      "$torch_dir"/../nvidia/*) ;;
-      *) echo "check-pip-torch: ddpkit's NCCL is not the wheel's" >&2; exit 1 ;;
+      "$wheel_nvidia"/*) ;;
+      *) echo "check-pip-torch: ddpkit's NCCL is not the wheel's (in $wheel_nvidia)" >&2; exit 1 ;;
     esac
   fi
 fi
