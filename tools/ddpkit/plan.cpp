@@ -440,13 +440,6 @@ plan::ModelProfile profile_job(const Flags& f, const std::vector<std::string>& a
 const std::vector<std::string> kCalibrationModel = {"--dataset", "synthetic", "--mlp-dims", "1024,3072,3072,1024",
                                                     "--synthetic-size", "2048", "--fsdp-min-unit-params", "1000"};
 
-// A rank's resident floor: the peak of a 2-rank job of a 16x16 MLP (libtorch's code and heap).
-int64_t measure_process_bytes() {
-  return train_result({"--nproc", "2", "--dataset", "synthetic", "--mlp-dims", "16,16", "--synthetic-size", "256",
-                       "--batch-size", "16", "--steps", "3"})
-      .peak_rss_bytes;
-}
-
 // The libtorch version constants were measured with ("libtorch X" in measured_on), or "".
 std::string measured_libtorch(const plan::MachineConstants& m) {
   const size_t at = m.measured_on.find("libtorch ");
@@ -458,7 +451,9 @@ std::string measured_libtorch(const plan::MachineConstants& m) {
 plan::MachineConstants calibrate(const std::string& path) {
   std::cerr << "ddpkit plan: measuring collectives, copies and codecs\n";
   plan::MachineConstants m = plan::calibrate_machine(2);
-  m.process_bytes = measure_process_bytes();
+  m.process_bytes = train_result({"--nproc", "2", "--dataset", "synthetic", "--mlp-dims", "16,16", "--synthetic-size",
+                                  "256", "--batch-size", "16", "--steps", "3"})
+                        .peak_rss_bytes;
   // What each strategy holds beyond the model's accounting, from a real 2-rank job's peak: with
   // shared memory, as ranks of one host; and over Gloo alone, as ranks of two hosts or a job of
   // one rank (a 2-rank job over Gloo holds 7-20 % more than over shared memory: its own buffers,
@@ -531,16 +526,13 @@ plan::MachineConstants load_or_calibrate(const std::string& path) {
   } catch (const c10::Error& e) {
     throw std::runtime_error(path + ": " + e.what_without_backtrace());
   }
-  // The process floor is the libtorch's own (pip's CUDA torch 2.15 holds ~230 MB a rank more than
-  // Debian's 1.13): constants measured with another libtorch get this one's, measured now.
+  // The process floor is the libtorch's own (a rank of pip's CUDA torch 2.15 holds 389 MiB, of
+  // Debian's 1.13 169 MiB): memory figures from constants of another libtorch are off by that much.
   const std::string then = measured_libtorch(m);
-  if (!then.empty() && then != TORCH_VERSION) {
-    const int64_t before = m.process_bytes;
-    m.process_bytes = measure_process_bytes();
+  if (!then.empty() && then != TORCH_VERSION)
     std::cerr << "ddpkit plan: " << path << " was measured with libtorch " << then << ", this is " << TORCH_VERSION
-              << ": a rank's floor measured again, " << before / (1 << 20) << " -> " << m.process_bytes / (1 << 20)
-              << " MiB (ddpkit plan --calibrate measures everything for this libtorch)\n";
-  }
+              << ": its per-rank floor (" << m.process_bytes / (1 << 20)
+              << " MiB) may not be this libtorch's; ddpkit plan --calibrate measures them for this one\n";
   return m;
 }
 
