@@ -17,7 +17,7 @@ base_python=${DDPKIT_PIP_BASE_PYTHON:-/usr/bin/python3}
 pins=(
   torch==2.15.0
   torchft==0.2.0        # fault-tolerant replica groups, the peer of ddpkit's FT (issue 71)
-  ray[train]==2.60.0    # Ray Train (issue 71)
+  "ray[train]==2.60.0"  # Ray Train (issue 71); quoted: [train] would glob
   deepspeed==0.19.8     # ZeRO on CPU/Gloo (issue 71)
   numpy==2.4.6          # the newest numpy for Python 3.11
   pytest==9.2.0
