@@ -20,6 +20,9 @@ if TESTS not in sys.path:
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(TESTS)), "tests"))
 from ports import free_port  # noqa: E402,F401  (the repository's one way to pick a port; tests import it from here)
 
+# torch's (major, minor): the tests that depend on the release compare against it.
+TORCH_MINOR = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2])
+
 
 def _rank_main(fn, rank, world, port, args, results, env, backend):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),

@@ -8,7 +8,7 @@ from datetime import timedelta
 import pytest
 import torch
 
-from conftest import free_port, run_ranks
+from conftest import TORCH_MINOR, free_port, run_ranks
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64, torch.uint8,
           torch.bool]
@@ -537,9 +537,6 @@ def test_new_group_takes_ranks_and_options_take_arguments():
         assert "ValueError" in e["threads"] and "gloo_threads" in e["threads"], e
         assert "TypeError" in e["pg_options"] and "ddpkit.Options" in e["pg_options"], e
         assert r["pg_options_sum"] == 6.0, r
-
-
-TORCH_MINOR = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2])
 
 
 def current_contract(rank, world):

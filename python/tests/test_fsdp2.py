@@ -9,9 +9,8 @@ below 2.7."""
 import pytest
 import torch
 
-from conftest import run_ranks
+from conftest import TORCH_MINOR, run_ranks
 
-TORCH_MINOR = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2])
 pytestmark = pytest.mark.skipif(TORCH_MINOR < (2, 7),
                                 reason="fully_shard runs on CPU from torch 2.7 (2.6: torch.cpu.Stream has no "
                                        "record_event, raised in its all-gather)")

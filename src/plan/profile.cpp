@@ -169,8 +169,9 @@ ModelProfile profile_model(const std::function<ProfileTarget()>& make, const Pro
     loss.backward();
     // The anonymous resident memory the steps grew by (library code faulted in is not counted),
     // less the heap still in use (the model, its gradients and optimizer state): the peak of what
-    // steps free again plus the allocator's fragments, both of which a rank's peak holds. (The allocator keeps freed memory here: the
-    // CLI tunes it as training does.) Seen between gradient births too, where the hooks are blind.
+    // steps free again plus the allocator's fragments, both of which a rank's peak holds. (The
+    // allocator keeps freed memory here: the CLI tunes it as training does.) Seen between gradient
+    // births too, where the hooks are blind.
     const int64_t slack = (process_resources().anon_rss_bytes - rss_start) - (heap_in_use() - heap_start);
     prof.activation_bytes = std::max<int64_t>(0, std::max({forward_extra, backward_extra, slack}));
   }
