@@ -25,7 +25,7 @@ from pytorch_ddp import build  # ddpkit's MLP layout (bench/pytorch_ddp.py)
 DIMS = [1024, 4096, 1024, 4096, 1024, 4096, 1024, 4096, 1024]
 
 
-def worker(rank, world, port, mode, backend, steps, out):
+def worker(rank, world, port, mode, backend, steps, out, comm_hooks):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), USE_LIBUV="0")
     torch.set_num_threads(1)
     if backend == "ddpkit":
@@ -41,6 +41,9 @@ def worker(rank, world, port, mode, backend, steps, out):
             if isinstance(layer, torch.nn.Linear):
                 fully_shard(layer)
         fully_shard(net)
+        if comm_hooks:  # ddpkit's FSDP hooks as FSDP2's reduce-scatter (ddpkit.fsdp2)
+            import ddpkit.fsdp2
+            ddpkit.fsdp2.set_comm_hooks(net, comm_hooks)
     else:
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, ShardingStrategy
         from torch.distributed.fsdp.wrap import ModuleWrapPolicy
@@ -68,20 +71,25 @@ def main():
     ap.add_argument("--mode", choices=["ddp", "full_shard", "fsdp2"], required=True)
     ap.add_argument("--backend", choices=["gloo", "ddpkit"], default="gloo")
     ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--comm-hooks", choices=["none", "fp16", "bf16"], default=None,
+                    help="fsdp2 on ddpkit: ddpkit.fsdp2.set_comm_hooks(model, CODEC)")
     a = ap.parse_args()
+    if a.comm_hooks and (a.mode != "fsdp2" or a.backend != "ddpkit"):
+        ap.error("--comm-hooks needs --mode fsdp2 --backend ddpkit")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    procs = [ctx.Process(target=worker, args=(r, 2, port, a.mode, a.backend, a.steps, q)) for r in range(2)]
+    procs = [ctx.Process(target=worker, args=(r, 2, port, a.mode, a.backend, a.steps, q, a.comm_hooks)) for r in range(2)]
     for p in procs:
         p.start()
     for p in procs:
         p.join()
     if any(p.exitcode for p in procs):
         sys.exit(f"pytorch_fsdp: a rank failed ({[p.exitcode for p in procs]})")
-    print(json.dumps({"mode": a.mode, "backend": a.backend, "torch": torch.__version__, "median_step_ms": q.get()}))
+    print(json.dumps({"mode": a.mode, "backend": a.backend, "comm_hooks": a.comm_hooks, "torch": torch.__version__,
+                      "median_step_ms": q.get()}))
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ pins=(
   numpy==2.4.6          # the newest numpy for Python 3.11
   pytest==9.2.0
   expecttest==0.3.0     # torch.testing._internal imports it (PyTorch's own suite)
+  parameterized==0.9.0  # torchft's own integration tests import it (issue 71)
   pybind11==3.1.0       # the Python package's build
   pip==26.3
   setuptools==84.2.1

@@ -5,6 +5,7 @@
 // runs on its Gloo backend, the first two on the sequencer so the order still holds.
 #include "backend.h"
 #include "backend_work.h"
+#include "ft/detached.h"  // src/: the library's own helper for teardown off the caller's path
 
 #include <ddpkit/comm/process_group.h>
 #include <ddpkit/compat.h>
@@ -81,9 +82,21 @@ class DdpkitBackend : public compat::Backend {
   void shutdown() override { close(); }
   // ProcessGroup.abort() (and torchft-style callers on a lost peer): the collectives in flight fail
   // now with an error naming the abort, and the group goes as in shutdown.
+  // Returns at once: the group's teardown (its transport's aborted work ends only by its timeout)
+  // runs on a thread of its own, which holds this backend until it is done, so a caller that
+  // aborts to reconfigure (torchft, on every quorum) does not wait for it.
   void abort() override {
-    if (!closed_.load()) pg_->abort("the torch.distributed group was aborted");
-    close();
+    {
+      std::lock_guard<std::mutex> lock(close_mutex_);
+      if (closed_.load()) return;
+      pg_->abort("the torch.distributed group was aborted");
+      closed_ = true;  // collectives issued from now fail in work(), naming the abort
+    }
+    auto self = c10::intrusive_ptr<DdpkitBackend>::unsafe_reclaim_from_nonowning(this);
+    teardowns().start([self]() mutable {
+      self->tear_down();
+      self.reset();
+    });
   }
 #endif
 
@@ -96,6 +109,13 @@ class DdpkitBackend : public compat::Backend {
   const std::shared_ptr<ddpkit::ProcessGroup>& group() const {
     check_open();
     return pg_;
+  }
+  // A collective of ddpkit's own (its FSDP hooks, torch_fsdp2_comm.cpp) as this group's work, in
+  // the order every collective of the group keeps.
+  WorkPtr issue(OpType type, std::vector<at::Tensor> outputs,
+                std::function<FuturePtr(const std::shared_ptr<ddpkit::ProcessGroup>&)> start) {
+    std::shared_ptr<ddpkit::ProcessGroup> pg = group();
+    return work(type, std::move(outputs), [pg, start] { return start(pg); });
   }
 
   WorkPtr broadcast(std::vector<at::Tensor>& tensors, const c10d::BroadcastOptions& opts) override {
@@ -657,11 +677,24 @@ class DdpkitBackend : public compat::Backend {
   // Once: queued collectives end (each within the timeout), then the group goes. A collective
   // issued afterwards fails in work() naming the shutdown.
   void close() {
+    {
+      std::lock_guard<std::mutex> lock(close_mutex_);
+      if (closed_.exchange(true)) return;  // closed, or aborted (whose thread tears down)
+    }
+    tear_down();
+  }
+  void tear_down() {
     std::lock_guard<std::mutex> lock(close_mutex_);
-    if (closed_.exchange(true)) return;
+    if (!pg_) return;
     order_->drain(pg_->timeout() * 2);
     runner_->stop();
     pg_.reset();
+  }
+
+  // Aborted groups being torn down; joined at exit at the latest.
+  static ft::DetachedThreads& teardowns() {
+    static ft::DetachedThreads threads;
+    return threads;
   }
 
 #if DDPKIT_TORCH_AT_LEAST(2, 7)
@@ -681,6 +714,16 @@ class DdpkitBackend : public compat::Backend {
 };
 
 }  // namespace
+
+c10::intrusive_ptr<c10d::Work> issue_on_backend(
+    const py::handle& backend, c10d::OpType type, std::vector<at::Tensor> outputs,
+    std::function<FuturePtr(const std::shared_ptr<ddpkit::ProcessGroup>&)> start) {
+  DDPKIT_CHECK(py::isinstance<DdpkitBackend>(backend), "expected a process group of the ddpkit backend, got one of ",
+               std::string(py::str(py::type::of(backend).attr("__name__"))));
+  DdpkitBackend& b = backend.cast<DdpkitBackend&>();
+  py::gil_scoped_release no_gil;
+  return b.issue(type, std::move(outputs), std::move(start));
+}
 
 void bind_backend(py::module& m) {
 #if DDPKIT_TORCH_AT_LEAST(2, 0)

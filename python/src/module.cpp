@@ -4,6 +4,7 @@
 // errors into Python exceptions that name what is wrong.
 #include "backend.h"
 #include "torch_ddp_hook.h"
+#include "torch_fsdp2_comm.h"
 
 #include <ddpkit/comm/launch_environment.h>
 #include <ddpkit/comm/process_group.h>
@@ -289,6 +290,7 @@ PYBIND11_MODULE(_C, m) {
   m.doc() = "ddpkit's native communication hooks for torch.nn.parallel.DistributedDataParallel";
   py::register_exception<CommError>(m, "CommError", PyExc_RuntimeError);
   bind_backend(m);
+  bind_fsdp2_comm(m);
 
   py::class_<ProcessGroup, std::shared_ptr<ProcessGroup>>(m, "ProcessGroup",
       "A ddpkit process group (Gloo): ordered collectives with a timeout; see ddpkit.new_group")

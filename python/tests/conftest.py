@@ -24,7 +24,7 @@ from ports import free_port  # noqa: E402,F401  (the repository's one way to pic
 TORCH_MINOR = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2])
 
 
-def _rank_main(fn, rank, world, port, args, results, env, backend):
+def _rank_main(fn, rank, world, port, args, kwargs, results, env, backend):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), USE_LIBUV="0")
     os.environ.update(env or {})
@@ -35,7 +35,7 @@ def _rank_main(fn, rank, world, port, args, results, env, backend):
             import ddpkit  # noqa: F401  registers the backend
         if backend:
             dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=60))
-        value = fn(rank, world, *args)
+        value = fn(rank, world, *args, **kwargs)
         buf = io.BytesIO()
         torch.save(value, buf)  # tensors by value: the rank exits before the parent reads
         results.put((rank, "ok", buf.getvalue()))
@@ -43,15 +43,17 @@ def _rank_main(fn, rank, world, port, args, results, env, backend):
         results.put((rank, "error", traceback.format_exc()))
 
 
-def run_ranks(fn, world=2, *args, timeout=180, env=None, backend="gloo"):
-    """backend: the default group's ("gloo", "ddpkit"), or None to leave initialization to fn."""
+def run_ranks(fn, world=2, *args, timeout=180, env=None, backend="gloo", kwargs=None):
+    """backend: the default group's ("gloo", "ddpkit"), or None to leave initialization to fn;
+    kwargs: keyword arguments for fn."""
     # One compute thread per rank, OpenBLAS's included (read when a rank imports torch), as the
     # C++ side runs: results are then reproducible bit for bit.
     os.environ.update(OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_rank_main, args=(fn, r, world, port, args, results, env, backend)) for r in range(world)]
+    procs = [ctx.Process(target=_rank_main, args=(fn, r, world, port, args, kwargs or {}, results, env, backend))
+             for r in range(world)]
     for p in procs:
         p.start()
     out, errors = {}, []

@@ -1,0 +1,139 @@
+"""ddpkit as torchft's process group (ddpkit.torchft.ProcessGroupDdpkit), against torchft 0.2.0.
+
+torchft's own tests as its wheel ships them (manager_integ_test: Manager + DDP, healthy, with
+injected failures and recoveries, multi-rank groups, quorum timeouts; local_sgd_integ_test: LocalSGD,
+DiLoCo, Streaming DiLoCo; the process-group checkpoint transport; the lighthouse; the parameter
+server) run with every ProcessGroupGloo they make replaced by ProcessGroupDdpkit (the
+torchft_on_ddpkit plugin), one pytest process per module as torchft's tests do not clean up the
+default group between modules. Then the group's own contract: reconfigured per quorum, the
+collectives torchft's Gloo group lacks, abort ending a collective in flight."""
+import os
+import subprocess
+import sys
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+
+torchft = pytest.importorskip("torchft", reason="torchft is not installed (scripts/pip-torch-env.sh pins 0.2.0)")
+
+from conftest import TESTS, free_port  # noqa: E402
+
+TORCHFT_MODULES = [
+    "torchft.manager_integ_test",
+    "torchft.local_sgd_integ_test",
+    "torchft.checkpointing.pg_transport_test",
+    "torchft.lighthouse_test",
+    "torchft.parameter_server_test",
+]
+
+
+@pytest.mark.parametrize("module", TORCHFT_MODULES)
+def test_torchft_own_tests_run_on_ddpkit(module, tmp_path):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([TESTS] + sys.path))
+    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "torchft_on_ddpkit",
+                        "--pyargs", module], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=500)
+    tail = (p.stdout + p.stderr)[-4000:]
+    assert p.returncode == 0, f"torchft's {module} on ddpkit failed:\n{tail}"
+    made = [line for line in p.stderr.splitlines() if line.startswith("torchft_on_ddpkit:")]
+    print(module, made, p.stdout.strip().splitlines()[-1])
+    assert made and " 0 ddpkit" not in made[0], f"{module}: no ddpkit group made:\n{tail}"
+
+
+def _groups(world, prefix, port, **options):
+    """`world` ProcessGroupDdpkit configured concurrently (threads), as torchft's replicas do."""
+    from ddpkit.torchft import ProcessGroupDdpkit
+    pgs = [ProcessGroupDdpkit(timeout=timedelta(seconds=10), **options) for _ in range(world)]
+    errors = []
+
+    def configure(rank):
+        try:
+            pgs[rank].configure(f"localhost:{port}/{prefix}", f"replica_{rank}", rank, world)
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=configure, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not errors, errors
+    return pgs
+
+
+def _each(pgs, fn):
+    out = [None] * len(pgs)
+
+    def run(rank):
+        out[rank] = fn(rank, pgs[rank])
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(len(pgs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    return out
+
+
+def test_process_group_reconfigures_and_reduces():
+    import torch.distributed as dist
+    from torch.distributed import AllreduceOptions, ReduceOp, ReduceScatterOptions
+
+    port = free_port()
+    server = dist.TCPStore("localhost", port, is_master=True, wait_for_workers=False)  # noqa: F841
+    world = 3
+    for quorum in range(2):  # torchft configures anew, with a fresh prefix, on every quorum
+        pgs = _groups(world, f"torchft/{quorum}", port)
+        assert pgs[0].getBackendName() == "torchft-ddpkit"
+        assert all(pg.size() == world for pg in pgs)
+
+        def allreduce(rank, pg):
+            t = torch.full((5,), float(rank + 1))
+            opts = AllreduceOptions()
+            opts.reduceOp = ReduceOp.SUM
+            pg.allreduce([t], opts).wait()
+            return t
+
+        for t in _each(pgs, allreduce):
+            assert torch.equal(t, torch.full((5,), 6.0))
+
+        def reduce_scatter(rank, pg):  # torchft's ProcessGroupGloo raises on this one
+            out = torch.zeros(2)
+            inputs = [torch.full((2,), float(rank * 10 + peer)) for peer in range(world)]
+            opts = ReduceScatterOptions()
+            opts.reduceOp = ReduceOp.SUM
+            pg.reduce_scatter([out], [inputs], opts).wait()
+            return out
+
+        for rank, out in enumerate(_each(pgs, reduce_scatter)):
+            assert torch.equal(out, torch.full((2,), float(30 + world * rank))), (rank, out)
+        for pg in pgs:
+            pg.abort(errored=False)
+    del server
+
+
+def test_abort_ends_a_collective_in_flight():
+    from torch.distributed import AllreduceOptions
+
+    port = free_port()
+    import torch.distributed as dist
+    server = dist.TCPStore("localhost", port, is_master=True, wait_for_workers=False)  # noqa: F841
+    pgs = _groups(2, "torchft/abort", port)
+    work = pgs[0].allreduce([torch.ones(4)], AllreduceOptions())  # rank 1 never joins
+    time.sleep(0.2)
+    start = time.monotonic()
+    pgs[0].abort()
+    with pytest.raises(Exception, match="abort"):
+        work.wait()
+    assert time.monotonic() - start < 5, "abort did not end the collective promptly (the timeout is 10 s)"
+    pgs[1].abort(errored=False)
+
+
+def test_options_are_checked():
+    from ddpkit.torchft import ProcessGroupDdpkit
+    with pytest.raises(ValueError, match="gloo_threads must be a whole number"):
+        ProcessGroupDdpkit(gloo_threads=0)
+    with pytest.raises(ValueError, match="timeout must be positive"):
+        ProcessGroupDdpkit(timeout=timedelta(seconds=0))
