@@ -9,7 +9,8 @@ none), ending with the parameters of `ddpkit train --nproc 4`.
                        WORLD_SIZE = 4, PET_*): the same
     pytorchjob-1       4 pods, one process each (master-0 and workers 0-2: RANK 0..3)
     ray-train          4 workers with Ray Train's variables (RANK, LOCAL_RANK, WORLD_SIZE,
-                       LOCAL_WORLD_SIZE, NODE_RANK, MASTER_ADDR/PORT, ACCELERATE_TORCH_DEVICE)
+                       LOCAL_WORLD_SIZE, NODE_RANK, MASTER_ADDR/PORT, ACCELERATE_TORCH_DEVICE), as
+                       2 "nodes" (Ray Train itself, one node: python/tests/test_ray_train.py)
 
 and examples/kubernetes/*.yaml read as the operator reads them: the variables each pod gets, and
 what ddpkit makes of them.

@@ -20,6 +20,10 @@ collectives go through a ddpkit process group (the model's own on the ddpkit bac
 made over torch.distributed's default store: `new_group`, `default_group`). Options are
 `Options` fields or keyword arguments; the environment (DDPKIT_GLOO_THREADS, DDPKIT_SHM,
 DDPKIT_TIMEOUT_S) gives the values left unset. See docs/python.md.
+
+Alongside: ddpkit.fsdp2 (ddpkit's FSDP hooks as FSDP2's custom reduce-scatter), ddpkit.torchft
+(torchft's process group on ddpkit's backend), ddpkit.register (the backend, for Ray's
+worker_process_setup_hook).
 """
 import itertools
 import os
@@ -44,7 +48,7 @@ from ._C import CommError, HookState, ProcessGroup  # noqa: E402
 
 __all__ = [
     "BACKEND", "CommError", "HookState", "Options", "PeriodicModelAverager", "ProcessGroup", "average_parameters",
-    "default_group", "hook_names", "launch_environment", "new_group", "register_comm_hook",
+    "default_group", "hook_names", "launch_environment", "new_group", "register", "register_comm_hook",
 ]
 __version__ = "0.1.0"
 
@@ -280,6 +284,15 @@ def _register_backend():
     if "devices" in inspect.signature(dist.Backend.register_backend).parameters:
         kwargs["devices"] = ["cpu"]  # 2.x: this backend serves CPU tensors only
     dist.Backend.register_backend(BACKEND, _create_backend, **kwargs)
+
+
+def register():
+    """Registers the "ddpkit" backend with torch.distributed (importing ddpkit already does; this
+    is the callable a launcher's per-process setup names, e.g. Ray's runtime_env
+    {"worker_process_setup_hook": "ddpkit.register"}). Idempotent."""
+    if not dist.is_available():
+        raise RuntimeError("ddpkit.register: this torch has no torch.distributed")
+    _register_backend()
 
 
 def launch_environment():

@@ -25,7 +25,7 @@ import torch.distributed as dist
 try:
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter as _ReduceScatter
-except ImportError as e:
+except (ImportError, ValueError) as e:  # 1.13 on Python 3.11: its fsdp package fails to import (ValueError)
     raise ImportError(f"ddpkit.fsdp2 needs FSDP2's custom collectives (torch >= 2.9; this is torch "
                       f"{torch.__version__}): {e}") from None
 

@@ -691,10 +691,12 @@ class DdpkitBackend : public compat::Backend {
     pg_.reset();
   }
 
-  // Aborted groups being torn down; joined at exit at the latest.
+  // Aborted groups being torn down. Never destroyed: joining them in static destruction at exit
+  // aborted the process (std::terminate, after torchft's tests had passed); a teardown still
+  // running at exit ends with the process.
   static ft::DetachedThreads& teardowns() {
-    static ft::DetachedThreads threads;
-    return threads;
+    static auto* threads = new ft::DetachedThreads;
+    return *threads;
   }
 
 #if DDPKIT_TORCH_AT_LEAST(2, 7)

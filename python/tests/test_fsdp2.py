@@ -1,7 +1,9 @@
 """FSDP2 (torch.distributed.fsdp.fully_shard) on the ddpkit backend, CPU: 2 and 3 ranks of FSDP and
 4 ranks of HSDP (a 2 x 2 mesh: replicate x shard) train the batches a single process trains, with
 SGD and AdamW, in fp32 and with a bf16 MixedPrecisionPolicy, and must end where it ends. The same
-runs on Gloo tell whether pytorch#162338 (FSDP2's AVG reduce-scatter summed on Gloo) holds.
+runs on Gloo tell whether pytorch#162338 (FSDP2's AVG reduce-scatter summed on Gloo) holds. Then
+ddpkit's FSDP hooks as FSDP2's collectives (ddpkit.fsdp2: the plain, fp16 and bf16 reduce-scatter,
+and HSDP by hand with ReplicateHook) against the same single process, within each codec's bound.
 
 fully_shard runs on CPU from torch 2.7 on (docs/python.md, "FSDP2"): on 2.6 it stops in its
 all-gather (torch.cpu.Stream has no record_event, added in pytorch#145935), so these tests skip
