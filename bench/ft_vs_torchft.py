@@ -9,7 +9,8 @@ The same model on every side: a GPT of --layers 7 x --d-model 512 (8 heads, 64 b
   torchft          torchft 0.2.0 as its users run it: the torchft_lighthouse (Rust), in each group
                    its Manager, DistributedDataParallel and optimizer wrapper over its
                    ProcessGroupGloo, live recovery over its HTTP transport (bench/torchft_replica.py;
-                   --recovery pg: its process-group transport); a killed group's process is
+                   its process-group transport is not run: in a trial here the job did not
+                   finish); a killed group's process is
                    started again (as torchx or Slurm would) and heals from a peer
   torchft-ddpkit   the same Python job with ddpkit's ProcessGroupDdpkit between the groups
                    (torchft 0.2.0's DistributedDataParallel hook asserts on the bucket after a
@@ -77,8 +78,8 @@ class TorchftJob:
     """4 groups of bench/torchft_replica.py under a torchft_lighthouse; a group whose process dies is
     started again until it finishes its steps."""
 
-    def __init__(self, a, model, pg, steps, work, recovery):
-        self.a, self.model, self.pg, self.steps, self.work, self.recovery = a, model, pg, steps, work, recovery
+    def __init__(self, a, model, pg, steps, work):
+        self.a, self.model, self.pg, self.steps, self.work = a, model, pg, steps, work
         self.procs, self.incarnations, self.outputs = {}, {}, {g: [] for g in range(GROUPS)}
         self.lock = threading.Lock()
         self.restarts = 0  # processes started again (killed, or died of a peer's failure)
@@ -104,7 +105,7 @@ class TorchftJob:
         incarnation = 0
         while not self.stop:
             cmd = [self.a.python, os.path.join(HERE, "torchft_replica.py"), "--group", str(g), "--groups", str(GROUPS),
-                   "--lighthouse", self.address, "--pg", self.pg, "--recovery", self.recovery, "--steps",
+                   "--lighthouse", self.address, "--pg", self.pg, "--steps",
                    str(self.steps), "--incarnation", str(incarnation)] + self.model.python_flags()
             if self.step_log:
                 cmd += ["--step-log", self.step_log]
@@ -190,7 +191,7 @@ class DdpkitJob:
 def make_job(a, model, side, steps, work):
     if side == "ddpkit":
         return DdpkitJob(a, model, steps, work)
-    return TorchftJob(a, model, "ddpkit" if side == "torchft-ddpkit" else "gloo", steps, work, a.recovery)
+    return TorchftJob(a, model, "ddpkit" if side == "torchft-ddpkit" else "gloo", steps, work)
 
 
 def run(job, step_log, kills, timeout):
@@ -234,13 +235,14 @@ def plain_step_ms(a, model, side):
         return json.loads(p.stdout.strip().splitlines()[-1])["median_step_ms"]
     port = free_port()
     procs = [subprocess.Popen([a.python, os.path.join(HERE, "torchft_replica.py"), "--plain", "--steps", str(steps)]
-                              + model.python_flags(), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                              + model.python_flags(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                               env=dict(os.environ, **MALLOC, RANK=str(r), WORLD_SIZE=str(GROUPS), MASTER_ADDR="127.0.0.1",
                                        MASTER_PORT=str(port), USE_LIBUV="0")) for r in range(GROUPS)]
-    outs = [p.communicate(timeout=3600)[0] for p in procs]
+    outs = [p.communicate(timeout=3600) for p in procs]
     if any(p.returncode for p in procs):
-        sys.exit("ft_vs_torchft: plain torch DDP failed")
-    return max(reports(o)[-1]["median_step_ms"] for o in outs)
+        sys.exit("ft_vs_torchft: plain torch DDP failed (exits " + str([p.returncode for p in procs]) + "):\n"
+                 + "\n".join(err[-1500:] for _, err in outs))
+    return max(reports(out)[-1]["median_step_ms"] for out, _ in outs)
 
 
 def main():
@@ -251,7 +253,6 @@ def main():
     ap.add_argument("--kill-every", type=float, default=60)
     ap.add_argument("--probe-steps", type=int, default=30)
     ap.add_argument("--sides", default="torchft,torchft-ddpkit,ddpkit")
-    ap.add_argument("--recovery", choices=["http", "pg"], default="http")
     ap.add_argument("--layers", type=int, default=7)
     ap.add_argument("--d-model", type=int, default=512)
     ap.add_argument("--heads", type=int, default=8)
@@ -263,7 +264,7 @@ def main():
     d, L = a.d_model, a.layers
     params = L * (12 * d * d + 13 * d) + (256 + 64) * d + 2 * d + d * 256 + 256
     print(f"fault tolerance, ddpkit vs torchft: GPT {L} x d_model {d} ({params / 1e6:.1f}M parameters), AdamW, "
-          f"{GROUPS} replica groups x 1 process, 1 thread each, on this host; torchft recovery: {a.recovery}", flush=True)
+          f"{GROUPS} replica groups x 1 process, 1 thread each, on this host; torchft recovery: HTTP", flush=True)
     times = kill_times(a.kill_every, a.seed, a.seconds)
     victims = random.Random(a.seed + 1)
     kills = [(t, victims.randrange(GROUPS)) for t in times if t < a.seconds]
