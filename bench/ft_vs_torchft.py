@@ -9,8 +9,8 @@ The same model on every side: a GPT of --layers 7 x --d-model 512 (8 heads, 64 b
   torchft          torchft 0.2.0 as its users run it: the torchft_lighthouse (Rust), in each group
                    its Manager, DistributedDataParallel and optimizer wrapper over its
                    ProcessGroupGloo, live recovery over its HTTP transport (bench/torchft_replica.py;
-                   its process-group transport is not run: in a trial here the job did not
-                   finish); a killed group's process is
+                   its process-group transport is not run yet: PGTransport must be built on
+                   the Manager's own group); a killed group's process is
                    started again (as torchx or Slurm would) and heals from a peer
   torchft-ddpkit   the same Python job with ddpkit's ProcessGroupDdpkit between the groups
                    (torchft 0.2.0's DistributedDataParallel hook asserts on the bucket after a
