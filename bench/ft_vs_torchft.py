@@ -9,8 +9,7 @@ The same model on every side: a GPT of --layers 7 x --d-model 512 (8 heads, 64 b
   torchft          torchft 0.2.0 as its users run it: the torchft_lighthouse (Rust), in each group
                    its Manager, DistributedDataParallel and optimizer wrapper over its
                    ProcessGroupGloo, live recovery over its HTTP transport (bench/torchft_replica.py;
-                   its process-group transport is not run yet: PGTransport must be built on
-                   the Manager's own group); a killed group's process is
+                   --recovery pg: its PGTransport, over the Manager's own group); a killed group's process is
                    started again (as torchx or Slurm would) and heals from a peer
   torchft-ddpkit   the same Python job with ddpkit's ProcessGroupDdpkit between the groups
                    (torchft 0.2.0's DistributedDataParallel hook asserts on the bucket after a
@@ -80,6 +79,7 @@ class TorchftJob:
 
     def __init__(self, a, model, pg, steps, work):
         self.a, self.model, self.pg, self.steps, self.work = a, model, pg, steps, work
+        self.recovery = a.recovery
         self.procs, self.incarnations, self.outputs = {}, {}, {g: [] for g in range(GROUPS)}
         self.lock = threading.Lock()
         self.restarts = 0  # processes started again (killed, or died of a peer's failure)
@@ -105,7 +105,7 @@ class TorchftJob:
         incarnation = 0
         while not self.stop:
             cmd = [self.a.python, os.path.join(HERE, "torchft_replica.py"), "--group", str(g), "--groups", str(GROUPS),
-                   "--lighthouse", self.address, "--pg", self.pg, "--steps",
+                   "--lighthouse", self.address, "--pg", self.pg, "--recovery", self.recovery, "--steps",
                    str(self.steps), "--incarnation", str(incarnation)] + self.model.python_flags()
             if self.step_log:
                 cmd += ["--step-log", self.step_log]
@@ -253,6 +253,7 @@ def main():
     ap.add_argument("--kill-every", type=float, default=60)
     ap.add_argument("--probe-steps", type=int, default=30)
     ap.add_argument("--sides", default="torchft,torchft-ddpkit,ddpkit")
+    ap.add_argument("--recovery", choices=["http", "pg"], default="http", help="torchft's live recovery transport")
     ap.add_argument("--layers", type=int, default=7)
     ap.add_argument("--d-model", type=int, default=512)
     ap.add_argument("--heads", type=int, default=8)
@@ -264,7 +265,7 @@ def main():
     d, L = a.d_model, a.layers
     params = L * (12 * d * d + 13 * d) + (256 + 64) * d + 2 * d + d * 256 + 256
     print(f"fault tolerance, ddpkit vs torchft: GPT {L} x d_model {d} ({params / 1e6:.1f}M parameters), AdamW, "
-          f"{GROUPS} replica groups x 1 process, 1 thread each, on this host; torchft recovery: HTTP", flush=True)
+          f"{GROUPS} replica groups x 1 process, 1 thread each, on this host; torchft recovery: {a.recovery}", flush=True)
     times = kill_times(a.kill_every, a.seed, a.seconds)
     victims = random.Random(a.seed + 1)
     kills = [(t, victims.randrange(GROUPS)) for t in times if t < a.seconds]

@@ -1,7 +1,8 @@
 #!/usr/bin/python3
 """One replica group of the fault-tolerance comparison (bench/ft_vs_torchft.py), as torchft's users
 run it: torchft 0.2.0's Manager (quorum from the torchft_lighthouse at --lighthouse, live recovery
-over its default HTTP transport), its DistributedDataParallel
+over its default HTTP transport, or --recovery pg: its PGTransport over the Manager's own group), its
+DistributedDataParallel
 and OptimizerWrapper, over torchft's ProcessGroupGloo or ddpkit's ProcessGroupDdpkit (--pg). With
 --plain: no torchft, the same model under torch's DistributedDataParallel across --groups
 processes (torchrun's variables), the failure-free baseline.
@@ -113,10 +114,15 @@ def fault_tolerant(args, model):
 
     store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # the group's own
     timeout = timedelta(seconds=args.timeout_s)
+    transport = None  # the Manager's default: HTTP
+    if args.recovery == "pg":  # the state streamed over the Manager's own group, which it reconfigures per quorum
+        from torchft.checkpointing.pg_transport import PGTransport
+        transport = PGTransport(pg, timeout=timeout, device=torch.device("cpu"), state_dict=state_dict)
     manager = Manager(pg=pg, min_replica_size=1, load_state_dict=load_state_dict, state_dict=state_dict,
                       replica_id=f"group_{args.group}", store_addr="127.0.0.1", store_port=store.port, rank=0,
                       world_size=1, lighthouse_addr=f"http://{args.lighthouse}", port=0, hostname="127.0.0.1",
-                      timeout=timeout, quorum_timeout=timeout, connect_timeout=timeout)
+                      timeout=timeout, quorum_timeout=timeout, connect_timeout=timeout,
+                      checkpoint_transport=transport)
     # How long each live recovery took to receive the state (the transport's recv).
     t = manager._checkpoint_transport
     recv = t.recv_checkpoint
@@ -168,6 +174,7 @@ def main():
     ap.add_argument("--groups", type=int, default=4)
     ap.add_argument("--lighthouse", default="127.0.0.1:29510")
     ap.add_argument("--pg", choices=["gloo", "ddpkit"], default="gloo")
+    ap.add_argument("--recovery", choices=["http", "pg"], default="http")
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--step-log", default="")
     ap.add_argument("--plain", action="store_true")
