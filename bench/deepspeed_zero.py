@@ -16,17 +16,20 @@ rounds; the table shows medians over rounds and ratios to DeepSpeed on Gloo of t
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
+from fsdp_bench import MALLOC as FSDP_MALLOC  # noqa: E402  glibc's thresholds pinned, as the other benchmarks
+from ports import free_port  # noqa: E402
+
 DIMS = [1024, 2048, 2048, 2048, 2048, 1024]
 BATCH = 32
-MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(1 << 30), "MALLOC_TRIM_THRESHOLD_": str(1 << 30),
-          "MALLOC_TOP_PAD_": str(1 << 26)}
+MALLOC = dict(FSDP_MALLOC, MALLOC_TOP_PAD_=str(1 << 26))
 
 
 def peak_rss_bytes():
@@ -94,9 +97,7 @@ def worker(rank, world, port, backend, stage, steps, out):
 
 def run_worker(a):
     import multiprocessing as mp
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     procs = [ctx.Process(target=worker, args=(r, 2, port, a.backend, a.stage, a.steps, q)) for r in range(2)]

@@ -34,7 +34,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -44,17 +43,12 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+from fsdp_bench import MALLOC as FSDP_MALLOC  # noqa: E402  glibc's thresholds pinned, as the other benchmarks
 from ft_bench import children_ranks, group_of, kill_times, percentile, reports, step_logs  # noqa: E402
+from ports import free_port  # noqa: E402  (tests/, put on the path by ft_bench: below the ephemeral range)
 
 GROUPS = 4
-MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(1 << 30), "MALLOC_TRIM_THRESHOLD_": str(1 << 30),
-          "MALLOC_TOP_PAD_": str(1 << 26), "OMP_NUM_THREADS": "1"}
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+MALLOC = dict(FSDP_MALLOC, MALLOC_TOP_PAD_=str(1 << 26), OMP_NUM_THREADS="1")
 
 
 class Model:

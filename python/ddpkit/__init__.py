@@ -249,8 +249,8 @@ def average_parameters(params, group=None):
 BACKEND = "ddpkit"
 
 
-def _ddpkit_group_of(process_group):
-    """The ddpkit ProcessGroup under a torch.distributed group of the ddpkit backend, else None."""
+def _ddpkit_backend_of(process_group):
+    """The ddpkit._C.Backend under a torch.distributed group of the ddpkit backend, else None."""
     backend = process_group
     if hasattr(process_group, "_get_backend"):  # 2.x: a ProcessGroup holds a backend per device
         try:
@@ -260,7 +260,13 @@ def _ddpkit_group_of(process_group):
     # TORCH_DISTRIBUTED_DEBUG=DETAIL: 2.x wraps every backend in a ProcessGroupWrapper that checks
     # each collective across ranks (over a helper Gloo group) before passing it on to the backend.
     backend = getattr(backend, "wrapped_pg", backend)
-    return backend._ddpkit_group() if isinstance(backend, _C.Backend) else None
+    return backend if isinstance(backend, _C.Backend) else None
+
+
+def _ddpkit_group_of(process_group):
+    """The ddpkit ProcessGroup under a torch.distributed group of the ddpkit backend, else None."""
+    backend = _ddpkit_backend_of(process_group)
+    return backend._ddpkit_group() if backend is not None else None
 
 
 def _create_backend(backend_options, pg_options):

@@ -17,7 +17,7 @@ backend: shared memory within a host, Gloo between hosts.
 Or by hand: module.set_custom_reduce_scatter(ddpkit.fsdp2.ReduceScatter("bf16")). For HSDP across
 hosts by hand (shard within a host, replicate across), ReplicateHook averages the reduce-scatter
 output over a replica group: module.set_all_reduce_hook(ddpkit.fsdp2.ReplicateHook(group, "bf16")).
-Needs torch >= 2.9 (set_custom_reduce_scatter); docs/python.md, "With FSDP2".
+Needs torch >= 2.9 (set_custom_reduce_scatter); docs/integrations.md, "With FSDP2".
 """
 import torch
 import torch.distributed as dist
@@ -29,7 +29,7 @@ except (ImportError, ValueError) as e:  # 1.13 on Python 3.11: its fsdp package 
     raise ImportError(f"ddpkit.fsdp2 needs FSDP2's custom collectives (torch >= 2.9; this is torch "
                       f"{torch.__version__}): {e}") from None
 
-from . import _C, _ddpkit_group_of
+from . import _C, _ddpkit_backend_of
 
 __all__ = ["CODECS", "ReduceScatter", "ReplicateHook", "set_comm_hooks"]
 
@@ -48,12 +48,12 @@ def _backend_of(group, caller):
     """The ddpkit backend under a torch.distributed group, else an error naming the fix."""
     if group is None:
         raise ValueError(f"{caller}: no process group (FSDP2 passes its mesh's group)")
-    if _ddpkit_group_of(group) is None:
+    backend = _ddpkit_backend_of(group)
+    if backend is None:
         name = group.name() if hasattr(group, "name") else type(group).__name__
         raise ValueError(f"{caller}: group {name} is not of the ddpkit backend; make the mesh's groups ddpkit's "
                          "(torch.distributed.init_process_group('ddpkit') before init_device_mesh)")
-    backend = group._get_backend(torch.device("cpu"))
-    return getattr(backend, "wrapped_pg", backend)  # TORCH_DISTRIBUTED_DEBUG=DETAIL's wrapper
+    return backend
 
 
 class ReduceScatter(_ReduceScatter):

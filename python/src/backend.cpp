@@ -81,10 +81,9 @@ class DdpkitBackend : public compat::Backend {
   // timeout), then the group's sockets, threads and shared memory go, before the Python object does.
   void shutdown() override { close(); }
   // ProcessGroup.abort() (and torchft-style callers on a lost peer): the collectives in flight fail
-  // now with an error naming the abort, and the group goes as in shutdown.
-  // Returns at once: the group's teardown (its transport's aborted work ends only by its timeout)
-  // runs on a thread of its own, which holds this backend until it is done, so a caller that
-  // aborts to reconfigure (torchft, on every quorum) does not wait for it.
+  // now with an error naming the abort, and it returns at once. The teardown (its transport's
+  // aborted work ends only by its timeout) runs on a thread of its own, which holds this backend
+  // until it is done, so a caller that aborts to reconfigure (torchft, on every quorum) does not wait.
   void abort() override {
     {
       std::lock_guard<std::mutex> lock(close_mutex_);
