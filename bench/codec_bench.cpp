@@ -7,12 +7,14 @@
 // sparse gradient (EmbeddingBag 1024 x 1024, batch 16 of 1024 indices: 16384 entries) and count the
 // entries' bytes read plus the coalesced rows' bytes written; "vs_aten" is ATen's time over ddpkit's.
 #include <ddpkit/codecs/cast.h>
+#include <ddpkit/codecs/codec.h>
 #include <ddpkit/codecs/quantize.h>
 #include <ddpkit/codecs/sparse.h>
 #include <ddpkit/error.h>
 #include <ddpkit/runtime/program.h>
 
 #include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -39,6 +41,68 @@ Stats time_it(int reps, const std::function<void()>& fn) {
   }
   std::sort(ms.begin(), ms.end());
   return {ms.front(), ms[ms.size() / 2], ms[std::min(ms.size() - 1, ms.size() * 99 / 100)]};
+}
+
+using ddpkit::codecs::Codec;
+
+at::Tensor round_trip(const Codec& c, const at::Tensor& x) {
+  at::Tensor bytes = at::empty({c.encoded_bytes(x.numel())}, at::kByte), out = at::empty_like(x);
+  c.encode(x, bytes);
+  c.decode(bytes, out);
+  return out;
+}
+
+// Every codec of the outer all-reduce (codecs/codec.h): encode and decode rates on one core, in
+// float32 values per second (and what that is as a link rate of encoded bits).
+void outer_codecs(const at::Tensor& x, int reps) {
+  const double n = static_cast<double>(x.numel());
+  std::printf("\n# outer-all-reduce codecs (codecs/codec.h), one core: float32 values in/out per second; "
+              "wire_Gbit/s = the encoded bits those values make per second\n");
+  std::printf("%-6s %12s %14s %14s %14s %14s\n", "codec", "bytes/value", "encode_Mval/s", "decode_Mval/s",
+              "encode_wireGb", "decode_wireGb");
+  for (const auto& name : ddpkit::codecs::codec_names()) {
+    const auto c = ddpkit::codecs::make_codec(name);
+    at::Tensor bytes = at::empty({c->encoded_bytes(x.numel())}, at::kByte), out = at::empty_like(x);
+    const Stats e = time_it(reps, [&] { c->encode(x, bytes); });
+    const Stats d = time_it(reps, [&] { c->decode(bytes, out, 1.0f, true); });
+    const double per_value = static_cast<double>(bytes.numel()) / n;
+    const double ev = n / (e.p50_ms * 1e3), dv = n / (d.p50_ms * 1e3);  // millions of values per second
+    std::printf("%-6s %12.4f %14.1f %14.1f %14.2f %14.2f\n", name.c_str(), per_value, ev, dv, ev * per_value * 8 / 1e3,
+                dv * per_value * 8 / 1e3);
+  }
+}
+
+// The outer all-reduce's error against the fp32 mean as the sites grow: ddpkit's two
+// quantizations (each site's chunk once, the owner's mean once) against a ring that re-quantizes
+// the running sum at every hop (PCCL, prime) and once more for its all-gather.
+void outer_error_vs_sites() {
+  const int64_t n = 1 << 20;
+  std::printf("\n# outer all-reduce error vs sites: max |result - fp32 mean| / max |fp32 mean|, %lld values per site "
+              "(randn, one seed per site)\n", static_cast<long long>(n));
+  std::printf("%-6s %6s %16s %16s %8s\n", "codec", "sites", "two_quantizations", "requantize_per_hop", "ratio");
+  for (const std::string name : {"bf16", "int8", "int4"}) {
+    const auto c = ddpkit::codecs::make_codec(name);
+    for (int sites : {2, 4, 8}) {
+      std::vector<at::Tensor> x;
+      for (int s = 0; s < sites; ++s) {
+        auto gen = at::make_generator<at::CPUGeneratorImpl>(1000 + s);
+        x.push_back(at::randn({n}, gen));
+      }
+      at::Tensor exact = at::zeros({n}, at::kDouble);
+      for (const auto& v : x) exact += v.to(at::kDouble);
+      exact = (exact / sites).to(at::kFloat);
+      at::Tensor two = at::zeros({n});
+      for (const auto& v : x) two += round_trip(*c, v) / static_cast<float>(sites);
+      two = round_trip(*c, two);
+      at::Tensor ring = round_trip(*c, x[0]);
+      for (int s = 1; s < sites; ++s) ring = round_trip(*c, ring + x[s]);
+      ring = round_trip(*c, ring / static_cast<float>(sites));
+      const double scale = exact.abs().max().item<double>();
+      const double e_two = (two - exact).abs().max().item<double>() / scale;
+      const double e_ring = (ring - exact).abs().max().item<double>() / scale;
+      std::printf("%-6s %6d %16.5f %16.5f %8.2f\n", name.c_str(), sites, e_two, e_ring, e_ring / e_two);
+    }
+  }
 }
 
 }  // namespace
@@ -114,6 +178,8 @@ static int program_main(int argc, char** argv) {
   row("sparse coalesce (ddpkit)", sparse_bytes, ours);
   row("sparse coalesce (ATen)", sparse_bytes, aten);
   std::printf("# coalesce vs_aten %.2f (ATen p50 / ddpkit p50)\n", aten.p50_ms / ours.p50_ms);
+  outer_codecs(f32, reps);
+  outer_error_vs_sites();
   return 0;
 }
 

@@ -1,6 +1,7 @@
 // Everything a training program needs from ddpkit.
 #pragma once
 #include <ddpkit/codecs/cast.h>
+#include <ddpkit/codecs/codec.h>
 #include <ddpkit/codecs/quantize.h>
 #include <ddpkit/codecs/sparse.h>
 #include <ddpkit/comm/gradient_arena.h>

@@ -118,6 +118,17 @@ struct Manager::Impl {
   std::shared_ptr<GradientArena> arena;
   int64_t cross_quorum = -1;
   std::string cross_store;
+  uint64_t retired_bytes = 0;  // sent through cross groups since retired
+
+  uint64_t cross_bytes() {
+    std::lock_guard<std::mutex> lock(cross_mu);
+    uint64_t sent = retired_bytes;
+    if (cross) {
+      const CommStats s = cross->stats();
+      sent += s.bytes_sent + s.shm_bytes_sent;
+    }
+    return sent;
+  }
   // Groups destroyed off the training path (an aborted group's Gloo work ends by its timeout, and
   // even a finished group's teardown takes a while), and rendezvous given up on.
   DetachedThreads detached;
@@ -196,6 +207,8 @@ struct Manager::Impl {
   void retire_cross() {
     std::lock_guard<std::mutex> lock(cross_mu);
     if (!cross) return;
+    const CommStats sent = cross->stats();
+    retired_bytes += sent.bytes_sent + sent.shm_bytes_sent;
     reap(std::move(cross));
     cross.reset();
     staging = at::Tensor();
@@ -555,6 +568,15 @@ void Manager::allreduce(const std::vector<at::Tensor>& tensors) {
     t.copy_(all.narrow(0, offset, t.numel()).view(t.sizes()));
     offset += t.numel();
   }
+}
+
+std::shared_ptr<ProcessGroup> Manager::cross_group() { return impl_->crossing().group; }
+
+void Manager::fail_step(const std::string& why) { impl_->fail(why); }
+
+const ManagerStats& Manager::stats() const {
+  stats_.cross_bytes_sent = impl_->cross_bytes();
+  return stats_;
 }
 
 bool Manager::should_commit() {

@@ -133,6 +133,20 @@ Fault tolerance across replica groups (docs/fault_tolerance.md):
                           step, its end (Unix ms), its length (ms) and whether it committed
   With --checkpoint-dir, the quorum's first group writes the checkpoints (the replicas are equal;
   give every group's rank 0 the same directory); --resume loads one under any --replica-groups.
+
+DiLoCo across replica groups, for sites joined by slow links (docs/diloco.md; needs --fault-tolerant):
+  --diloco H              each group trains alone for H inner steps (--optimizer, DDP/ZeRO/FSDP inside),
+                          then the groups average their pseudo-gradients and take an outer step
+  --outer-lr LR           the outer SGD's learning rate (default 0.7)
+  --outer-momentum M      its Nesterov momentum (default 0.9; 0: none)
+  --outer-codec C         the pseudo-gradients' wire format: fp32, fp16, bf16, int8, int4 (default fp32)
+  --fragments P           Streaming DiLoCo: P fragments of the model's layers, one synced every H/P
+                          steps (default 1)
+  --fragment-layout L     strided (layer i in fragment i % P; default) or sequential
+  --fragment-delay T      a fragment's average runs behind the next T inner steps (0..H/P-1; default 0)
+  --fragment-alpha A      on applying, a fragment becomes lerp(global, local, A) (default 0: global)
+  --round-seconds S       stragglers: each round lasts S seconds (or H steps), each group running the
+                          steps it can, weighted by them; the job runs --steps / H rounds
 )";
 
 namespace {
@@ -382,6 +396,7 @@ StartPoint resume_point(const Flags& f, const TrainFlags& t, Training& run, Proc
   }
   start.step = start.epoch * steps_per_epoch + start.in_epoch;
   start.resumed_from = ck->step;
+  start.common = ck->common;
   if (auto it = ck->local.find("extra/divergence_guard"); it != ck->local.end()) start.divergence_guard = it->second;
   if (!pg || pg->rank() == 0)
     std::cerr << "resumed from " << ck->path << " (step " << ck->step << " of " << ck->world_size << " ranks): epoch "

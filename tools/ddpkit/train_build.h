@@ -59,6 +59,7 @@ TensorDict checkpoint_extra(const std::vector<std::string>& settings, int64_t ep
 struct StartPoint {
   int64_t step = 0, epoch = 0, in_epoch = 0, resumed_from = -1;
   at::Tensor divergence_guard;  // the guard's history (guard_history_entry), undefined when none
+  TensorDict common;            // the checkpoint's common entries (extras under "extra/")
 };
 // DivergenceGuard's history as a checkpoint entry, and back.
 at::Tensor guard_history_entry(const DivergenceGuard::History& h);
@@ -68,6 +69,8 @@ StartPoint resume_point(const Flags& f, const TrainFlags& t, Training& run, Proc
 
 // `ddpkit train --fault-tolerant` (train_ft.cpp): the launcher of replica groups, or one rank of one.
 int run_fault_tolerant(const Flags& f, const TrainFlags& t, const std::vector<std::string>& argv);
+// One rank of one replica group under --diloco (train_diloco.cpp).
+int run_diloco_rank(const Flags& f, const TrainFlags& t);
 
 }  // namespace cli
 }  // namespace ddpkit

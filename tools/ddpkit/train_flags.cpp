@@ -3,6 +3,7 @@
 
 #include "training.h"
 
+#include <ddpkit/codecs/codec.h>
 #include <ddpkit/training/checkpoint.h>
 
 #include <algorithm>
@@ -148,6 +149,47 @@ void check_checkpoint_flags(const Flags& f, TrainFlags& t) {
     std::cerr << "ddpkit: --max-restarts without --checkpoint-dir restarts training from step 0\n";
 }
 
+// --diloco and its outer optimizer, codec and fragments (docs/diloco.md).
+void check_diloco_flags(const Flags& f, TrainFlags& t) {
+  const char* needs[] = {"outer-lr", "outer-momentum", "outer-codec", "fragments", "fragment-delay", "fragment-alpha",
+                         "fragment-layout", "round-seconds"};
+  if (f.str("diloco").empty()) {
+    for (const char* flag : needs)
+      if (!f.str(flag).empty()) throw UsageError(std::string("--") + flag + " needs --diloco H");
+    return;
+  }
+  t.diloco = f.integer("diloco");
+  if (t.diloco < 1) throw UsageError("--diloco must be >= 1 (inner steps between syncs), got " + f.str("diloco"));
+  if (!f.str("outer-lr").empty()) t.outer_lr = f.real("outer-lr");
+  if (!f.str("outer-momentum").empty()) t.outer_momentum = f.real("outer-momentum");
+  if (!f.str("fragment-alpha").empty()) t.fragment_alpha = f.real("fragment-alpha");
+  if (!f.str("fragments").empty()) t.fragments = f.integer("fragments");
+  if (!f.str("fragment-delay").empty()) t.fragment_delay = f.integer("fragment-delay");
+  if (!f.str("outer-codec").empty()) t.outer_codec = f.str("outer-codec");
+  if (!f.str("fragment-layout").empty()) t.fragment_layout = f.str("fragment-layout");
+  if (!f.str("round-seconds").empty()) t.round_seconds = f.real("round-seconds");
+  if (!f.str("round-seconds").empty() && !(t.round_seconds > 0))
+    throw UsageError("--round-seconds must be > 0, got " + f.str("round-seconds"));
+  if (t.round_seconds > 0 && (t.fragments != 1 || t.fragment_delay != 0))
+    throw UsageError("--round-seconds takes whole-model rounds: not with --fragments or --fragment-delay");
+  if (!(t.outer_lr > 0)) throw UsageError("--outer-lr must be > 0, got " + f.str("outer-lr"));
+  if (!(t.outer_momentum >= 0 && t.outer_momentum < 1))
+    throw UsageError("--outer-momentum must be in [0, 1), got " + f.str("outer-momentum"));
+  if (!(t.fragment_alpha >= 0 && t.fragment_alpha <= 1))
+    throw UsageError("--fragment-alpha must be in [0, 1], got " + f.str("fragment-alpha"));
+  if (t.fragments < 1 || t.diloco % t.fragments != 0)
+    throw UsageError("--fragments must be >= 1 and divide --diloco (" + std::to_string(t.diloco) + "), got " +
+                     std::to_string(t.fragments));
+  if (t.fragment_delay < 0 || t.fragment_delay >= t.diloco / t.fragments)
+    throw UsageError("--fragment-delay must be in 0.." + std::to_string(t.diloco / t.fragments - 1) +
+                     " (--diloco / --fragments - 1), got " + std::to_string(t.fragment_delay));
+  if (t.fragment_layout != "strided" && t.fragment_layout != "sequential")
+    throw UsageError("--fragment-layout is strided or sequential, got '" + t.fragment_layout + "'");
+  codecs::make_codec(t.outer_codec);  // an unknown codec: a UsageError listing them
+  if (t.fragments > 1 && t.use_fsdp)
+    throw UsageError("--fragments > 1 splits the model by layers: not under --fsdp (its shards are flat)");
+}
+
 // --fault-tolerant and its replica groups (docs/fault_tolerance.md).
 void check_fault_tolerance_flags(const Flags& f, TrainFlags& t) {
   t.fault_tolerant = f.on("fault-tolerant");
@@ -161,8 +203,10 @@ void check_fault_tolerance_flags(const Flags& f, TrainFlags& t) {
       if (!f.str(flag).empty()) throw UsageError(std::string("--") + flag + " needs --fault-tolerant");
     if (t.replica_groups != 1) throw UsageError("--replica-groups needs --fault-tolerant");
     if (t.min_replicas != 1) throw UsageError("--min-replicas needs --fault-tolerant");
+    if (!f.str("diloco").empty()) throw UsageError("--diloco needs --fault-tolerant (each replica group is a site)");
     return;
   }
+  check_diloco_flags(f, t);
   if (t.replica_groups < 1) throw UsageError("--replica-groups must be >= 1, got " + std::to_string(t.replica_groups));
   if (t.min_replicas < 1 || t.min_replicas > t.replica_groups)
     throw UsageError("--min-replicas must be in 1..--replica-groups (" + std::to_string(t.replica_groups) + "), got " +
@@ -202,7 +246,9 @@ Flags parse_train_flags(const std::vector<std::string>& args) {
                     {"zero-precision", "fp32"}, {"checkpoint-dir", ""}, {"checkpoint-every", "100"},
                     {"max-restarts", ""}, {"report-resources", "0"}, {"replica-groups", "1"},
                     {"replica-group", ""}, {"min-replicas", "1"}, {"lighthouse", ""},
-                    {"step-log", ""}, {"heal-connections", ""}}),
+                    {"step-log", ""}, {"heal-connections", ""}, {"diloco", ""}, {"outer-lr", ""},
+                    {"outer-momentum", ""}, {"outer-codec", ""}, {"fragments", ""}, {"fragment-delay", ""},
+                    {"fragment-alpha", ""}, {"fragment-layout", ""}, {"round-seconds", ""}}),
                kTrainSwitches);
 }
 

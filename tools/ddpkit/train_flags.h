@@ -28,6 +28,11 @@ struct TrainFlags {
   int replica_groups = 1, replica_group = -1, min_replicas = 1;
   int heal_connections = 1;  // connections of a heal's pair group (ft::ManagerOptions::heal_connections)
   std::string lighthouse;
+  // --diloco H: DiLoCo across the replica groups (0: off), its outer optimizer and codec, and
+  // Streaming DiLoCo's fragments (diloco::DiLoCoOptions).
+  int64_t diloco = 0, fragments = 1, fragment_delay = 0;
+  double outer_lr = 0.7, outer_momentum = 0.9, fragment_alpha = 0.0, round_seconds = 0;
+  std::string outer_codec = "fp32", fragment_layout = "strided";
 };
 
 // The flags `ddpkit train` takes, with their defaults.

@@ -7,6 +7,7 @@
 // group). Each rank then trains under an ft::Manager: the per-step quorum, the cross-group
 // average and, for a group that starts behind, the heal.
 #include "train_build.h"
+#include "train_ft_common.h"
 
 #include <ddpkit/ft/lighthouse.h>
 #include <ddpkit/ft/manager.h>
@@ -30,76 +31,9 @@ namespace ddpkit {
 namespace cli {
 namespace {
 
-std::string group_name(int g) {
-  char id[32];
-  std::snprintf(id, sizeof(id), "replica-%03d", g);
-  return id;
-}
-
-// FNV-1a over the parameters' bytes: equal replicas print equal checksums.
-std::string parameter_checksum(const std::vector<at::Tensor>& params) {
-  uint64_t h = 1469598103934665603ull;
-  for (const auto& p : params) {
-    const at::Tensor c = p.detach().contiguous();
-    const auto* b = static_cast<const unsigned char*>(c.data_ptr());
-    for (int64_t i = 0; i < c.numel() * static_cast<int64_t>(c.element_size()); ++i) h = (h ^ b[i]) * 1099511628211ull;
-  }
-  std::ostringstream os;
-  os << std::hex << std::setw(16) << std::setfill('0') << h;
-  return os.str();
-}
-
-// DDPKIT_FT_FAULT=PHASE:STEP:GROUP:RANK[:ATTEMPT][,...], for tests: this process SIGKILLs itself
-// at the first PHASE (forward, backward, or one of ft::ManagerOptions::on_phase's) of a step >= STEP
-// when it is rank RANK of group GROUP (or of any group: *) in its launcher's ATTEMPT-th start
-// (TORCHELASTIC_RESTART_COUNT; default 0, so a restarted group does not die again).
-class FaultPoints {
- public:
-  FaultPoints(int group, int rank) {
-    const char* spec = std::getenv("DDPKIT_FT_FAULT");
-    if (!spec || !*spec) return;
-    const char* restarts = std::getenv("TORCHELASTIC_RESTART_COUNT");
-    const int attempt_now = restarts && *restarts ? std::atoi(restarts) : 0;
-    std::stringstream list(spec);
-    for (std::string one; std::getline(list, one, ',');) {
-      std::vector<std::string> f;
-      std::stringstream fields(one);
-      for (std::string x; std::getline(fields, x, ':');) f.push_back(x);
-      Point p;
-      int g = -1, r = 0, attempt = 0;
-      try {
-        if (f.size() != 4 && f.size() != 5) throw std::invalid_argument("fields");
-        p.phase = f[0];
-        p.step = std::stoll(f[1]);
-        g = f[2] == "*" ? -1 : std::stoi(f[2]);
-        r = std::stoi(f[3]);
-        attempt = f.size() == 5 ? std::stoi(f[4]) : 0;
-      } catch (const std::exception&) {
-        throw UsageError("DDPKIT_FT_FAULT must be PHASE:STEP:GROUP:RANK[:ATTEMPT][,...], got '" + one + "'");
-      }
-      if ((g < 0 || g == group) && r == rank && attempt == attempt_now) points_.push_back(p);
-    }
-  }
-  bool armed() const { return !points_.empty(); }
-  void at(const std::string& phase, int64_t step) const {
-    for (const Point& p : points_) {
-      if (phase != p.phase || step < p.step) continue;
-      std::cerr << "ddpkit: DDPKIT_FT_FAULT: dying at " << phase << ", step " << step << std::endl;
-      raise(SIGKILL);
-    }
-  }
-
- private:
-  struct Point {
-    std::string phase;
-    int64_t step = 0;
-  };
-  std::vector<Point> points_;
-};
-
 // The launcher: a lighthouse, and a supervisor per group. The job ends when a group has trained
 // every step; the others (in the same quorum, done within moments) get 10 s, then are stopped.
-int run_replica_groups(const TrainFlags& t, const std::vector<std::string>& argv) {
+int run_replica_groups(const Flags& f, const TrainFlags& t, const std::vector<std::string>& argv) {
   std::unique_ptr<ft::Lighthouse> lighthouse;
   std::string address = t.lighthouse;
   if (address.empty()) {
@@ -107,6 +41,12 @@ int run_replica_groups(const TrainFlags& t, const std::vector<std::string>& argv
                                                       .address("127.0.0.1:0")
                                                       .min_replicas(t.min_replicas)
                                                       .expected_groups(t.replica_groups)
+                                                      // DiLoCo: a live site asks only every H/P inner
+                                                      // steps; a quorum without it would let sites
+                                                      // that committed different syncs go on apart.
+                                                      .join_timeout(t.diloco > 0
+                                                                        ? std::chrono::milliseconds(int64_t{f.integer("timeout-s")} * 1000)
+                                                                        : std::chrono::milliseconds(10000))
                                                       .token(read_token("", "DDPKIT_FT_TOKEN")));
     lighthouse->start();
     address = lighthouse->address();
@@ -281,6 +221,8 @@ int run_ft_rank(const Flags& f, const TrainFlags& t) {
        << ", \"cross_transport\": \"" << s.cross_transport << "\""
        << ", \"resumed_from\": " << start.resumed_from << ", \"checkpoints_written\": " << checkpoints_written
        << ", \"steps_committed\": " << s.steps_committed << ", \"steps_not_committed\": " << s.steps_not_committed
+       << ", \"cross_bytes_per_step\": "
+       << (step_ms.empty() ? 0.0 : static_cast<double>(s.cross_bytes_sent) / static_cast<double>(step_ms.size()))
        << ", \"parameter_checksum\": \"" << parameter_checksum(run.params) << "\""
        << ", \"peak_rss_bytes\": " << memory.peak_rss_bytes() << "}";
     std::cout << os.str() << std::endl;
@@ -295,10 +237,10 @@ int run_fault_tolerant(const Flags& f, const TrainFlags& t, const std::vector<st
   if (in_distributed_env()) {
     if (t.replica_group < 0)
       throw UsageError("--fault-tolerant under a launcher that sets RANK/WORLD_SIZE: give --replica-group and --lighthouse");
-    return run_ft_rank(f, t);
+    return t.diloco > 0 ? run_diloco_rank(f, t) : run_ft_rank(f, t);
   }
   if (t.replica_group >= 0) return launch_local(t.nproc, argv, "/proc/self/exe", t.max_restarts);
-  return run_replica_groups(t, argv);
+  return run_replica_groups(f, t, argv);
 }
 
 }  // namespace cli

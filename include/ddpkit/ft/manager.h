@@ -81,6 +81,9 @@ struct ManagerStats {
   int64_t steps_not_committed = 0;
   std::string last_error;        // why the last step did not commit
   std::string cross_transport;   // what the last cross-group process group runs on
+  // Bytes this rank sent to the other groups through its cross-group process groups (network
+  // and shared memory, as their transports count them: CommStats), all quorums so far.
+  uint64_t cross_bytes_sent = 0;
 };
 
 class Manager {
@@ -111,6 +114,12 @@ class Manager {
   void allreduce(const std::vector<at::Tensor>& tensors);
   // Collective over the group: true when every rank's step succeeded, and then step() advances.
   bool should_commit();
+  // This step's process group across the quorum's groups (this rank and the matching rank of
+  // each), for a caller's own cross-group collectives (DiLoCo's outer average); null when this
+  // group is alone in the quorum or the step has already failed. A collective on it that fails
+  // must be reported with fail_step, which keeps the step from committing.
+  std::shared_ptr<ProcessGroup> cross_group();
+  void fail_step(const std::string& why);
 
   int64_t step() const { return step_; }
   // This rank starts at `step` committed steps (its state loaded from a checkpoint of that step):
@@ -120,7 +129,7 @@ class Manager {
   int replica_rank() const;   // in the current quorum
   int replica_count() const;  // groups in the current quorum
   const Quorum& quorum() const { return quorum_; }
-  const ManagerStats& stats() const { return stats_; }
+  const ManagerStats& stats() const;  // cross_bytes_sent as of this call
   const std::string& group_id() const;
 
  private:
@@ -131,7 +140,7 @@ class Manager {
   std::unique_ptr<Impl> impl_;
   int64_t step_ = 0;
   Quorum quorum_;
-  ManagerStats stats_;
+  mutable ManagerStats stats_;  // stats() brings cross_bytes_sent up to date
 };
 
 }  // namespace ft

@@ -1,0 +1,53 @@
+// Codecs for float32 values on the wire, behind one interface: the outer all-reduce of DiLoCo
+// (ddpkit/diloco) takes any of them by name, and tests/codec_conformance_test.cpp runs one suite
+// against every codec make_codec knows.
+//
+//   fp32   4 B/value, exact
+//   fp16   2 B/value, round to nearest even (c10::Half); |x| > 65504 becomes Inf
+//   bf16   2 B/value, round to nearest even (c10::BFloat16)
+//   int8   1 B/value + 4 B per block of 256: symmetric, scale max|x|/127 (codecs/quantize.h)
+//   int4   0.5 B/value + 4 B per block of 128: symmetric, codes -7..7, scale max|x|/7 (0.53 B/value)
+//
+// Every codec: a NaN or Inf input never decodes to a finite value (a block codec turns the whole
+// block into NaN); the error of a finite value is at most error_bound() times |x| (block() == 1)
+// or times the largest |x| of its block; every SIMD level writes the same bytes. A new codec is
+// one file under src/codecs/ and one line in make_codec (src/codecs/codec.cpp).
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace ddpkit {
+namespace codecs {
+
+class Codec {
+ public:
+  virtual ~Codec() = default;
+  virtual const std::string& name() const = 0;
+  // Bytes of `numel` values encoded.
+  virtual int64_t encoded_bytes(int64_t numel) const = 0;
+  // `src`: contiguous float32 CPU values; `out`: contiguous uint8, encoded_bytes(src.numel()) bytes.
+  virtual void encode(const at::Tensor& src, const at::Tensor& out) const = 0;
+  // dst = decode(encoded) * multiplier, or dst += that when `accumulate`; dst is contiguous
+  // float32 of the encoded count, `encoded` its encoded_bytes.
+  virtual void decode(const at::Tensor& encoded, const at::Tensor& dst, float multiplier = 1.0f,
+                      bool accumulate = false) const = 0;
+  // Values that share one scale (1: each is cast on its own).
+  virtual int64_t block() const = 0;
+  // The largest error of a finite value, relative to |x| (block() == 1) or to its block's max |x|.
+  virtual double error_bound() const = 0;
+};
+
+// The codec named `name` (codec_names()); an unknown name is a UsageError listing them.
+std::shared_ptr<const Codec> make_codec(const std::string& name);
+std::vector<std::string> codec_names();
+
+// The 4-bit codec (src/codecs/int4.cpp), exposed for make_codec.
+std::shared_ptr<const Codec> make_int4_codec();
+
+}  // namespace codecs
+}  // namespace ddpkit

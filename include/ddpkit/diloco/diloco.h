@@ -1,0 +1,117 @@
+// DiLoCo and Streaming DiLoCo across replica groups (arXiv 2311.08105, 2501.18512).
+//
+// Each replica group is a site: it trains alone for H inner steps (DDP with any hook, ZeRO or
+// FSDP inside the group, its own inner optimizer), then the sites average their pseudo-gradients
+// (global parameters at the last sync minus local ones) over the quorum and apply an outer
+// optimizer (SGD with Nesterov momentum; its state in fp32) to the global parameters.
+//
+//   ft::Manager manager(group, state, options, [&] { return diloco.state(); }, ...);
+//   diloco::DiLoCo diloco(manager, {parameters}, diloco::DiLoCoOptions().sync_every(64));
+//   diloco.start();                       // the first quorum: a late or restarted site heals here
+//   for (...) { loss.backward(); inner.step(); diloco.after_inner_step(); }
+//   diloco.finish();                      // the fragment in flight, if any
+//
+// Streaming: with P fragments (lists of parameters), a fragment is synced every H / P inner
+// steps, round robin (every site the same one: the schedule is part of state()); its average is started
+// `fragment_delay` (tau) steps before it is applied, and runs while the training thread goes on.
+// On applying, the fragment's parameters become lerp(global, local, fragment_alpha) (torchft's
+// semantics: alpha 0 takes the global values).
+//
+// Failures lose no inner steps: a sync that fails (a site lost mid-average) is redone among the
+// quorum's survivors with the same pseudo-gradient until it commits; each site's pseudo-gradient
+// is weighted by its weight (1; 0 for a site that has just healed, which contributes nothing that
+// round; a time-budgeted round weights each by its inner steps). A site that joins or comes back heals from a live one at the next sync point (global
+// parameters, outer momentum, the schedule, with what TrainingState and the caller's extra carry:
+// its inner optimizer, its data position) and takes part in that sync with weight 0. Each sync
+// carries a checksum of the fragment's global parameters: the sites compare them (stats()).
+#pragma once
+
+#include <ddpkit/codecs/codec.h>
+#include <ddpkit/diloco/outer_allreduce.h>
+#include <ddpkit/ft/manager.h>
+
+#include <torch/arg.h>
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace ddpkit {
+namespace diloco {
+
+struct DiLoCoOptions {
+  TORCH_ARG(int64_t, sync_every) = 100;  // H: inner steps between syncs of each fragment
+  TORCH_ARG(double, outer_lr) = 0.7;
+  TORCH_ARG(double, outer_momentum) = 0.9;
+  TORCH_ARG(bool, nesterov) = true;
+  // The pseudo-gradients' wire format: codecs::codec_names() (fp32, bf16, int8, int4, ...).
+  TORCH_ARG(std::string, codec) = "fp32";
+  // tau: inner steps a fragment's average runs behind the training thread (< sync_every / fragments).
+  TORCH_ARG(int64_t, fragment_delay) = 0;
+  TORCH_ARG(double, fragment_alpha) = 0.0;  // in [0, 1]
+  // Stragglers: > 0, a round lasts this many seconds (or sync_every inner steps, if sooner): each
+  // site runs the inner steps it can, and its pseudo-gradient is weighted by them (Dynamic Local
+  // Updates, arXiv 2401.09135), so a slow site slows no one. One fragment, no delay.
+  TORCH_ARG(double, round_seconds) = 0;
+  // Called with the Manager's step as each sync's average has been issued ("outer-issued": the
+  // transfer is in flight). For tracing, and for tests that make a site die mid-sync.
+  TORCH_ARG(std::function<void(const std::string& phase, int64_t step)>, on_phase) = nullptr;
+};
+
+struct DiLoCoStats {
+  int64_t inner_steps = 0;
+  int64_t syncs = 0;              // committed (the first quorum's, of weight 0 everywhere, included)
+  int64_t sync_retries = 0;       // attempts redone among survivors after a failure
+  int64_t heals = 0;              // times this site's state was copied from another
+  int64_t checksum_mismatches = 0;  // syncs whose sites' global parameters differed (should be 0)
+  int last_sites = 0;             // sites in the last committed sync, and those of weight > 0
+  int last_sites_weighted = 0;
+  double blocked_seconds = 0;     // the training thread waiting in syncs (quorum, transfer, commit)
+  double longest_blocked_seconds = 0;  // the longest such wait of one sync (retries included)
+  double transfer_seconds = 0;    // from issuing each average to its completion
+  std::string last_error;         // why the last failed attempt failed
+};
+
+class DiLoCo {
+ public:
+  // `fragments`: the parameters each fragment holds (one list: plain DiLoCo), the tensors the
+  // inner optimizer steps (float32 or lower; the same lists on every site).
+  DiLoCo(ft::Manager& manager, std::vector<std::vector<at::Tensor>> fragments, DiLoCoOptions options);
+  ~DiLoCo();
+  DiLoCo(const DiLoCo&) = delete;
+  DiLoCo& operator=(const DiLoCo&) = delete;
+
+  // Before the first inner step: a sync of weight 0 (the first quorum); a site that starts late
+  // heals in it. Collective over the replica group, like every call below.
+  void start();
+  // After each inner optimizer step: starts and completes fragment syncs on their schedule.
+  // Returns true when it applied an outer step.
+  bool after_inner_step();
+  // Waits for the fragment in flight (if any) and applies it. For the end of training.
+  void finish();
+
+  // The outer state (global parameters, momentum, schedule) for a heal or a checkpoint, under
+  // "diloco/"; load_state takes it back (after a heal: the local parameters become the global).
+  TensorDict state() const;
+  void load_state(const TensorDict& state);
+
+  // The fragments' global parameters, flattened (equal on every site after each sync).
+  at::Tensor global_parameters(size_t fragment) const;
+  size_t fragments() const;
+  // Outer steps applied to the first fragment: the job's round count, the same on every site.
+  int64_t outer_steps() const;
+  const DiLoCoStats& stats() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+// Splits `layers` (each a list of parameters, in model order) into `count` fragments:
+// "strided" (layer i to fragment i % count, Streaming DiLoCo's choice) or "sequential" (consecutive runs).
+std::vector<std::vector<at::Tensor>> fragments_of(const std::vector<std::vector<at::Tensor>>& layers, int64_t count,
+                                                  const std::string& layout);
+
+}  // namespace diloco
+}  // namespace ddpkit

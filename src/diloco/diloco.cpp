@@ -1,0 +1,361 @@
+// DiLoCo across replica groups (include/ddpkit/diloco/diloco.h): the schedule, the pseudo-
+// gradients, the outer Nesterov step and the retry among survivors.
+#include <ddpkit/diloco/diloco.h>
+#include <ddpkit/error.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstring>
+
+namespace ddpkit {
+namespace diloco {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+
+// A 64-bit hash of the tensor's bytes (equal globals give equal hashes), at memory speed.
+uint64_t checksum_of(const at::Tensor& t) {
+  const auto* p = static_cast<const unsigned char*>(t.data_ptr());
+  const size_t bytes = static_cast<size_t>(t.numel()) * t.element_size();
+  uint64_t lanes[4] = {0x9E3779B97F4A7C15ull, 0xC2B2AE3D27D4EB4Full, 0x165667B19E3779F9ull, 0x27D4EB2F165667C5ull};
+  size_t i = 0;
+  for (; i + 32 <= bytes; i += 32)
+    for (int k = 0; k < 4; ++k) {
+      uint64_t w;
+      std::memcpy(&w, p + i + 8 * k, 8);
+      lanes[k] = (lanes[k] ^ w) * 0x100000001B3ull;
+    }
+  uint64_t h = lanes[0] ^ (lanes[1] << 1) ^ (lanes[2] << 2) ^ (lanes[3] << 3);
+  for (; i < bytes; ++i) h = (h ^ p[i]) * 0x100000001B3ull;
+  return h ^ bytes;
+}
+
+}  // namespace
+
+// (Named, not in the anonymous namespace: DiLoCo::Impl holds them, and an internal-linkage member
+// type of an external class draws -Wsubobject-linkage.)
+struct DiLoCoFragment {
+  std::vector<at::Tensor> params;
+  int64_t numel = 0;
+  at::Tensor global;    // float32, flat
+  at::Tensor momentum;  // float32, flat; meaningful once outer_steps > 0
+  int64_t outer_steps = 0;
+
+  at::Tensor local_flat() const {
+    std::vector<at::Tensor> flat;
+    for (const auto& p : params) flat.push_back(p.detach().reshape({-1}).to(at::kFloat));
+    return flat.empty() ? at::zeros({0}, at::kFloat) : at::cat(flat);
+  }
+  // The parameters := lerp(global, local, alpha).
+  void merge(double alpha) {
+    at::NoGradGuard no_grad;
+    int64_t offset = 0;
+    for (auto& p : params) {
+      at::Tensor g = global.narrow(0, offset, p.numel()).view(p.sizes());
+      if (alpha == 0)
+        p.detach().copy_(g);
+      else
+        p.detach().copy_(g + alpha * (p.detach().to(at::kFloat) - g));
+      offset += p.numel();
+    }
+  }
+};
+
+// One sync of one fragment: started (prepare) and applied (perform).
+struct DiLoCoSync {
+  bool active = false;
+  size_t fragment = 0;
+  at::Tensor delta;  // this site's pseudo-gradient, sent again on a retry
+  float weight = 0;
+  uint64_t checksum = 0;
+  at::Tensor mean;   // the average, once the future completes
+  FuturePtr future;
+  std::shared_ptr<WeightedMeanResult> result;
+  Clock::time_point issued;
+  double blocked = 0;  // the training thread's wait in this sync so far
+  std::shared_ptr<std::atomic<double>> done_after;  // seconds from issue to completion
+};
+
+struct DiLoCo::Impl {
+  ft::Manager& manager;
+  DiLoCoOptions options;
+  std::shared_ptr<const codecs::Codec> codec;
+  std::vector<DiLoCoFragment> fragments;
+  int64_t period = 0;      // inner steps between syncs (of successive fragments)
+  int64_t local_step = 0;  // inner steps since the last sync point
+  // The fragment the next sync carries: advanced by each sync that applied an outer step, the
+  // same on every site (a healed one copies it), so a weightless sync (the first quorum, or the
+  // one after a resume) leaves the schedule where it was.
+  int64_t next_fragment = 0;
+  Clock::time_point round_start = Clock::now();  // time-budgeted rounds
+  DiLoCoSync sync;
+  DiLoCoStats stats;
+
+  Impl(ft::Manager& m, DiLoCoOptions o) : manager(m), options(std::move(o)) {}
+
+  // Joins the quorum; true when this site healed in it (its state was replaced).
+  bool join_quorum() {
+    const int64_t heals_before = manager.stats().heals;
+    manager.start_step();
+    if (manager.stats().heals == heals_before) return false;
+    ++stats.heals;
+    // A fresh local copy: what this site sends from now on is its own progress only.
+    for (auto& f : fragments) f.merge(0.0);
+    return true;
+  }
+
+  // Issues this sync's average over the step's cross-group process group (alone: its own).
+  void issue() {
+    sync.mean = sync.delta.clone();  // averaged in place; the delta stays for a retry
+    sync.result = std::make_shared<WeightedMeanResult>();
+    sync.issued = Clock::now();
+    sync.done_after = std::make_shared<std::atomic<double>>(0.0);
+    std::shared_ptr<ProcessGroup> cross = manager.cross_group();
+    if (!cross) {
+      sync.future = completed_future(sync.mean);
+      if (!(sync.weight > 0)) sync.mean.zero_();
+      sync.result->total_weight = sync.weight;
+      sync.result->ranks_weighted = sync.weight > 0 ? 1 : 0;
+      return;
+    }
+    try {
+      sync.future = weighted_mean(*cross, sync.mean, sync.weight, codec, sync.checksum, sync.result);
+    } catch (const std::exception& e) {
+      manager.fail_step(e.what());
+      sync.future = completed_future(sync.mean);
+      return;
+    }
+    auto done = sync.done_after;
+    const auto issued = sync.issued;
+    sync.future->addCallback([done, issued](c10::ivalue::Future&) { done->store(seconds_since(issued)); });
+    if (options.on_phase()) options.on_phase()("outer-issued", manager.step());
+  }
+
+  // Starts the sync of the fragment the Manager's step names, with this site's pseudo-gradient
+  // (weight 0 when `weightless` or when it has just healed).
+  void prepare(bool weightless) {
+    const auto t0 = Clock::now();
+    const bool healed = join_quorum();
+    DiLoCoFragment& f = fragments[static_cast<size_t>(next_fragment)];
+    sync.active = true;
+    sync.fragment = static_cast<size_t>(&f - fragments.data());
+    // Equal rounds weigh alike; time-budgeted ones by the inner steps each site ran.
+    sync.weight = (weightless || healed) ? 0.f : options.round_seconds() > 0 ? static_cast<float>(local_step) : 1.f;
+    sync.delta = sync.weight > 0 ? f.global - f.local_flat() : at::zeros({f.numel}, at::kFloat);
+    sync.checksum = checksum_of(f.global);
+    issue();
+    sync.blocked = seconds_since(t0);
+    stats.blocked_seconds += sync.blocked;
+  }
+
+  void apply(DiLoCoFragment& f, const at::Tensor& mean) {
+    const double mu = options.outer_momentum(), lr = options.outer_lr();
+    // torch.optim.SGD(lr, momentum, nesterov): the first step's buffer is the gradient itself.
+    at::Tensor direction = mean;
+    if (mu != 0) {
+      if (f.outer_steps == 0)
+        f.momentum.copy_(mean);
+      else
+        f.momentum.mul_(mu).add_(mean);
+      direction = options.nesterov() ? mean.add(f.momentum, mu) : f.momentum;
+    }
+    f.global.add_(direction, -lr);
+    ++f.outer_steps;
+  }
+
+  // Waits for the sync and applies it (applied: whether an outer step was taken); redoes it
+  // among the survivors until it commits. False when this site healed into a sync that another
+  // site had started earlier in its schedule: it is left in flight, to be applied at this site's
+  // (now that site's) sync point.
+  bool applied = false;
+  bool perform() {
+    const auto t0 = Clock::now();
+    for (;;) {
+      try {
+        ProcessGroup::wait(sync.future);
+      } catch (const std::exception& e) {
+        manager.fail_step(e.what());
+      }
+      stats.transfer_seconds += sync.done_after->load();
+      if (manager.should_commit()) break;
+      // Not committed: a site was lost mid-average (or this one failed). The next quorum is the
+      // survivors; the same pseudo-gradient goes again.
+      ++stats.sync_retries;
+      stats.last_error = manager.stats().last_error;
+      const bool healed = join_quorum();
+      if (healed) {
+        DiLoCoFragment& f = fragments[static_cast<size_t>(next_fragment)];
+        sync.fragment = static_cast<size_t>(&f - fragments.data());
+        sync.weight = 0.f;
+        sync.delta = at::zeros({f.numel}, at::kFloat);
+        sync.checksum = checksum_of(f.global);
+      }
+      issue();
+      if (healed && options.round_seconds() == 0 && local_step < period) {
+        sync.blocked += seconds_since(t0);
+        stats.blocked_seconds += seconds_since(t0);
+        return false;
+      }
+    }
+    sync.active = false;
+    DiLoCoFragment& f = fragments[sync.fragment];
+    const WeightedMeanResult r = *sync.result;
+    if (!r.checksums_agree) ++stats.checksum_mismatches;
+    if (r.total_weight > 0) {
+      apply(f, sync.mean);
+      f.merge(options.fragment_alpha());
+      next_fragment = (next_fragment + 1) % static_cast<int64_t>(fragments.size());
+    }
+    ++stats.syncs;
+    stats.last_sites = manager.replica_count();
+    stats.last_sites_weighted = r.ranks_weighted;
+    sync.delta = at::Tensor();
+    sync.mean = at::Tensor();
+    stats.blocked_seconds += seconds_since(t0);
+    sync.blocked += seconds_since(t0);
+    stats.longest_blocked_seconds = std::max(stats.longest_blocked_seconds, sync.blocked);
+    applied = r.total_weight > 0;
+    return true;
+  }
+};
+
+DiLoCo::DiLoCo(ft::Manager& manager, std::vector<std::vector<at::Tensor>> fragments, DiLoCoOptions options)
+    : impl_(std::make_unique<Impl>(manager, std::move(options))) {
+  Impl& im = *impl_;
+  const DiLoCoOptions& o = im.options;
+  DDPKIT_CHECK(!fragments.empty(), "DiLoCo: no fragments (give at least one list of parameters)");
+  const auto count = static_cast<int64_t>(fragments.size());
+  DDPKIT_CHECK(o.sync_every() >= 1, "DiLoCo: sync_every must be >= 1, got ", o.sync_every());
+  DDPKIT_CHECK(o.sync_every() % count == 0, "DiLoCo: sync_every (", o.sync_every(), ") must be a multiple of the ",
+               count, " fragments");
+  im.period = o.sync_every() / count;
+  DDPKIT_CHECK(o.fragment_delay() >= 0 && o.fragment_delay() < im.period, "DiLoCo: fragment_delay must be in 0..",
+               im.period - 1, " (sync_every / fragments - 1), got ", o.fragment_delay());
+  DDPKIT_CHECK(o.fragment_alpha() >= 0 && o.fragment_alpha() <= 1, "DiLoCo: fragment_alpha must be in [0, 1], got ",
+               o.fragment_alpha());
+  DDPKIT_CHECK(o.round_seconds() >= 0, "DiLoCo: round_seconds must be >= 0, got ", o.round_seconds());
+  DDPKIT_CHECK(o.round_seconds() == 0 || (count == 1 && o.fragment_delay() == 0),
+               "DiLoCo: time-budgeted rounds (round_seconds) take one fragment and no fragment_delay");
+  DDPKIT_CHECK(o.outer_lr() > 0, "DiLoCo: outer_lr must be > 0, got ", o.outer_lr());
+  DDPKIT_CHECK(o.outer_momentum() >= 0 && o.outer_momentum() < 1, "DiLoCo: outer_momentum must be in [0, 1), got ",
+               o.outer_momentum());
+  im.codec = codecs::make_codec(o.codec());
+  for (size_t i = 0; i < fragments.size(); ++i) {
+    DiLoCoFragment f;
+    f.params = std::move(fragments[i]);
+    DDPKIT_CHECK(!f.params.empty(), "DiLoCo: fragment ", i, " holds no parameters");
+    for (const auto& p : f.params) {
+      DDPKIT_CHECK(p.defined() && p.device().is_cpu() && at::isFloatingType(p.scalar_type()), "DiLoCo: fragment ", i,
+                   " holds a parameter that is not a floating-point CPU tensor");
+      f.numel += p.numel();
+    }
+    f.global = f.local_flat().clone();
+    f.momentum = at::zeros({f.numel}, at::kFloat);
+    im.fragments.push_back(std::move(f));
+  }
+}
+
+DiLoCo::~DiLoCo() = default;
+
+void DiLoCo::start() {
+  Impl& im = *impl_;
+  DDPKIT_CHECK(!im.sync.active && im.stats.syncs == 0, "DiLoCo::start: call it once, before the first inner step");
+  im.prepare(/*weightless=*/true);
+  // A site that healed into another's sync in flight (tau > 0) applies it at that site's sync point.
+  if (im.stats.heals > 0 && im.options.round_seconds() == 0 && im.local_step < im.period) return;
+  if (im.perform()) im.local_step = 0;
+  im.round_start = Clock::now();
+}
+
+bool DiLoCo::after_inner_step() {
+  Impl& im = *impl_;
+  ++im.stats.inner_steps;
+  ++im.local_step;
+  if (im.options.round_seconds() > 0) {
+    // A time-budgeted round ends at its deadline (every site's clock, within one of its steps).
+    if (im.local_step < im.period && seconds_since(im.round_start) < im.options.round_seconds()) return false;
+    im.prepare(false);
+    im.applied = false;
+    if (im.perform()) im.local_step = 0;
+    im.round_start = Clock::now();
+    return im.applied;
+  }
+  if (im.local_step == im.period - im.options.fragment_delay() && !im.sync.active) im.prepare(false);
+  if (im.local_step < im.period) return false;
+  im.applied = false;
+  if (!im.sync.active || im.perform()) im.local_step = 0;
+  return im.applied;
+}
+
+void DiLoCo::finish() {
+  Impl& im = *impl_;
+  while (im.sync.active) im.perform();
+}
+
+TensorDict DiLoCo::state() const {
+  const Impl& im = *impl_;
+  TensorDict d;
+  for (size_t i = 0; i < im.fragments.size(); ++i) {
+    const std::string k = std::to_string(i);
+    d["diloco/global/" + k] = im.fragments[i].global;
+    d["diloco/momentum/" + k] = im.fragments[i].momentum;
+    d["diloco/outer_steps/" + k] = at::tensor({im.fragments[i].outer_steps}, at::kLong);
+  }
+  d["diloco/local_step"] = at::tensor({im.local_step}, at::kLong);
+  d["diloco/next_fragment"] = at::tensor({im.next_fragment}, at::kLong);
+  return d;
+}
+
+void DiLoCo::load_state(const TensorDict& state) {
+  Impl& im = *impl_;
+  auto get = [&state](const std::string& key) -> const at::Tensor& {
+    auto it = state.find(key);
+    DDPKIT_CHECK(it != state.end(), "DiLoCo::load_state: no '", key, "' (a state of another model or fragment count?)");
+    return it->second;
+  };
+  for (size_t i = 0; i < im.fragments.size(); ++i) {
+    DiLoCoFragment& f = im.fragments[i];
+    const std::string k = std::to_string(i);
+    const at::Tensor& g = get("diloco/global/" + k);
+    const at::Tensor& m = get("diloco/momentum/" + k);
+    DDPKIT_CHECK(g.numel() == f.numel && m.numel() == f.numel, "DiLoCo::load_state: fragment ", i, " holds ", f.numel,
+                 " values here, ", g.numel(), " in the state");
+    f.global.copy_(g.reshape({-1}));
+    f.momentum.copy_(m.reshape({-1}));
+    f.outer_steps = get("diloco/outer_steps/" + k).item<int64_t>();
+  }
+  im.local_step = get("diloco/local_step").item<int64_t>();
+  im.next_fragment = get("diloco/next_fragment").item<int64_t>();
+  DDPKIT_CHECK(im.next_fragment >= 0 && im.next_fragment < static_cast<int64_t>(im.fragments.size()),
+               "DiLoCo::load_state: next fragment ", im.next_fragment, " of ", im.fragments.size());
+}
+
+at::Tensor DiLoCo::global_parameters(size_t fragment) const {
+  DDPKIT_CHECK(fragment < impl_->fragments.size(), "DiLoCo: no fragment ", fragment);
+  return impl_->fragments[fragment].global;
+}
+size_t DiLoCo::fragments() const { return impl_->fragments.size(); }
+int64_t DiLoCo::outer_steps() const { return impl_->fragments[0].outer_steps; }
+const DiLoCoStats& DiLoCo::stats() const { return impl_->stats; }
+
+std::vector<std::vector<at::Tensor>> fragments_of(const std::vector<std::vector<at::Tensor>>& layers, int64_t count,
+                                                  const std::string& layout) {
+  DDPKIT_CHECK(count >= 1, "DiLoCo: fragments must be >= 1, got ", count);
+  DDPKIT_CHECK(static_cast<int64_t>(layers.size()) >= count, "DiLoCo: ", count, " fragments of ", layers.size(),
+               " layers: give at most one fragment per layer");
+  DDPKIT_CHECK(layout == "strided" || layout == "sequential", "DiLoCo: the fragment layout is strided or sequential, got '",
+               layout, "'");
+  std::vector<std::vector<at::Tensor>> out(static_cast<size_t>(count));
+  const auto n = static_cast<int64_t>(layers.size());
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t f = layout == "strided" ? i % count : i * count / n;
+    for (const auto& p : layers[static_cast<size_t>(i)]) out[static_cast<size_t>(f)].push_back(p);
+  }
+  return out;
+}
+
+}  // namespace diloco
+}  // namespace ddpkit

@@ -1,0 +1,151 @@
+// One suite run against every codec make_codec knows (include/ddpkit/codecs/codec.h): round-trip
+// bounds, sizes, NaN/Inf, accumulation, and the same bytes at every SIMD level. A new codec is
+// covered by adding it to make_codec; kExpectedBytesPerValue below holds what each may cost.
+#include "harness.h"
+
+#include <ddpkit/codecs/codec.h>
+
+#include <cmath>
+#include <limits>
+#include <map>
+
+namespace ddpkit {
+namespace {
+
+using codecs::Codec;
+
+// The wire cost each codec is allowed, bytes per value for a large tensor (one line per codec).
+const std::map<std::string, double> kExpectedBytesPerValue = {
+    {"fp32", 4.0}, {"fp16", 2.0}, {"bf16", 2.0}, {"int8", 1.0 + 4.0 / 256}, {"int4", 0.5 + 4.0 / 128},
+};
+
+std::vector<codecs::SimdLevel> levels_here() {
+  std::vector<codecs::SimdLevel> out;
+  for (auto l : {codecs::SimdLevel::Scalar, codecs::SimdLevel::Avx2, codecs::SimdLevel::Avx512})
+    if (codecs::cpu_supports(l)) out.push_back(l);
+  return out;
+}
+
+// Values spread over six decades, both signs, in fp16's normal range.
+at::Tensor spread_values(int64_t n, uint64_t seed) {
+  at::Tensor sign = testing::seeded_randn({n}, seed).sign();
+  at::Tensor exponent = testing::seeded_randn({n}, seed + 1).clamp(-2, 2) * 1.5;
+  return (sign * at::pow(10.0, exponent)).contiguous();
+}
+
+at::Tensor encode(const Codec& c, const at::Tensor& x) {
+  at::Tensor out = at::empty({c.encoded_bytes(x.numel())}, at::kByte);
+  c.encode(x, out);
+  return out;
+}
+
+at::Tensor decode(const Codec& c, const at::Tensor& bytes, int64_t n) {
+  at::Tensor out = at::empty({n}, at::kFloat);
+  c.decode(bytes, out);
+  return out;
+}
+
+class CodecConformance : public ::testing::TestWithParam<std::string> {
+ protected:
+  std::shared_ptr<const Codec> codec = codecs::make_codec(GetParam());
+};
+
+TEST_P(CodecConformance, IsListedWithItsCost) {
+  ASSERT_TRUE(kExpectedBytesPerValue.count(GetParam())) << "add " << GetParam() << " to kExpectedBytesPerValue";
+  EXPECT_EQ(codec->name(), GetParam());
+  const int64_t n = 1 << 20;
+  EXPECT_NEAR(static_cast<double>(codec->encoded_bytes(n)) / n, kExpectedBytesPerValue.at(GetParam()), 1e-3);
+  EXPECT_EQ(codec->encoded_bytes(0), 0);
+}
+
+TEST_P(CodecConformance, RoundTripWithinItsBound) {
+  for (int64_t n : {1, 7, 127, 128, 129, 255, 256, 257, 1000, 4099}) {
+    const at::Tensor x = spread_values(n, static_cast<uint64_t>(n));
+    const at::Tensor y = decode(*codec, encode(*codec, x), n);
+    const int64_t block = codec->block();
+    for (int64_t b = 0; b < n; b += block) {
+      const int64_t len = std::min(block, n - b);
+      const at::Tensor xs = x.narrow(0, b, len), ys = y.narrow(0, b, len);
+      // Per value: |err| <= bound * (|x| for casts, the block's max |x| for block codecs), plus
+      // float32's own rounding of the decode.
+      const at::Tensor reference = block == 1 ? xs.abs() : xs.abs().max().expand({len});
+      const at::Tensor slack = reference * (codec->error_bound() + 1e-6);
+      const at::Tensor err = (ys - xs).abs();
+      EXPECT_TRUE(err.le(slack).all().item<bool>())
+          << GetParam() << ", " << n << " values, block at " << b << ": worst error "
+          << (err - slack).max().item<float>() << " over the bound";
+    }
+  }
+}
+
+TEST_P(CodecConformance, ZerosStayZeros) {
+  const at::Tensor x = at::zeros({300});
+  EXPECT_TRUE(decode(*codec, encode(*codec, x), 300).eq(0).all().item<bool>());
+}
+
+TEST_P(CodecConformance, NonFiniteNeverDecodesToFinite) {
+  for (float bad : {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity(),
+                    -std::numeric_limits<float>::infinity()}) {
+    at::Tensor x = spread_values(600, 3);
+    x[5] = bad;
+    x[399] = bad;
+    const at::Tensor y = decode(*codec, encode(*codec, x), 600);
+    EXPECT_FALSE(std::isfinite(y[5].item<float>())) << GetParam() << " turned " << bad << " finite";
+    EXPECT_FALSE(std::isfinite(y[399].item<float>())) << GetParam() << " turned " << bad << " finite";
+    // Blocks without one decode as usual.
+    const int64_t block = codec->block();
+    const int64_t clean = block == 1 ? 100 : ((5 / block) + 1) * block;
+    if (clean + 10 < 399 / block * block)
+      EXPECT_TRUE(at::isfinite(y.narrow(0, clean, 10)).all().item<bool>()) << GetParam();
+  }
+}
+
+TEST_P(CodecConformance, DecodeScalesAndAccumulates) {
+  const at::Tensor x = spread_values(1000, 9);
+  const at::Tensor bytes = encode(*codec, x);
+  const at::Tensor plain = decode(*codec, bytes, 1000);
+  at::Tensor scaled = at::empty({1000});
+  codec->decode(bytes, scaled, 0.25f);
+  EXPECT_TRUE(at::allclose(scaled, plain * 0.25, 1e-6, 1e-7)) << GetParam();
+  at::Tensor acc = at::ones({1000});
+  codec->decode(bytes, acc, 2.0f, /*accumulate=*/true);
+  EXPECT_TRUE(at::allclose(acc, plain * 2 + 1, 1e-6, 1e-6)) << GetParam();
+}
+
+TEST_P(CodecConformance, EverySimdLevelWritesTheSameBytes) {
+  const codecs::SimdLevel before = codecs::simd_level();
+  const at::Tensor x = spread_values(5000, 11);
+  at::Tensor first, first_decoded;
+  for (auto level : levels_here()) {
+    codecs::set_simd_level(level);
+    const at::Tensor bytes = encode(*codec, x);
+    const at::Tensor decoded = decode(*codec, bytes, 5000);
+    if (!first.defined()) {
+      first = bytes;
+      first_decoded = decoded;
+      continue;
+    }
+    EXPECT_TRUE(at::equal(bytes, first)) << GetParam() << " at " << codecs::simd_level_name();
+    EXPECT_TRUE(at::equal(decoded, first_decoded)) << GetParam() << " at " << codecs::simd_level_name();
+  }
+  codecs::set_simd_level(before);
+}
+
+TEST_P(CodecConformance, WrongBuffersAreNamedErrors) {
+  const at::Tensor x = at::randn({100});
+  at::Tensor small = at::empty({codec->encoded_bytes(100) - 1}, at::kByte);
+  EXPECT_THAT(testing::error_of([&] { codec->encode(x, small); }), ::testing::HasSubstr(GetParam() + " codec"));
+  EXPECT_THAT(testing::error_of([&] { codec->encode(x.to(at::kDouble), encode(*codec, x)); }),
+              ::testing::HasSubstr("float32"));
+}
+
+INSTANTIATE_TEST_SUITE_P(Codecs, CodecConformance, ::testing::ValuesIn(codecs::codec_names()),
+                         [](const ::testing::TestParamInfo<std::string>& info) { return info.param; });
+
+TEST(Codecs, AnUnknownNameListsTheKnownOnes) {
+  EXPECT_THAT(testing::error_of([] { codecs::make_codec("int3"); }),
+              ::testing::HasSubstr("unknown codec 'int3' (codecs: fp32, fp16, bf16, int8, int4)"));
+}
+
+}  // namespace
+}  // namespace ddpkit

@@ -1,0 +1,175 @@
+#!/usr/bin/env python3
+"""`ddpkit train --fault-tolerant --diloco H` as a user runs it (docs/diloco.md).
+
+  tests/diloco_train.py build/ddpkit MODE
+
+MODE:
+  parity      DiLoCo with H=1, outer lr 1, no momentum, over SGD is DDP across the groups: the
+              same test loss as plain --fault-tolerant (2 groups of 2 ranks)
+  streaming   3 groups, 2 fragments synced in turn, each average behind 1 inner step, int4 outer
+              codec: every group ends alike, the bytes per step as the layout says
+  kill-sync   3 groups; group 1 dies just after issuing an outer average (its peers mid-transfer):
+              the survivors redo that sync among themselves, lose no inner step, stay identical;
+              group 1 restarts, heals at a later sync and ends alike
+  kill-inner  the same with group 1 killed in its inner steps
+  stop        3 groups; group 1 SIGSTOPped mid-run (silent: no RST, no FIN, its heartbeats stop): the
+              others' sync with it ends within 2 s, and they finish every inner step, alike
+  checkpoint  2 groups write their checkpoints (outer state included) every 2 syncs; a run stopped
+              half way and resumed ends bit for bit as the run straight through
+
+Checks: exit status 0, one JSON line per group, equal parameter checksums, no checksum mismatch.
+"""
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+
+BIN = None
+MODEL = ["--dataset", "synthetic", "--epochs", "1000", "--quiet", "--timeout-s", "60",
+         "--batch-size", "32", "--lr", "0.05"]
+
+
+def run(flags, env=None, timeout=300, dims="64,256,256,10"):
+    p = subprocess.run([BIN, "train", "--fault-tolerant", "--mlp-dims", dims] + MODEL + flags, capture_output=True, text=True,
+                       timeout=timeout, env=dict(os.environ, **(env or {})))
+    if p.returncode != 0:
+        sys.exit(f"FAILED: {' '.join(flags)}: exit {p.returncode}\n{p.stderr[-4000:]}")
+    reps = sorted((json.loads(l) for l in p.stdout.splitlines() if l.startswith("{")), key=lambda r: r["replica_group"])
+    return reps, p.stderr
+
+
+def check_alike(reps, groups, what):
+    if [r["replica_group"] for r in reps] != list(range(groups)):
+        sys.exit(f"FAILED ({what}): expected a report from each of {groups} groups, got {reps}")
+    if len({r["parameter_checksum"] for r in reps}) != 1:
+        sys.exit(f"FAILED ({what}): the groups' parameters differ:\n" + "\n".join(json.dumps(r) for r in reps))
+    for r in reps:
+        if r.get("checksum_mismatches", 0):
+            sys.exit(f"FAILED ({what}): sites' global parameters differed at a sync: {r}")
+
+
+def parity_mode():
+    common = ["--replica-groups", "2", "--nproc", "2", "--steps", "30", "--optimizer", "sgd"]
+    ddp, _ = run(common)
+    dl, _ = run(common + ["--diloco", "1", "--outer-lr", "1", "--outer-momentum", "0"])
+    check_alike(dl, 2, "parity")
+    a, b = ddp[0]["test_loss"], dl[0]["test_loss"]
+    if abs(a - b) > 1e-4 * abs(a):
+        sys.exit(f"FAILED: H=1 DiLoCo's test loss {b} differs from DDP across groups' {a}")
+    if dl[0]["outer_syncs"] != 31:  # the first quorum's, then one per step
+        sys.exit(f"FAILED: expected 31 syncs, got {dl[0]}")
+    print(f"H=1 DiLoCo = DDP across groups: test loss {b:.6f} vs {a:.6f}")
+
+
+def streaming_mode():
+    reps, _ = run(["--replica-groups", "3", "--nproc", "1", "--steps", "48", "--diloco", "8", "--fragments", "2",
+                   "--fragment-delay", "1", "--outer-codec", "int4", "--optimizer", "adamw", "--lr", "0.001"])
+    check_alike(reps, 3, "streaming")
+    r = reps[0]
+    if r["outer_syncs"] != 1 + 48 // 4:
+        sys.exit(f"FAILED: expected {1 + 48 // 4} syncs (one per 4 steps), got {r}")
+    print(f"streaming, 2 fragments, tau 1, int4: {r['outer_syncs']} syncs, {r['cross_bytes_per_step']:.0f} B/step, "
+          f"test loss {r['test_loss']:.4f}")
+
+
+def kill_mode(phase, step):
+    # Long enough (~20 s here) that the killed group restarts and heals before the others end.
+    steps = 3000
+    reps, err = run(["--replica-groups", "3", "--nproc", "1", "--steps", str(steps), "--diloco", "8",
+                     "--max-restarts", "2", "--optimizer", "adamw", "--lr", "0.001", "--no-eval"],
+                    env={"DDPKIT_FT_FAULT": f"{phase}:{step}:1:0"}, dims="64,512,512,10")
+    if "DDPKIT_FT_FAULT: dying" not in err:
+        sys.exit(f"FAILED: group 1 did not die at {phase}:\n{err[-3000:]}")
+    check_alike(reps, 3, phase)
+    survivors = [reps[0], reps[2]]
+    for r in survivors:
+        if r["steps_run"] != steps:
+            sys.exit(f"FAILED: a survivor lost inner steps ({r['steps_run']} of {steps} run): {r}")
+    if phase == "outer-issued" and not any(r["sync_retries"] >= 1 for r in survivors):
+        sys.exit(f"FAILED: no survivor redid the sync group 1 died in: {survivors}")
+    if reps[1]["heals"] < 1:
+        sys.exit(f"FAILED: group 1 did not heal: {reps[1]}")
+    print(f"group 1 killed at {phase}: survivors ran {steps} of {steps} inner steps, retries "
+          f"{[r['sync_retries'] for r in survivors]}, group 1 healed ({reps[1]['heal_bytes']} B) and ends alike")
+
+
+def stop_mode():
+    import signal
+    import time
+    steps = 3000
+    p = subprocess.Popen([BIN, "train", "--fault-tolerant", "--mlp-dims", "64,512,512,10"] + MODEL +
+                         ["--replica-groups", "3", "--nproc", "1", "--steps", str(steps), "--diloco", "8",
+                          "--optimizer", "adamw", "--lr", "0.001", "--no-eval"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    stopped = None
+    try:
+        end = time.time() + 60
+        while stopped is None and time.time() < end:
+            for pid in os.listdir("/proc"):
+                try:
+                    args = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
+                    env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+                except (OSError, ValueError):
+                    continue
+                if b"--replica-group" in args and args[args.index(b"--replica-group") + 1] == b"1" and \
+                        any(e.startswith(b"RANK=") for e in env):
+                    stopped = int(pid)
+            time.sleep(0.1)
+        if stopped is None:
+            sys.exit("FAILED: group 1's rank did not start")
+        time.sleep(4)  # into its steps and syncs
+        os.kill(stopped, signal.SIGSTOP)
+        out, err = p.communicate(timeout=300)
+    finally:
+        if stopped:
+            try:
+                os.kill(stopped, signal.SIGKILL)
+            except OSError:
+                pass
+        if p.poll() is None:
+            p.kill()
+    reps = sorted((json.loads(l) for l in out.splitlines() if l.startswith("{")), key=lambda r: r["replica_group"])
+    survivors = [r for r in reps if r["replica_group"] != 1]
+    if p.returncode != 0 or len(survivors) != 2:
+        sys.exit(f"FAILED: exit {p.returncode}, survivors' reports {survivors}\n{err[-3000:]}")
+    if survivors[0]["parameter_checksum"] != survivors[1]["parameter_checksum"]:
+        sys.exit(f"FAILED: the survivors differ: {survivors}")
+    for r in survivors:
+        if r["steps_run"] != steps or r["checksum_mismatches"]:
+            sys.exit(f"FAILED: a survivor lost inner steps or diverged: {r}")
+        if r["longest_sync_blocked_seconds"] > 2.0:
+            sys.exit(f"FAILED: a survivor waited {r['longest_sync_blocked_seconds']:.2f} s in one sync: {r}")
+    print(f"group 1 stopped: survivors ran {steps} of {steps} inner steps, longest sync "
+          f"{max(r['longest_sync_blocked_seconds'] for r in survivors):.2f} s, alike")
+
+
+def checkpoint_mode():
+    d = tempfile.mkdtemp(prefix="ddpkit-diloco-ck-")
+    try:
+        common = ["--replica-groups", "2", "--nproc", "1", "--diloco", "4", "--optimizer", "adamw", "--lr", "0.001",
+                  "--checkpoint-every", "2", "--no-eval"]
+        straight, _ = run(common + ["--steps", "48", "--checkpoint-dir", os.path.join(d, "a")])
+        run(common + ["--steps", "24", "--checkpoint-dir", os.path.join(d, "b")])
+        resumed, err = run(common + ["--steps", "48", "--checkpoint-dir", os.path.join(d, "b"), "--resume"])
+        if "resumed from" not in err:
+            sys.exit(f"FAILED: the second run did not resume:\n{err[-3000:]}")
+        check_alike(straight, 2, "straight")
+        check_alike(resumed, 2, "resumed")
+        if straight[0]["parameter_checksum"] != resumed[0]["parameter_checksum"]:
+            sys.exit(f"FAILED: resumed run ends elsewhere:\n{straight}\n{resumed}")
+        print(f"stopped at 24 of 48 inner steps and resumed: parameters bit-identical ({resumed[0]['parameter_checksum']})")
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+MODES = {"parity": parity_mode, "streaming": streaming_mode, "kill-sync": lambda: kill_mode("outer-issued", 4),
+         "kill-inner": lambda: kill_mode("forward", 4), "stop": stop_mode, "checkpoint": checkpoint_mode}
+
+if __name__ == "__main__":
+    if len(sys.argv) != 3 or sys.argv[2] not in MODES:
+        sys.exit(f"usage: {sys.argv[0]} build/ddpkit {{{'|'.join(MODES)}}}")
+    BIN = sys.argv[1]
+    MODES[sys.argv[2]]()
+    print("ok")

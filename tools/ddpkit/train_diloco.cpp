@@ -1,0 +1,236 @@
+// `ddpkit train --fault-tolerant --diloco H`: one rank of one site (replica group) of a DiLoCo job.
+//
+// The site trains alone (DDP / ZeRO / FSDP inside its group, --optimizer as the inner one) and
+// every H / P inner steps syncs one fragment with the other sites (diloco::DiLoCo over the
+// ft::Manager's quorum). Data: site g's rank r reads share g*W + r of R*W of every epoch, at the
+// job's inner step (a healed site takes its source's, so it reads on from there).
+#include "train_build.h"
+#include "train_ft_common.h"
+
+#include <ddpkit/diloco/diloco.h>
+#include <ddpkit/ft/manager.h>
+#include <ddpkit/runtime/memory_sampler.h>
+
+#include <nlohmann/json.hpp>
+
+#include <ATen/CPUGeneratorImpl.h>
+
+#include <fstream>
+#include <map>
+#include <numeric>
+
+namespace ddpkit {
+namespace cli {
+namespace {
+
+// The model's parameters as layers, in order: each FSDP unit's (a transformer block) is one
+// layer; the parameters between units (embeddings, final norm, head) form a layer per run.
+std::vector<std::vector<at::Tensor>> layers_of(const Training& run) {
+  std::map<const void*, size_t> unit_of;
+  for (size_t u = 0; u < run.model.units.size(); ++u)
+    for (const auto& p : run.model.units[u]->parameters()) unit_of[p.unsafeGetTensorImpl()] = u;
+  std::vector<std::vector<at::Tensor>> layers;
+  long last = -2;  // the unit of the last parameter (-1: none)
+  for (const auto& p : run.model.module->parameters()) {
+    auto it = unit_of.find(p.unsafeGetTensorImpl());
+    const long u = it == unit_of.end() ? -1 : static_cast<long>(it->second);
+    if (u != last || layers.empty()) layers.emplace_back();
+    layers.back().push_back(p);
+    last = u;
+  }
+  return layers;
+}
+
+TensorDict without_prefix(const TensorDict& d, const std::string& prefix) {
+  TensorDict out;
+  for (const auto& [k, v] : d)
+    if (k.compare(0, prefix.size(), prefix) == 0) out[k.substr(prefix.size())] = v;
+  return out;
+}
+
+}  // namespace
+
+int run_diloco_rank(const Flags& f, const TrainFlags& t) {
+  PeakMemorySampler memory;
+  set_compute_threads(t.threads);
+  std::shared_ptr<ProcessGroup> pg = join_group(f, t);
+  const int rank = pg->rank(), world = pg->size();
+  const auto timeout = std::chrono::milliseconds(int64_t{f.integer("timeout-s")} * 1000);
+  const FaultPoints fault(t.replica_group, rank);
+  Training run;
+  std::unique_ptr<diloco::DiLoCo> dl;
+  int64_t inner_step = 0;  // the job's inner steps so far: the data position
+  // A heal carries the outer state and the data position along with TrainingState's.
+  auto extra = [&] {
+    TensorDict d = dl->state();
+    d["inner_step"] = int_entry(inner_step);
+    return d;
+  };
+  auto load_extra = [&](const TensorDict& d) {
+    dl->load_state(d);
+    inner_step = int_of(d, "inner_step", "the healed state");
+  };
+  ft::Manager manager(pg, run.state,
+                      ft::ManagerOptions()
+                          .lighthouse(t.lighthouse)
+                          .group_id(group_name(t.replica_group))
+                          .token(read_token("", "DDPKIT_FT_TOKEN"))
+                          .quorum_timeout(timeout)
+                          .cross_group_timeout(std::min(timeout, std::chrono::milliseconds(30000)))
+                          .heal_connections(t.heal_connections)
+                          .on_phase(fault.armed() ? [&fault](const std::string& phase, int64_t step) { fault.at(phase, step); }
+                                                : std::function<void(const std::string&, int64_t)>()),
+                      extra, load_extra);
+  RunData run_data = build_rank(f, t, pg, run);
+  Split& data = run_data.data;
+  const auto fragments =
+      t.fragments == 1 ? std::vector<std::vector<at::Tensor>>{run.params} : diloco::fragments_of(layers_of(run), t.fragments, t.fragment_layout);
+  dl = std::make_unique<diloco::DiLoCo>(manager, fragments,
+                                        diloco::DiLoCoOptions()
+                                            .sync_every(t.diloco)
+                                            .outer_lr(t.outer_lr)
+                                            .outer_momentum(t.outer_momentum)
+                                            .codec(t.outer_codec)
+                                            .fragment_delay(t.fragment_delay)
+                                            .fragment_alpha(t.fragment_alpha)
+                                            .round_seconds(t.round_seconds)
+                                            .on_phase(fault.armed() ? [&fault](const std::string& phase, int64_t step) { fault.at(phase, step); }
+                                                                  : std::function<void(const std::string&, int64_t)>()));
+
+  const int data_world = t.replica_groups * world, data_rank = t.replica_group * world + rank;
+  const int64_t n_train = data.train.inputs.size(0);
+  const Schedule schedule = schedule_for(n_train, data_world, t);
+  const auto settings = checkpoint_settings(f);
+  // Sites differ between syncs (their local parameters, inner optimizer, generator): each writes
+  // its own checkpoints, DIR/<group id>/, after the same syncs, and resumes from its own.
+  TrainFlags site = t;
+  if (!t.checkpoint_dir.empty()) site.checkpoint_dir = t.checkpoint_dir + "/" + manager.group_id();
+  const StartPoint start = resume_point(f, site, run, pg.get(), settings, schedule.steps_per_epoch, data_world);
+  if (start.resumed_from >= 0) {
+    dl->load_state(without_prefix(start.common, "extra/"));
+    inner_step = start.step;
+    manager.resume_at(int_of(start.common, "extra/manager_step", "checkpoint"));
+  }
+  int64_t checkpoints_written = 0;
+  const bool lead = rank == 0;
+  Progress progress(lead && t.replica_group == 0 && !f.on("quiet"));
+  std::vector<double> step_ms;
+  double last_loss = 0;
+  at::Tensor perm;
+  int64_t perm_epoch = -1, steps_run = 0;
+
+  // Time-budgeted rounds end the job after --steps / H of them (sites run different step counts).
+  const int64_t rounds = schedule.total_steps / t.diloco;
+  auto done = [&] { return t.round_seconds > 0 ? dl->outer_steps() >= rounds : inner_step >= schedule.total_steps; };
+  dl->start();  // a site that starts late heals here, at the others' next sync
+  for (;;) {
+    if (done()) break;
+    const auto t0 = std::chrono::steady_clock::now();
+    const int64_t epoch = inner_step / schedule.steps_per_epoch, i = inner_step % schedule.steps_per_epoch;
+    if (epoch != perm_epoch) {
+      auto gen = at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(f.integer("seed")) * 1000 + epoch);
+      perm = at::randperm(n_train, gen, at::kLong).slice(0, data_rank, data_world * schedule.per_rank, data_world);
+      perm_epoch = epoch;
+    }
+    at::Tensor idx = perm.slice(0, i * t.batch, (i + 1) * t.batch);
+    at::Tensor x = data.train.inputs.index_select(0, idx), y = data.train.labels.index_select(0, idx);
+    if (run.model.language_model) x = x.to(at::kLong), y = y.to(at::kLong);
+    for (auto& p : run.params) p.mutable_grad().reset();
+    fault.at("forward", manager.step());
+    at::Tensor loss = model_loss(run.model, run.forward(x), y);
+    fault.at("backward", manager.step());
+    loss.backward();
+    if (run.zero)
+      run.zero->step();
+    else
+      run.optimizer->step();
+    last_loss = loss.item<double>();
+    ++inner_step;
+    ++steps_run;
+    const bool outer = dl->after_inner_step();
+    // After the same syncs on every site (the Manager's step counts the job's).
+    if (outer && !site.checkpoint_dir.empty() && (manager.step() % t.checkpoint_every == 0 || done())) {
+      TensorDict extras = checkpoint_extra(settings, inner_step / schedule.steps_per_epoch,
+                                           (inner_step % schedule.steps_per_epoch) * t.batch * data_world);
+      for (const auto& [k, v] : dl->state()) extras[k] = v;
+      extras["manager_step"] = int_entry(manager.step());
+      run.state.save(pg.get(), site.checkpoint_dir, inner_step, extras);
+      ++checkpoints_written;
+    }
+    step_ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+    if (t.round_seconds > 0)
+      progress.update("round", dl->outer_steps(), rounds, last_loss, median(step_ms));
+    else
+      progress.update("step", inner_step, schedule.total_steps, last_loss, median(step_ms));
+  }
+  dl->finish();
+  progress.finish();
+  // The model the sites agree on: every fragment's global parameters (trailing inner steps since
+  // the last sync, when the steps are not a multiple of H / P, are not in it).
+  {
+    at::NoGradGuard no_grad;
+    for (size_t fr = 0; fr < fragments.size(); ++fr) {
+      const at::Tensor g = dl->global_parameters(fr);
+      int64_t offset = 0;
+      for (const auto& p : fragments[fr]) {
+        p.detach().copy_(g.narrow(0, offset, p.numel()).view(p.sizes()));
+        offset += p.numel();
+      }
+    }
+  }
+  const TestScore score = f.on("no-eval") ? TestScore{-1, -1} : evaluate(run.model, data.test, run.sharded_model.get(), pg.get());
+  memory.stop();
+  if (lead) {
+    const auto& s = manager.stats();
+    const auto& d = dl->stats();
+    nlohmann::json j;
+    j["replica_group"] = t.replica_group;
+    j["group_id"] = manager.group_id();
+    j["replica_groups"] = t.replica_groups;
+    j["world_size"] = world;
+    j["diloco"] = t.diloco;
+    j["fragments"] = t.fragments;
+    j["fragment_delay"] = t.fragment_delay;
+    j["round_seconds"] = t.round_seconds;
+    j["outer_steps"] = dl->outer_steps();
+    j["outer_codec"] = t.outer_codec;
+    int64_t parameters = 0;
+    for (const auto& fr : fragments)
+      for (const auto& p : fr) parameters += p.numel();
+    j["parameters"] = parameters;  // this rank's (FSDP: its shards)
+    j["steps"] = inner_step;
+    j["steps_run"] = steps_run;
+    j["median_step_ms"] = step_ms.empty() ? 0.0 : median(step_ms);
+    j["train_seconds"] = std::accumulate(step_ms.begin(), step_ms.end(), 0.0) / 1000;
+    j["final_loss"] = last_loss;
+    j["test_accuracy"] = score.accuracy;
+    j["test_loss"] = score.loss;
+    j["outer_syncs"] = d.syncs;
+    j["sync_retries"] = d.sync_retries;
+    j["heals"] = d.heals;
+    j["checksum_mismatches"] = d.checksum_mismatches;
+    j["last_sites"] = d.last_sites;
+    j["last_sites_weighted"] = d.last_sites_weighted;
+    j["sync_blocked_seconds"] = d.blocked_seconds;
+    j["longest_sync_blocked_seconds"] = d.longest_blocked_seconds;
+    j["sync_transfer_seconds"] = d.transfer_seconds;
+    j["last_error"] = d.last_error;
+    j["quorums"] = s.quorums;
+    j["reconfigurations"] = s.reconfigurations;
+    j["heal_bytes"] = s.heal_bytes;
+    j["heal_seconds"] = s.heal_seconds;
+    j["cross_transport"] = s.cross_transport;
+    j["cross_bytes_sent"] = s.cross_bytes_sent;
+    j["cross_bytes_per_step"] = steps_run > 0 ? static_cast<double>(s.cross_bytes_sent) / static_cast<double>(steps_run) : 0.0;
+    j["resumed_from"] = start.resumed_from;
+    j["checkpoints_written"] = checkpoints_written;
+    j["parameter_checksum"] = parameter_checksum(run.params);
+    j["peak_rss_bytes"] = memory.peak_rss_bytes();
+    std::cout << j.dump() << std::endl;
+  }
+  ProcessGroup::wait(pg->barrier());
+  return 0;
+}
+
+}  // namespace cli
+}  // namespace ddpkit

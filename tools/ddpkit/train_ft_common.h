@@ -1,0 +1,88 @@
+// What the fault-tolerant loops of `ddpkit train` share (train_ft.cpp, train_diloco.cpp).
+#pragma once
+
+#include "cli.h"
+
+#include <ATen/ATen.h>
+
+#include <csignal>
+#include <cstdio>
+#include <cstdlib>
+#include <iomanip>
+#include <iostream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+namespace ddpkit {
+namespace cli {
+
+inline std::string group_name(int g) {
+  char id[32];
+  std::snprintf(id, sizeof(id), "replica-%03d", g);
+  return id;
+}
+
+// FNV-1a over the parameters' bytes: equal replicas print equal checksums.
+inline std::string parameter_checksum(const std::vector<at::Tensor>& params) {
+  uint64_t h = 1469598103934665603ull;
+  for (const auto& p : params) {
+    const at::Tensor c = p.detach().contiguous();
+    const auto* b = static_cast<const unsigned char*>(c.data_ptr());
+    for (int64_t i = 0; i < c.numel() * static_cast<int64_t>(c.element_size()); ++i) h = (h ^ b[i]) * 1099511628211ull;
+  }
+  std::ostringstream os;
+  os << std::hex << std::setw(16) << std::setfill('0') << h;
+  return os.str();
+}
+
+// DDPKIT_FT_FAULT=PHASE:STEP:GROUP:RANK[:ATTEMPT][,...], for tests: this process SIGKILLs itself
+// at the first PHASE (forward, backward, or one of ft::ManagerOptions::on_phase's) of a step >= STEP
+// when it is rank RANK of group GROUP (or of any group: *) in its launcher's ATTEMPT-th start
+// (TORCHELASTIC_RESTART_COUNT; default 0, so a restarted group does not die again).
+class FaultPoints {
+ public:
+  FaultPoints(int group, int rank) {
+    const char* spec = std::getenv("DDPKIT_FT_FAULT");
+    if (!spec || !*spec) return;
+    const char* restarts = std::getenv("TORCHELASTIC_RESTART_COUNT");
+    const int attempt_now = restarts && *restarts ? std::atoi(restarts) : 0;
+    std::stringstream list(spec);
+    for (std::string one; std::getline(list, one, ',');) {
+      std::vector<std::string> f;
+      std::stringstream fields(one);
+      for (std::string x; std::getline(fields, x, ':');) f.push_back(x);
+      Point p;
+      int g = -1, r = 0, attempt = 0;
+      try {
+        if (f.size() != 4 && f.size() != 5) throw std::invalid_argument("fields");
+        p.phase = f[0];
+        p.step = std::stoll(f[1]);
+        g = f[2] == "*" ? -1 : std::stoi(f[2]);
+        r = std::stoi(f[3]);
+        attempt = f.size() == 5 ? std::stoi(f[4]) : 0;
+      } catch (const std::exception&) {
+        throw UsageError("DDPKIT_FT_FAULT must be PHASE:STEP:GROUP:RANK[:ATTEMPT][,...], got '" + one + "'");
+      }
+      if ((g < 0 || g == group) && r == rank && attempt == attempt_now) points_.push_back(p);
+    }
+  }
+  bool armed() const { return !points_.empty(); }
+  void at(const std::string& phase, int64_t step) const {
+    for (const Point& p : points_) {
+      if (phase != p.phase || step < p.step) continue;
+      std::cerr << "ddpkit: DDPKIT_FT_FAULT: dying at " << phase << ", step " << step << std::endl;
+      raise(SIGKILL);
+    }
+  }
+
+ private:
+  struct Point {
+    std::string phase;
+    int64_t step = 0;
+  };
+  std::vector<Point> points_;
+};
+
+}  // namespace cli
+}  // namespace ddpkit
