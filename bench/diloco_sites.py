@@ -13,7 +13,8 @@ veth pairs, loopback-fast), printing:
   vs_ddp         fp32 DDP's bytes per step over this configuration's
   steps/s        inner steps per second, shaped; frac = over the same job unshaped
   test_loss      on the held-out text after the run (DiLoCo: the global parameters), and vs DDP fp32's
-  hidden         DiLoCo: 1 - (time the training thread waited in syncs) / (time the averages were in flight)
+  hidden         DiLoCo: 1 - (time the training thread waited for averages in flight) / (time they were
+                 in flight); quorums and commits are blocking besides (sync_blocked_seconds)
   goodput        DiLoCo: bytes a rank sent per sync / the sync's transfer time, over the shaped rate
 This kernel has no netem (tc: "Specified qdisc kind is unknown"): links are rate-limited, with no
 added delay; a kernel with sch_netem would let --rtt-ms add it.
@@ -149,14 +150,14 @@ def main():
                 hidden = goodput = float("nan")
             else:
                 counted = r["cross_bytes_per_step"]
-                n = r["parameters"]
-                codec = r["outer_codec"]
-                per_sync = 2 * 3 / 4 * ENCODED[codec](n / r["fragments"])
-                formula = r["outer_syncs"] * per_sync / r["steps_run"]
+                sizes, codec = r["fragment_parameters"], r["outer_codec"]
+                # The first (weightless) sync carries fragment 0, then the fragments in turn.
+                carried = [sizes[0]] + [sizes[i % len(sizes)] for i in range(r["outer_syncs"] - 1)]
+                formula = sum(2 * 3 / 4 * ENCODED[codec](n) for n in carried) / r["steps_run"]
                 loss = r["test_loss"]
                 rate = steps / r["train_seconds"]
                 rate0 = steps / [x for x in reps0 if x["replica_group"] == r["replica_group"]][0]["train_seconds"]
-                hidden = max(0.0, 1 - r["sync_blocked_seconds"] / r["sync_transfer_seconds"]) \
+                hidden = max(0.0, 1 - r["sync_wait_seconds"] / r["sync_transfer_seconds"]) \
                     if r["sync_transfer_seconds"] > 0 else float("nan")
                 rate_bytes = float(args.rate.replace("mbit", "e6").replace("gbit", "e9")) / 8
                 per_sync_sent = r["cross_bytes_sent"] / max(r["outer_syncs"], 1)

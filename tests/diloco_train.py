@@ -13,7 +13,8 @@ MODE:
               group 1 restarts, heals at a later sync and ends alike
   kill-inner  the same with group 1 killed in its inner steps
   stop        3 groups; group 1 SIGSTOPped mid-run (silent: no RST, no FIN, its heartbeats stop): the
-              others' sync with it ends within 2 s, and they finish every inner step, alike
+              others' sync with it ends within 2 s, and they finish every inner step, alike (5 s
+              later the stopped rank is killed, its group restarted and healed)
   checkpoint  2 groups write their checkpoints (outer state included) every 2 syncs; a run stopped
               half way and resumed ends bit for bit as the run straight through
 
@@ -98,7 +99,7 @@ def kill_mode(phase, step):
 def stop_mode():
     import signal
     import time
-    steps = 3000
+    steps = 4000
     p = subprocess.Popen([BIN, "train", "--fault-tolerant", "--mlp-dims", "64,512,512,10"] + MODEL +
                          ["--replica-groups", "3", "--nproc", "1", "--steps", str(steps), "--diloco", "8",
                           "--optimizer", "adamw", "--lr", "0.001", "--no-eval"],
@@ -121,6 +122,10 @@ def stop_mode():
             sys.exit("FAILED: group 1's rank did not start")
         time.sleep(4)  # into its steps and syncs
         os.kill(stopped, signal.SIGSTOP)
+        # The survivors go on without it; then it is killed (a stopped process outlives the
+        # launcher's SIGTERM) and its group restarted, so the job ends with every group.
+        time.sleep(5)
+        os.kill(stopped, signal.SIGKILL)
         out, err = p.communicate(timeout=300)
     finally:
         if stopped:

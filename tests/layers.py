@@ -26,6 +26,7 @@ LAYERS = [
     ["training"],                       # checkpoints, divergence guard: above every wrapper
     ["plan", "ps"],                     # cost model and tuning; parameter server
     ["ft"],                             # fault tolerance across replica groups (gRPC, like ps)
+    ["diloco"],                         # DiLoCo over ft's Manager; its outer all-reduce
 ]
 RANK = {folder: i for i, layer in enumerate(LAYERS) for folder in layer}
 # <ddpkit/comm/x.h> (public) and "../comm/x.h" (another folder's private header in src/).

@@ -45,8 +45,8 @@ class Fp32Codec final : public Codec {
     const auto* in = reinterpret_cast<const float*>(encoded.data_ptr<uint8_t>());
     float* out = dst.data_ptr<float>();
     const int64_t n = dst.numel();
-    if (accumulate)
-      for (int64_t i = 0; i < n; ++i) out[i] = std::fma(in[i], multiplier, out[i]);
+    if (accumulate)  // a multiply and an add (std::fma is a library call without -mfma)
+      for (int64_t i = 0; i < n; ++i) out[i] += in[i] * multiplier;
     else if (multiplier == 1.0f)
       std::memcpy(out, in, static_cast<size_t>(n) * sizeof(float));
     else

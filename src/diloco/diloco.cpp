@@ -134,7 +134,7 @@ struct DiLoCo::Impl {
     if (options.on_phase()) options.on_phase()("outer-issued", manager.step());
   }
 
-  // Starts the sync of the fragment the Manager's step names, with this site's pseudo-gradient
+  // Starts the sync of the next fragment in turn, with this site's pseudo-gradient
   // (weight 0 when `weightless` or when it has just healed).
   void prepare(bool weightless) {
     const auto t0 = Clock::now();
@@ -174,11 +174,13 @@ struct DiLoCo::Impl {
   bool perform() {
     const auto t0 = Clock::now();
     for (;;) {
+      const auto waiting = Clock::now();
       try {
         ProcessGroup::wait(sync.future);
       } catch (const std::exception& e) {
         manager.fail_step(e.what());
       }
+      stats.wait_seconds += seconds_since(waiting);
       stats.transfer_seconds += sync.done_after->load();
       if (manager.should_commit()) break;
       // Not committed: a site was lost mid-average (or this one failed). The next quorum is the

@@ -48,6 +48,65 @@ TensorDict without_prefix(const TensorDict& d, const std::string& prefix) {
   return out;
 }
 
+// The model the sites agree on: every fragment's global parameters into the model (trailing inner
+// steps since the last sync, when the steps are not a multiple of H / P, are not in it).
+void load_global_parameters(const std::vector<std::vector<at::Tensor>>& fragments, const diloco::DiLoCo& dl) {
+  at::NoGradGuard no_grad;
+  for (size_t fr = 0; fr < fragments.size(); ++fr) {
+    const at::Tensor g = dl.global_parameters(fr);
+    int64_t offset = 0;
+    for (const auto& p : fragments[fr]) {
+      p.detach().copy_(g.narrow(0, offset, p.numel()).view(p.sizes()));
+      offset += p.numel();
+    }
+  }
+}
+
+// What a site's rank 0 prints at the end, besides the run's own figures in `run_figures`.
+nlohmann::json diloco_report(const TrainFlags& t, const std::vector<std::vector<at::Tensor>>& fragments,
+                             const diloco::DiLoCo& dl, const ft::Manager& manager, int64_t steps_run,
+                             nlohmann::json run_figures) {
+  nlohmann::json j = std::move(run_figures);
+  const auto& s = manager.stats();
+  const auto& d = dl.stats();
+  j["replica_group"] = t.replica_group;
+  j["group_id"] = manager.group_id();
+  j["replica_groups"] = t.replica_groups;
+  j["diloco"] = t.diloco;
+  j["fragments"] = t.fragments;
+  j["fragment_delay"] = t.fragment_delay;
+  j["round_seconds"] = t.round_seconds;
+  j["outer_codec"] = t.outer_codec;
+  j["outer_steps"] = dl.outer_steps();
+  std::vector<int64_t> per_fragment;
+  for (const auto& fr : fragments) {
+    int64_t n = 0;
+    for (const auto& p : fr) n += p.numel();
+    per_fragment.push_back(n);
+  }
+  j["fragment_parameters"] = per_fragment;  // this rank's (FSDP: its shards)
+  j["parameters"] = std::accumulate(per_fragment.begin(), per_fragment.end(), int64_t{0});
+  j["outer_syncs"] = d.syncs;
+  j["sync_retries"] = d.sync_retries;
+  j["heals"] = d.heals;
+  j["checksum_mismatches"] = d.checksum_mismatches;
+  j["last_sites"] = d.last_sites;
+  j["last_sites_weighted"] = d.last_sites_weighted;
+  j["sync_blocked_seconds"] = d.blocked_seconds;
+  j["longest_sync_blocked_seconds"] = d.longest_blocked_seconds;
+  j["sync_transfer_seconds"] = d.transfer_seconds;
+  j["sync_wait_seconds"] = d.wait_seconds;
+  j["last_error"] = d.last_error;
+  j["quorums"] = s.quorums;
+  j["reconfigurations"] = s.reconfigurations;
+  j["heal_bytes"] = s.heal_bytes;
+  j["heal_seconds"] = s.heal_seconds;
+  j["cross_transport"] = s.cross_transport;
+  j["cross_bytes_sent"] = s.cross_bytes_sent;
+  j["cross_bytes_per_step"] = steps_run > 0 ? static_cast<double>(s.cross_bytes_sent) / static_cast<double>(steps_run) : 0.0;
+  return j;
+}
+
 }  // namespace
 
 int run_diloco_rank(const Flags& f, const TrainFlags& t) {
@@ -70,17 +129,7 @@ int run_diloco_rank(const Flags& f, const TrainFlags& t) {
     dl->load_state(d);
     inner_step = int_of(d, "inner_step", "the healed state");
   };
-  ft::Manager manager(pg, run.state,
-                      ft::ManagerOptions()
-                          .lighthouse(t.lighthouse)
-                          .group_id(group_name(t.replica_group))
-                          .token(read_token("", "DDPKIT_FT_TOKEN"))
-                          .quorum_timeout(timeout)
-                          .cross_group_timeout(std::min(timeout, std::chrono::milliseconds(30000)))
-                          .heal_connections(t.heal_connections)
-                          .on_phase(fault.armed() ? [&fault](const std::string& phase, int64_t step) { fault.at(phase, step); }
-                                                : std::function<void(const std::string&, int64_t)>()),
-                      extra, load_extra);
+  ft::Manager manager(pg, run.state, group_manager_options(t, fault, timeout), extra, load_extra);
   RunData run_data = build_rank(f, t, pg, run);
   Split& data = run_data.data;
   const auto fragments =
@@ -165,39 +214,12 @@ int run_diloco_rank(const Flags& f, const TrainFlags& t) {
   }
   dl->finish();
   progress.finish();
-  // The model the sites agree on: every fragment's global parameters (trailing inner steps since
-  // the last sync, when the steps are not a multiple of H / P, are not in it).
-  {
-    at::NoGradGuard no_grad;
-    for (size_t fr = 0; fr < fragments.size(); ++fr) {
-      const at::Tensor g = dl->global_parameters(fr);
-      int64_t offset = 0;
-      for (const auto& p : fragments[fr]) {
-        p.detach().copy_(g.narrow(0, offset, p.numel()).view(p.sizes()));
-        offset += p.numel();
-      }
-    }
-  }
+  load_global_parameters(fragments, *dl);
   const TestScore score = f.on("no-eval") ? TestScore{-1, -1} : evaluate(run.model, data.test, run.sharded_model.get(), pg.get());
   memory.stop();
   if (lead) {
-    const auto& s = manager.stats();
-    const auto& d = dl->stats();
     nlohmann::json j;
-    j["replica_group"] = t.replica_group;
-    j["group_id"] = manager.group_id();
-    j["replica_groups"] = t.replica_groups;
     j["world_size"] = world;
-    j["diloco"] = t.diloco;
-    j["fragments"] = t.fragments;
-    j["fragment_delay"] = t.fragment_delay;
-    j["round_seconds"] = t.round_seconds;
-    j["outer_steps"] = dl->outer_steps();
-    j["outer_codec"] = t.outer_codec;
-    int64_t parameters = 0;
-    for (const auto& fr : fragments)
-      for (const auto& p : fr) parameters += p.numel();
-    j["parameters"] = parameters;  // this rank's (FSDP: its shards)
     j["steps"] = inner_step;
     j["steps_run"] = steps_run;
     j["median_step_ms"] = step_ms.empty() ? 0.0 : median(step_ms);
@@ -205,28 +227,11 @@ int run_diloco_rank(const Flags& f, const TrainFlags& t) {
     j["final_loss"] = last_loss;
     j["test_accuracy"] = score.accuracy;
     j["test_loss"] = score.loss;
-    j["outer_syncs"] = d.syncs;
-    j["sync_retries"] = d.sync_retries;
-    j["heals"] = d.heals;
-    j["checksum_mismatches"] = d.checksum_mismatches;
-    j["last_sites"] = d.last_sites;
-    j["last_sites_weighted"] = d.last_sites_weighted;
-    j["sync_blocked_seconds"] = d.blocked_seconds;
-    j["longest_sync_blocked_seconds"] = d.longest_blocked_seconds;
-    j["sync_transfer_seconds"] = d.transfer_seconds;
-    j["last_error"] = d.last_error;
-    j["quorums"] = s.quorums;
-    j["reconfigurations"] = s.reconfigurations;
-    j["heal_bytes"] = s.heal_bytes;
-    j["heal_seconds"] = s.heal_seconds;
-    j["cross_transport"] = s.cross_transport;
-    j["cross_bytes_sent"] = s.cross_bytes_sent;
-    j["cross_bytes_per_step"] = steps_run > 0 ? static_cast<double>(s.cross_bytes_sent) / static_cast<double>(steps_run) : 0.0;
     j["resumed_from"] = start.resumed_from;
     j["checkpoints_written"] = checkpoints_written;
     j["parameter_checksum"] = parameter_checksum(run.params);
     j["peak_rss_bytes"] = memory.peak_rss_bytes();
-    std::cout << j.dump() << std::endl;
+    std::cout << diloco_report(t, fragments, *dl, manager, steps_run, std::move(j)).dump() << std::endl;
   }
   ProcessGroup::wait(pg->barrier());
   return 0;

@@ -101,16 +101,7 @@ int run_ft_rank(const Flags& f, const TrainFlags& t) {
   const auto timeout = std::chrono::milliseconds(int64_t{f.integer("timeout-s")} * 1000);
   const FaultPoints fault(t.replica_group, rank);
   Training run;  // run.state is filled by build_rank; the Manager reads it from the first quorum on
-  ft::Manager manager(pg, run.state,
-                      ft::ManagerOptions()
-                          .lighthouse(t.lighthouse)
-                          .group_id(group_name(t.replica_group))
-                          .token(read_token("", "DDPKIT_FT_TOKEN"))
-                          .quorum_timeout(timeout)
-                          .cross_group_timeout(std::min(timeout, std::chrono::milliseconds(30000)))
-                          .heal_connections(t.heal_connections)
-                          .on_phase(fault.armed() ? [&fault](const std::string& phase, int64_t step) { fault.at(phase, step); }
-                                                : std::function<void(const std::string&, int64_t)>()));
+  ft::Manager manager(pg, run.state, group_manager_options(t, fault, timeout));
   // Every group starts from the same parameters; a group that starts late heals to the others'.
   // Under DDP the cross-group average runs bucket by bucket inside backward; FSDP's shards and
   // ZeRO-2's gradient shards (rank r of every group holds the same elements) cross after backward.

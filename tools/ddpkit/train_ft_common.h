@@ -2,9 +2,15 @@
 #pragma once
 
 #include "cli.h"
+#include "train_flags.h"
+
+#include <ddpkit/ft/manager.h>
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
+#include <chrono>
+#include <functional>
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
@@ -83,6 +89,20 @@ class FaultPoints {
   };
   std::vector<Point> points_;
 };
+
+// The Manager of one rank of replica group t.replica_group (`ddpkit train --fault-tolerant`).
+inline ft::ManagerOptions group_manager_options(const TrainFlags& t, const FaultPoints& fault,
+                                                std::chrono::milliseconds timeout) {
+  return ft::ManagerOptions()
+      .lighthouse(t.lighthouse)
+      .group_id(group_name(t.replica_group))
+      .token(read_token("", "DDPKIT_FT_TOKEN"))
+      .quorum_timeout(timeout)
+      .cross_group_timeout(std::min(timeout, std::chrono::milliseconds(30000)))
+      .heal_connections(t.heal_connections)
+      .on_phase(fault.armed() ? [&fault](const std::string& phase, int64_t step) { fault.at(phase, step); }
+                              : std::function<void(const std::string&, int64_t)>());
+}
 
 }  // namespace cli
 }  // namespace ddpkit

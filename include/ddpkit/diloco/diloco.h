@@ -70,6 +70,9 @@ struct DiLoCoStats {
   double blocked_seconds = 0;     // the training thread waiting in syncs (quorum, transfer, commit)
   double longest_blocked_seconds = 0;  // the longest such wait of one sync (retries included)
   double transfer_seconds = 0;    // from issuing each average to its completion
+  double wait_seconds = 0;        // of blocked_seconds, waiting for averages in flight (the rest:
+                                  // quorums, commits, the outer step): 1 - wait / transfer is the
+                                  // share of the transfers hidden behind inner steps
   std::string last_error;         // why the last failed attempt failed
 };
 
