@@ -15,6 +15,8 @@ MODE:
   stop        3 groups; group 1 SIGSTOPped mid-run (silent: no RST, no FIN, its heartbeats stop): the
               others' sync with it ends within 2 s, and they finish every inner step, alike (5 s
               later the stopped rank is killed, its group restarted and healed)
+  strategies  2 groups of 2 ranks with FSDP, ZeRO-1 and PowerSGD inside each site (int8 outer codec,
+              2 fragments where the layers allow): every group ends alike
   checkpoint  2 groups write their checkpoints (outer state included) every 2 syncs; a run stopped
               half way and resumed ends bit for bit as the run straight through
 
@@ -150,6 +152,15 @@ def stop_mode():
           f"{max(r['longest_sync_blocked_seconds'] for r in survivors):.2f} s, alike")
 
 
+def strategies_mode():
+    for inside, extra in ((["--fsdp", "full_shard"], []), (["--zero", "1"], ["--fragments", "2"]),
+                          (["--hook", "powersgd"], ["--fragments", "2"])):
+        reps, _ = run(["--replica-groups", "2", "--nproc", "2", "--steps", "64", "--diloco", "8", "--outer-codec", "int8"]
+                      + inside + extra)
+        check_alike(reps, 2, " ".join(inside))
+        print(f"{' '.join(inside)} inside each site: {reps[0]['outer_syncs']} syncs, alike, test loss {reps[0]['test_loss']:.4f}")
+
+
 def checkpoint_mode():
     d = tempfile.mkdtemp(prefix="ddpkit-diloco-ck-")
     try:
@@ -170,7 +181,8 @@ def checkpoint_mode():
 
 
 MODES = {"parity": parity_mode, "streaming": streaming_mode, "kill-sync": lambda: kill_mode("outer-issued", 4),
-         "kill-inner": lambda: kill_mode("forward", 4), "stop": stop_mode, "checkpoint": checkpoint_mode}
+         "kill-inner": lambda: kill_mode("forward", 4), "stop": stop_mode, "strategies": strategies_mode,
+         "checkpoint": checkpoint_mode}
 
 if __name__ == "__main__":
     if len(sys.argv) != 3 or sys.argv[2] not in MODES:
