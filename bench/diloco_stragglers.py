@@ -18,23 +18,13 @@ import subprocess
 import sys
 import time
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+from ft_train import ranks_of  # noqa: E402
+
 CG = "/sys/fs/cgroup/cpu/ddpkit-straggler"
 MODEL = ["--model", "transformer", "--dataset", "text", "--layers", "2", "--d-model", "128", "--heads", "4",
          "--seq-len", "64", "--batch-size", "16", "--threads", "1", "--quiet", "--optimizer", "adamw", "--lr", "0.002",
          "--epochs", "1000"]
-
-
-def rank_pid(group):
-    for pid in os.listdir("/proc"):
-        try:
-            args = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
-            env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
-        except (OSError, ValueError):
-            continue
-        if b"--replica-group" in args and args[args.index(b"--replica-group") + 1] == str(group).encode() and \
-                any(e.startswith(b"RANK=") for e in env):
-            return int(pid)
-    return None
 
 
 def run(args, flags, steps):
@@ -46,8 +36,8 @@ def run(args, flags, steps):
     end = time.time() + 60
     while len(pids) < 2 and time.time() < end:
         for g in (0, 1):
-            if g not in pids and rank_pid(g):
-                pids[g] = rank_pid(g)
+            if g not in pids and ranks_of(g):
+                pids[g] = ranks_of(g)[0]
         time.sleep(0.05)
     for g, pid in pids.items():
         subprocess.run(["taskset", "-a", "-p", "-c", str(g), str(pid)], capture_output=True, check=True)

@@ -20,6 +20,7 @@ struct MeanRun {
   std::vector<at::Tensor> results;
   std::vector<diloco::WeightedMeanResult> info;
   std::vector<CommStats> traffic;
+  std::vector<int64_t> pieces;  // what each rank's group cut the payload into
 };
 
 MeanRun run_mean(int world, int64_t n, const std::string& codec, const std::vector<float>& weights, bool shm,
@@ -28,12 +29,15 @@ MeanRun run_mean(int world, int64_t n, const std::string& codec, const std::vect
   out.results.resize(world);
   out.info.resize(world);
   out.traffic.resize(world);
+  out.pieces.resize(world);
   testing::spawn_ranks_with(world, ProcessGroupOptions().shared_memory(shm).piece_bytes(64 << 10),
                             [&](int rank, std::shared_ptr<ProcessGroup> pg) {
                               at::Tensor v = site_values(rank, n);
                               auto info = std::make_shared<diloco::WeightedMeanResult>();
                               pg->reset_stats();
-                              ProcessGroup::wait(weighted_mean(*pg, v, weights[rank], codecs::make_codec(codec),
+                              const auto c = codecs::make_codec(codec);
+                              out.pieces[rank] = pg->pieces_for(c->encoded_bytes(n) * (world - 1) / world);
+                              ProcessGroup::wait(weighted_mean(pg.get(), v, weights[rank], c,
                                                                checksums.empty() ? 7 : checksums[rank], info));
                               out.results[rank] = v;
                               out.info[rank] = *info;
@@ -72,7 +76,7 @@ TEST(OuterAllreduce, BytesSentMatchTheFormula) {
     const int64_t n = 1 << 18;
     MeanRun run = run_mean(world, n, codec, {1, 1, 1}, /*shm=*/false);
     const auto c = codecs::make_codec(codec);
-    const auto layout = diloco::outer_allreduce_layout(n, world, *c, 64 << 10);
+    const auto layout = diloco::outer_allreduce_layout(n, world, *c, run.pieces[0]);
     const double ideal = 2.0 * (world - 1) / world * static_cast<double>(c->encoded_bytes(n));
     for (int r = 0; r < world; ++r) {
       EXPECT_EQ(run.traffic[r].bytes_sent, static_cast<uint64_t>(layout.bytes_sent_per_rank)) << codec;
@@ -88,6 +92,14 @@ TEST(OuterAllreduce, ZeroWeightsAddNothingAndAllZeroGivesZeros) {
   MeanRun none = run_mean(3, 1000, "fp32", {0, 0, 0}, true);
   for (const auto& r : none.results) EXPECT_TRUE(r.eq(0).all().item<bool>());
   EXPECT_EQ(none.info[0].total_weight, 0);
+}
+
+TEST(OuterAllreduce, WithoutAGroupASiteKeepsItsOwnValues) {
+  at::Tensor v = site_values(0, 100), alone = v.clone();
+  ProcessGroup::wait(weighted_mean(nullptr, alone, 2, codecs::make_codec("int8")));
+  EXPECT_TRUE(at::equal(alone, v));
+  ProcessGroup::wait(weighted_mean(nullptr, alone, 0, codecs::make_codec("int8")));
+  EXPECT_TRUE(alone.eq(0).all().item<bool>());
 }
 
 TEST(OuterAllreduce, OwnersNoticeSitesWhoseChecksumsDiffer) {
@@ -118,9 +130,9 @@ TEST(OuterAllreduce, QuantizedErrorIsFlatInTheNumberOfSites) {
 TEST(OuterAllreduce, BadInputIsNamed) {
   auto store = c10::make_intrusive<c10d::HashStore>();
   auto pg = testing::make_group(store, 0, 1);
-  EXPECT_THAT(testing::error_of([&] { weighted_mean(*pg, at::zeros({4}, at::kDouble), 1, codecs::make_codec("fp32")); }),
+  EXPECT_THAT(testing::error_of([&] { weighted_mean(pg.get(), at::zeros({4}, at::kDouble), 1, codecs::make_codec("fp32")); }),
               ::testing::HasSubstr("values must be contiguous float32"));
-  EXPECT_THAT(testing::error_of([&] { weighted_mean(*pg, at::zeros({4}), -1, codecs::make_codec("fp32")); }),
+  EXPECT_THAT(testing::error_of([&] { weighted_mean(pg.get(), at::zeros({4}), -1, codecs::make_codec("fp32")); }),
               ::testing::HasSubstr("weight must be finite and >= 0"));
 }
 

@@ -113,16 +113,9 @@ struct DiLoCo::Impl {
     sync.result = std::make_shared<WeightedMeanResult>();
     sync.issued = Clock::now();
     sync.done_after = std::make_shared<std::atomic<double>>(0.0);
-    std::shared_ptr<ProcessGroup> cross = manager.cross_group();
-    if (!cross) {
-      sync.future = completed_future(sync.mean);
-      if (!(sync.weight > 0)) sync.mean.zero_();
-      sync.result->total_weight = sync.weight;
-      sync.result->ranks_weighted = sync.weight > 0 ? 1 : 0;
-      return;
-    }
+    std::shared_ptr<ProcessGroup> cross = manager.cross_group();  // null: alone in the quorum
     try {
-      sync.future = weighted_mean(*cross, sync.mean, sync.weight, codec, sync.checksum, sync.result);
+      sync.future = weighted_mean(cross.get(), sync.mean, sync.weight, codec, sync.checksum, sync.result);
     } catch (const std::exception& e) {
       manager.fail_step(e.what());
       sync.future = completed_future(sync.mean);
@@ -139,9 +132,9 @@ struct DiLoCo::Impl {
   void prepare(bool weightless) {
     const auto t0 = Clock::now();
     const bool healed = join_quorum();
-    DiLoCoFragment& f = fragments[static_cast<size_t>(next_fragment)];
     sync.active = true;
-    sync.fragment = static_cast<size_t>(&f - fragments.data());
+    sync.fragment = static_cast<size_t>(next_fragment);
+    DiLoCoFragment& f = fragments[sync.fragment];
     // Equal rounds weigh alike; time-budgeted ones by the inner steps each site ran.
     sync.weight = (weightless || healed) ? 0.f : options.round_seconds() > 0 ? static_cast<float>(local_step) : 1.f;
     sync.delta = sync.weight > 0 ? f.global - f.local_flat() : at::zeros({f.numel}, at::kFloat);
@@ -189,8 +182,8 @@ struct DiLoCo::Impl {
       stats.last_error = manager.stats().last_error;
       const bool healed = join_quorum();
       if (healed) {
-        DiLoCoFragment& f = fragments[static_cast<size_t>(next_fragment)];
-        sync.fragment = static_cast<size_t>(&f - fragments.data());
+        sync.fragment = static_cast<size_t>(next_fragment);
+        DiLoCoFragment& f = fragments[sync.fragment];
         sync.weight = 0.f;
         sync.delta = at::zeros({f.numel}, at::kFloat);
         sync.checksum = checksum_of(f.global);

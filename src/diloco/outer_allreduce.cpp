@@ -103,13 +103,13 @@ struct Job {
 
 }  // namespace
 
-OuterAllreduceLayout outer_allreduce_layout(int64_t numel, int world, const codecs::Codec& codec, int64_t piece_bytes) {
+OuterAllreduceLayout outer_allreduce_layout(int64_t numel, int world, const codecs::Codec& codec, int64_t pieces) {
   DDPKIT_CHECK(world >= 1, "outer all-reduce: world size must be >= 1, got ", world);
   DDPKIT_CHECK(numel >= 0, "outer all-reduce: numel must be >= 0, got ", numel);
+  DDPKIT_CHECK(pieces >= 1, "outer all-reduce: pieces must be >= 1, got ", pieces);
   OuterAllreduceLayout l;
   if (numel == 0 || world == 1) return l;
-  const int64_t per_rank = codec.encoded_bytes(numel) * (world - 1) / world;  // one phase
-  l.pieces = piece_bytes > 0 ? std::max<int64_t>(1, (per_rank + piece_bytes - 1) / piece_bytes) : 1;
+  l.pieces = pieces;
   const int64_t per_chunk = (numel + world * l.pieces - 1) / (world * l.pieces);
   l.chunk = round_up(std::max<int64_t>(per_chunk, 1), codec.block());
   l.phase2_slot = round_up(codec.encoded_bytes(l.chunk), 8);
@@ -118,7 +118,7 @@ OuterAllreduceLayout outer_allreduce_layout(int64_t numel, int world, const code
   return l;
 }
 
-FuturePtr weighted_mean(ProcessGroup& group, const at::Tensor& values, float weight,
+FuturePtr weighted_mean(ProcessGroup* group, const at::Tensor& values, float weight,
                         std::shared_ptr<const codecs::Codec> codec, uint64_t checksum,
                         std::shared_ptr<WeightedMeanResult> result) {
   DDPKIT_CHECK(codec, "outer all-reduce: no codec");
@@ -126,7 +126,7 @@ FuturePtr weighted_mean(ProcessGroup& group, const at::Tensor& values, float wei
                "outer all-reduce: values must be contiguous float32 on the CPU, got ", values.scalar_type(), " on ",
                values.device());
   DDPKIT_CHECK(weight >= 0 && std::isfinite(weight), "outer all-reduce: the weight must be finite and >= 0, got ", weight);
-  const int world = group.size();
+  const int world = group ? group->size() : 1;
   at::Tensor flat = values.view({-1});
   if (world == 1 || flat.numel() == 0) {
     if (!(weight > 0)) flat.zero_();
@@ -136,12 +136,14 @@ FuturePtr weighted_mean(ProcessGroup& group, const at::Tensor& values, float wei
     }
     return completed_future(values);
   }
-  const OuterAllreduceLayout l = outer_allreduce_layout(flat.numel(), world, *codec, group.piece_bytes());
+  // Each phase sends (n-1)/n of the encoded values, cut as the group cuts two-phase collectives.
+  const uint64_t per_rank = static_cast<uint64_t>(codec->encoded_bytes(flat.numel())) * (world - 1) / world;
+  const OuterAllreduceLayout l = outer_allreduce_layout(flat.numel(), world, *codec, group->pieces_for(per_rank));
   auto job = std::make_shared<Job>();
   job->flat = flat;
   job->codec = std::move(codec);
   job->world = world;
-  job->me = group.rank();
+  job->me = group->rank();
   job->numel = flat.numel();
   job->chunk = l.chunk;
   job->s1 = l.phase1_slot;
@@ -165,7 +167,7 @@ FuturePtr weighted_mean(ProcessGroup& group, const at::Tensor& values, float wei
   two->encode = [job](int64_t p) { job->encode(p); };
   two->reduce = [job](int64_t p) { job->reduce(p); };
   two->decode = [job](int64_t p) { job->decode(p); };
-  return group.two_phase(std::move(two), values,
+  return group->two_phase(std::move(two), values,
                          "the outer all-reduce (" + job->codec->name() + ", " + std::to_string(job->numel) + " values)");
 }
 

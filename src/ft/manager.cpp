@@ -84,6 +84,9 @@ std::string state_host_for(const ManagerOptions& o) {
   return towards;
 }
 
+// What a cross-group process group sent to the other groups: over the network and through shared memory.
+uint64_t bytes_to_other_groups(const CommStats& s) { return s.bytes_sent + s.shm_bytes_sent; }
+
 std::string new_incarnation() {
   std::random_device rd;
   char buf[64];
@@ -122,12 +125,7 @@ struct Manager::Impl {
 
   uint64_t cross_bytes() {
     std::lock_guard<std::mutex> lock(cross_mu);
-    uint64_t sent = retired_bytes;
-    if (cross) {
-      const CommStats s = cross->stats();
-      sent += s.bytes_sent + s.shm_bytes_sent;
-    }
-    return sent;
+    return retired_bytes + (cross ? bytes_to_other_groups(cross->stats()) : 0);
   }
   // Groups destroyed off the training path (an aborted group's Gloo work ends by its timeout, and
   // even a finished group's teardown takes a while), and rendezvous given up on.
@@ -207,8 +205,7 @@ struct Manager::Impl {
   void retire_cross() {
     std::lock_guard<std::mutex> lock(cross_mu);
     if (!cross) return;
-    const CommStats sent = cross->stats();
-    retired_bytes += sent.bytes_sent + sent.shm_bytes_sent;
+    retired_bytes += bytes_to_other_groups(cross->stats());
     reap(std::move(cross));
     cross.reset();
     staging = at::Tensor();

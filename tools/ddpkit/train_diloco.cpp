@@ -143,8 +143,7 @@ int run_diloco_rank(const Flags& f, const TrainFlags& t) {
                                             .fragment_delay(t.fragment_delay)
                                             .fragment_alpha(t.fragment_alpha)
                                             .round_seconds(t.round_seconds)
-                                            .on_phase(fault.armed() ? [&fault](const std::string& phase, int64_t step) { fault.at(phase, step); }
-                                                                  : std::function<void(const std::string&, int64_t)>()));
+                                            .on_phase(fault.hook()));
 
   const int data_world = t.replica_groups * world, data_rank = t.replica_group * world + rank;
   const int64_t n_train = data.train.inputs.size(0);

@@ -74,6 +74,11 @@ class FaultPoints {
     }
   }
   bool armed() const { return !points_.empty(); }
+  // at() as the Managers' and DiLoCo's on_phase take it; empty when nothing is armed.
+  std::function<void(const std::string&, int64_t)> hook() const {
+    if (!armed()) return nullptr;
+    return [this](const std::string& phase, int64_t step) { at(phase, step); };
+  }
   void at(const std::string& phase, int64_t step) const {
     for (const Point& p : points_) {
       if (phase != p.phase || step < p.step) continue;
@@ -100,8 +105,7 @@ inline ft::ManagerOptions group_manager_options(const TrainFlags& t, const Fault
       .quorum_timeout(timeout)
       .cross_group_timeout(std::min(timeout, std::chrono::milliseconds(30000)))
       .heal_connections(t.heal_connections)
-      .on_phase(fault.armed() ? [&fault](const std::string& phase, int64_t step) { fault.at(phase, step); }
-                              : std::function<void(const std::string&, int64_t)>());
+      .on_phase(fault.hook());
 }
 
 }  // namespace cli

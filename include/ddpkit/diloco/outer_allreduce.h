@@ -18,7 +18,8 @@
 namespace ddpkit {
 namespace diloco {
 
-// How weighted_mean lays `numel` values out over `world` ranks, and the bytes it sends.
+// How weighted_mean lays `numel` values out over `world` ranks in `pieces` pieces (a group's
+// pieces_for(codec.encoded_bytes(numel) * (world - 1) / world)), and the bytes it sends.
 struct OuterAllreduceLayout {
   int64_t pieces = 1, chunk = 0;       // elements per chunk: pieces x world chunks cover numel
   int64_t phase1_slot = 0, phase2_slot = 0;  // bytes per chunk on the wire in each phase
@@ -26,7 +27,7 @@ struct OuterAllreduceLayout {
   // 2(n-1)/n of the encoded values, plus a 16-byte trailer (weight, checksum) per phase-1 chunk.
   int64_t bytes_sent_per_rank = 0;
 };
-OuterAllreduceLayout outer_allreduce_layout(int64_t numel, int world, const codecs::Codec& codec, int64_t piece_bytes);
+OuterAllreduceLayout outer_allreduce_layout(int64_t numel, int world, const codecs::Codec& codec, int64_t pieces);
 
 struct WeightedMeanResult {
   double total_weight = 0;   // the sum of every rank's weight (0: the values were zeroed)
@@ -36,11 +37,12 @@ struct WeightedMeanResult {
 };
 
 // In place on every rank of `group`: values = sum_r weight_r * values_r / sum_r weight_r (zeros when
-// every weight is 0), each value carried as `codec` bytes. `values`: contiguous float32 CPU.
+// every weight is 0), each value carried as `codec` bytes. `values`: contiguous float32 CPU. A null
+// group is this rank alone (its own values, or zeros at weight 0).
 // `checksum` travels beside (each owner compares the weighted ranks'): callers pass a hash of the
 // state that must be equal everywhere. The future completes with `values`; on a CommError the
 // values are unspecified. `result` is filled before the future completes.
-FuturePtr weighted_mean(ProcessGroup& group, const at::Tensor& values, float weight,
+FuturePtr weighted_mean(ProcessGroup* group, const at::Tensor& values, float weight,
                         std::shared_ptr<const codecs::Codec> codec, uint64_t checksum = 0,
                         std::shared_ptr<WeightedMeanResult> result = nullptr);
 
