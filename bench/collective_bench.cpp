@@ -16,7 +16,12 @@
 // receive in an optimal ring), algbw * (n-1)/n for allgather/alltoall/reduce-scatter (bytes: the
 // whole gathered output, or the whole reduce-scatter input) and broadcast. Each row: median of R
 // reps, each rep preceded by a barrier.
+//
+// --processes --outer CODEC: DiLoCo's outer all-reduce across launched processes (e.g. one per
+// network namespace of bench/diloco_sites.py's shaped switch), after idle links: its goodput.
+#include <ddpkit/codecs/codec.h>
 #include <ddpkit/ddpkit.h>
+#include <ddpkit/diloco/outer_allreduce.h>
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Parallel.h>
@@ -175,15 +180,81 @@ int processes(int reps, const std::vector<int64_t>& sizes_bytes) {
   return mismatches ? 1 : 0;
 }
 
+// DiLoCo's outer all-reduce (diloco::weighted_mean: reduce-scatter, fp32 accumulate, all-gather)
+// of `values` float32 in `codec` across the launched ranks, each rep after the links sat idle for
+// `idle_s` (a round's inner steps: Linux's tcp_slow_start_after_idle restarts a connection idle
+// for more than its RTO from a 10-segment window). Per size: the bytes a rank sends (the layout's
+// count: 2(n-1)/n of the encoded values plus 16 B a chunk), the slowest rank's median time, busbw
+// = those bytes / time, and goodput = busbw over the link's rate (--rate-mbit; 0 leaves it out).
+int outer_sync(int reps, const std::vector<int64_t>& sizes_bytes, const std::string& codec_name, double idle_s,
+               double rate_mbit, int gloo_threads, double piece_mb, int connections) {
+  auto pg = init_process_group(InitOptions()
+                                   .timeout(std::chrono::seconds(300))
+                                   .gloo_threads(gloo_threads)
+                                   .gloo_connections(connections)
+                                   .piece_bytes(static_cast<int64_t>(piece_mb * (1 << 20))));
+  const int rank = pg->rank(), world = pg->size();
+  const auto codec = codecs::make_codec(codec_name);
+  int slow_start = -1;
+  if (FILE* f = std::fopen("/proc/sys/net/ipv4/tcp_slow_start_after_idle", "r")) {
+    if (std::fscanf(f, "%d", &slow_start) != 1) slow_start = -1;
+    std::fclose(f);
+  }
+  if (rank == 0) {
+    std::printf("# outer all-reduce (%s) across %d ranks, %.1f s idle before each of %d reps (+1 warm-up); "
+                "tcp_slow_start_after_idle=%d here; %d Gloo threads, %d connection(s) a peer, pieces of %.2f MiB a peer\n",
+                codec_name.c_str(), world, idle_s, reps, slow_start, gloo_threads, connections, piece_mb);
+    std::printf("%12s %12s %12s %10s %12s %8s\n", "values", "encoded_B", "sent_B/rank", "time_ms", "busbw_MB/s",
+                "goodput");
+  }
+  for (int64_t bytes : sizes_bytes) {
+    const int64_t n = bytes / 4;
+    at::Tensor values = at::randn({n});
+    const auto layout = diloco::outer_allreduce_layout(n, world, *codec,
+        pg->pieces_for(static_cast<uint64_t>(codec->encoded_bytes(n)) * (world - 1) / world));
+    std::vector<double> slowest;
+    for (int i = 0; i <= reps; ++i) {
+      ProcessGroup::wait(pg->barrier());
+      std::this_thread::sleep_for(std::chrono::duration<double>(i ? idle_s : 0.0));
+      const auto t0 = std::chrono::steady_clock::now();
+      ProcessGroup::wait(diloco::weighted_mean(pg.get(), values, 1.0f, codec));
+      const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+      at::Tensor times = at::zeros({world}, at::kDouble);
+      times[rank] = ms;
+      ProcessGroup::wait(pg->allreduce(times));
+      if (i) slowest.push_back(times.max().item<double>());
+    }
+    std::sort(slowest.begin(), slowest.end());
+    const double ms = slowest[slowest.size() / 2];
+    const double busbw = layout.bytes_sent_per_rank / (ms * 1e3);  // MB/s
+    if (rank == 0) {
+      std::printf("%12lld %12lld %12lld %10.1f %12.2f ", static_cast<long long>(n),
+                  static_cast<long long>(codec->encoded_bytes(n)), static_cast<long long>(layout.bytes_sent_per_rank),
+                  ms, busbw);
+      if (rate_mbit > 0) std::printf("%8.3f\n", busbw * 8 / rate_mbit);
+      else std::printf("%8s\n", "-");
+      std::fflush(stdout);
+    }
+  }
+  ProcessGroup::wait(pg->barrier());
+  return 0;
+}
+
 constexpr const char* kUsage =
     "usage: collective_bench [--ranks N] [--reps R] [--gloo-threads T] [--max-mb M] [--gloo-variants]\n"
     "       collective_bench --processes [--reps R] [--sizes-mb A,B,..]   (one process per rank, under a launcher:\n"
-    "                                    ddpkit launch --nproc N, torchrun, srun; MiB, fractions allowed: 0.004 is ~4 KiB)\n";
+    "                                    ddpkit launch --nproc N, torchrun, srun; MiB, fractions allowed: 0.004 is ~4 KiB)\n"
+    "       collective_bench --processes --outer CODEC [--idle-s S] [--rate-mbit R] [--reps R] [--sizes-mb A,B,..]\n"
+    "                                    [--gloo-threads T] [--gloo-connections C] [--piece-mb M]\n"
+    "                                    (DiLoCo's outer all-reduce after S idle seconds; goodput against R Mbit/s)\n";
 
 int bench_main(int argc, char** argv) {
   int world = 2, reps = 7, gloo_threads = 2;
   int64_t max_mb = 100;
   bool variants = false, from_env = false;
+  std::string outer;
+  double idle_s = 0, rate_mbit = 0, piece_mb = 1;
+  int connections = 1;
   std::vector<int64_t> sizes_bytes = {1 << 20, 25 << 20, 100 << 20};
   for (int i = 1; i < argc; ++i) {
     const bool has_value = i + 1 < argc;
@@ -193,6 +264,11 @@ int bench_main(int argc, char** argv) {
     else if (!std::strcmp(argv[i], "--max-mb") && has_value) max_mb = std::atoll(argv[++i]);
     else if (!std::strcmp(argv[i], "--gloo-variants")) variants = true;
     else if (!std::strcmp(argv[i], "--processes")) from_env = true;
+    else if (!std::strcmp(argv[i], "--outer") && has_value) outer = argv[++i];
+    else if (!std::strcmp(argv[i], "--idle-s") && has_value) idle_s = std::atof(argv[++i]);
+    else if (!std::strcmp(argv[i], "--rate-mbit") && has_value) rate_mbit = std::atof(argv[++i]);
+    else if (!std::strcmp(argv[i], "--piece-mb") && has_value) piece_mb = std::atof(argv[++i]);
+    else if (!std::strcmp(argv[i], "--gloo-connections") && has_value) connections = std::atoi(argv[++i]);
     else if (!std::strcmp(argv[i], "--sizes-mb") && has_value) {
       sizes_bytes.clear();  // MiB, fractions allowed (0.004 is 4 KiB), at least one fp32 element
       for (char* p = argv[++i]; *p;) {
@@ -212,7 +288,11 @@ int bench_main(int argc, char** argv) {
     throw UsageError("--processes runs one rank per process and finds no launcher's variables (RANK, WORLD_SIZE, "
                      "MASTER_ADDR, MASTER_PORT): start it as `ddpkit launch --nproc 2 collective_bench --processes`, "
                      "under torchrun or srun");
+  if (idle_s < 0 || rate_mbit < 0 || piece_mb <= 0 || connections < 1)
+    throw UsageError("--idle-s and --rate-mbit must be >= 0, --piece-mb > 0, --gloo-connections >= 1");
+  if (!outer.empty() && !from_env) throw UsageError("--outer runs one rank per process: add --processes, under a launcher");
   tune_allocator_for_training();  // as ddpkit's programs do
+  if (!outer.empty()) return outer_sync(reps, sizes_bytes, outer, idle_s, rate_mbit, gloo_threads, piece_mb, connections);
   if (from_env) return processes(reps, sizes_bytes);
   shm_vs_gloo(world, reps, gloo_threads, max_mb << 20);
   if (!variants) return 0;

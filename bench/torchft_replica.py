@@ -9,6 +9,14 @@ processes (torchrun's variables), the failure-free baseline.
 
     torchft_replica.py --group G --groups 4 --lighthouse HOST:PORT --steps N [--pg gloo|ddpkit] [--step-log PATH]
     RANK=.. WORLD_SIZE=.. MASTER_ADDR=.. MASTER_PORT=.. torchft_replica.py --plain --steps N
+    torchft_replica.py --diloco H --group G --groups 4 --lighthouse HOST:PORT --host ADDR --steps N [--lr LR]
+        [--outer-lr 0.7 --outer-momentum 0.9] [--text-dir DIR]
+
+--diloco H: one site of torchft's DiLoCo (torchft.local_sgd.DiLoCo: AdamW inner, SGD with Nesterov
+momentum outer, fp32 on CPU: its quantization needs CUDA's Triton) on the text corpus as `ddpkit
+train --dataset text` reads it (the sorted files of --text-dir, windows of --seq-len, the last 5 %
+held out), this site's shard of the windows in a seeded order; prints the held-out loss of the
+final (global) parameters (bench/diloco_sites.py runs it beside ddpkit's DiLoCo).
 
 The model: ddpkit train's "--model transformer" (GptImpl in tools/ddpkit/training.h) written in
 PyTorch: byte tokens (vocab 256), token and position embeddings, pre-norm blocks (qkv, causal
@@ -160,6 +168,79 @@ def fault_tolerant(args, model):
     manager.shutdown(wait=False)
 
 
+def text_split(text_dir, length, test_fraction=0.05):
+    """ddpkit's load_text_corpus (tools/ddpkit/data.cpp): inputs and next-byte labels, train and test."""
+    names = sorted(n for n in os.listdir(text_dir) if "." not in n and os.path.isfile(os.path.join(text_dir, n)))
+    data = b"".join(open(os.path.join(text_dir, n), "rb").read() for n in names)
+    windows = (len(data) - 1) // length
+    t = torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
+    test = max(1, int(windows * test_fraction))
+
+    def split(first, count):
+        x = t[first * length:(first + count) * length].view(count, length)
+        y = t[first * length + 1:(first + count) * length + 1].view(count, length)
+        return x, y
+    return split(0, windows - test), split(windows - test, test)
+
+
+def diloco(args, model):
+    from torchft import Manager
+    from torchft.local_sgd import DiLoCo
+    from torchft.process_group import ProcessGroupGloo
+
+    (train_x, train_y), (test_x, test_y) = text_split(args.text_dir, args.seq_len)
+    shard = torch.arange(args.group, train_x.size(0), args.groups)
+    inner = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    outer = torch.optim.SGD(model.parameters(), lr=args.outer_lr, momentum=args.outer_momentum,
+                            nesterov=args.outer_momentum > 0)
+    timeout = timedelta(seconds=args.timeout_s)
+
+    def state_dict():
+        return {"model": model.state_dict(), "optim": inner.state_dict()}
+
+    def load_state_dict(sd):
+        model.load_state_dict(sd["model"])
+        inner.load_state_dict(sd["optim"])
+
+    from torchft.checkpointing import HTTPTransport
+
+    class SiteHTTPTransport(HTTPTransport):
+        """torchft's default transport, advertising --host: its own address names the machine by
+        socket.gethostname(), which in a network namespace is not this site's address."""
+
+        def address(self):
+            import socket
+            return super().address().replace(f"//{socket.gethostname()}:", f"//{args.host}:", 1)
+
+    store = torch.distributed.TCPStore(args.host, 0, is_master=True, wait_for_workers=False)  # the site's own
+    manager = Manager(pg=ProcessGroupGloo(timeout=timeout), min_replica_size=1, use_async_quorum=False,
+                      checkpoint_transport=SiteHTTPTransport(timeout=timeout, num_chunks=0),
+                      load_state_dict=load_state_dict, state_dict=state_dict, replica_id=f"site_{args.group}",
+                      store_addr=args.host, store_port=store.port, rank=0, world_size=1,
+                      lighthouse_addr=f"http://{args.lighthouse}", port=0, hostname=args.host, timeout=timeout,
+                      quorum_timeout=timeout, connect_timeout=timeout)
+    gen = torch.Generator().manual_seed(1000 + args.group)
+    order, at = shard[torch.randperm(shard.numel(), generator=gen)], 0
+    with DiLoCo(manager, [model], inner, outer, sync_every=args.diloco):
+        start = time.perf_counter()
+        for _ in range(args.steps):
+            if at + args.batch_size > order.numel():
+                order, at = shard[torch.randperm(shard.numel(), generator=gen)], 0
+            idx = order[at:at + args.batch_size]
+            at += args.batch_size
+            inner.zero_grad()
+            loss_of(model, train_x[idx], train_y[idx]).backward()
+            inner.step()  # DiLoCo's hook counts inner steps and syncs every H
+        train_s = time.perf_counter() - start
+    with torch.no_grad():
+        total = sum(F.cross_entropy(model(test_x[i:i + 256]).reshape(-1, 256), test_y[i:i + 256].reshape(-1),
+                                    reduction="sum").item() for i in range(0, test_x.size(0), 256))
+    print(json.dumps({"replica_group": args.group, "steps_run": args.steps, "train_seconds": train_s,
+                      "parameters": sum(p.numel() for p in model.parameters()),
+                      "outer_syncs": manager.current_step(), "test_loss": total / test_y.numel()}), flush=True)
+    manager.shutdown(wait=False)
+
+
 def _tensors(d):
     for v in d.values():
         if torch.is_tensor(v):
@@ -185,12 +266,20 @@ def main():
     ap.add_argument("--seq-len", type=int, default=64)
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--timeout-s", type=float, default=30)
+    ap.add_argument("--diloco", type=int, default=0, help="H: one site of torchft's DiLoCo (0: off)")
+    ap.add_argument("--host", default="127.0.0.1", help="--diloco: the address other sites reach this one at")
+    ap.add_argument("--lr", type=float, default=1e-3, help="--diloco: the inner AdamW's")
+    ap.add_argument("--outer-lr", type=float, default=0.7)
+    ap.add_argument("--outer-momentum", type=float, default=0.9)
+    ap.add_argument("--text-dir", default="/usr/share/games/fortunes")
     args = ap.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)  # every group starts from the same parameters (torchft also syncs them)
     model = Gpt(args.d_model, args.heads, args.layers, args.seq_len)
     if args.plain:
         plain(args, model)
+    elif args.diloco:
+        diloco(args, model)
     else:
         fault_tolerant(args, model)
 

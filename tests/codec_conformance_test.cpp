@@ -1,5 +1,6 @@
 // One suite run against every codec make_codec knows (include/ddpkit/codecs/codec.h): round-trip
-// bounds, sizes, NaN/Inf, accumulation, and the same bytes at every SIMD level. A new codec is
+// bounds, sizes, NaN/Inf, accumulation, the same bytes at every SIMD level, and the padded encode,
+// residual and prefix decode the hooks use. A new codec is
 // covered by adding it to make_codec; kExpectedBytesPerValue below holds what each may cost.
 #include "harness.h"
 
@@ -135,8 +136,73 @@ TEST_P(CodecConformance, WrongBuffersAreNamedErrors) {
   const at::Tensor x = at::randn({100});
   at::Tensor small = at::empty({codec->encoded_bytes(100) - 1}, at::kByte);
   EXPECT_THAT(testing::error_of([&] { codec->encode(x, small); }), ::testing::HasSubstr(GetParam() + " codec"));
-  EXPECT_THAT(testing::error_of([&] { codec->encode(x.to(at::kDouble), encode(*codec, x)); }),
-              ::testing::HasSubstr("float32"));
+  EXPECT_THAT(testing::error_of([&] { codec->encode(x.to(at::kInt), encode(*codec, x)); }),
+              ::testing::HasSubstr("values, got Int"));
+  EXPECT_THAT(testing::error_of([&] { codec->encode_padded(x, 99, encode(*codec, x)); }),
+              ::testing::HasSubstr("100 values do not fit an encoding of 99"));
+  at::Tensor too_many = at::empty({101});
+  EXPECT_THAT(testing::error_of([&] { codec->decode_prefix(encode(*codec, x), 100, too_many); }),
+              ::testing::HasSubstr("101 values are more than the 100 encoded"));
+}
+
+// What the hooks and the outer all-reduce call: a short tail padded with zeros, a scale folded into
+// the encode, the error-feedback residual, and part of an encoding decoded.
+TEST_P(CodecConformance, PaddedEncodeIsTheEncodeOfTheZeroPaddedValues) {
+  for (int64_t n : {0, 1, 100, 129, 300}) {
+    const int64_t numel = 512;
+    const at::Tensor x = spread_values(std::max<int64_t>(n, 1), 21).narrow(0, 0, n);
+    at::Tensor padded = at::zeros({numel});
+    padded.narrow(0, 0, n).copy_(x);
+    at::Tensor out = at::empty({codec->encoded_bytes(numel)}, at::kByte);
+    codec->encode_padded(x, numel, out);
+    EXPECT_TRUE(at::equal(out, encode(*codec, padded))) << GetParam() << ", " << n << " of " << numel;
+    codec->encode_padded(x, numel, out, 0.5f);  // a power of two: x * 0.5 is exact
+    EXPECT_TRUE(at::equal(out, encode(*codec, padded * 0.5))) << GetParam() << " scaled, " << n << " of " << numel;
+  }
+}
+
+TEST_P(CodecConformance, ResidualIsWhatTheEncodingLost) {
+  for (float multiplier : {1.0f, 0.25f}) {
+    const at::Tensor x = spread_values(300, 23);
+    at::Tensor out = at::empty({codec->encoded_bytes(384)}, at::kByte);
+    at::Tensor residual = at::empty({300});
+    codec->encode_padded(x, 384, out, multiplier, residual);
+    at::Tensor decoded = at::empty({300});
+    codec->decode_prefix(out, 384, decoded);
+    const double scale = x.abs().max().item<double>() * multiplier;
+    EXPECT_TRUE(at::allclose(residual, x * multiplier - decoded, 0, 1e-6 * scale))
+        << GetParam() << " x " << multiplier << ": worst " << (residual - (x * multiplier - decoded)).abs().max().item<float>();
+    if (codec->error_bound() == 0) EXPECT_TRUE(residual.eq(0).all().item<bool>()) << GetParam();
+  }
+}
+
+TEST_P(CodecConformance, PrefixDecodeIsThePrefixOfTheDecode) {
+  const at::Tensor x = spread_values(1000, 25);
+  const at::Tensor bytes = encode(*codec, x);
+  const at::Tensor whole = decode(*codec, bytes, 1000);
+  for (int64_t v : {0, 1, 129, 999}) {
+    at::Tensor part = at::empty({v});
+    codec->decode_prefix(bytes, 1000, part, 0.5f);
+    EXPECT_TRUE(at::equal(part, whole.narrow(0, 0, v) * 0.5)) << GetParam() << ", " << v << " values";
+    at::Tensor acc = at::ones({v});
+    codec->decode_prefix(bytes, 1000, acc, 2.0f, /*accumulate=*/true);
+    EXPECT_TRUE(at::allclose(acc, whole.narrow(0, 0, v) * 2 + 1, 1e-6, 1e-6)) << GetParam() << ", " << v << " values";
+  }
+}
+
+// A summable codec's bytes are an array of its element type (what the compress hooks allreduce);
+// a block codec has none.
+TEST_P(CodecConformance, SummableTypeViewsTheEncoding) {
+  const at::ScalarType type = codec->summable_type();
+  if (type == at::ScalarType::Undefined) {
+    EXPECT_GT(codec->block(), 1) << GetParam();
+    return;
+  }
+  EXPECT_EQ(codec->block(), 1) << GetParam();
+  const at::Tensor x = spread_values(257, 27);
+  const at::Tensor bytes = encode(*codec, x);
+  EXPECT_EQ(bytes.view(type).numel(), 257) << GetParam();
+  EXPECT_TRUE(at::equal(bytes.view(type), x.to(type))) << GetParam() << ": not the round-to-nearest cast";
 }
 
 INSTANTIATE_TEST_SUITE_P(Codecs, CodecConformance, ::testing::ValuesIn(codecs::codec_names()),

@@ -24,13 +24,13 @@ struct MeanRun {
 };
 
 MeanRun run_mean(int world, int64_t n, const std::string& codec, const std::vector<float>& weights, bool shm,
-                 const std::vector<uint64_t>& checksums = {}) {
+                 const std::vector<uint64_t>& checksums = {}, int gloo_threads = 2) {
   MeanRun out;
   out.results.resize(world);
   out.info.resize(world);
   out.traffic.resize(world);
   out.pieces.resize(world);
-  testing::spawn_ranks_with(world, ProcessGroupOptions().shared_memory(shm).piece_bytes(64 << 10),
+  testing::spawn_ranks_with(world, ProcessGroupOptions().shared_memory(shm).piece_bytes(64 << 10).gloo_threads(gloo_threads),
                             [&](int rank, std::shared_ptr<ProcessGroup> pg) {
                               at::Tensor v = site_values(rank, n);
                               auto info = std::make_shared<diloco::WeightedMeanResult>();
@@ -54,6 +54,16 @@ at::Tensor reference_mean(int world, int64_t n, const std::vector<float>& weight
     total += weights[r];
   }
   return (total > 0 ? sum / total : sum).to(at::kFloat);
+}
+
+// More Gloo threads put more pieces in their first phase at once (what DiLoCo's cross group does
+// over a long round trip): the same bytes come out, in any order the pieces land.
+TEST(OuterAllreduce, MorePiecesInFlightGiveTheSameBits) {
+  const std::vector<float> weights = {1, 2, 3};
+  const MeanRun two = run_mean(3, 1 << 20, "int8", weights, false);
+  const MeanRun four = run_mean(3, 1 << 20, "int8", weights, false, {}, 4);
+  ASSERT_GT(four.pieces[0], 4);  // more pieces than the 4 in flight
+  for (int r = 0; r < 3; ++r) EXPECT_TRUE(at::equal(four.results[r], two.results[r])) << "rank " << r;
 }
 
 TEST(OuterAllreduce, Fp32IsTheWeightedMeanBitIdenticalOnEveryRank) {

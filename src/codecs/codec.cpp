@@ -13,22 +13,30 @@ namespace ddpkit {
 namespace codecs {
 namespace {
 
-void check_encode(const Codec& c, const at::Tensor& src, const at::Tensor& out) {
-  DDPKIT_CHECK(src.device().is_cpu() && src.scalar_type() == at::kFloat && src.is_contiguous(), c.name(),
-               " codec: encode takes contiguous float32 CPU values, got ", src.scalar_type(), " on ", src.device());
-  DDPKIT_CHECK(out.device().is_cpu() && out.scalar_type() == at::kByte && out.is_contiguous() &&
-                   out.numel() == c.encoded_bytes(src.numel()),
-               c.name(), " codec: encode needs a contiguous uint8 CPU output of ", c.encoded_bytes(src.numel()),
-               " bytes for ", src.numel(), " values, got ", out.numel(), " of ", out.scalar_type());
+// What every codec's encode and decode take: `numel` encoded values (at least the tensor's), the
+// buffers contiguous and on one device; `any_floating` for the casts, which convert from any
+// floating type (as the compress hooks need), the others take float32.
+void check_encode(const Codec& c, const at::Tensor& src, int64_t numel, const at::Tensor& out, bool any_floating = false) {
+  DDPKIT_CHECK(src.is_contiguous() && (src.scalar_type() == at::kFloat || (any_floating && at::isFloatingType(src.scalar_type()))),
+               c.name(), " codec: encode takes contiguous ", any_floating ? "floating" : "float32", " values, got ",
+               src.scalar_type(), src.is_contiguous() ? "" : " (not contiguous)");
+  DDPKIT_CHECK(numel >= src.numel(), c.name(), " codec: ", src.numel(), " values do not fit an encoding of ", numel);
+  DDPKIT_CHECK(out.scalar_type() == at::kByte && out.is_contiguous() && out.numel() == c.encoded_bytes(numel) &&
+                   out.device() == src.device(),
+               c.name(), " codec: encode needs a contiguous uint8 output of ", c.encoded_bytes(numel), " bytes on ",
+               src.device(), " for ", numel, " values, got ", out.numel(), " of ", out.scalar_type(), " on ",
+               out.device());
 }
 
-void check_decode(const Codec& c, const at::Tensor& encoded, const at::Tensor& dst) {
-  DDPKIT_CHECK(dst.device().is_cpu() && dst.scalar_type() == at::kFloat && dst.is_contiguous(), c.name(),
-               " codec: decode writes contiguous float32 CPU values, got ", dst.scalar_type(), " on ", dst.device());
-  DDPKIT_CHECK(encoded.device().is_cpu() && encoded.scalar_type() == at::kByte && encoded.is_contiguous() &&
-                   encoded.numel() == c.encoded_bytes(dst.numel()),
-               c.name(), " codec: ", dst.numel(), " values decode from ", c.encoded_bytes(dst.numel()),
-               " contiguous uint8 bytes, got ", encoded.numel(), " of ", encoded.scalar_type());
+void check_decode(const Codec& c, const at::Tensor& encoded, int64_t numel, const at::Tensor& dst, bool any_floating = false) {
+  DDPKIT_CHECK(dst.is_contiguous() && (dst.scalar_type() == at::kFloat || (any_floating && at::isFloatingType(dst.scalar_type()))),
+               c.name(), " codec: decode writes contiguous ", any_floating ? "floating" : "float32", " values, got ",
+               dst.scalar_type(), dst.is_contiguous() ? "" : " (not contiguous)");
+  DDPKIT_CHECK(numel >= dst.numel(), c.name(), " codec: ", dst.numel(), " values are more than the ", numel, " encoded");
+  DDPKIT_CHECK(encoded.scalar_type() == at::kByte && encoded.is_contiguous() && encoded.numel() == c.encoded_bytes(numel) &&
+                   encoded.device() == dst.device(),
+               c.name(), " codec: ", numel, " values decode from ", c.encoded_bytes(numel), " contiguous uint8 bytes on ",
+               dst.device(), ", got ", encoded.numel(), " of ", encoded.scalar_type(), " on ", encoded.device());
 }
 
 class Fp32Codec final : public Codec {
@@ -36,12 +44,23 @@ class Fp32Codec final : public Codec {
   const std::string& name() const override { return name_; }
   int64_t encoded_bytes(int64_t numel) const override { return 4 * numel; }
   void encode(const at::Tensor& src, const at::Tensor& out) const override {
-    check_encode(*this, src, out);
-    if (src.numel() > 0) std::memcpy(out.data_ptr(), src.data_ptr(), static_cast<size_t>(out.numel()));
+    check_encode(*this, src, src.numel(), out);
+    if (src.numel() == 0) return;
+    if (!src.device().is_cpu()) {
+      out.view(at::kFloat).copy_(src.view({-1}));
+      return;
+    }
+    std::memcpy(out.data_ptr(), src.data_ptr(), static_cast<size_t>(out.numel()));
   }
   void decode(const at::Tensor& encoded, const at::Tensor& dst, float multiplier, bool accumulate) const override {
-    check_decode(*this, encoded, dst);
+    check_decode(*this, encoded, dst.numel(), dst);
     if (dst.numel() == 0) return;
+    if (!dst.device().is_cpu()) {
+      const at::Tensor in = encoded.view(at::kFloat).view(dst.sizes());
+      if (accumulate) dst.add_(in, multiplier);
+      else dst.copy_(in).mul_(multiplier);
+      return;
+    }
     const auto* in = reinterpret_cast<const float*>(encoded.data_ptr<uint8_t>());
     float* out = dst.data_ptr<float>();
     const int64_t n = dst.numel();
@@ -54,25 +73,41 @@ class Fp32Codec final : public Codec {
   }
   int64_t block() const override { return 1; }
   double error_bound() const override { return 0; }
+  at::ScalarType summable_type() const override { return at::kFloat; }
 
  private:
   std::string name_ = "fp32";
 };
 
-// fp16 / bf16: the cast kernels (every SIMD level rounds to nearest even alike).
+// fp16 / bf16: the cast kernels (every SIMD level rounds to nearest even alike). The padded
+// encode and prefix decode are the compress hooks' path: one pass, scaled, on any device.
 class CastCodec final : public Codec {
  public:
   CastCodec(std::string name, at::ScalarType type, double bound) : name_(std::move(name)), type_(type), bound_(bound) {}
   const std::string& name() const override { return name_; }
   int64_t encoded_bytes(int64_t numel) const override { return 2 * numel; }
-  void encode(const at::Tensor& src, const at::Tensor& out) const override {
-    check_encode(*this, src, out);
-    if (src.numel() > 0) cast_scaled_into(src, out.view(type_));
-  }
+  void encode(const at::Tensor& src, const at::Tensor& out) const override { encode_padded(src, src.numel(), out, 1.0f, {}); }
   void decode(const at::Tensor& encoded, const at::Tensor& dst, float multiplier, bool accumulate) const override {
-    check_decode(*this, encoded, dst);
+    decode_prefix(encoded, dst.numel(), dst, multiplier, accumulate);
+  }
+  void encode_padded(const at::Tensor& src, int64_t numel, const at::Tensor& out, float multiplier,
+                     const at::Tensor& residual) const override {
+    check_encode(*this, src, numel, out, true);
+    at::Tensor low = out.view(type_);
+    if (src.numel() > 0) cast_scaled_into(src.view({-1}), low.narrow(0, 0, src.numel()), multiplier);
+    if (numel > src.numel()) low.narrow(0, src.numel(), numel - src.numel()).zero_();
+    if (residual.defined()) {
+      DDPKIT_CHECK(residual.scalar_type() == at::kFloat && residual.is_contiguous() && residual.numel() == src.numel(),
+                   name_, " codec: the residual must be contiguous float32 of ", src.numel(), " values");
+      cast_scaled_into(low.narrow(0, 0, src.numel()), residual, -1.0);
+      residual.add_(src.view({-1}), multiplier);
+    }
+  }
+  void decode_prefix(const at::Tensor& encoded, int64_t numel, const at::Tensor& dst, float multiplier,
+                     bool accumulate) const override {
+    check_decode(*this, encoded, numel, dst, true);
     if (dst.numel() == 0) return;
-    const at::Tensor low = encoded.view(type_);
+    const at::Tensor low = encoded.view(type_).narrow(0, 0, dst.numel());
     if (!accumulate) return cast_scaled_into(low, dst, multiplier);
     at::Tensor widened = at::empty_like(dst);
     cast_scaled_into(low, widened, multiplier);
@@ -80,6 +115,7 @@ class CastCodec final : public Codec {
   }
   int64_t block() const override { return 1; }
   double error_bound() const override { return bound_; }
+  at::ScalarType summable_type() const override { return type_; }
 
  private:
   std::string name_;
@@ -87,24 +123,39 @@ class CastCodec final : public Codec {
   double bound_;
 };
 
+// Block int8 (codecs/quantize.h): its kernels pad, and write the residual, themselves.
 class Int8Codec final : public Codec {
  public:
-  static constexpr int64_t kBlock = 256;
+  explicit Int8Codec(int64_t block) : block_(block) {
+    int8_encoded_bytes(0, block_);  // validates the block size
+  }
   const std::string& name() const override { return name_; }
-  int64_t encoded_bytes(int64_t numel) const override { return int8_encoded_bytes(numel, kBlock); }
+  int64_t encoded_bytes(int64_t numel) const override { return int8_encoded_bytes(numel, block_); }
   void encode(const at::Tensor& src, const at::Tensor& out) const override {
-    check_encode(*this, src, out);
-    int8_encode(src, src.numel(), src.numel(), kBlock, out);
+    check_encode(*this, src, src.numel(), out);
+    int8_encode(src, src.numel(), src.numel(), block_, out);
   }
   void decode(const at::Tensor& encoded, const at::Tensor& dst, float multiplier, bool accumulate) const override {
-    check_decode(*this, encoded, dst);
-    int8_decode(encoded, dst.numel(), kBlock, dst, dst.numel(), multiplier, accumulate);
+    check_decode(*this, encoded, dst.numel(), dst);
+    int8_decode(encoded, dst.numel(), block_, dst, dst.numel(), multiplier, accumulate);
   }
-  int64_t block() const override { return kBlock; }
+  void encode_padded(const at::Tensor& src, int64_t numel, const at::Tensor& out, float multiplier,
+                     const at::Tensor& residual) const override {
+    if (multiplier != 1.0f) return Codec::encode_padded(src, numel, out, multiplier, residual);
+    check_encode(*this, src, numel, out);
+    int8_encode(src, src.numel(), numel, block_, out, residual);
+  }
+  void decode_prefix(const at::Tensor& encoded, int64_t numel, const at::Tensor& dst, float multiplier,
+                     bool accumulate) const override {
+    check_decode(*this, encoded, numel, dst);
+    int8_decode(encoded, numel, block_, dst, dst.numel(), multiplier, accumulate);
+  }
+  int64_t block() const override { return block_; }
   double error_bound() const override { return 1.0 / 254.0; }
 
  private:
   std::string name_ = "int8";
+  int64_t block_;
 };
 
 using Factory = std::function<std::shared_ptr<const Codec>()>;
@@ -115,13 +166,45 @@ const std::vector<std::pair<std::string, Factory>>& registry() {
       // Half an ulp: 2^-11 of |x| for fp16 (normal range), 2^-8 for bf16.
       {"fp16", [] { return std::make_shared<CastCodec>("fp16", at::kHalf, 1.0 / 2048); }},
       {"bf16", [] { return std::make_shared<CastCodec>("bf16", at::kBFloat16, 1.0 / 256); }},
-      {"int8", [] { return std::make_shared<Int8Codec>(); }},
+      {"int8", [] { return make_int8_codec(256); }},
       {"int4", [] { return make_int4_codec(); }},
   };
   return codecs;
 }
 
 }  // namespace
+
+void Codec::encode_padded(const at::Tensor& src, int64_t numel, const at::Tensor& out, float multiplier,
+                          const at::Tensor& residual) const {
+  DDPKIT_CHECK(numel >= src.numel(), name(), " codec: ", src.numel(), " values do not fit an encoding of ", numel);
+  DDPKIT_CHECK(src.scalar_type() == at::kFloat, name(), " codec: encode takes float32 values, got ", src.scalar_type());
+  const int64_t n = src.numel();
+  at::Tensor whole = src;
+  if (n != numel || multiplier != 1.0f || !src.is_contiguous()) {
+    whole = at::zeros({numel}, src.options());
+    if (n > 0) whole.narrow(0, 0, n).copy_(src.reshape({-1})).mul_(multiplier);
+  }
+  encode(whole.view({-1}), out);
+  if (!residual.defined()) return;
+  DDPKIT_CHECK(residual.scalar_type() == at::kFloat && residual.is_contiguous() && residual.numel() == n, name(),
+               " codec: the residual must be contiguous float32 of ", n, " values, got ", residual.numel(), " of ",
+               residual.scalar_type());
+  decode_prefix(out, numel, residual, -1.0f, false);
+  residual.add_(whole.view({-1}).narrow(0, 0, n));
+}
+
+void Codec::decode_prefix(const at::Tensor& encoded, int64_t numel, const at::Tensor& dst, float multiplier,
+                          bool accumulate) const {
+  DDPKIT_CHECK(numel >= dst.numel(), name(), " codec: ", dst.numel(), " values are more than the ", numel, " encoded");
+  if (numel == dst.numel()) return decode(encoded, dst, multiplier, accumulate);
+  at::Tensor whole = at::empty({numel}, dst.options());
+  decode(encoded, whole, multiplier, false);
+  const at::Tensor prefix = whole.narrow(0, 0, dst.numel()).view(dst.sizes());
+  if (accumulate) dst.add_(prefix);
+  else dst.copy_(prefix);
+}
+
+std::shared_ptr<const Codec> make_int8_codec(int64_t block) { return std::make_shared<Int8Codec>(block); }
 
 std::vector<std::string> codec_names() {
   std::vector<std::string> names;

@@ -158,7 +158,9 @@ void run_two_phase_over_backend(GroupCore& core, Transport& transport, const std
       core.count(phase_bytes(job->send1), phase_bytes(job->send1));
       first[p] = alltoall(block(job->recv1, p), block(job->send1, p));
     };
-    const int64_t window = 2;
+    // Pieces whose first phase is in flight: as many as the group has Gloo workers (at least 2),
+    // so that over a long round trip a piece's wait for its peers overlaps others' transfers.
+    const int64_t window = std::max<int64_t>(2, core.options().gloo_threads());
     for (int64_t p = 0; p < std::min(window, pieces); ++p) send_first(p);
     for (int64_t p = 0; p < pieces; ++p) {
       first[p]->wait(core.timeout());

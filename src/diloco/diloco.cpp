@@ -115,6 +115,8 @@ struct DiLoCo::Impl {
     sync.done_after = std::make_shared<std::atomic<double>>(0.0);
     std::shared_ptr<ProcessGroup> cross = manager.cross_group();  // null: alone in the quorum
     try {
+      if (cross && options.piece_bytes() > 0 && cross->piece_bytes() != options.piece_bytes())
+        cross->set_piece_bytes(options.piece_bytes());
       sync.future = weighted_mean(cross.get(), sync.mean, sync.weight, codec, sync.checksum, sync.result);
     } catch (const std::exception& e) {
       manager.fail_step(e.what());
@@ -232,6 +234,7 @@ DiLoCo::DiLoCo(ft::Manager& manager, std::vector<std::vector<at::Tensor>> fragme
   DDPKIT_CHECK(o.fragment_alpha() >= 0 && o.fragment_alpha() <= 1, "DiLoCo: fragment_alpha must be in [0, 1], got ",
                o.fragment_alpha());
   DDPKIT_CHECK(o.round_seconds() >= 0, "DiLoCo: round_seconds must be >= 0, got ", o.round_seconds());
+  DDPKIT_CHECK(o.piece_bytes() >= 0, "DiLoCo: piece_bytes must be >= 0 (0: the cross group's own), got ", o.piece_bytes());
   DDPKIT_CHECK(o.round_seconds() == 0 || (count == 1 && o.fragment_delay() == 0),
                "DiLoCo: time-budgeted rounds (round_seconds) take one fragment and no fragment_delay");
   DDPKIT_CHECK(o.outer_lr() > 0, "DiLoCo: outer_lr must be > 0, got ", o.outer_lr());

@@ -27,16 +27,9 @@ struct Job {
 
   void encode(int64_t p) const {
     for (int64_t r = 0; r < world; ++r) {
-      const int64_t v = valid(p, r);
-      at::Tensor src;
-      if (v == chunk) {
-        src = flat.narrow(0, offset(p, r), chunk);
-      } else {  // the last chunk, padded with zeros
-        src = at::zeros({chunk}, at::kFloat);
-        if (v > 0) src.narrow(0, 0, v).copy_(flat.narrow(0, offset(p, r), v));
-      }
       at::Tensor slot = slot1(send1, p, r);
-      codec->encode(src, slot.narrow(0, 0, enc));
+      // The last chunks are short: the codec pads them with zeros.
+      codec->encode_padded(flat.narrow(0, offset(p, r), valid(p, r)), chunk, slot.narrow(0, 0, enc));
       uint8_t* trailer = slot.data_ptr<uint8_t>() + s1 - kTrailer;
       std::memset(trailer, 0, kTrailer);
       std::memcpy(trailer, &weight, sizeof(float));
@@ -89,14 +82,7 @@ struct Job {
     for (int64_t r = 0; r < world; ++r) {
       const int64_t v = valid(p, r);
       if (v <= 0) continue;
-      const at::Tensor bytes = slot2(recv2, p, r).narrow(0, 0, enc);
-      if (v == chunk) {
-        codec->decode(bytes, flat.narrow(0, offset(p, r), chunk));
-      } else {
-        at::Tensor whole = at::empty({chunk}, at::kFloat);
-        codec->decode(bytes, whole);
-        flat.narrow(0, offset(p, r), v).copy_(whole.narrow(0, 0, v));
-      }
+      codec->decode_prefix(slot2(recv2, p, r).narrow(0, 0, enc), chunk, flat.narrow(0, offset(p, r), v));
     }
   }
 };

@@ -260,6 +260,7 @@ struct Manager::Impl {
   ProcessGroupOptions across_options(const std::string& name, const std::string& store_address) const {
     ProcessGroupOptions o = group->options();
     o.group_name(name).timeout(options.cross_group_timeout()).abortable(true).check_collectives(false);
+    if (options.cross_gloo_threads() > 0) o.gloo_threads(options.cross_gloo_threads());
     const std::string towards = local_address_towards(host_of(store_address), 1);
     if (!towards.empty()) o.gloo_hostname(towards);
     return o;
@@ -341,6 +342,8 @@ Manager::Manager(std::shared_ptr<ProcessGroup> group, TrainingState& state, Mana
                "[A-Za-z0-9_.-], got '", options.group_id(), "'");
   DDPKIT_CHECK(options.heartbeat_interval().count() > 0, "ft::Manager: heartbeat_interval must be positive");
   DDPKIT_CHECK(options.heal_connections() >= 1, "ft::Manager: heal_connections must be >= 1");
+  DDPKIT_CHECK(options.cross_gloo_threads() >= 0, "ft::Manager: cross_gloo_threads must be >= 0 (0: the replica group's), got ",
+               options.cross_gloo_threads());
   impl_ = std::make_unique<Impl>(std::move(group), state, std::move(options));
   Impl& im = *impl_;
   im.extra = std::move(extra);

@@ -1,4 +1,4 @@
-#include <ddpkit/codecs/cast.h>
+#include <ddpkit/codecs/codec.h>
 #include <ddpkit/codecs/sparse.h>
 #include <ddpkit/hooks/default_hooks.h>
 #include <ddpkit/reducer/reducer.h>
@@ -10,17 +10,17 @@ namespace ddpkit {
 namespace hooks {
 namespace {
 
-// Per-bucket low-precision buffers, reused every iteration: a new 50 MB tensor per bucket and
-// step would cost more in page faults than the cast. Bucket i of the next iteration starts only
-// after this iteration's futures completed, so reuse is safe.
+// Per-bucket encoded buffers, reused every iteration: a new 50 MB tensor per bucket and step
+// would cost more in page faults than the cast. Bucket i of the next iteration starts only after
+// this iteration's futures completed, so reuse is safe.
 class BufferCache {
  public:
-  at::Tensor get(size_t bucket, const at::Tensor& like, at::ScalarType dtype) {
+  at::Tensor get(size_t bucket, int64_t bytes, c10::Device device) {
     std::lock_guard<std::mutex> lock(mutex_);
     if (buffers_.size() <= bucket) buffers_.resize(bucket + 1);
     at::Tensor& b = buffers_[bucket];
-    if (!b.defined() || b.numel() != like.numel() || b.scalar_type() != dtype || b.device() != like.device())
-      b = at::empty({like.numel()}, like.options().dtype(dtype));
+    if (!b.defined() || b.numel() != bytes || b.device() != device)
+      b = at::empty({bytes}, at::TensorOptions().dtype(at::kByte).device(device));
     return b;
   }
 
@@ -29,36 +29,61 @@ class BufferCache {
   std::vector<at::Tensor> buffers_;
 };
 
-// Low-precision allreduce of the bucket: cast+scale in one pass, allreduce, cast back in place.
-// The cast back runs in the future's callback: local work, no collective.
-CommHook compress_hook(std::shared_ptr<ProcessGroup> pg, at::ScalarType dtype, const char* name) {
-  return [pg = std::move(pg), dtype, name, cache = std::make_shared<BufferCache>()](GradBucket& bucket) -> FuturePtr {
-    DDPKIT_CHECK(!bucket.is_sparse(), name, ": bucket ", bucket.index(),
-                 " holds a sparse gradient; compression hooks take dense buckets only");
+// The codec of a compress hook: one the process group can sum (codecs::Codec::summable_type).
+std::shared_ptr<const codecs::Codec> summable_codec(const char* codec, const char* hook) {
+  auto c = codecs::make_codec(codec);
+  DDPKIT_CHECK(c->summable_type() != at::ScalarType::Undefined, hook, ": the ", codec,
+               " codec cannot be summed by an allreduce");
+  return c;
+}
+
+at::Tensor flat_buffer(GradBucket& bucket, const char* hook) {
+  DDPKIT_CHECK(!bucket.is_sparse(), hook, ": bucket ", bucket.index(),
+               " holds a sparse gradient; compression hooks take dense buckets only");
+  const at::Tensor& buffer = bucket.buffer();
+  DDPKIT_CHECK(buffer.is_contiguous(), hook, ": bucket ", bucket.index(), "'s buffer is not contiguous");
+  return buffer.view({-1});
+}
+
+// Low-precision allreduce of the bucket: encode (cast and scale by 1/n in one pass), allreduce
+// the encoding as its element type, decode back in place. The decode runs in the future's
+// callback: local work, no collective.
+CommHook compress_hook(std::shared_ptr<ProcessGroup> pg, const char* codec_name, const char* name) {
+  auto codec = summable_codec(codec_name, name);
+  return [pg = std::move(pg), codec, name, cache = std::make_shared<BufferCache>()](GradBucket& bucket) -> FuturePtr {
     at::Tensor buffer = bucket.buffer();
-    at::Tensor compressed = cache->get(bucket.index(), buffer, dtype);
-    codecs::cast_scaled_into(buffer.reshape({-1}), compressed, 1.0 / pg->size());
-    return pg->allreduce(compressed)->then(
-        [buffer, compressed](c10::ivalue::Future& f) -> c10::IValue {
-          f.value();  // rethrows a failed allreduce
-          codecs::cast_scaled_into(compressed, buffer, 1.0);
-          return c10::IValue(buffer);
-        },
-        c10::TensorType::get());
+    at::Tensor flat = flat_buffer(bucket, name);
+    at::Tensor encoded = cache->get(bucket.index(), codec->encoded_bytes(flat.numel()), flat.device());
+    codec->encode_padded(flat, flat.numel(), encoded, 1.0f / static_cast<float>(pg->size()));
+    return pg->allreduce(encoded.view(codec->summable_type()))
+        ->then(
+            [buffer, flat, encoded, codec](c10::ivalue::Future& f) -> c10::IValue {
+              f.value();  // rethrows a failed allreduce
+              codec->decode_prefix(encoded, flat.numel(), flat);
+              return c10::IValue(buffer);
+            },
+            c10::TensorType::get());
   };
 }
 
-CommHook compress_wrapper(CommHook inner, at::ScalarType dtype, const char* name) {
+// The bucket encoded for the wrapped hook, which sees a low-precision bucket; its result is
+// decoded back into the original (a result of another type is copied, as PyTorch's wrapper does).
+CommHook compress_wrapper(CommHook inner, const char* codec_name, const char* name) {
   DDPKIT_CHECK(inner, name, ": the wrapped hook is empty");
-  return [inner = std::move(inner), dtype, name, cache = std::make_shared<BufferCache>()](GradBucket& bucket) -> FuturePtr {
-    DDPKIT_CHECK(!bucket.is_sparse(), name, ": bucket ", bucket.index(), " holds a sparse gradient");
+  auto codec = summable_codec(codec_name, name);
+  return [inner = std::move(inner), codec, name, cache = std::make_shared<BufferCache>()](GradBucket& bucket) -> FuturePtr {
     at::Tensor original = bucket.buffer();
-    at::Tensor compressed = cache->get(bucket.index(), original, dtype);
-    codecs::cast_scaled_into(original.reshape({-1}), compressed, 1.0);
-    bucket.set_buffer(compressed);
+    at::Tensor flat = flat_buffer(bucket, name);
+    at::Tensor encoded = cache->get(bucket.index(), codec->encoded_bytes(flat.numel()), flat.device());
+    codec->encode_padded(flat, flat.numel(), encoded);
+    bucket.set_buffer(encoded.view(codec->summable_type()));
     return inner(bucket)->then(
-        [original](c10::ivalue::Future& f) -> c10::IValue {
-          codecs::cast_scaled_into(f.value().toTensor(), original, 1.0);
+        [original, flat, codec](c10::ivalue::Future& f) -> c10::IValue {
+          const at::Tensor result = f.value().toTensor();
+          if (result.scalar_type() == codec->summable_type() && result.numel() == flat.numel())
+            codec->decode_prefix(result.contiguous().view({-1}).view(at::kByte), flat.numel(), flat);
+          else
+            original.copy_(result.view(original.sizes()));
           return c10::IValue(original);
         },
         c10::TensorType::get());
@@ -81,17 +106,17 @@ CommHook allreduce_hook(std::shared_ptr<ProcessGroup> pg) {
 
 CommHook fp16_compress_hook(std::shared_ptr<ProcessGroup> pg) {
   DDPKIT_CHECK(pg, "fp16_compress_hook: process group is null");
-  return compress_hook(std::move(pg), at::kHalf, "fp16_compress_hook");
+  return compress_hook(std::move(pg), "fp16", "fp16_compress_hook");
 }
 
 CommHook bf16_compress_hook(std::shared_ptr<ProcessGroup> pg) {
   DDPKIT_CHECK(pg, "bf16_compress_hook: process group is null");
-  return compress_hook(std::move(pg), at::kBFloat16, "bf16_compress_hook");
+  return compress_hook(std::move(pg), "bf16", "bf16_compress_hook");
 }
 
-CommHook fp16_compress_wrapper(CommHook hook) { return compress_wrapper(std::move(hook), at::kHalf, "fp16_compress_wrapper"); }
+CommHook fp16_compress_wrapper(CommHook hook) { return compress_wrapper(std::move(hook), "fp16", "fp16_compress_wrapper"); }
 CommHook bf16_compress_wrapper(CommHook hook) {
-  return compress_wrapper(std::move(hook), at::kBFloat16, "bf16_compress_wrapper");
+  return compress_wrapper(std::move(hook), "bf16", "bf16_compress_wrapper");
 }
 
 CommHook noop_hook() {

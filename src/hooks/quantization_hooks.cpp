@@ -1,3 +1,4 @@
+#include <ddpkit/codecs/codec.h>
 #include <ddpkit/codecs/quantize.h>
 #include <ddpkit/hooks/quantization_hooks.h>
 
@@ -124,7 +125,7 @@ class Int8State::Impl {
  public:
   Impl(std::shared_ptr<ProcessGroup> pg, Int8Options o) : pg_(std::move(pg)), o_(o) {
     DDPKIT_CHECK(pg_, "int8_allreduce_hook: process group is null");
-    codecs::int8_encoded_bytes(0, o_.block());  // validates the block size
+    codec_ = codecs::make_int8_codec(o_.block());  // validates the block size
   }
 
   FuturePtr operator()(GradBucket& bucket) {
@@ -133,7 +134,7 @@ class Int8State::Impl {
     DDPKIT_CHECK(buffer.scalar_type() == at::kFloat && buffer.is_contiguous(),
                  "int8_allreduce_hook takes contiguous float32 buckets; bucket ", bucket.index(), " is ",
                  buffer.scalar_type());
-    const int64_t n = pg_->size(), me = pg_->rank(), block = o_.block();
+    const int64_t n = pg_->size(), me = pg_->rank(), block = codec_->block();
     const int64_t numel = buffer.numel();
     // One byte per element on the wire, (n-1)/n of it to the peers in each phase.
     const int64_t pieces = pg_->pieces_for(static_cast<uint64_t>(numel) * (n - 1) / n);
@@ -153,32 +154,33 @@ class Int8State::Impl {
     job->recv1 = st->recv1;
     job->send2 = st->send2;
     job->recv2 = st->recv2;
-    job->encode = [st, flat, n, chunk, block, enc, ef, offset, valid](int64_t p) {
+    std::shared_ptr<const codecs::Codec> codec = codec_;
+    job->encode = [st, codec, flat, n, chunk, enc, ef, offset, valid](int64_t p) {
       for (int64_t r = 0; r < n; ++r) {
         const int64_t off = offset(p, r), v = valid(p, r);
         at::Tensor x = flat.narrow(0, off, v);
         if (ef) x.add_(st->worker_error.narrow(0, off, v));
-        codecs::int8_encode(x, v, chunk, block, st->send1.narrow(0, (p * n + r) * enc, enc),
-                            ef ? st->worker_error.narrow(0, off, v) : at::Tensor());
+        codec->encode_padded(x, chunk, st->send1.narrow(0, (p * n + r) * enc, enc), 1.0f,
+                             ef ? st->worker_error.narrow(0, off, v) : at::Tensor());
       }
     };
-    job->reduce = [st, n, me, chunk, block, enc, ef](int64_t p) {
+    job->reduce = [st, codec, n, me, chunk, enc, ef](int64_t p) {
       const float inv_n = 1.0f / static_cast<float>(n);
       at::Tensor reduced = st->reduced.narrow(0, p * chunk, chunk);
       for (int64_t r = 0; r < n; ++r)
-        codecs::int8_decode(st->recv1.narrow(0, (p * n + r) * enc, enc), chunk, block, reduced, chunk, inv_n, r > 0);
+        codec->decode_prefix(st->recv1.narrow(0, (p * n + r) * enc, enc), chunk, reduced, inv_n, r > 0);
       at::Tensor owner_error = ef ? st->owner_error.narrow(0, p * chunk, chunk) : at::Tensor();
       if (ef) reduced.add_(owner_error);
       at::Tensor mine = st->send2.narrow(0, (p * n + me) * enc, enc);
-      codecs::int8_encode(reduced, chunk, chunk, block, mine, owner_error);
+      codec->encode_padded(reduced, chunk, mine, 1.0f, owner_error);
       for (int64_t r = 0; r < n; ++r)
         if (r != me) st->send2.narrow(0, (p * n + r) * enc, enc).copy_(mine);
     };
-    job->decode = [st, flat, n, chunk, block, enc, offset, valid](int64_t p) {
+    job->decode = [st, codec, flat, n, chunk, enc, offset, valid](int64_t p) {
       for (int64_t r = 0; r < n; ++r) {
         const int64_t v = valid(p, r);
         if (v > 0)
-          codecs::int8_decode(st->recv2.narrow(0, (p * n + r) * enc, enc), chunk, block, flat.narrow(0, offset(p, r), v), v);
+          codec->decode_prefix(st->recv2.narrow(0, (p * n + r) * enc, enc), chunk, flat.narrow(0, offset(p, r), v));
       }
     };
     return pg_->two_phase(std::move(job), buffer, "int8 allreduce of bucket " + std::to_string(bucket.index()));
@@ -247,7 +249,7 @@ class Int8State::Impl {
     st->numel = numel;
     st->pieces = pieces;
     st->chunk = chunk;
-    st->enc = codecs::int8_encoded_bytes(chunk, o_.block());
+    st->enc = codec_->encoded_bytes(chunk);
     auto bytes = at::TensorOptions().dtype(at::kByte).device(device);
     auto floats = at::TensorOptions().dtype(at::kFloat).device(device);
     for (at::Tensor* t : {&st->send1, &st->recv1, &st->send2, &st->recv2}) *t = at::empty({pieces * n * st->enc}, bytes);
@@ -261,6 +263,7 @@ class Int8State::Impl {
 
   std::shared_ptr<ProcessGroup> pg_;
   Int8Options o_;
+  std::shared_ptr<const codecs::Codec> codec_;  // block int8, o_.block() values per scale
   mutable std::mutex mutex_;
   std::vector<std::shared_ptr<Int8BucketState>> states_;
 };

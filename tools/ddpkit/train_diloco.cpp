@@ -129,7 +129,8 @@ int run_diloco_rank(const Flags& f, const TrainFlags& t) {
     dl->load_state(d);
     inner_step = int_of(d, "inner_step", "the healed state");
   };
-  ft::Manager manager(pg, run.state, group_manager_options(t, fault, timeout), extra, load_extra);
+  // 4 outer all-reduce pieces in flight across sites (DiLoCoOptions::piece_bytes).
+  ft::Manager manager(pg, run.state, group_manager_options(t, fault, timeout).cross_gloo_threads(4), extra, load_extra);
   RunData run_data = build_rank(f, t, pg, run);
   Split& data = run_data.data;
   const auto fragments =

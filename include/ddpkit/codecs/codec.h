@@ -11,7 +11,12 @@
 // Every codec: a NaN or Inf input never decodes to a finite value (a block codec turns the whole
 // block into NaN); the error of a finite value is at most error_bound() times |x| (block() == 1)
 // or times the largest |x| of its block; every SIMD level writes the same bytes. A new codec is
-// one file under src/codecs/ and one line in make_codec (src/codecs/codec.cpp).
+// one file under src/codecs/ and one line in make_codec (src/codecs/codec.cpp): encode, decode,
+// the sizes; encode_padded and decode_prefix have general defaults it may speed up.
+//
+// Users: DDP's fp16/bf16 hooks and wrappers and the int8 allreduce hook (ddpkit/hooks), and
+// DiLoCo's outer all-reduce (ddpkit/diloco). fp32, fp16, bf16 and int8 run on any device (the
+// casts also from any floating type); int4 on CPU.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -40,12 +45,31 @@ class Codec {
   virtual int64_t block() const = 0;
   // The largest error of a finite value, relative to |x| (block() == 1) or to its block's max |x|.
   virtual double error_bound() const = 0;
+
+  // The element type a process group can sum the encoded bytes as (fp32, fp16, bf16: an allreduce
+  // of the encoding is the encoding of the sum), or Undefined for a block codec, whose codes are
+  // decoded before they are summed (the reduce-scatter / all-gather of hooks and DiLoCo).
+  virtual at::ScalarType summable_type() const { return at::ScalarType::Undefined; }
+
+  // The general encode: src * multiplier (src.numel() <= numel values; the rest of the `numel`
+  // count as zeros) into `out` (encoded_bytes(numel) bytes). With `residual` defined (float32,
+  // src.numel() values) it also writes src * multiplier - decode(out) there: the error that error
+  // feedback adds back next time. The default pads and scales in a temporary.
+  virtual void encode_padded(const at::Tensor& src, int64_t numel, const at::Tensor& out, float multiplier = 1.0f,
+                             const at::Tensor& residual = {}) const;
+  // dst = decode(encoded)[0 : dst.numel()] * multiplier, or dst += that when `accumulate`;
+  // `encoded` holds `numel` values (dst.numel() <= numel). The default decodes into a temporary.
+  virtual void decode_prefix(const at::Tensor& encoded, int64_t numel, const at::Tensor& dst, float multiplier = 1.0f,
+                             bool accumulate = false) const;
 };
 
 // The codec named `name` (codec_names()); an unknown name is a UsageError listing them.
 std::shared_ptr<const Codec> make_codec(const std::string& name);
 std::vector<std::string> codec_names();
 
+// int8 with `block` values per scale (a positive multiple of 16; make_codec("int8") is block
+// 256); the int8 allreduce hook's Int8Options::block chooses it.
+std::shared_ptr<const Codec> make_int8_codec(int64_t block);
 // The 4-bit codec (src/codecs/int4.cpp), exposed for make_codec.
 std::shared_ptr<const Codec> make_int4_codec();
 

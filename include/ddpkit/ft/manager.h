@@ -50,6 +50,10 @@ struct ManagerOptions {
   // The cross-group process groups' rendezvous and collective timeout (a lost group's heartbeat
   // releases a collective sooner).
   TORCH_ARG(std::chrono::milliseconds, cross_group_timeout) = std::chrono::seconds(30);
+  // Gloo worker threads of the cross-group process groups (collectives in flight at once across
+  // the groups); 0: the replica group's. Over a long round trip more in flight fill the link
+  // (DiLoCo's outer all-reduce: `ddpkit train --diloco` takes 4).
+  TORCH_ARG(int, cross_gloo_threads) = 0;
   // The address this rank's state service listens on, as the other groups reach it; empty: this
   // host's address on the route to the lighthouse (127.0.0.1 when the lighthouse is on loopback).
   TORCH_ARG(std::string, state_host) = "";
