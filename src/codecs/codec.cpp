@@ -39,6 +39,13 @@ void check_decode(const Codec& c, const at::Tensor& encoded, int64_t numel, cons
                dst.device(), ", got ", encoded.numel(), " of ", encoded.scalar_type(), " on ", encoded.device());
 }
 
+// An error-feedback residual: float32, contiguous, one value per encoded input value.
+void check_residual(const Codec& c, const at::Tensor& residual, int64_t n) {
+  DDPKIT_CHECK(residual.scalar_type() == at::kFloat && residual.is_contiguous() && residual.numel() == n, c.name(),
+               " codec: the residual must be contiguous float32 of ", n, " values, got ", residual.numel(), " of ",
+               residual.scalar_type());
+}
+
 class Fp32Codec final : public Codec {
  public:
   const std::string& name() const override { return name_; }
@@ -97,8 +104,7 @@ class CastCodec final : public Codec {
     if (src.numel() > 0) cast_scaled_into(src.view({-1}), low.narrow(0, 0, src.numel()), multiplier);
     if (numel > src.numel()) low.narrow(0, src.numel(), numel - src.numel()).zero_();
     if (residual.defined()) {
-      DDPKIT_CHECK(residual.scalar_type() == at::kFloat && residual.is_contiguous() && residual.numel() == src.numel(),
-                   name_, " codec: the residual must be contiguous float32 of ", src.numel(), " values");
+      check_residual(*this, residual, src.numel());
       cast_scaled_into(low.narrow(0, 0, src.numel()), residual, -1.0);
       residual.add_(src.view({-1}), multiplier);
     }
@@ -186,9 +192,7 @@ void Codec::encode_padded(const at::Tensor& src, int64_t numel, const at::Tensor
   }
   encode(whole.view({-1}), out);
   if (!residual.defined()) return;
-  DDPKIT_CHECK(residual.scalar_type() == at::kFloat && residual.is_contiguous() && residual.numel() == n, name(),
-               " codec: the residual must be contiguous float32 of ", n, " values, got ", residual.numel(), " of ",
-               residual.scalar_type());
+  check_residual(*this, residual, n);
   decode_prefix(out, numel, residual, -1.0f, false);
   residual.add_(whole.view({-1}).narrow(0, 0, n));
 }

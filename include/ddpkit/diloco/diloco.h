@@ -57,7 +57,8 @@ struct DiLoCoOptions {
   // Pieces of the outer all-reduce, bytes per peer (set on the cross group before each sync; 0:
   // the group's own). Each piece waits a round trip for its peers, so a piece near one round
   // trip of a peer's share of the link keeps every connection busy: 256 KiB fits 100 Mbit/s x
-  // 50 ms over 3 peers (bench/results/diloco-goodput-*: 0.86 of the link vs 0.69 at 1 MiB).
+  // 50 ms over 3 peers (bench/results/diloco-sites-rtt-2026-12-02.txt: 0.78-0.88 of the link
+  // against 0.62-0.74 at 1 MiB with 2 threads).
   // With ManagerOptions::cross_gloo_threads 4, enough pieces are in flight at once.
   TORCH_ARG(int64_t, piece_bytes) = 256 << 10;
   // Called with the Manager's step as each sync's average has been issued ("outer-issued": the
