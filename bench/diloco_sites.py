@@ -20,13 +20,17 @@ same switch, no rate limit, no delay), printing:
   goodput        DiLoCo: bytes a rank sent per sync / the sync's transfer time, over the shaped rate
 Connections are kept warm: net.ipv4.tcp_slow_start_after_idle=0 in every namespace (Linux's
 default, 1, restarts a connection idle for an RTO from 10 segments; --slow-start-after-idle keeps it).
---blackhole S adds a DiLoCo run in which site 3 goes silent after S seconds (every frame to and
-from it dropped): the survivors' inner steps, retries, longest blocked sync and checksums.
+--blackhole S adds two DiLoCo runs in which site 3 goes silent after S seconds (every frame to and
+from it dropped), at once and as it next starts sending a sync: when the lighthouse lost it and
+formed the first quorum without it (its log), the survivors' inner steps, retries, longest
+blocked sync, the new quorum's rendezvous and checksums.
 --goodput adds the outer all-reduce alone (build/collective_bench --outer) after idle links, of
 16 and 64 MiB of fp32 values in int8: with the cross group's default pieces (1 MiB, 2 Gloo threads)
-and DiLoCo's (256 KiB, 4), with Linux's default and with warm connections.
+and DiLoCo's (256 KiB, 4), with Linux's default and with warm connections; then plain TCP streams
+between the same hosts (bench/tcp_streams.py), the floor those links and this switch give.
 """
 import argparse
+import datetime
 import json
 import math
 import os
@@ -168,19 +172,57 @@ def goodput_rows(args, hosts, addrs, port, say):
                     sys.exit(f"FAILED: collective_bench --outer: exit {p.returncode}\n{err[-3000:]}")
             for line in outs[0][0].splitlines():
                 say(line)
+    # The floor: plain TCP, every host streaming to the other three at once, as many bytes as a
+    # rank sends in the 16M-value sync (8 MiB a peer), warm connections.
+    port += 3
+    streams = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tcp_streams.py")
+    procs = [subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, streams, str(i), ",".join(addrs), "8", str(port)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i, (ns, _) in enumerate(hosts)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    for p, (_, err) in zip(procs, outs):
+        if p.returncode != 0:
+            sys.exit(f"FAILED: bench/tcp_streams.py: exit {p.returncode}\n{err[-3000:]}")
+    rows = [json.loads(o) for o, _ in outs]
+    rate = args.rate_mbit * 1e6 / 8
+    say("# plain TCP, each host to the other 3 at once, 8 MiB a peer (bench/tcp_streams.py), goodput per host: " +
+        " ".join(f"{r['bytes'] / r['seconds'] / rate:.3f}" for r in rows) +
+        f"; slowest {min(r['bytes'] / r['seconds'] / rate for r in rows):.3f}")
     return port
 
 
-def blackhole_run(args, switch, addrs, port, say):
+# The lighthouse's heartbeat timeout in the blackhole run: a silent site is lost this long after
+# its last heartbeat (every 100 ms), so out of the quorum within 1 s; a live site's heartbeat may
+# queue behind a sync in its uplink (200 ms of queue) or wait out one retransmission.
+BLACKHOLE_HEARTBEAT_TIMEOUT_MS = 750
+
+
+def lighthouse_events(log):
+    """(unix time, text) of each line `ddpkit lighthouse` printed: '<UTC ISO time> <event>'."""
+    events = []
+    for line in log.splitlines():
+        stamp, _, text = line.partition(" ")
+        try:
+            t = datetime.datetime.strptime(stamp, "%Y-%m-%dT%H:%M:%S.%fZ").replace(tzinfo=datetime.timezone.utc)
+        except ValueError:
+            continue
+        events.append((t.timestamp(), text))
+    return events
+
+
+def blackhole_run(args, switch, addrs, port, say, mid_sync):
     """DiLoCo H=16 int8 over the shaped links; after `args.blackhole` seconds site 3 goes silent
-    (the switch drops all it sends and all sent to it: netem loss 100%). The survivors must run
-    every inner step, stay identical and lose little time; the silent site is killed at the end."""
+    (the switch drops all it sends and all sent to it: netem loss 100%): at once (most likely in
+    its inner steps), or with `mid_sync` as it next starts sending a sync's data. The survivors
+    must run every inner step, stay identical and lose little time; the lighthouse's log says when
+    site 3 was lost and when a quorum went on without it. The silent site is killed at the end."""
     hosts = switch.hosts
     env = dict(os.environ, OPENBLAS_CORETYPE=os.environ.get("OPENBLAS_CORETYPE", "Haswell"))
     flags = ["--diloco", "16", "--outer-codec", "int8"]
+    log = tempfile.TemporaryFile(mode="w+")
     lighthouse = subprocess.Popen(["ip", "netns", "exec", hosts[0][0], args.bin, "lighthouse", "--address",
-                                   f"{addrs[0]}:{port}", "--expected-groups", "4", "--join-timeout-ms", "600000"],
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
+                                   f"{addrs[0]}:{port}", "--expected-groups", "4", "--join-timeout-ms", "600000",
+                                   "--heartbeat-timeout-ms", str(BLACKHOLE_HEARTBEAT_TIMEOUT_MS)],
+                                  stdout=log, stderr=subprocess.STDOUT, env=env)
     time.sleep(1.0)
     procs = [subprocess.Popen(["ip", "netns", "exec", ns, args.bin, "train", "--fault-tolerant", "--replica-groups", "4",
                                "--replica-group", str(i), "--lighthouse", f"{addrs[0]}:{port}", "--nproc", "1",
@@ -189,8 +231,11 @@ def blackhole_run(args, switch, addrs, port, say):
              for i, (ns, _) in enumerate(hosts)]
     try:
         time.sleep(args.blackhole)
-        switch.blackhole(3)
-        silenced = time.time()
+        if mid_sync:
+            silenced = switch.blackhole_mid_transfer(3)
+        else:
+            switch.blackhole(3)
+            silenced = time.time()
         outs = [p.communicate(timeout=1800) for p in procs[:3]]
         survivors_done = time.time() - silenced
     finally:
@@ -199,16 +244,32 @@ def blackhole_run(args, switch, addrs, port, say):
                 p.kill()
             p.wait()
         switch.restore(3)
+        log.seek(0)
+        events = lighthouse_events(log.read())
+        log.close()
     for i, (p, (o, e)) in enumerate(zip(procs, outs)):
         if p.returncode != 0:
             sys.exit(f"FAILED: blackhole run, site {i}: exit {p.returncode}\n{e[-3000:]}")
     reps = [json.loads(l) for o, _ in outs for l in o.splitlines() if l.startswith("{")]
     same = len({r["parameter_checksum"] for r in reps}) == 1
-    say(f"# blackhole: site 3 silent after {args.blackhole:g} s of {args.steps} inner steps (DiLoCo H=16 int8); "
-        f"survivors finished {survivors_done:.1f} s later")
+    when = "as it started sending its part of a sync" if mid_sync else "at once"
+    say(f"# blackhole: site 3 silent after {args.blackhole:g} s, {when}, of {args.steps} inner steps (DiLoCo H=16 int8, "
+        f"lighthouse heartbeat timeout {BLACKHOLE_HEARTBEAT_TIMEOUT_MS} ms); survivors finished {survivors_done:.1f} s later")
+    # Within 10 s of the silence (later, the sites that finish stop heartbeating too).
+    events = [(t, text) for t, text in events if silenced - 0.5 <= t < silenced + 10]
+    for t, text in events:
+        if "lost" in text or "dropped" in text:
+            say(f"#   lighthouse +{t - silenced:.3f} s: {text}")
+    lost = [t - silenced for t, text in events if t >= silenced and " lost: " in text]
+    without = [t - silenced for t, text in events if t >= silenced and "dropped [" in text]
+    say(f"#   out of the quorum: lost {lost[0] if lost else float('nan'):.3f} s after it went silent, the first "
+        f"quorum without it {without[0] if without else float('nan'):.3f} s after; live sites lost meanwhile: "
+        f"{max(0, len(lost) - 1)}")
     for r in reps:
         say(f"#   site {r['replica_group']}: steps_run {r['steps_run']}/{args.steps}, sync_retries {r['sync_retries']}, "
-            f"longest sync blocked {r['longest_sync_blocked_seconds']:.2f} s, last sites {r['last_sites']}, "
+            f"longest sync blocked {r['longest_sync_blocked_seconds']:.2f} s (after the first: "
+            f"{r['longest_later_sync_blocked_seconds']:.2f} s), cross groups built {r['reconfigurations']} "
+            f"(longest {r['longest_reconfiguration_seconds']:.2f} s), last sites {r['last_sites']}, "
             f"checksum_mismatches {r['checksum_mismatches']}, test loss {r['test_loss']:.4f}")
     say(f"#   survivors identical: {'yes' if same else 'NO'}; every inner step run: "
         f"{'yes' if all(r['steps_run'] == args.steps for r in reps) else 'NO'}")
@@ -299,8 +360,9 @@ def main():
                 f"{rate / rate0:>6.3f} {loss:>9.4f} {loss / ddp_loss:>7.4f} {hidden:>7.3f} {goodput:>8.3f}")
         switch.shape(args.rate_mbit, args.rtt_ms / 2)
         if args.blackhole:
-            port += 3
-            blackhole_run(args, switch, addrs, port, say)
+            for mid_sync in (False, True):
+                port += 3
+                blackhole_run(args, switch, addrs, port, say, mid_sync)
         if args.goodput:
             port = goodput_rows(args, hosts, addrs, port + 3, say)
         say("# switch: " + " ".join(f"{k}={v}" for k, v in switch.stats().items()))

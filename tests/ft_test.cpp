@@ -20,6 +20,7 @@
 
 #include <atomic>
 #include <future>
+#include <mutex>
 #include <thread>
 
 namespace ddpkit {
@@ -95,6 +96,50 @@ TEST(Lighthouse, FormsAQuorumOfEveryLiveGroupAndNamesWhoHeals) {
   EXPECT_EQ(without.participants.size(), 2u);
   EXPECT_NE(without.quorum_id, qa.quorum_id);
   EXPECT_THAT(without.dropped, ::testing::ElementsAre("c"));
+}
+
+// An operator sees each quorum change and each lost group as it happens (on_event): b stops
+// beating, and within a tick of its heartbeat timeout it is reported lost, naming how long.
+TEST(Lighthouse, TellsQuorumChangesAndLostGroupsAsTheyHappen) {
+  std::mutex mu;
+  std::vector<std::pair<std::chrono::steady_clock::time_point, std::string>> events;
+  Lighthouse lh(LighthouseOptions().heartbeat_timeout(300ms).expected_groups(2).on_event([&](const std::string& e) {
+    std::lock_guard<std::mutex> lock(mu);
+    events.emplace_back(std::chrono::steady_clock::now(), e);
+  }));
+  lh.start();
+  auto qa = std::async(std::launch::async, [&] { return client_of(lh)->quorum(group("a", 0), 10s); });
+  auto qb = std::async(std::launch::async, [&] { return client_of(lh)->quorum(group("b", 0), 10s); });
+  qa.get(), qb.get();
+  auto beater = client_of(lh);
+  std::atomic<bool> stop{false};
+  std::thread keep_a_alive([&] {
+    while (!stop) {
+      beater->heartbeat("a", 0, "a-1");
+      std::this_thread::sleep_for(50ms);
+    }
+  });
+  auto b = client_of(lh);
+  const auto b_silent = std::chrono::steady_clock::now();  // its last beat arrives after this
+  b->heartbeat("b", 0, "b-1");
+  std::this_thread::sleep_for(450ms);
+  const Quorum alone = client_of(lh)->quorum(group("a", 1), 10s);
+  std::this_thread::sleep_for(100ms);  // the ticker tells within ~20 ms
+  stop = true;
+  keep_a_alive.join();
+  EXPECT_EQ(alone.participants.size(), 1u);
+  std::lock_guard<std::mutex> lock(mu);
+  std::vector<std::string> lines;
+  for (const auto& e : events) lines.push_back(e.second);
+  ASSERT_EQ(lines.size(), 3u) << ::testing::PrintToString(lines);
+  EXPECT_EQ(lines[0], "quorum 0: groups [a, b]");
+  const std::string told = "group b lost: rank 0 silent for ";
+  ASSERT_EQ(lines[1].rfind(told, 0), 0u) << lines[1];
+  EXPECT_GE(std::stoi(lines[1].substr(told.size())), 300) << lines[1];
+  EXPECT_EQ(lines[2], "quorum 1: groups [a], dropped [b]");
+  const auto told_after = std::chrono::duration_cast<std::chrono::milliseconds>(events[1].first - b_silent);
+  EXPECT_GE(told_after.count(), 300);
+  EXPECT_LT(told_after.count(), 600);  // a 20 ms tick, on a loaded machine
 }
 
 TEST(Lighthouse, BelowMinReplicasTimesOutNamingTheGroups) {

@@ -214,6 +214,7 @@ struct DiLoCo::Impl {
     stats.blocked_seconds += seconds_since(t0);
     sync.blocked += seconds_since(t0);
     stats.longest_blocked_seconds = std::max(stats.longest_blocked_seconds, sync.blocked);
+    if (stats.syncs > 1) stats.longest_later_blocked_seconds = std::max(stats.longest_later_blocked_seconds, sync.blocked);
     applied = r.total_weight > 0;
     return true;
   }

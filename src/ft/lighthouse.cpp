@@ -66,6 +66,8 @@ struct Lighthouse::Impl {
   std::map<std::string, std::shared_ptr<Waiter>> waiting;  // by group id
   std::map<std::string, Beats> beats;                      // by group id
   Quorum last;
+  std::set<std::string> reported_lost;  // groups of `last` whose loss on_event has been told
+  std::vector<std::string> events;       // for on_event, which the ticker calls outside mu
   int64_t formed = 0;
   bool stopping = false;
 
@@ -119,6 +121,7 @@ struct Lighthouse::Impl {
 
   // Under mu: forms the next quorum if the rule allows, answering its participants.
   void try_form(Clock::time_point now) {
+    report_losses(now);  // before a quorum without them replaces the one they were lost from
     std::vector<std::shared_ptr<Waiter>> joining;
     bool every_live_group_asked = true;
     for (const auto& kv : beats) {
@@ -164,9 +167,55 @@ struct Lighthouse::Impl {
       w->answered = true;
       waiting.erase(w->info.group_id);
     }
+    if (options.on_event() && q.quorum_id != last.quorum_id) events.push_back(describe_change(q));
     last = std::move(q);
+    reported_lost.clear();
     ++formed;
     cv.notify_all();
+  }
+
+  std::string describe_change(const Quorum& q) const {
+    std::vector<std::string> groups, joining;
+    for (const auto& p : q.participants) {
+      groups.push_back(p.group_id);
+      if (last.replica_rank(p.group_id) < 0) joining.push_back(p.group_id);
+    }
+    std::ostringstream os;
+    os << "quorum " << q.quorum_id << ": groups [" << joined(groups) << "]";
+    if (!q.dropped.empty()) os << ", dropped [" << joined(q.dropped) << "]";
+    if (formed > 0 && !joining.empty()) os << ", joined [" << joined(joining) << "]";
+    return os.str();
+  }
+
+  // Under mu (try_form): queues for on_event each group of the last quorum that has just become
+  // lost (its heartbeats stopped, or it restarted), once per quorum.
+  void report_losses(Clock::time_point now) {
+    if (!options.on_event()) return;
+    for (const auto& id : lost_of_last(now)) {
+      if (!reported_lost.insert(id).second) continue;
+      std::ostringstream os;
+      os << "group " << id << " lost: ";
+      auto it = beats.find(id);
+      const GroupInfo* was = nullptr;
+      for (const auto& p : last.participants)
+        if (p.group_id == id) was = &p;
+      if (it != beats.end() && was && it->second.incarnation != was->incarnation) {
+        os << "restarted (incarnation " << it->second.incarnation << ")";
+      } else if (it != beats.end()) {
+        int rank = -1;
+        Clock::duration silent{0};
+        for (const auto& kv : it->second.last)
+          if (now - kv.second > silent) {
+            silent = now - kv.second;
+            rank = kv.first;
+          }
+        os << "rank " << rank << " silent for "
+           << std::chrono::duration_cast<std::chrono::milliseconds>(silent).count() << " ms";
+      } else {
+        os << "never heartbeated";
+      }
+      events.push_back(os.str());
+    }
   }
 
   grpc::Status check_token(const grpc::ServerContext* ctx) const {
@@ -319,6 +368,14 @@ void Lighthouse::start() {
     std::unique_lock<std::mutex> lock(im.mu);
     while (!im.stopping) {
       im.try_form(Clock::now());
+      if (!im.events.empty()) {
+        std::vector<std::string> events;
+        events.swap(im.events);
+        lock.unlock();
+        for (const auto& e : events) im.options.on_event()(e);
+        lock.lock();
+        continue;
+      }
       im.cv.wait_for(lock, std::chrono::milliseconds(20));
     }
   });

@@ -425,8 +425,12 @@ void Manager::start_step() {
     if (changed) {
       try {
         im.phase("rendezvous", step_);
+        const auto began = std::chrono::steady_clock::now();
         im.rebuild(quorum_, me);
+        const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - began).count();
         ++stats_.reconfigurations;
+        stats_.reconfiguration_seconds += took;
+        stats_.longest_reconfiguration_seconds = std::max(stats_.longest_reconfiguration_seconds, took);
         if (auto cross = im.crossing().group) stats_.cross_transport = cross->transport_name();
       } catch (const std::exception& e) {
         ok = false;

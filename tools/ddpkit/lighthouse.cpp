@@ -4,10 +4,31 @@
 
 #include <ddpkit/ft/lighthouse.h>
 
+#include <chrono>
+#include <ctime>
+#include <functional>
+#include <iomanip>
 #include <iostream>
+#include <sstream>
 
 namespace ddpkit {
 namespace cli {
+
+namespace {
+
+// "2026-12-02T03:40:01.123Z": events from several hosts line up on one clock.
+std::string utc_now_ms() {
+  const auto now = std::chrono::system_clock::now();
+  const std::time_t secs = std::chrono::system_clock::to_time_t(now);
+  const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(now.time_since_epoch()).count() % 1000;
+  std::tm tm{};
+  gmtime_r(&secs, &tm);
+  std::ostringstream os;
+  os << std::put_time(&tm, "%Y-%m-%dT%H:%M:%S") << '.' << std::setw(3) << std::setfill('0') << ms << 'Z';
+  return os.str();
+}
+
+}  // namespace
 
 const char* kLighthouseUsage = R"(usage: ddpkit lighthouse [flags]
 
@@ -24,13 +45,15 @@ flags:
   --token-file PATH        require this shared secret (also DDPKIT_FT_TOKEN) from every caller
   --tls-cert PATH          PEM certificate chain; with --tls-key, serve TLS
   --tls-key PATH           PEM private key
+  --quiet                  do not print the quorum changes and lost groups (printed by default,
+                           a line each: UTC time, then "quorum Q: groups [...]" or "group G lost: ...")
 )";
 
 int run_lighthouse(const std::vector<std::string>& args) {
   Flags f(args,
           {{"address", "0.0.0.0:29510"}, {"advertise-host", ""}, {"min-replicas", "1"}, {"heartbeat-timeout-ms", "1000"},
            {"join-timeout-ms", "10000"}, {"expected-groups", "0"}, {"token-file", ""}, {"tls-cert", ""}, {"tls-key", ""}},
-          {});
+          {"quiet"});
   if (f.integer("min-replicas") < 1) throw UsageError("--min-replicas must be >= 1");
   if (f.integer("heartbeat-timeout-ms") < 1) throw UsageError("--heartbeat-timeout-ms must be >= 1");
   if (f.integer("join-timeout-ms") < 0) throw UsageError("--join-timeout-ms must be >= 0");
@@ -39,6 +62,9 @@ int run_lighthouse(const std::vector<std::string>& args) {
   if (f.str("tls-cert").empty() != f.str("tls-key").empty()) throw UsageError("--tls-cert and --tls-key go together");
   const std::string token = read_token(f.str("token-file"), "DDPKIT_FT_TOKEN");
   catch_stop_signals();
+  std::function<void(const std::string&)> print_event;
+  if (!f.on("quiet"))
+    print_event = [](const std::string& event) { std::cout << utc_now_ms() << " " << event << std::endl; };
   ft::Lighthouse lighthouse(ft::LighthouseOptions()
                                 .address(f.str("address"))
                                 .advertise_host(f.str("advertise-host"))
@@ -47,7 +73,8 @@ int run_lighthouse(const std::vector<std::string>& args) {
                                 .join_timeout(std::chrono::milliseconds(f.integer("join-timeout-ms")))
                                 .expected_groups(f.integer("expected-groups"))
                                 .token(token)
-                                .tls(ft::TlsFiles().certificate(f.str("tls-cert")).private_key(f.str("tls-key"))));
+                                .tls(ft::TlsFiles().certificate(f.str("tls-cert")).private_key(f.str("tls-key")))
+                                .on_event(print_event));
   lighthouse.start();
   std::cout << "ddpkit lighthouse: listening on " << lighthouse.address() << " (min replicas "
             << f.integer("min-replicas") << (f.str("tls-cert").empty() ? ", plaintext" : ", TLS") << ")" << std::endl;

@@ -94,11 +94,14 @@ nlohmann::json diloco_report(const TrainFlags& t, const std::vector<std::vector<
   j["last_sites_weighted"] = d.last_sites_weighted;
   j["sync_blocked_seconds"] = d.blocked_seconds;
   j["longest_sync_blocked_seconds"] = d.longest_blocked_seconds;
+  j["longest_later_sync_blocked_seconds"] = d.longest_later_blocked_seconds;
   j["sync_transfer_seconds"] = d.transfer_seconds;
   j["sync_wait_seconds"] = d.wait_seconds;
   j["last_error"] = d.last_error;
   j["quorums"] = s.quorums;
   j["reconfigurations"] = s.reconfigurations;
+  j["reconfiguration_seconds"] = s.reconfiguration_seconds;
+  j["longest_reconfiguration_seconds"] = s.longest_reconfiguration_seconds;
   j["heal_bytes"] = s.heal_bytes;
   j["heal_seconds"] = s.heal_seconds;
   j["cross_transport"] = s.cross_transport;

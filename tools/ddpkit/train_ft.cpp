@@ -205,7 +205,9 @@ int run_ft_rank(const Flags& f, const TrainFlags& t) {
        << ", \"longest_step_ms\": " << (step_ms.empty() ? 0.0 : *std::max_element(step_ms.begin(), step_ms.end()))
        << ", \"final_loss\": " << last_loss << ", \"test_accuracy\": " << score.accuracy
        << ", \"test_loss\": " << score.loss
-       << ", \"quorums\": " << s.quorums << ", \"reconfigurations\": " << s.reconfigurations << ", \"heals\": " << s.heals
+       << ", \"quorums\": " << s.quorums << ", \"reconfigurations\": " << s.reconfigurations
+       << ", \"reconfiguration_seconds\": " << s.reconfiguration_seconds
+       << ", \"longest_reconfiguration_seconds\": " << s.longest_reconfiguration_seconds << ", \"heals\": " << s.heals
        << ", \"heal_bytes\": " << s.heal_bytes << ", \"heal_seconds\": " << s.heal_seconds
        << ", \"heal_fetch_seconds\": " << s.heal_fetch_seconds << ", \"serve_seconds\": " << s.serve_seconds
        << ", \"heals_single_copy\": " << s.heals_single_copy << ", \"heal_route\": " << nlohmann::json(s.heal_route).dump()

@@ -57,8 +57,8 @@ struct DiLoCoOptions {
   // Pieces of the outer all-reduce, bytes per peer (set on the cross group before each sync; 0:
   // the group's own). Each piece waits a round trip for its peers, so a piece near one round
   // trip of a peer's share of the link keeps every connection busy: 256 KiB fits 100 Mbit/s x
-  // 50 ms over 3 peers (bench/results/diloco-sites-rtt-2026-12-02.txt: 0.78-0.88 of the link
-  // against 0.62-0.74 at 1 MiB with 2 threads).
+  // 50 ms over 3 peers (bench/results/diloco-failures-goodput-2026-12-02.txt: 0.80-0.89 of the
+  // link, against 0.43-0.74 at 1 MiB with 2 threads).
   // With ManagerOptions::cross_gloo_threads 4, enough pieces are in flight at once.
   TORCH_ARG(int64_t, piece_bytes) = 256 << 10;
   // Called with the Manager's step as each sync's average has been issued ("outer-issued": the
@@ -76,6 +76,8 @@ struct DiLoCoStats {
   int last_sites_weighted = 0;
   double blocked_seconds = 0;     // the training thread waiting in syncs (quorum, transfer, commit)
   double longest_blocked_seconds = 0;  // the longest such wait of one sync (retries included)
+  // The same over the syncs after this site's first, which waits for every site to start (or heals).
+  double longest_later_blocked_seconds = 0;
   double transfer_seconds = 0;    // from issuing each average to its completion
   double wait_seconds = 0;        // of blocked_seconds, waiting for averages in flight (the rest:
                                   // quorums, commits, the outer step): 1 - wait / transfer is the

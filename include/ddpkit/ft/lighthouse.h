@@ -21,6 +21,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -49,6 +50,13 @@ struct LighthouseOptions {
   TORCH_ARG(std::string, token) = "";
   // Certificate and key set: TLS; otherwise plaintext.
   TORCH_ARG(TlsFiles, tls) = {};
+  // Called with a line for each change an operator watches: "group G lost: rank R silent for
+  // N ms" as the heartbeat timeout expires for a group of the last quorum, and "quorum Q: groups
+  // [...]" (with those dropped and joined) when a quorum's participants differ from the last's.
+  // Called in order on the lighthouse's ticker thread, outside its lock (within ~20 ms of the
+  // change; a slow callback delays only quorums formed by join_timeout). `ddpkit lighthouse`
+  // prints them with a UTC time.
+  TORCH_ARG(std::function<void(const std::string& event)>, on_event) = nullptr;
 };
 
 // A replica group as its rank 0 describes itself (and as a quorum lists it).

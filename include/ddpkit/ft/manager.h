@@ -73,6 +73,8 @@ struct ManagerOptions {
 struct ManagerStats {
   int64_t quorums = 0;           // quorums taken part in
   int64_t reconfigurations = 0;  // cross-group process groups built
+  double reconfiguration_seconds = 0;       // building them (rendezvous over the lighthouse's store)
+  double longest_reconfiguration_seconds = 0;
   int64_t heals = 0;             // times this rank copied its state from a peer
   int64_t heal_bytes = 0;
   double heal_seconds = 0;       // fetch and load, all heals
