@@ -69,23 +69,27 @@ def open_tap(namespace, name):
         os.close(target)
 
 
+def gso_segments(frame):
+    """(TCP segments, header bytes, segment payload) a frame from a tap stands for: (1, ., 0) when
+    it is not a GSO frame."""
+    _, gso_type, hdr_len, gso_size = struct.unpack_from("<BBHH", frame, 0)
+    if gso_type == 0 or gso_size == 0:
+        return 1, hdr_len, 0
+    return max(1, -(-(len(frame) - VNET_HDR - hdr_len) // gso_size)), hdr_len, gso_size
+
+
 def wire_bytes(frame):
     """Bytes the frame stands for on an Ethernet wire: one frame per TCP segment of a GSO frame."""
-    _, gso_type, hdr_len, gso_size = struct.unpack_from("<BBHH", frame, 0)
-    payload = len(frame) - VNET_HDR
-    if gso_type == 0 or gso_size == 0:
-        return payload + ETH_OVERHEAD
-    segments = max(1, -(-(payload - hdr_len) // gso_size))
-    return payload + (segments - 1) * hdr_len + segments * ETH_OVERHEAD
+    segments, hdr_len, _ = gso_segments(frame)
+    return len(frame) - VNET_HDR + (segments - 1) * hdr_len + segments * ETH_OVERHEAD
 
 
 def segments_of(frame):
     """(segments, wire bytes of one full segment) of a TCP/IPv4 GSO frame; (1, its size) otherwise."""
-    _, gso_type, hdr_len, gso_size = struct.unpack_from("<BBHH", frame, 0)
-    payload = len(frame) - VNET_HDR - hdr_len
-    if gso_type != VIRTIO_NET_HDR_GSO_TCPV4 or gso_size == 0 or payload <= gso_size:
+    segments, hdr_len, gso_size = gso_segments(frame)
+    if frame[1] != VIRTIO_NET_HDR_GSO_TCPV4 or segments == 1:
         return 1, wire_bytes(frame)
-    return -(-payload // gso_size), hdr_len + gso_size + ETH_OVERHEAD
+    return segments, hdr_len + gso_size + ETH_OVERHEAD
 
 
 def ones_complement_add(a, b):

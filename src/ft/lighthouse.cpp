@@ -196,10 +196,8 @@ struct Lighthouse::Impl {
       std::ostringstream os;
       os << "group " << id << " lost: ";
       auto it = beats.find(id);
-      const GroupInfo* was = nullptr;
-      for (const auto& p : last.participants)
-        if (p.group_id == id) was = &p;
-      if (it != beats.end() && was && it->second.incarnation != was->incarnation) {
+      const GroupInfo& was = last.participants[static_cast<size_t>(last.replica_rank(id))];  // lost_of_last's
+      if (it != beats.end() && it->second.incarnation != was.incarnation) {
         os << "restarted (incarnation " << it->second.incarnation << ")";
       } else if (it != beats.end()) {
         int rank = -1;
