@@ -80,7 +80,7 @@ void outer_error_vs_sites() {
   std::printf("\n# outer all-reduce error vs sites: max |result - fp32 mean| / max |fp32 mean|, %lld values per site "
               "(randn, one seed per site)\n", static_cast<long long>(n));
   std::printf("%-6s %6s %16s %16s %8s\n", "codec", "sites", "two_quantizations", "requantize_per_hop", "ratio");
-  for (const std::string name : {"bf16", "int8", "int4"}) {
+  for (const std::string name : {"bf16", "int8", "int4", "int2"}) {
     const auto c = ddpkit::codecs::make_codec(name);
     for (int sites : {2, 4, 8}) {
       std::vector<at::Tensor> x;

@@ -18,6 +18,7 @@ using codecs::Codec;
 // The wire cost each codec is allowed, bytes per value for a large tensor (one line per codec).
 const std::map<std::string, double> kExpectedBytesPerValue = {
     {"fp32", 4.0}, {"fp16", 2.0}, {"bf16", 2.0}, {"int8", 1.0 + 4.0 / 256}, {"int4", 0.5 + 4.0 / 128},
+    {"int2", 0.25 + 4.0 / 128},
 };
 
 std::vector<codecs::SimdLevel> levels_here() {
@@ -176,6 +177,28 @@ TEST_P(CodecConformance, ResidualIsWhatTheEncodingLost) {
   }
 }
 
+// Error feedback: each round sends x_t + e and keeps what that lost as the next e, so the decoded
+// rounds sum to the true sum less the last residual, whatever the codec rounds away each time.
+TEST_P(CodecConformance, ErrorFeedbackKeepsTheRunningSumWithinOneRounding) {
+  const int64_t n = 1000, rounds = 40;
+  at::Tensor residual = at::zeros({n}), sent_sum = at::zeros({n}), true_sum = at::zeros({n});
+  at::Tensor out = at::empty({codec->encoded_bytes(n)}, at::kByte), decoded = at::empty({n});
+  double largest = 0;
+  for (int64_t t = 0; t < rounds; ++t) {
+    const at::Tensor x = spread_values(n, 100 + static_cast<uint64_t>(t)) * 1e-2;
+    true_sum += x;
+    const at::Tensor with_error = x + residual;
+    largest = std::max(largest, with_error.abs().max().item<double>());
+    codec->encode_padded(with_error, n, out, 1.0f, residual);
+    codec->decode(out, decoded);
+    sent_sum += decoded;
+  }
+  // sum(decoded) = sum(x) - e_last, and |e_last| <= bound x its block's max |x + e|.
+  const double gap = (sent_sum - true_sum).abs().max().item<double>();
+  EXPECT_LE(gap, codec->error_bound() * largest * 1.001 + 1e-5) << GetParam();
+  EXPECT_TRUE(at::allclose(sent_sum + residual, true_sum, 1e-4, 1e-5)) << GetParam();
+}
+
 TEST_P(CodecConformance, PrefixDecodeIsThePrefixOfTheDecode) {
   const at::Tensor x = spread_values(1000, 25);
   const at::Tensor bytes = encode(*codec, x);
@@ -210,7 +233,7 @@ INSTANTIATE_TEST_SUITE_P(Codecs, CodecConformance, ::testing::ValuesIn(codecs::c
 
 TEST(Codecs, AnUnknownNameListsTheKnownOnes) {
   EXPECT_THAT(testing::error_of([] { codecs::make_codec("int3"); }),
-              ::testing::HasSubstr("unknown codec 'int3' (codecs: fp32, fp16, bf16, int8, int4)"));
+              ::testing::HasSubstr("unknown codec 'int3' (codecs: fp32, fp16, bf16, int8, int4, int2)"));
 }
 
 }  // namespace

@@ -137,6 +137,48 @@ TEST(OuterAllreduce, QuantizedErrorIsFlatInTheNumberOfSites) {
   }
 }
 
+// Round t's pseudo-gradient of site `rank`: a drift common to the sites plus its own part.
+at::Tensor round_values(int world, int rank, int t, int64_t n) {
+  return site_values(rank + world * t, n) * 0.5 + site_values(1000 + t, n);
+}
+
+// Error feedback at both quantizations: over rounds of int2 means, the applied sum stays within
+// one rounding of the true sum (flat in the rounds); without it the roundings add up (as the
+// square root of the rounds). Every rank decodes the same bytes each round, feedback or not.
+TEST(OuterAllreduce, ErrorFeedbackKeepsTheSumOfMeansOnTrack) {
+  const int world = 4, rounds = 32;
+  const int64_t n = 3000;
+  auto sum_error = [&](bool feedback) {
+    std::vector<std::vector<double>> errors(world);
+    std::vector<at::Tensor> applied(world);
+    testing::spawn_ranks_with(world, ProcessGroupOptions().shared_memory(true).piece_bytes(1 << 10),
+                              [&](int rank, std::shared_ptr<ProcessGroup> pg) {
+                                const auto codec = codecs::make_codec("int2");
+                                at::Tensor sent = at::zeros({n}), sum = at::zeros({n}), truth = at::zeros({n});
+                                auto fb = std::make_shared<diloco::MeanErrorFeedback>();
+                                fb->mean = at::zeros({n});
+                                for (int t = 0; t < rounds; ++t) {
+                                  at::Tensor mine = round_values(world, rank, t, n);
+                                  for (int r = 0; r < world; ++r) truth += round_values(world, r, t, n) / world;
+                                  at::Tensor v = feedback ? mine + sent : mine.clone();
+                                  fb->sent = at::empty({n});
+                                  ProcessGroup::wait(weighted_mean(pg.get(), v, 1.0f, codec, 0, nullptr,
+                                                                   feedback ? fb : nullptr));
+                                  if (feedback) sent = fb->sent;
+                                  sum += v;
+                                  errors[rank].push_back((sum - truth).norm().item<double>());
+                                }
+                                applied[rank] = sum;
+                              });
+    for (int r = 1; r < world; ++r) EXPECT_TRUE(at::equal(applied[r], applied[0])) << "rank " << r;
+    return errors[0];
+  };
+  const std::vector<double> with = sum_error(true), without = sum_error(false);
+  EXPECT_LT(with.back(), 0.4 * without.back()) << "after " << rounds << " rounds: " << with.back() << " with feedback, "
+                                                << without.back() << " without";
+  EXPECT_LT(with.back(), with[3] * 1.5) << "with feedback the error grew from " << with[3] << " to " << with.back();
+}
+
 TEST(OuterAllreduce, BadInputIsNamed) {
   auto store = c10::make_intrusive<c10d::HashStore>();
   auto pg = testing::make_group(store, 0, 1);

@@ -8,9 +8,9 @@ MODE:
               same test loss as plain --fault-tolerant (2 groups of 2 ranks)
   streaming   3 groups, 2 fragments synced in turn, each average behind 1 inner step, int4 outer
               codec: every group ends alike, the bytes per step as the layout says
-  kill-sync   3 groups; group 1 dies just after issuing an outer average (its peers mid-transfer):
-              the survivors redo that sync among themselves, lose no inner step, stay identical;
-              group 1 restarts, heals at a later sync and ends alike
+  kill-sync   3 groups, int2 outer codec with error feedback; group 1 dies just after issuing an
+              outer average (its peers mid-transfer): the survivors redo that sync among themselves,
+              lose no inner step, stay identical; group 1 restarts, heals at a later sync and ends alike
   kill-inner  the same with group 1 killed in its inner steps
   stop        3 groups; group 1 SIGSTOPped mid-run (silent: no RST, no FIN, its heartbeats stop): the
               others' sync with it ends within 2 s, and they finish every inner step, alike (5 s
@@ -18,7 +18,9 @@ MODE:
   strategies  2 groups of 2 ranks with FSDP, ZeRO-1 and PowerSGD inside each site (int8 outer codec,
               2 fragments where the layers allow): every group ends alike
   checkpoint  2 groups write their checkpoints (outer state included) every 2 syncs; a run stopped
-              half way and resumed ends bit for bit as the run straight through
+              half way and resumed ends bit for bit as the run straight through: one rank a site,
+              and 2 ranks a site under FSDP with the int2 codec and error feedback (each rank's
+              outer state and residuals its own)
 
 Checks: exit status 0, one JSON line per group, equal parameter checksums, no checksum mismatch.
 """
@@ -80,11 +82,11 @@ def streaming_mode():
           f"test loss {r['test_loss']:.4f}")
 
 
-def kill_mode(phase, step):
+def kill_mode(phase, step, codec=()):
     # Long enough (~20 s here) that the killed group restarts and heals before the others end.
     steps = 3000
     reps, err = run(["--replica-groups", "3", "--nproc", "1", "--steps", str(steps), "--diloco", "8",
-                     "--max-restarts", "2", "--optimizer", "adamw", "--lr", "0.001", "--no-eval"],
+                     "--max-restarts", "2", "--optimizer", "adamw", "--lr", "0.001", "--no-eval"] + list(codec),
                     env={"DDPKIT_FT_FAULT": f"{phase}:{step}:1:0"}, dims="64,512,512,10")
     if "DDPKIT_FT_FAULT: dying" not in err:
         sys.exit(f"FAILED: group 1 did not die at {phase}:\n{err[-3000:]}")
@@ -157,25 +159,30 @@ def strategies_mode():
 
 
 def checkpoint_mode():
-    d = tempfile.mkdtemp(prefix="ddpkit-diloco-ck-")
-    try:
-        common = ["--replica-groups", "2", "--nproc", "1", "--diloco", "4", "--optimizer", "adamw", "--lr", "0.001",
-                  "--checkpoint-every", "2", "--no-eval"]
-        straight, _ = run(common + ["--steps", "48", "--checkpoint-dir", os.path.join(d, "a")])
-        run(common + ["--steps", "24", "--checkpoint-dir", os.path.join(d, "b")])
-        resumed, err = run(common + ["--steps", "48", "--checkpoint-dir", os.path.join(d, "b"), "--resume"])
-        if "resumed from" not in err:
-            sys.exit(f"FAILED: the second run did not resume:\n{err[-3000:]}")
-        check_alike(straight, 2, "straight")
-        check_alike(resumed, 2, "resumed")
-        if straight[0]["parameter_checksum"] != resumed[0]["parameter_checksum"]:
-            sys.exit(f"FAILED: resumed run ends elsewhere:\n{straight}\n{resumed}")
-        print(f"stopped at 24 of 48 inner steps and resumed: parameters bit-identical ({resumed[0]['parameter_checksum']})")
-    finally:
-        shutil.rmtree(d, ignore_errors=True)
+    for name, inside in (("one rank a site", ["--nproc", "1"]),
+                         ("FSDP over 2 ranks a site, int2 with error feedback",
+                          ["--nproc", "2", "--fsdp", "full_shard", "--outer-codec", "int2", "--outer-error-feedback"])):
+        d = tempfile.mkdtemp(prefix="ddpkit-diloco-ck-")
+        try:
+            common = ["--replica-groups", "2", "--diloco", "4", "--optimizer", "adamw", "--lr", "0.001",
+                      "--checkpoint-every", "2", "--no-eval"] + inside
+            straight, _ = run(common + ["--steps", "48", "--checkpoint-dir", os.path.join(d, "a")])
+            run(common + ["--steps", "24", "--checkpoint-dir", os.path.join(d, "b")])
+            resumed, err = run(common + ["--steps", "48", "--checkpoint-dir", os.path.join(d, "b"), "--resume"])
+            if "resumed from" not in err:
+                sys.exit(f"FAILED ({name}): the second run did not resume:\n{err[-3000:]}")
+            check_alike(straight, 2, "straight")
+            check_alike(resumed, 2, "resumed")
+            if straight[0]["parameter_checksum"] != resumed[0]["parameter_checksum"]:
+                sys.exit(f"FAILED ({name}): resumed run ends elsewhere:\n{straight}\n{resumed}")
+            print(f"{name}: stopped at 24 of 48 inner steps and resumed: parameters bit-identical "
+                  f"({resumed[0]['parameter_checksum']})")
+        finally:
+            shutil.rmtree(d, ignore_errors=True)
 
 
-MODES = {"parity": parity_mode, "streaming": streaming_mode, "kill-sync": lambda: kill_mode("outer-issued", 4),
+MODES = {"parity": parity_mode, "streaming": streaming_mode,
+         "kill-sync": lambda: kill_mode("outer-issued", 4, ["--outer-codec", "int2", "--outer-error-feedback"]),
          "kill-inner": lambda: kill_mode("forward", 4), "stop": stop_mode, "strategies": strategies_mode,
          "checkpoint": checkpoint_mode}
 

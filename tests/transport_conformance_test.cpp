@@ -388,6 +388,74 @@ TEST(GlooTransport, SigpipeFromADeadPeerDoesNotEndTheProcess) {
       });
 }
 
+// Counts the store calls a rank's group construction makes, by the key's part after the group name.
+class CountingStore final : public compat::ForwardingStore {
+ public:
+  using compat::ForwardingStore::ForwardingStore;
+  void set(const std::string& key, const std::vector<uint8_t>& value) override {
+    note("set", key);
+    inner_->set(key, value);
+  }
+  std::vector<uint8_t> get(const std::string& key) override {
+    note("get", key);
+    return inner_->get(key);
+  }
+  void wait(const std::vector<std::string>& keys, const std::chrono::milliseconds& timeout) override {
+    note("wait", keys.front());
+    inner_->wait(keys, timeout);
+  }
+#if DDPKIT_TORCH_AT_LEAST(2, 1)
+  std::vector<std::vector<uint8_t>> multiGet(const std::vector<std::string>& keys) override {
+    note("multiGet", keys.front());
+    return inner_->multiGet(keys);
+  }
+#endif
+  int calls_under(const std::string& prefix) const {
+    int n = 0;
+    for (const auto& c : calls)
+      if (c.second.rfind(prefix, 0) == 0) ++n;
+    return n;
+  }
+  int calls_of(const std::string& op, const std::string& prefix) const {
+    int n = 0;
+    for (const auto& c : calls)
+      if (c.first == op && c.second.rfind(prefix, 0) == 0) ++n;
+    return n;
+  }
+  std::vector<std::pair<std::string, std::string>> calls;
+
+ private:
+  void note(const char* op, const std::string& key) { calls.emplace_back(op, key); }
+};
+
+// Over a long round trip each store call costs one or two of them (a TCPStore get waits, then
+// gets): a group whose hosts each hold one rank (DiLoCo's sites, a cross-group group of fault
+// tolerance) decides against shared memory from the topology alone, and reads the others' host
+// keys in one batch where the store can (2.1+), not its own.
+TEST(GroupRendezvous, AcrossHostsAsksTheStoreNoMoreThanItMust) {
+  const int world = 4;
+  std::vector<c10::intrusive_ptr<CountingStore>> counted(world);
+  spawn_groups(
+      world,
+      [&](const c10::intrusive_ptr<c10d::Store>& store, int rank) {
+        ScopedHostKey host("site" + std::to_string(rank));
+        counted[rank] = c10::make_intrusive<CountingStore>(store);
+        return std::make_shared<ProcessGroup>(counted[rank], rank, world, base_options().group_name("sites"));
+      },
+      [&](int, std::shared_ptr<ProcessGroup> pg) {
+        EXPECT_FALSE(pg->uses_shared_memory());
+        ProcessGroup::wait(pg->barrier());
+      });
+  for (int r = 0; r < world; ++r) {
+    const CountingStore& s = *counted[r];
+    EXPECT_EQ(s.calls_under("sites//ddpkit/shm/"), 0) << "rank " << r << " exchanged shared-memory keys across hosts";
+    const int gets = s.calls_of("get", "sites//ddpkit/topology/"), batches = s.calls_of("multiGet", "sites//ddpkit/topology/");
+    EXPECT_TRUE(DDPKIT_TORCH_AT_LEAST(2, 1) ? gets == 0 && batches == 1 : gets == world - 1)
+        << "rank " << r << ": " << gets << " gets and " << batches << " batches of the topology keys";
+    std::cout << "rank " << r << ": " << s.calls.size() << " store calls to build the group\n";
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(EveryTransport, Conformance, ::testing::ValuesIn(transports()),
                          [](const ::testing::TestParamInfo<TransportCase>& info) { return info.param.name; });
 

@@ -171,10 +171,28 @@ class ForwardingStore : public c10d::Store {
   const std::chrono::milliseconds& getTimeout() const noexcept override { return inner_->getTimeout(); }
   void setTimeout(const std::chrono::milliseconds& timeout) override { inner_->setTimeout(timeout); }
   c10::intrusive_ptr<c10d::Store> clone() { return c10::intrusive_ptr<c10d::Store>::reclaim_copy(this); }
+#if DDPKIT_TORCH_AT_LEAST(2, 1)
+  // Forwarded, not the base's one get per key: a TCPStore answers them in one round trip.
+  std::vector<std::vector<uint8_t>> multiGet(const std::vector<std::string>& keys) override {
+    return inner_->multiGet(keys);
+  }
+#endif
 
  protected:
   c10::intrusive_ptr<c10d::Store> inner_;
 };
+
+// The values of `keys` (each waited for, up to the store's timeout): one round trip where the store
+// batches them (2.1+'s multiGet; a TCPStore's get is a wait and a get, two), else a get each.
+inline std::vector<std::vector<uint8_t>> multi_get(c10d::Store& store, const std::vector<std::string>& keys) {
+#if DDPKIT_TORCH_AT_LEAST(2, 1)
+  return store.multiGet(keys);
+#else
+  std::vector<std::vector<uint8_t>> values;
+  for (const auto& key : keys) values.push_back(store.get(key));
+  return values;
+#endif
+}
 
 // A parameter's grad accumulator as autograd hands it out: std::shared_ptr<Node> up to 2.14,
 // c10::intrusive_ptr<Node> in 2.15. Holders keep it by this type.

@@ -1,5 +1,7 @@
 // The codec interface (include/ddpkit/codecs/codec.h) over the existing kernels: fp32, the
-// fp16/bf16 casts (codecs/cast.h) and block int8 (codecs/quantize.h); int4 is in int4.cpp.
+// fp16/bf16 casts (codecs/cast.h) and block int8 (codecs/quantize.h); int4 and int2 have files of their own.
+#include "codec_checks.h"
+
 #include <ddpkit/codecs/cast.h>
 #include <ddpkit/codecs/codec.h>
 #include <ddpkit/codecs/quantize.h>
@@ -13,38 +15,10 @@ namespace ddpkit {
 namespace codecs {
 namespace {
 
-// What every codec's encode and decode take: `numel` encoded values (at least the tensor's), the
-// buffers contiguous and on one device; `any_floating` for the casts, which convert from any
-// floating type (as the compress hooks need), the others take float32.
-void check_encode(const Codec& c, const at::Tensor& src, int64_t numel, const at::Tensor& out, bool any_floating = false) {
-  DDPKIT_CHECK(src.is_contiguous() && (src.scalar_type() == at::kFloat || (any_floating && at::isFloatingType(src.scalar_type()))),
-               c.name(), " codec: encode takes contiguous ", any_floating ? "floating" : "float32", " values, got ",
-               src.scalar_type(), src.is_contiguous() ? "" : " (not contiguous)");
-  DDPKIT_CHECK(numel >= src.numel(), c.name(), " codec: ", src.numel(), " values do not fit an encoding of ", numel);
-  DDPKIT_CHECK(out.scalar_type() == at::kByte && out.is_contiguous() && out.numel() == c.encoded_bytes(numel) &&
-                   out.device() == src.device(),
-               c.name(), " codec: encode needs a contiguous uint8 output of ", c.encoded_bytes(numel), " bytes on ",
-               src.device(), " for ", numel, " values, got ", out.numel(), " of ", out.scalar_type(), " on ",
-               out.device());
-}
-
-void check_decode(const Codec& c, const at::Tensor& encoded, int64_t numel, const at::Tensor& dst, bool any_floating = false) {
-  DDPKIT_CHECK(dst.is_contiguous() && (dst.scalar_type() == at::kFloat || (any_floating && at::isFloatingType(dst.scalar_type()))),
-               c.name(), " codec: decode writes contiguous ", any_floating ? "floating" : "float32", " values, got ",
-               dst.scalar_type(), dst.is_contiguous() ? "" : " (not contiguous)");
-  DDPKIT_CHECK(numel >= dst.numel(), c.name(), " codec: ", dst.numel(), " values are more than the ", numel, " encoded");
-  DDPKIT_CHECK(encoded.scalar_type() == at::kByte && encoded.is_contiguous() && encoded.numel() == c.encoded_bytes(numel) &&
-                   encoded.device() == dst.device(),
-               c.name(), " codec: ", numel, " values decode from ", c.encoded_bytes(numel), " contiguous uint8 bytes on ",
-               dst.device(), ", got ", encoded.numel(), " of ", encoded.scalar_type(), " on ", encoded.device());
-}
-
-// An error-feedback residual: float32, contiguous, one value per encoded input value.
-void check_residual(const Codec& c, const at::Tensor& residual, int64_t n) {
-  DDPKIT_CHECK(residual.scalar_type() == at::kFloat && residual.is_contiguous() && residual.numel() == n, c.name(),
-               " codec: the residual must be contiguous float32 of ", n, " values, got ", residual.numel(), " of ",
-               residual.scalar_type());
-}
+using detail::check_decode;
+using detail::check_encode;
+using detail::check_residual;
+using detail::Values;
 
 class Fp32Codec final : public Codec {
  public:
@@ -99,7 +73,7 @@ class CastCodec final : public Codec {
   }
   void encode_padded(const at::Tensor& src, int64_t numel, const at::Tensor& out, float multiplier,
                      const at::Tensor& residual) const override {
-    check_encode(*this, src, numel, out, true);
+    check_encode(*this, src, numel, out, Values::AnyFloating);
     at::Tensor low = out.view(type_);
     if (src.numel() > 0) cast_scaled_into(src.view({-1}), low.narrow(0, 0, src.numel()), multiplier);
     if (numel > src.numel()) low.narrow(0, src.numel(), numel - src.numel()).zero_();
@@ -111,7 +85,7 @@ class CastCodec final : public Codec {
   }
   void decode_prefix(const at::Tensor& encoded, int64_t numel, const at::Tensor& dst, float multiplier,
                      bool accumulate) const override {
-    check_decode(*this, encoded, numel, dst, true);
+    check_decode(*this, encoded, numel, dst, Values::AnyFloating);
     if (dst.numel() == 0) return;
     const at::Tensor low = encoded.view(type_).narrow(0, 0, dst.numel());
     if (!accumulate) return cast_scaled_into(low, dst, multiplier);
@@ -174,6 +148,7 @@ const std::vector<std::pair<std::string, Factory>>& registry() {
       {"bf16", [] { return std::make_shared<CastCodec>("bf16", at::kBFloat16, 1.0 / 256); }},
       {"int8", [] { return make_int8_codec(256); }},
       {"int4", [] { return make_int4_codec(); }},
+      {"int2", [] { return make_int2_codec(); }},
   };
   return codecs;
 }

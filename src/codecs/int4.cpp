@@ -5,8 +5,9 @@
 // scale max|x| / 7 per block. Decoding gives c * scale, so a value is off by at most
 // max_block|x| / 14. A block holding NaN or Inf gets a NaN scale: all of it decodes to NaN. One
 // plain loop per block, written so the compiler vectorizes it the same way at every level.
+#include "codec_checks.h"
+
 #include <ddpkit/codecs/codec.h>
-#include <ddpkit/error.h>
 
 #include <algorithm>
 #include <cmath>
@@ -46,12 +47,7 @@ class Int4Codec final : public Codec {
   int64_t encoded_bytes(int64_t numel) const override { return code_bytes(numel) + 4 * blocks_of(numel); }
 
   void encode(const at::Tensor& src, const at::Tensor& out) const override {
-    DDPKIT_CHECK(src.device().is_cpu() && src.scalar_type() == at::kFloat && src.is_contiguous(),
-                 "int4 codec: encode takes contiguous float32 CPU values, got ", src.scalar_type());
-    DDPKIT_CHECK(out.device().is_cpu() && out.scalar_type() == at::kByte && out.is_contiguous() &&
-                     out.numel() == encoded_bytes(src.numel()),
-                 "int4 codec: encode needs a contiguous uint8 output of ", encoded_bytes(src.numel()), " bytes for ",
-                 src.numel(), " values, got ", out.numel());
+    detail::check_encode(*this, src, src.numel(), out, detail::Values::Float32Cpu);
     const int64_t n = src.numel();
     const float* x = src.data_ptr<float>();
     uint8_t* codes = out.data_ptr<uint8_t>();
@@ -73,12 +69,7 @@ class Int4Codec final : public Codec {
   }
 
   void decode(const at::Tensor& encoded, const at::Tensor& dst, float multiplier, bool accumulate) const override {
-    DDPKIT_CHECK(dst.device().is_cpu() && dst.scalar_type() == at::kFloat && dst.is_contiguous(),
-                 "int4 codec: decode writes contiguous float32 CPU values, got ", dst.scalar_type());
-    DDPKIT_CHECK(encoded.device().is_cpu() && encoded.scalar_type() == at::kByte && encoded.is_contiguous() &&
-                     encoded.numel() == encoded_bytes(dst.numel()),
-                 "int4 codec: ", dst.numel(), " values decode from ", encoded_bytes(dst.numel()), " bytes, got ",
-                 encoded.numel());
+    detail::check_decode(*this, encoded, dst.numel(), dst, detail::Values::Float32Cpu);
     const int64_t n = dst.numel();
     const uint8_t* codes = encoded.data_ptr<uint8_t>();
     const uint8_t* scales = codes + code_bytes(n);

@@ -1,4 +1,5 @@
 #include <ddpkit/comm/host_topology.h>
+#include <ddpkit/compat.h>
 #include <ddpkit/error.h>
 
 #include "host_key_override.h"
@@ -81,10 +82,19 @@ HostTopology discover_host_topology(c10d::Store& store, const std::string& prefi
                     std::to_string(world) + ": rank(s) " + missing + " did not publish their host within " +
                     std::to_string(timeout.count()) + " ms (" + e.what() + ")");
   }
+  // The others' keys in one batch (over a long round trip each get costs two).
+  std::vector<std::string> others;
+  for (int r = 0; r < world; ++r)
+    if (r != rank) others.push_back(names[r]);
+  const auto values = compat::multi_get(store, others);
   std::vector<std::string> keys;
-  for (const auto& name : names) {
-    const auto v = store.get(name);
-    keys.emplace_back(v.begin(), v.end());
+  for (int r = 0, i = 0; r < world; ++r) {
+    if (r == rank) {
+      keys.push_back(mine);
+      continue;
+    }
+    keys.emplace_back(values[i].begin(), values[i].end());
+    ++i;
   }
   return topology_from_keys(keys, rank);
 }

@@ -3,6 +3,8 @@
 
 #include "shm_switch.h"
 
+#include <ddpkit/compat.h>
+
 #include <iostream>
 
 namespace ddpkit {
@@ -15,20 +17,25 @@ std::shared_ptr<ShmEngine> ShmEngine::create(GroupCore& core, const HostTopology
   const bool want = options.shared_memory() && options.backend() == "gloo" && shared_memory_allowed_by_environment();
   DDPKIT_CHECK(options.shm_slot_bytes() >= 4096 && options.shm_slot_bytes() % 64 == 0,
                "shm_slot_bytes must be a multiple of 64 and at least 4096, got ", options.shm_slot_bytes());
-  c10d::Store& store = *group_store;
-  const std::string prefix = "ddpkit/shm/";
-  store.set(prefix + "want/" + std::to_string(rank), std::vector<uint8_t>{static_cast<uint8_t>(want ? '1' : '0')});
-  bool all = true;
-  for (int r = 0; r < world && all; ++r) {
-    const std::string key = prefix + "want/" + std::to_string(r);
-    store.wait({key}, options.timeout());
-    all = store.get(key) == std::vector<uint8_t>{'1'};
-  }
+  // Shared memory needs every host to hold the same number (>= 2) of ranks: the topology, equal
+  // on every rank, decides that alone, so a group across hosts asks nothing more of the store.
   const auto& hosts = topology.ranks_of_host;
   const size_t local = topology.local_ranks().size();
   bool uniform = true;
   for (const auto& h : hosts) uniform = uniform && h.size() == local;
-  if (!all || local < 2 || !uniform) return nullptr;
+  if (local < 2 || !uniform) return nullptr;
+  c10d::Store& store = *group_store;
+  const std::string prefix = "ddpkit/shm/";
+  store.set(prefix + "want/" + std::to_string(rank), std::vector<uint8_t>{static_cast<uint8_t>(want ? '1' : '0')});
+  std::vector<std::string> all_keys, others;
+  for (int r = 0; r < world; ++r) {
+    all_keys.push_back(prefix + "want/" + std::to_string(r));
+    if (r != rank) others.push_back(all_keys.back());
+  }
+  store.wait(all_keys, options.timeout());
+  bool all = want;
+  for (const auto& v : compat::multi_get(store, others)) all = all && v == std::vector<uint8_t>{'1'};
+  if (!all) return nullptr;
   shm::DomainOptions o;
   o.local_rank = topology.local_rank();
   o.local_size = static_cast<int>(local);

@@ -43,6 +43,9 @@ struct DiLoCoFragment {
   at::Tensor global;    // float32, flat
   at::Tensor momentum;  // float32, flat; meaningful once outer_steps > 0
   int64_t outer_steps = 0;
+  // Error feedback (DiLoCoOptions::error_feedback): what this site's last committed encodings lost,
+  // of its pseudo-gradient and of the mean at the positions it owned (float32, flat).
+  at::Tensor sent_residual, mean_residual;
 
   at::Tensor local_flat() const {
     std::vector<at::Tensor> flat;
@@ -74,6 +77,7 @@ struct DiLoCoSync {
   at::Tensor mean;   // the average, once the future completes
   FuturePtr future;
   std::shared_ptr<WeightedMeanResult> result;
+  std::shared_ptr<MeanErrorFeedback> feedback;  // this attempt's residuals, kept if it commits
   Clock::time_point issued;
   double blocked = 0;  // the training thread's wait in this sync so far
   std::shared_ptr<std::atomic<double>> done_after;  // seconds from issue to completion
@@ -102,8 +106,15 @@ struct DiLoCo::Impl {
     manager.start_step();
     if (manager.stats().heals == heals_before) return false;
     ++stats.heals;
-    // A fresh local copy: what this site sends from now on is its own progress only.
-    for (auto& f : fragments) f.merge(0.0);
+    // A fresh local copy: what this site sends from now on is its own progress only; what it had
+    // not yet sent belonged to the progress it has just dropped.
+    for (auto& f : fragments) {
+      f.merge(0.0);
+      if (options.error_feedback()) {
+        f.sent_residual.zero_();
+        f.mean_residual.zero_();
+      }
+    }
     return true;
   }
 
@@ -111,13 +122,21 @@ struct DiLoCo::Impl {
   void issue() {
     sync.mean = sync.delta.clone();  // averaged in place; the delta stays for a retry
     sync.result = std::make_shared<WeightedMeanResult>();
+    sync.feedback = nullptr;
+    if (options.error_feedback()) {
+      const DiLoCoFragment& f = fragments[sync.fragment];
+      sync.feedback = std::make_shared<MeanErrorFeedback>();
+      sync.feedback->sent = at::empty({f.numel}, at::kFloat);
+      sync.feedback->mean = f.mean_residual.clone();  // a failed attempt leaves the fragment's as it was
+    }
     sync.issued = Clock::now();
     sync.done_after = std::make_shared<std::atomic<double>>(0.0);
     std::shared_ptr<ProcessGroup> cross = manager.cross_group();  // null: alone in the quorum
     try {
       if (cross && options.piece_bytes() > 0 && cross->piece_bytes() != options.piece_bytes())
         cross->set_piece_bytes(options.piece_bytes());
-      sync.future = weighted_mean(cross.get(), sync.mean, sync.weight, codec, sync.checksum, sync.result);
+      sync.future =
+          weighted_mean(cross.get(), sync.mean, sync.weight, codec, sync.checksum, sync.result, sync.feedback);
     } catch (const std::exception& e) {
       manager.fail_step(e.what());
       sync.future = completed_future(sync.mean);
@@ -140,6 +159,7 @@ struct DiLoCo::Impl {
     // Equal rounds weigh alike; time-budgeted ones by the inner steps each site ran.
     sync.weight = (weightless || healed) ? 0.f : options.round_seconds() > 0 ? static_cast<float>(local_step) : 1.f;
     sync.delta = sync.weight > 0 ? f.global - f.local_flat() : at::zeros({f.numel}, at::kFloat);
+    if (options.error_feedback() && sync.weight > 0) sync.delta.add_(f.sent_residual);
     sync.checksum = checksum_of(f.global);
     issue();
     sync.blocked = seconds_since(t0);
@@ -202,6 +222,10 @@ struct DiLoCo::Impl {
     const WeightedMeanResult r = *sync.result;
     if (!r.checksums_agree) ++stats.checksum_mismatches;
     if (r.total_weight > 0) {
+      if (sync.feedback) {
+        if (sync.weight > 0) f.sent_residual = sync.feedback->sent;
+        f.mean_residual = sync.feedback->mean;  // owners encode the mean whatever their weight
+      }
       apply(f, sync.mean);
       f.merge(options.fragment_alpha());
       next_fragment = (next_fragment + 1) % static_cast<int64_t>(fragments.size());
@@ -211,6 +235,7 @@ struct DiLoCo::Impl {
     stats.last_sites_weighted = r.ranks_weighted;
     sync.delta = at::Tensor();
     sync.mean = at::Tensor();
+    sync.feedback = nullptr;
     stats.blocked_seconds += seconds_since(t0);
     sync.blocked += seconds_since(t0);
     stats.longest_blocked_seconds = std::max(stats.longest_blocked_seconds, sync.blocked);
@@ -253,6 +278,10 @@ DiLoCo::DiLoCo(ft::Manager& manager, std::vector<std::vector<at::Tensor>> fragme
     }
     f.global = f.local_flat().clone();
     f.momentum = at::zeros({f.numel}, at::kFloat);
+    if (o.error_feedback()) {
+      f.sent_residual = at::zeros({f.numel}, at::kFloat);
+      f.mean_residual = at::zeros({f.numel}, at::kFloat);
+    }
     im.fragments.push_back(std::move(f));
   }
 }
@@ -330,6 +359,35 @@ void DiLoCo::load_state(const TensorDict& state) {
   im.next_fragment = get("diloco/next_fragment").item<int64_t>();
   DDPKIT_CHECK(im.next_fragment >= 0 && im.next_fragment < static_cast<int64_t>(im.fragments.size()),
                "DiLoCo::load_state: next fragment ", im.next_fragment, " of ", im.fragments.size());
+}
+
+TensorDict DiLoCo::site_state() const {
+  const Impl& im = *impl_;
+  TensorDict d;
+  if (!im.options.error_feedback()) return d;
+  for (size_t i = 0; i < im.fragments.size(); ++i) {
+    d["diloco/sent_residual/" + std::to_string(i)] = im.fragments[i].sent_residual;
+    d["diloco/mean_residual/" + std::to_string(i)] = im.fragments[i].mean_residual;
+  }
+  return d;
+}
+
+void DiLoCo::load_site_state(const TensorDict& state) {
+  Impl& im = *impl_;
+  if (!im.options.error_feedback()) return;
+  for (size_t i = 0; i < im.fragments.size(); ++i) {
+    DiLoCoFragment& f = im.fragments[i];
+    for (auto [name, dst] : {std::pair<const char*, at::Tensor*>{"sent_residual", &f.sent_residual},
+                             std::pair<const char*, at::Tensor*>{"mean_residual", &f.mean_residual}}) {
+      const std::string key = std::string("diloco/") + name + "/" + std::to_string(i);
+      auto it = state.find(key);
+      DDPKIT_CHECK(it != state.end(), "DiLoCo::load_site_state: no '", key,
+                   "' (a state saved without error_feedback, or of another fragment count?)");
+      DDPKIT_CHECK(it->second.numel() == f.numel, "DiLoCo::load_site_state: fragment ", i, " holds ", f.numel,
+                   " values here, ", it->second.numel(), " in '", key, "'");
+      dst->copy_(it->second.reshape({-1}));
+    }
+  }
 }
 
 at::Tensor DiLoCo::global_parameters(size_t fragment) const {

@@ -19,6 +19,7 @@ struct Job {
   float weight = 0;
   uint64_t checksum = 0;
   std::shared_ptr<WeightedMeanResult> result;
+  std::shared_ptr<MeanErrorFeedback> feedback;
 
   int64_t offset(int64_t p, int64_t r) const { return std::min((p * world + r) * chunk, numel); }
   int64_t valid(int64_t p, int64_t r) const { return std::min(chunk, numel - offset(p, r)); }
@@ -29,7 +30,8 @@ struct Job {
     for (int64_t r = 0; r < world; ++r) {
       at::Tensor slot = slot1(send1, p, r);
       // The last chunks are short: the codec pads them with zeros.
-      codec->encode_padded(flat.narrow(0, offset(p, r), valid(p, r)), chunk, slot.narrow(0, 0, enc));
+      const at::Tensor lost = feedback ? feedback->sent.narrow(0, offset(p, r), valid(p, r)) : at::Tensor();
+      codec->encode_padded(flat.narrow(0, offset(p, r), valid(p, r)), chunk, slot.narrow(0, 0, enc), 1.0f, lost);
       uint8_t* trailer = slot.data_ptr<uint8_t>() + s1 - kTrailer;
       std::memset(trailer, 0, kTrailer);
       std::memcpy(trailer, &weight, sizeof(float));
@@ -68,7 +70,15 @@ struct Job {
       started = true;
     }
     at::Tensor mine = slot2(send2, p, me);
-    codec->encode(mean, mine.narrow(0, 0, enc));
+    const int64_t v = valid(p, me);
+    if (feedback && total > 0 && v > 0) {
+      // The mean plus what this owner's last encodings of these positions lost; then this one's.
+      at::Tensor carried = feedback->mean.narrow(0, offset(p, me), v);
+      mean.narrow(0, 0, v).add_(carried);
+      codec->encode_padded(mean.narrow(0, 0, v), chunk, mine.narrow(0, 0, enc), 1.0f, carried);
+    } else {
+      codec->encode(mean, mine.narrow(0, 0, enc));
+    }
     for (int64_t r = 0; r < world; ++r)
       if (r != me) slot2(send2, p, r).copy_(mine);
     if (result) {
@@ -106,7 +116,7 @@ OuterAllreduceLayout outer_allreduce_layout(int64_t numel, int world, const code
 
 FuturePtr weighted_mean(ProcessGroup* group, const at::Tensor& values, float weight,
                         std::shared_ptr<const codecs::Codec> codec, uint64_t checksum,
-                        std::shared_ptr<WeightedMeanResult> result) {
+                        std::shared_ptr<WeightedMeanResult> result, std::shared_ptr<MeanErrorFeedback> feedback) {
   DDPKIT_CHECK(codec, "outer all-reduce: no codec");
   DDPKIT_CHECK(values.device().is_cpu() && values.scalar_type() == at::kFloat && values.is_contiguous(),
                "outer all-reduce: values must be contiguous float32 on the CPU, got ", values.scalar_type(), " on ",
@@ -114,7 +124,16 @@ FuturePtr weighted_mean(ProcessGroup* group, const at::Tensor& values, float wei
   DDPKIT_CHECK(weight >= 0 && std::isfinite(weight), "outer all-reduce: the weight must be finite and >= 0, got ", weight);
   const int world = group ? group->size() : 1;
   at::Tensor flat = values.view({-1});
+  if (feedback) {
+    for (const at::Tensor* t : {&feedback->sent, &feedback->mean})
+      DDPKIT_CHECK(t->defined() && t->device().is_cpu() && t->scalar_type() == at::kFloat && t->is_contiguous() &&
+                       t->numel() == flat.numel(),
+                   "outer all-reduce: error feedback needs contiguous float32 CPU tensors of ", flat.numel(),
+                   " values (sent, mean)");
+  }
   if (world == 1 || flat.numel() == 0) {
+    // Alone, nothing is encoded: nothing is lost.
+    if (feedback) feedback->sent.zero_();
     if (!(weight > 0)) flat.zero_();
     if (result) {
       result->total_weight = weight;
@@ -138,6 +157,7 @@ FuturePtr weighted_mean(ProcessGroup* group, const at::Tensor& values, float wei
   job->weight = weight;
   job->checksum = checksum;
   job->result = std::move(result);
+  job->feedback = std::move(feedback);
   if (job->result) *job->result = WeightedMeanResult{};
   // Fresh buffers: an aborted collective may still write into them after its future failed.
   job->send1 = at::empty({l.pieces * world * l.phase1_slot}, at::kByte);

@@ -139,7 +139,8 @@ DiLoCo across replica groups, for sites joined by slow links (docs/diloco.md; ne
                           then the groups average their pseudo-gradients and take an outer step
   --outer-lr LR           the outer SGD's learning rate (default 0.7)
   --outer-momentum M      its Nesterov momentum (default 0.9; 0: none)
-  --outer-codec C         the pseudo-gradients' wire format: fp32, fp16, bf16, int8, int4 (default fp32)
+  --outer-codec C         the pseudo-gradients' wire format: fp32, fp16, bf16, int8, int4, int2 (default fp32)
+  --outer-error-feedback  carry what each encoding rounds away into the next sync (off)
   --fragments P           Streaming DiLoCo: P fragments of the model's layers, one synced every H/P
                           steps (default 1)
   --fragment-layout L     strided (layer i in fragment i % P; default) or sequential
@@ -397,6 +398,7 @@ StartPoint resume_point(const Flags& f, const TrainFlags& t, Training& run, Proc
   start.step = start.epoch * steps_per_epoch + start.in_epoch;
   start.resumed_from = ck->step;
   start.common = ck->common;
+  start.local = ck->local;
   if (auto it = ck->local.find("extra/divergence_guard"); it != ck->local.end()) start.divergence_guard = it->second;
   if (!pg || pg->rank() == 0)
     std::cerr << "resumed from " << ck->path << " (step " << ck->step << " of " << ck->world_size << " ranks): epoch "

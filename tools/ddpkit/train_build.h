@@ -60,6 +60,7 @@ struct StartPoint {
   int64_t step = 0, epoch = 0, in_epoch = 0, resumed_from = -1;
   at::Tensor divergence_guard;  // the guard's history (guard_history_entry), undefined when none
   TensorDict common;            // the checkpoint's common entries (extras under "extra/")
+  TensorDict local;             // and this rank's own
 };
 // DivergenceGuard's history as a checkpoint entry, and back.
 at::Tensor guard_history_entry(const DivergenceGuard::History& h);

@@ -77,6 +77,7 @@ nlohmann::json diloco_report(const TrainFlags& t, const std::vector<std::vector<
   j["fragment_delay"] = t.fragment_delay;
   j["round_seconds"] = t.round_seconds;
   j["outer_codec"] = t.outer_codec;
+  j["outer_error_feedback"] = t.outer_error_feedback;
   j["outer_steps"] = dl.outer_steps();
   std::vector<int64_t> per_fragment;
   for (const auto& fr : fragments) {
@@ -144,6 +145,7 @@ int run_diloco_rank(const Flags& f, const TrainFlags& t) {
                                             .outer_lr(t.outer_lr)
                                             .outer_momentum(t.outer_momentum)
                                             .codec(t.outer_codec)
+                                            .error_feedback(t.outer_error_feedback)
                                             .fragment_delay(t.fragment_delay)
                                             .fragment_alpha(t.fragment_alpha)
                                             .round_seconds(t.round_seconds)
@@ -159,7 +161,8 @@ int run_diloco_rank(const Flags& f, const TrainFlags& t) {
   if (!t.checkpoint_dir.empty()) site.checkpoint_dir = t.checkpoint_dir + "/" + manager.group_id();
   const StartPoint start = resume_point(f, site, run, pg.get(), settings, schedule.steps_per_epoch, data_world);
   if (start.resumed_from >= 0) {
-    dl->load_state(without_prefix(start.common, "extra/"));
+    dl->load_state(without_prefix(t.use_fsdp ? start.local : start.common, "extra/"));
+    dl->load_site_state(without_prefix(start.local, "extra/"));
     inner_step = start.step;
     manager.resume_at(int_of(start.common, "extra/manager_step", "checkpoint"));
   }
@@ -204,9 +207,13 @@ int run_diloco_rank(const Flags& f, const TrainFlags& t) {
     if (outer && !site.checkpoint_dir.empty() && (manager.step() % t.checkpoint_every == 0 || done())) {
       TensorDict extras = checkpoint_extra(settings, inner_step / schedule.steps_per_epoch,
                                            (inner_step % schedule.steps_per_epoch) * t.batch * data_world);
-      for (const auto& [k, v] : dl->state()) extras[k] = v;
+      // The outer state is the site's (its ranks alike), but under FSDP each rank's covers its
+      // own shards; the error-feedback residuals are each rank's too.
+      TensorDict own;
+      for (const auto& [k, v] : dl->state()) (t.use_fsdp ? own : extras)[k] = v;
+      for (const auto& [k, v] : dl->site_state()) own[k] = v;
       extras["manager_step"] = int_entry(manager.step());
-      run.state.save(pg.get(), site.checkpoint_dir, inner_step, extras);
+      run.state.save(pg.get(), site.checkpoint_dir, inner_step, extras, own);
       ++checkpoints_written;
     }
     step_ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());

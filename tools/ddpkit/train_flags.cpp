@@ -18,7 +18,7 @@ namespace {
 const std::vector<std::string> kTrainSwitches = {
     "gradient-as-bucket-view", "find-unused-parameters", "no-ddp", "no-eval", "quiet", "no-malloc-tuning",
     "powersgd-batch-same-shape", "no-error-feedback", "no-warm-start", "int8-error-feedback", "optimizer-in-hook",
-    "zero-shard-buckets", "zero-bucket-view", "no-divergence-guard", "resume", "fault-tolerant"};
+    "zero-shard-buckets", "zero-bucket-view", "no-divergence-guard", "resume", "fault-tolerant", "outer-error-feedback"};
 
 compat::optional<at::ScalarType> fsdp_dtype(const Flags& f, const std::string& flag) {
   const std::string v = f.str(flag);
@@ -156,8 +156,10 @@ void check_diloco_flags(const Flags& f, TrainFlags& t) {
   if (f.str("diloco").empty()) {
     for (const char* flag : needs)
       if (!f.str(flag).empty()) throw UsageError(std::string("--") + flag + " needs --diloco H");
+    if (f.on("outer-error-feedback")) throw UsageError("--outer-error-feedback needs --diloco H");
     return;
   }
+  t.outer_error_feedback = f.on("outer-error-feedback");
   t.diloco = f.integer("diloco");
   if (t.diloco < 1) throw UsageError("--diloco must be >= 1 (inner steps between syncs), got " + f.str("diloco"));
   if (!f.str("outer-lr").empty()) t.outer_lr = f.real("outer-lr");

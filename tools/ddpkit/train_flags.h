@@ -33,6 +33,7 @@ struct TrainFlags {
   int64_t diloco = 0, fragments = 1, fragment_delay = 0;
   double outer_lr = 0.7, outer_momentum = 0.9, fragment_alpha = 0.0, round_seconds = 0;
   std::string outer_codec = "fp32", fragment_layout = "strided";
+  bool outer_error_feedback = false;
 };
 
 // The flags `ddpkit train` takes, with their defaults.

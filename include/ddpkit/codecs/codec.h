@@ -7,6 +7,7 @@
 //   bf16   2 B/value, round to nearest even (c10::BFloat16)
 //   int8   1 B/value + 4 B per block of 256: symmetric, scale max|x|/127 (codecs/quantize.h)
 //   int4   0.5 B/value + 4 B per block of 128: symmetric, codes -7..7, scale max|x|/7 (0.53 B/value)
+//   int2   0.25 B/value + 4 B per block of 128: levels -1, -1/3, 1/3, 1 of max|x| (0.28 B/value)
 //
 // Every codec: a NaN or Inf input never decodes to a finite value (a block codec turns the whole
 // block into NaN); the error of a finite value is at most error_bound() times |x| (block() == 1)
@@ -16,7 +17,7 @@
 //
 // Users: DDP's fp16/bf16 hooks and wrappers and the int8 allreduce hook (ddpkit/hooks), and
 // DiLoCo's outer all-reduce (ddpkit/diloco). fp32, fp16, bf16 and int8 run on any device (the
-// casts also from any floating type); int4 on CPU.
+// casts also from any floating type); int4 and int2 on CPU.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -70,8 +71,9 @@ std::vector<std::string> codec_names();
 // int8 with `block` values per scale (a positive multiple of 16; make_codec("int8") is block
 // 256); the int8 allreduce hook's Int8Options::block chooses it.
 std::shared_ptr<const Codec> make_int8_codec(int64_t block);
-// The 4-bit codec (src/codecs/int4.cpp), exposed for make_codec.
+// The 4-bit and 2-bit codecs (src/codecs/int4.cpp, int2.cpp), exposed for make_codec.
 std::shared_ptr<const Codec> make_int4_codec();
+std::shared_ptr<const Codec> make_int2_codec();
 
 }  // namespace codecs
 }  // namespace ddpkit

@@ -45,8 +45,14 @@ struct DiLoCoOptions {
   TORCH_ARG(double, outer_lr) = 0.7;
   TORCH_ARG(double, outer_momentum) = 0.9;
   TORCH_ARG(bool, nesterov) = true;
-  // The pseudo-gradients' wire format: codecs::codec_names() (fp32, bf16, int8, int4, ...).
+  // The pseudo-gradients' wire format: codecs::codec_names() (fp32, bf16, int8, int4, int2, ...).
   TORCH_ARG(std::string, codec) = "fp32";
+  // Error feedback at both quantizations of the outer all-reduce: what a site's encoding of its
+  // pseudo-gradient lost is added to its next one, and what an owner's encoding of the mean lost
+  // to its next mean (MeanErrorFeedback), so the rounding cancels over rounds. Two float32 copies
+  // of the parameters more per site, kept in site_state(). With the outer Nesterov momentum it
+  // did not improve int2's loss in docs/diloco.md's runs (the momentum already averages it).
+  TORCH_ARG(bool, error_feedback) = false;
   // tau: inner steps a fragment's average runs behind the training thread (< sync_every / fragments).
   TORCH_ARG(int64_t, fragment_delay) = 0;
   TORCH_ARG(double, fragment_alpha) = 0.0;  // in [0, 1]
@@ -107,6 +113,10 @@ class DiLoCo {
   // "diloco/"; load_state takes it back (after a heal: the local parameters become the global).
   TensorDict state() const;
   void load_state(const TensorDict& state);
+  // This site's own outer state (the error-feedback residuals; empty without error_feedback): a
+  // checkpoint keeps it beside state(), a heal does not copy it (a healed site starts with none).
+  TensorDict site_state() const;
+  void load_site_state(const TensorDict& state);
 
   // The fragments' global parameters, flattened (equal on every site after each sync).
   at::Tensor global_parameters(size_t fragment) const;

@@ -36,15 +36,31 @@ struct WeightedMeanResult {
   bool checksums_agree = true;
 };
 
+// Error feedback for both quantizations (DiLoCoOptions::error_feedback): what each encoding rounded
+// away, for the caller to add back next round, so a coarse codec's errors cancel over rounds
+// instead of adding up. Float32, contiguous, one value per value.
+struct MeanErrorFeedback {
+  // Written: values - decode(this rank's phase-1 encoding of them). A retry sends the same values
+  // and writes it again; the caller keeps the attempt that committed.
+  at::Tensor sent;
+  // Read and written at the positions this rank owns in phase 2 (where it encodes the mean): added
+  // to the mean before it is encoded, then replaced by what that encoding lost. Other positions
+  // are left as they are, so ownership may move between rounds (another world size). Untouched
+  // when every weight is 0.
+  at::Tensor mean;
+};
+
 // In place on every rank of `group`: values = sum_r weight_r * values_r / sum_r weight_r (zeros when
 // every weight is 0), each value carried as `codec` bytes. `values`: contiguous float32 CPU. A null
 // group is this rank alone (its own values, or zeros at weight 0).
 // `checksum` travels beside (each owner compares the weighted ranks'): callers pass a hash of the
 // state that must be equal everywhere. The future completes with `values`; on a CommError the
-// values are unspecified. `result` is filled before the future completes.
+// values are unspecified. `result` (and `feedback`, when given) are filled before the future
+// completes.
 FuturePtr weighted_mean(ProcessGroup* group, const at::Tensor& values, float weight,
                         std::shared_ptr<const codecs::Codec> codec, uint64_t checksum = 0,
-                        std::shared_ptr<WeightedMeanResult> result = nullptr);
+                        std::shared_ptr<WeightedMeanResult> result = nullptr,
+                        std::shared_ptr<MeanErrorFeedback> feedback = nullptr);
 
 }  // namespace diloco
 }  // namespace ddpkit

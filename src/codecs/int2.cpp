@@ -1,0 +1,110 @@
+// int2: 2-bit codes with one float32 scale per block of 128 values (0.28 B/value). A value moves
+// by up to a third of its block's max|x|: DiLoCo's outer momentum averages that over rounds
+// (docs/diloco.md: Streaming DiLoCo within 1.5 % of DDP's loss with it), and error feedback
+// (DiLoCoOptions::error_feedback) can carry it to the next round instead.
+//
+// Layout of n values: ceil(n / 4) bytes of codes (value 4i+j in bits 2j..2j+1 of byte i), padded
+// to a multiple of 4, then one float32 scale max|x| / 3 per block. Code k in 0..3 decodes to
+// (2k - 3) * scale: the four levels -max, -max/3, max/3, max, evenly spaced (no zero level: four
+// levels spaced by 2/3 max lose less than three spaced by max; an all-zero block has scale 0 and
+// decodes to zeros). A block holding NaN or Inf gets a NaN scale: all of it decodes to NaN. Plain
+// loops, so every SIMD level writes the same bytes.
+#include "codec_checks.h"
+
+#include <ddpkit/codecs/codec.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+namespace ddpkit {
+namespace codecs {
+namespace {
+// Its own namespace: the codecs' files compile as one unity batch, and int4.cpp has helpers of
+// the same names.
+namespace int2 {
+
+constexpr int64_t kBlock = 128;
+
+int64_t code_bytes(int64_t numel) { return ((numel + 3) / 4 + 3) / 4 * 4; }
+int64_t blocks_of(int64_t numel) { return (numel + kBlock - 1) / kBlock; }
+
+float block_scale(const float* x, int64_t n) {
+  float amax = 0.f;
+  bool nonfinite = false;
+  for (int64_t i = 0; i < n; ++i) {
+    const float a = std::fabs(x[i]);
+    nonfinite |= !(a <= std::numeric_limits<float>::max());
+    amax = a > amax ? a : amax;
+  }
+  if (nonfinite) return std::numeric_limits<float>::quiet_NaN();
+  return amax / 3.f;
+}
+
+// The nearest level's code: level (2k - 3) * scale is nearest for k = round(x / (2 scale) + 1.5).
+inline uint8_t code_of(float x, float half_inverse) {
+  float k = std::nearbyint(x * half_inverse + 1.5f);
+  k = k > 3.f ? 3.f : (k < 0.f ? 0.f : k);
+  return static_cast<uint8_t>(k);
+}
+
+class Int2Codec final : public Codec {
+ public:
+  const std::string& name() const override { return name_; }
+  int64_t encoded_bytes(int64_t numel) const override { return code_bytes(numel) + 4 * blocks_of(numel); }
+
+  void encode(const at::Tensor& src, const at::Tensor& out) const override {
+    detail::check_encode(*this, src, src.numel(), out, detail::Values::Float32Cpu);
+    const int64_t n = src.numel();
+    const float* x = src.data_ptr<float>();
+    uint8_t* codes = out.data_ptr<uint8_t>();
+    uint8_t* scales = codes + code_bytes(n);
+    std::memset(codes, 0, static_cast<size_t>(code_bytes(n)));
+    for (int64_t b = 0; b < blocks_of(n); ++b) {
+      const int64_t start = b * kBlock, len = std::min(kBlock, n - start);
+      const float scale = block_scale(x + start, len);
+      std::memcpy(scales + 4 * b, &scale, 4);
+      if (std::isnan(scale) || scale == 0.f) continue;  // NaN or 0 through the scale
+      const float half_inverse = 0.5f / scale;
+      // kBlock is a multiple of 4, so a block starts on a byte.
+      uint8_t* c = codes + start / 4;
+      for (int64_t i = 0; i < len; ++i) c[i / 4] |= static_cast<uint8_t>(code_of(x[start + i], half_inverse) << (2 * (i & 3)));
+    }
+  }
+
+  void decode(const at::Tensor& encoded, const at::Tensor& dst, float multiplier, bool accumulate) const override {
+    detail::check_decode(*this, encoded, dst.numel(), dst, detail::Values::Float32Cpu);
+    const int64_t n = dst.numel();
+    const uint8_t* codes = encoded.data_ptr<uint8_t>();
+    const uint8_t* scales = codes + code_bytes(n);
+    float* out = dst.data_ptr<float>();
+    for (int64_t b = 0; b < blocks_of(n); ++b) {
+      const int64_t start = b * kBlock, len = std::min(kBlock, n - start);
+      float scale;
+      std::memcpy(&scale, scales + 4 * b, 4);
+      scale *= multiplier;
+      const uint8_t* c = codes + start / 4;
+      float* o = out + start;
+      for (int64_t i = 0; i < len; ++i) {
+        const int k = (c[i / 4] >> (2 * (i & 3))) & 3;
+        const float v = static_cast<float>(2 * k - 3) * scale;
+        o[i] = accumulate ? o[i] + v : v;
+      }
+    }
+  }
+
+  int64_t block() const override { return kBlock; }
+  double error_bound() const override { return 1.0 / 3.0; }
+
+ private:
+  std::string name_ = "int2";
+};
+
+}  // namespace int2
+}  // namespace
+
+std::shared_ptr<const Codec> make_int2_codec() { return std::make_shared<int2::Int2Codec>(); }
+
+}  // namespace codecs
+}  // namespace ddpkit
