@@ -10,13 +10,13 @@
 // decodes to zeros). A block holding NaN or Inf gets a NaN scale: all of it decodes to NaN. Plain
 // loops, so every SIMD level writes the same bytes.
 #include "codec_checks.h"
+#include "packed_blocks.h"
 
 #include <ddpkit/codecs/codec.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstring>
-#include <limits>
 
 namespace ddpkit {
 namespace codecs {
@@ -25,22 +25,10 @@ namespace {
 // the same names.
 namespace int2 {
 
-constexpr int64_t kBlock = 128;
+constexpr int64_t kBlock = detail::kPackedBlock;
 
 int64_t code_bytes(int64_t numel) { return ((numel + 3) / 4 + 3) / 4 * 4; }
-int64_t blocks_of(int64_t numel) { return (numel + kBlock - 1) / kBlock; }
-
-float block_scale(const float* x, int64_t n) {
-  float amax = 0.f;
-  bool nonfinite = false;
-  for (int64_t i = 0; i < n; ++i) {
-    const float a = std::fabs(x[i]);
-    nonfinite |= !(a <= std::numeric_limits<float>::max());
-    amax = a > amax ? a : amax;
-  }
-  if (nonfinite) return std::numeric_limits<float>::quiet_NaN();
-  return amax / 3.f;
-}
+float block_scale(const float* x, int64_t n) { return detail::block_absmax(x, n) / 3.f; }
 
 // The nearest level's code: level (2k - 3) * scale is nearest for k = round(x / (2 scale) + 1.5).
 inline uint8_t code_of(float x, float half_inverse) {
@@ -52,7 +40,7 @@ inline uint8_t code_of(float x, float half_inverse) {
 class Int2Codec final : public Codec {
  public:
   const std::string& name() const override { return name_; }
-  int64_t encoded_bytes(int64_t numel) const override { return code_bytes(numel) + 4 * blocks_of(numel); }
+  int64_t encoded_bytes(int64_t numel) const override { return code_bytes(numel) + 4 * detail::packed_blocks(numel); }
 
   void encode(const at::Tensor& src, const at::Tensor& out) const override {
     detail::check_encode(*this, src, src.numel(), out, detail::Values::Float32Cpu);
@@ -61,7 +49,7 @@ class Int2Codec final : public Codec {
     uint8_t* codes = out.data_ptr<uint8_t>();
     uint8_t* scales = codes + code_bytes(n);
     std::memset(codes, 0, static_cast<size_t>(code_bytes(n)));
-    for (int64_t b = 0; b < blocks_of(n); ++b) {
+    for (int64_t b = 0; b < detail::packed_blocks(n); ++b) {
       const int64_t start = b * kBlock, len = std::min(kBlock, n - start);
       const float scale = block_scale(x + start, len);
       std::memcpy(scales + 4 * b, &scale, 4);
@@ -79,7 +67,7 @@ class Int2Codec final : public Codec {
     const uint8_t* codes = encoded.data_ptr<uint8_t>();
     const uint8_t* scales = codes + code_bytes(n);
     float* out = dst.data_ptr<float>();
-    for (int64_t b = 0; b < blocks_of(n); ++b) {
+    for (int64_t b = 0; b < detail::packed_blocks(n); ++b) {
       const int64_t start = b * kBlock, len = std::min(kBlock, n - start);
       float scale;
       std::memcpy(&scale, scales + 4 * b, 4);
