@@ -42,6 +42,7 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 import shaped_switch  # noqa: E402
 import two_hosts  # noqa: E402
+from procs import with_openblas_coretype  # noqa: E402
 
 BATCH = 16
 MODEL = ["--model", "transformer", "--dataset", "text", "--layers", "2", "--d-model", "128", "--heads", "4",
@@ -79,7 +80,7 @@ def tx_bytes(ns, iface):
 
 
 def run_job(args, hosts, addrs, kind, flags, port):
-    env = dict(os.environ, OPENBLAS_CORETYPE=os.environ.get("OPENBLAS_CORETYPE", "Haswell"))
+    env = with_openblas_coretype(os.environ)
     before = [tx_bytes(ns, ifc) for ns, ifc in hosts]
     procs, lighthouse, logs = [], None, []
     start = time.time()
@@ -149,7 +150,7 @@ def goodput_rows(args, hosts, addrs, port, say):
     """The outer all-reduce alone after idle links: the cross group's defaults and DiLoCo's pieces,
     Linux's default (slow start after idle) and warm connections."""
     bench = os.path.join(os.path.dirname(os.path.abspath(args.bin)), "collective_bench")
-    env = dict(os.environ, OPENBLAS_CORETYPE=os.environ.get("OPENBLAS_CORETYPE", "Haswell"))
+    env = with_openblas_coretype(os.environ)
     n, idle = len(hosts), 3.0
     say(f"# goodput of one sync after {idle:g} s idle, {args.rate_mbit:g} Mbit/s, RTT {args.rtt_ms:g} ms; goodput = bytes "
         "a rank sends / the slowest rank's time / the link's rate (payload ceiling 1448/1538 = 0.941)")
@@ -216,7 +217,7 @@ def blackhole_run(args, switch, addrs, port, say, mid_sync):
     must run every inner step, stay identical and lose little time; the lighthouse's log says when
     site 3 was lost and when a quorum went on without it. The silent site is killed at the end."""
     hosts = switch.hosts
-    env = dict(os.environ, OPENBLAS_CORETYPE=os.environ.get("OPENBLAS_CORETYPE", "Haswell"))
+    env = with_openblas_coretype(os.environ)
     flags = ["--diloco", "16", "--outer-codec", "int8"]
     log = tempfile.TemporaryFile(mode="w+")
     lighthouse = subprocess.Popen(["ip", "netns", "exec", hosts[0][0], args.bin, "lighthouse", "--address",

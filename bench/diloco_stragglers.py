@@ -20,6 +20,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 from ft_train import ranks_of  # noqa: E402
+from procs import with_openblas_coretype  # noqa: E402
 
 CG = "/sys/fs/cgroup/cpu/ddpkit-straggler"
 MODEL = ["--model", "transformer", "--dataset", "text", "--layers", "2", "--d-model", "128", "--heads", "4",
@@ -31,7 +32,7 @@ def run(args, flags, steps):
     p = subprocess.Popen([args.bin, "train", "--fault-tolerant", "--replica-groups", "2", "--nproc", "1",
                           "--steps", str(steps)] + MODEL + flags,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         env=dict(os.environ, OPENBLAS_CORETYPE=os.environ.get("OPENBLAS_CORETYPE", "Haswell")))
+                         env=with_openblas_coretype(os.environ))
     pids = {}
     end = time.time() + 60
     while len(pids) < 2 and time.time() < end:

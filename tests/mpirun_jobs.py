@@ -24,6 +24,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import two_hosts  # noqa: E402
 from checkpoint_resume import ckpt, differences  # noqa: E402
+from procs import with_openblas_coretype  # noqa: E402
 
 # The Python whose torch goes with the build (torchrun, the Python package): tests/CMakeLists.txt sets it.
 TORCH_PYTHON = os.environ.get("DDPKIT_TORCH_PYTHON", "/usr/bin/python3")
@@ -110,7 +111,7 @@ def hosts(build, work, env, ref):
                     "esac\necho \"netns-rsh: unknown host $host\" >&2; exit 1\n")
         os.chmod(agent, 0o755)
         across = MPIRUN + ["--host", "node1:2,node2:2", "--mca", "plm_rsh_agent", agent, "-x", "DDPKIT_SHM",
-                           "-x", "OPENBLAS_CORETYPE", "-x", "PATH"]
+                           "-x", "PATH"] + (["-x", "OPENBLAS_CORETYPE"] if "OPENBLAS_CORETYPE" in env else [])
         # Open MPI 5's ranks do not see mpirun's address: the rendezvous is given, as docs/launching.md says.
         v5 = "(Open MPI) 5" in subprocess.run(["mpirun", "--version"], capture_output=True, text=True).stdout
         if v5:
@@ -164,8 +165,8 @@ def main():
                              text=True).stdout
     if any("NEEDED" in line and "libmpi" in line for line in dynamic.splitlines()):
         sys.exit("FAILED: libddpkit.so links libmpi")
-    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_CORETYPE=os.environ.get("OPENBLAS_CORETYPE", "SkylakeX"),
-               DDPKIT_SHM="0")
+    # The BLAS kernels this CPU runs (a fixed SkylakeX died with SIGILL on an AVX2-only Zen 3).
+    env = with_openblas_coretype(dict(os.environ, OMP_NUM_THREADS="1", DDPKIT_SHM="0"))
     work = tempfile.mkdtemp(prefix="ddpkit-mpirun-")
     os.chmod(work, 0o755)
     code = 0

@@ -26,3 +26,27 @@ def alive(pid):
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except (OSError, IndexError):
         return False
+
+
+def openblas_coretype():
+    """OPENBLAS_CORETYPE for every side of a run: the environment's, else the kernels this CPU can
+    run (OpenBLAS may not recognise it and fall back to slow generic ones; forcing kernels the CPU
+    lacks, SkylakeX on a Zen 3, dies with SIGILL). The same rule as src/runtime's advice."""
+    if os.environ.get("OPENBLAS_CORETYPE"):
+        return os.environ["OPENBLAS_CORETYPE"]
+    flags = set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    break
+    except OSError:
+        pass
+    return "SkylakeX" if "avx512f" in flags else "Haswell" if "avx2" in flags else None
+
+
+def with_openblas_coretype(env):
+    """env with OPENBLAS_CORETYPE set by openblas_coretype(), where it names one."""
+    core = openblas_coretype()
+    return dict(env, OPENBLAS_CORETYPE=core) if core else dict(env)
