@@ -67,12 +67,16 @@ int main(int argc, char** argv) {
   } catch (const c10::Error&) {
     // A contradictory launch environment: named by the command that reads it, below.
   }
-  if (lead) {
+  std::vector<std::string> all(argv, argv + argc);
+  all[0] = "ddpkit";
+  // Only where matrices are multiplied: not the lighthouse or the parameter server, say, whose
+  // first line scripts read for the address.
+  const bool multiplies = argc >= 2 && (all[1] == "train" || all[1] == "bench" || all[1] == "plan" ||
+                                        all[1] == "tune" || all[1] == "launch");
+  if (lead && multiplies) {
     const std::string blas = ddpkit::blas_kernel_advice();
     if (!blas.empty()) ddpkit::print_error("ddpkit: " + blas + "\n");
   }
-  std::vector<std::string> all(argv, argv + argc);
-  all[0] = "ddpkit";
   if (argc < 2 || all[1] == "--help" || all[1] == "-h" || all[1] == "help") {
     std::cout << kUsage;
     return argc < 2 ? 2 : 0;
