@@ -296,8 +296,10 @@ def checkpoint_mode():
         # one it is behind group 0 and heals. (A kill timed from outside once landed as group 0
         # wrote step 300's checkpoint: group 0 waited out the restart at step 300, group 1
         # resumed there, and nothing was behind to heal.)
-        rc, out, err = run(["--replica-groups", "2", "--nproc", "1", "--steps", "4000", "--checkpoint-dir", ckpt,
-                            "--checkpoint-every", "100"], lambda p: None, env={"DDPKIT_FT_FAULT": "forward:350:1:0"})
+        steps, every, dies_at = 4000, 100, 350
+        rc, out, err = run(["--replica-groups", "2", "--nproc", "1", "--steps", str(steps), "--checkpoint-dir", ckpt,
+                            "--checkpoint-every", str(every)], lambda p: None,
+                           env={"DDPKIT_FT_FAULT": f"forward:{dies_at}:1:0"})
         if rc != 0 or "DDPKIT_FT_FAULT: dying" not in err:
             sys.exit(f"FAILED (checkpointing): exit {rc}\n{err[-3000:]}")
         reps = reports(out)
@@ -305,8 +307,8 @@ def checkpoint_mode():
         # Unless group 0 went on alone, wrote a newer checkpoint and was at exactly that step when
         # group 1 came back (then group 1 resumed at the quorum's step and committed every step on).
         back = reps[1]["resumed_from"]
-        level = back > 350 and back + reps[1]["steps_committed"] == 4000
-        if back < 300 or back % 100 or (reps[1]["heals"] < 1 and not level):
+        level = back > dies_at and back + reps[1]["steps_committed"] == steps
+        if back < dies_at // every * every or back % every or (reps[1]["heals"] < 1 and not level):
             sys.exit(f"FAILED (checkpointing): group 1 did not resume from a checkpoint and heal: {reps[1]}")
         files = sorted(os.path.basename(f) for f in glob.glob(os.path.join(ckpt, "checkpoint-*.ddpk")))
         if "checkpoint-0000004000.ddpk" not in files or sum(r["checkpoints_written"] for r in reps) < 1:
@@ -319,7 +321,7 @@ def checkpoint_mode():
         check_same(reps3, 3)
         if {r["resumed_from"] for r in reps3} != {4000} or any(r["steps"] != 4100 for r in reps3):
             sys.exit(f"FAILED (resuming under 3 groups): {reps3}")
-        print(f"checkpoints under --fault-tolerant ({', '.join(files)}); group 1, killed at step 350, resumed from "
+        print(f"checkpoints under --fault-tolerant ({', '.join(files)}); group 1, killed at step {dies_at}, resumed from "
               f"step {back} and healed {reps[1]['heal_bytes']} B; 3 groups resumed the 2 groups' step 4000 and trained on alike")
     finally:
         shutil.rmtree(work, ignore_errors=True)
