@@ -680,7 +680,7 @@ class DdpkitBackend : public compat::Backend {
       std::lock_guard<std::mutex> lock(close_mutex_);
       if (closed_.exchange(true)) return;  // closed, or aborted (whose thread tears down)
     }
-    tear_down();
+    without_gil([this] { tear_down(); });  // the destructor runs where Python drops the group
   }
   void tear_down() {
     std::lock_guard<std::mutex> lock(close_mutex_);

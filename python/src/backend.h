@@ -26,5 +26,19 @@ c10::intrusive_ptr<c10d::Work> issue_on_backend(
     const pybind11::handle& backend, c10d::OpType type, std::vector<at::Tensor> outputs,
     std::function<FuturePtr(const std::shared_ptr<ProcessGroup>&)> start);
 
+// Runs `teardown` (of a group) with the GIL released when this thread holds it. A teardown joins
+// ddpkit's threads, and one may still be letting go of a collective's Python tensor, which takes
+// the GIL (under torch 2.15 whenever C++ lets go of one): held here, that thread, and so the
+// teardown, would wait for ever. Python drops objects on a thread holding the GIL (torchft drops
+// each quorum's group so, its parameter server each session's).
+inline void without_gil(const std::function<void()>& teardown) {
+  if (Py_IsInitialized() && PyGILState_Check()) {
+    pybind11::gil_scoped_release no_gil;
+    teardown();
+  } else {
+    teardown();
+  }
+}
+
 }  // namespace python
 }  // namespace ddpkit

@@ -309,7 +309,10 @@ PYBIND11_MODULE(_C, m) {
              o.shared_memory(shared_memory);
              py::gil_scoped_release no_gil;  // rendezvous with the other ranks
              auto prefixed = c10::make_intrusive<c10d::PrefixStore>("ddpkit", store);
-             return std::make_shared<ProcessGroup>(prefixed, rank, world_size, o);
+             // Deleted wherever its last reference goes, often a Python thread: see without_gil.
+             return std::shared_ptr<ProcessGroup>(new ProcessGroup(prefixed, rank, world_size, o), [](ProcessGroup* g) {
+               without_gil([g] { delete g; });
+             });
            }),
            py::arg("store"), py::arg("rank"), py::arg("world_size"), py::arg("name"), py::arg("gloo_threads") = 2,
            py::arg("timeout_s") = 300.0, py::arg("gloo_hostname") = "", py::arg("shared_memory") = true)

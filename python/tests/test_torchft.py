@@ -6,7 +6,8 @@ DiLoCo, Streaming DiLoCo; the process-group checkpoint transport; the lighthouse
 server) run with every ProcessGroupGloo they make replaced by ProcessGroupDdpkit (the
 torchft_on_ddpkit plugin), one pytest process per module as torchft's tests do not clean up the
 default group between modules. Then the group's own contract: reconfigured per quorum, the
-collectives torchft's Gloo group lacks, abort ending a collective in flight."""
+collectives torchft's Gloo group lacks, groups dropped right after use (no deadlock), abort ending a
+collective in flight."""
 import importlib.util
 import os
 import subprocess
@@ -116,6 +117,51 @@ def test_process_group_reconfigures_and_reduces():
         for pg in pgs:
             pg.abort(errored=False)
     del server
+
+
+def drop_groups_right_after_use(sessions):
+    """`sessions` pairs of groups, each rank's group used once and dropped on its thread at once, as
+    torchft's parameter server does with a session's (run in a process of its own: see below)."""
+    import faulthandler
+    from torch.distributed import BroadcastOptions
+    import torch.distributed as dist
+
+    faulthandler.dump_traceback_later(120, exit=True)  # a hang ends with every thread's stack
+    port = free_port()
+    server = dist.TCPStore("localhost", port, is_master=True, wait_for_workers=False)  # noqa: F841
+    for session in range(sessions):
+        pgs = _groups(2, f"session/{session}", port)
+        sums = [None, None]
+
+        def session_of(rank):
+            pg = pgs[rank]
+            pgs[rank] = None
+            t = torch.full((16,), float(rank + 1))
+            opts = BroadcastOptions()
+            opts.rootRank = 0
+            pg.broadcast([t], opts).wait()
+            sums[rank] = t[0].item()
+            del pg  # the last reference: the backend is torn down here, with the GIL held
+
+        threads = [threading.Thread(target=session_of, args=(r,)) for r in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert sums == [1.0, 1.0], (session, sums)
+    print(f"{sessions} sessions")
+
+
+def test_groups_dropped_right_after_their_collectives_go_without_deadlock():
+    """A backend's teardown joins ddpkit's threads, one of which may still be letting go of the last
+    collective's Python tensor, which takes the GIL under torch 2.15; torn down on a thread holding
+    the GIL (torchft drops its groups so), that was a deadlock: torchft's parameter_server_test hung
+    so in CI, and this loop in 3 runs of 4, each within its first sessions."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([TESTS] + sys.path))
+    p = subprocess.run([sys.executable, "-c", "import test_torchft as t; t.drop_groups_right_after_use(40)"],
+                       env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0 and "40 sessions" in p.stdout, \
+        f"exit {p.returncode} (a hang ends with the threads' stacks):\n{(p.stdout + p.stderr)[-6000:]}"
 
 
 def test_abort_ends_a_collective_in_flight():
