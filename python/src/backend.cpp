@@ -92,10 +92,31 @@ class DdpkitBackend : public compat::Backend {
       closed_ = true;  // collectives issued from now fail in work(), naming the abort
     }
     auto self = c10::intrusive_ptr<DdpkitBackend>::unsafe_reclaim_from_nonowning(this);
-    teardowns().start([self]() mutable {
+    AbortTeardowns& teardowns = abort_teardowns();
+    teardowns.threads.start([self, &teardowns]() mutable {
       self->tear_down();
-      self.reset();
+      // Letting go of the backend takes the GIL (torch >= 2.7 keeps its Python object alive while
+      // C++ holds it). Once Python finalizes, it ends any other thread that asks for the GIL
+      // (pthread_exit), and unwinding through torch's noexcept release is std::terminate: so after
+      // Python's exit began, the backend is left to the process's end instead.
+      std::lock_guard<std::mutex> lock(teardowns.exit_mutex);
+      if (teardowns.python_exiting) {
+        self.release();
+      } else {
+        self.reset();
+      }
     });
+  }
+
+  // Registered with Python's atexit, which runs before the interpreter finalizes: teardowns still
+  // running get `limit` to end (with the GIL released: their last step may take it); from then on
+  // a teardown that ends leaves its backend to the process's end.
+  static void at_python_exit(std::chrono::milliseconds limit) {
+    AbortTeardowns& teardowns = abort_teardowns();
+    py::gil_scoped_release no_gil;
+    teardowns.threads.wait_all_done(limit);
+    std::lock_guard<std::mutex> lock(teardowns.exit_mutex);
+    teardowns.python_exiting = true;
   }
 #endif
 
@@ -691,11 +712,16 @@ class DdpkitBackend : public compat::Backend {
   }
 
   // Aborted groups being torn down. Never destroyed: joining them in static destruction at exit
-  // aborted the process (std::terminate, after torchft's tests had passed); a teardown still
-  // running at exit ends with the process.
-  static ft::DetachedThreads& teardowns() {
-    static auto* threads = new ft::DetachedThreads;
-    return *threads;
+  // aborted the process (std::terminate, after torchft's tests had passed). At Python's exit they
+  // get up to 10 s (at_python_exit); one still running then ends with the process.
+  struct AbortTeardowns {
+    ft::DetachedThreads threads;
+    std::mutex exit_mutex;
+    bool python_exiting = false;  // set by at_python_exit, under exit_mutex
+  };
+  static AbortTeardowns& abort_teardowns() {
+    static auto* teardowns = new AbortTeardowns;
+    return *teardowns;
   }
 
 #if DDPKIT_TORCH_AT_LEAST(2, 7)
@@ -747,6 +773,12 @@ void bind_backend(py::module& m) {
       },
       py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("timeout_s"), py::arg("gloo_threads"),
       py::arg("shared_memory"), py::call_guard<py::gil_scoped_release>());
+#if DDPKIT_TORCH_AT_LEAST(2, 7)
+  // At exit, an aborted group's teardown (torchft aborts one on every quorum change) gets up to 10 s
+  // to end; past that it ends with the process. See DdpkitBackend::abort.
+  py::module::import("atexit").attr("register")(
+      py::cpp_function([] { DdpkitBackend::at_python_exit(std::chrono::seconds(10)); }));
+#endif
 }
 
 }  // namespace python

@@ -7,7 +7,7 @@ server) run with every ProcessGroupGloo they make replaced by ProcessGroupDdpkit
 torchft_on_ddpkit plugin), one pytest process per module as torchft's tests do not clean up the
 default group between modules. Then the group's own contract: reconfigured per quorum, the
 collectives torchft's Gloo group lacks, groups dropped right after use (no deadlock), abort ending a
-collective in flight."""
+collective in flight, and exit while an aborted group is torn down."""
 import importlib.util
 import os
 import subprocess
@@ -47,10 +47,10 @@ def test_torchft_own_tests_run_on_ddpkit(module, tmp_path):
     assert made and " 0 ddpkit" not in made[0], f"{module}: no ddpkit group made:\n{tail}"
 
 
-def _groups(world, prefix, port, **options):
+def _groups(world, prefix, port, timeout_s=10, **options):
     """`world` ProcessGroupDdpkit configured concurrently (threads), as torchft's replicas do."""
     from ddpkit.torchft import ProcessGroupDdpkit
-    pgs = [ProcessGroupDdpkit(timeout=timedelta(seconds=10), **options) for _ in range(world)]
+    pgs = [ProcessGroupDdpkit(timeout=timedelta(seconds=timeout_s), **options) for _ in range(world)]
     errors = []
 
     def configure(rank):
@@ -179,6 +179,57 @@ def test_abort_ends_a_collective_in_flight():
         work.wait()
     assert time.monotonic() - start < 5, "abort did not end the collective promptly (the timeout is 10 s)"
     pgs[1].abort(errored=False)
+
+
+class _SlowToGo:
+    """Held by a module global: its __del__ runs as Python finalizes, and lets go of the GIL there."""
+
+    def __init__(self, kept):
+        self.kept = kept
+
+    def __del__(self, sleep=time.sleep):
+        sleep(1)
+
+
+def _hold_the_gil_for(seconds):
+    """An exit handler that keeps the GIL (no switch for 100 s) as other exit handlers may."""
+    import sys
+    sys.setswitchinterval(100)
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        pass
+
+
+def exit_while_an_abort_tears_down():
+    """Aborts a group with a collective in flight (its teardown ends by the 2 s timeout, letting go
+    of the backend's Python object) and exits while an exit handler holds the GIL for 3 s, so that
+    the teardown waits for the GIL into the interpreter's finalization (run in a process of its own)."""
+    import atexit
+    from torch.distributed import AllreduceOptions
+    import torch.distributed as dist
+
+    global _slow_to_go
+    port = free_port()
+    server = dist.TCPStore("localhost", port, is_master=True, wait_for_workers=False)
+    pgs = _groups(2, "exit/abort", port, timeout_s=2)
+    work = pgs[0].allreduce([torch.ones(4)], AllreduceOptions())  # rank 1 never joins
+    time.sleep(0.2)
+    pgs[0].abort()  # rank 1's group stays, silent: rank 0's transport work ends by its timeout
+    _slow_to_go = _SlowToGo((server, pgs, work))
+    atexit.register(_hold_the_gil_for, 3)  # runs before ddpkit's (registered at its import)
+    print("exiting", flush=True)
+
+
+def test_exit_while_an_abort_tears_down_ends_cleanly():
+    """An aborted group's teardown that let go of the backend as Python exited asked for the GIL
+    (torch >= 2.7 keeps a backend's Python object alive while C++ holds it); Python ends a thread
+    that gets it once it finalizes, through torch's noexcept release: std::terminate after the
+    tests had passed (python.torchft in CI, here 1 run of 2, and 3 of 3 of this). ddpkit's exit
+    handler now lets such a teardown end first (up to 10 s); one that ends later leaves it."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([TESTS] + sys.path))
+    p = subprocess.run([sys.executable, "-c", "import test_torchft as t; t.exit_while_an_abort_tears_down()"],
+                       env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and "exiting" in p.stdout, f"exit {p.returncode}:\n{(p.stdout + p.stderr)[-4000:]}"
 
 
 def test_options_are_checked():

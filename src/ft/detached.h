@@ -47,6 +47,21 @@ class DetachedThreads {
                         done});
   }
 
+  // Waits up to `limit` for every thread started so far to finish; false if one still runs.
+  bool wait_all_done(std::chrono::milliseconds limit) {
+    const auto deadline = std::chrono::steady_clock::now() + limit;
+    for (;;) {
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        bool all_done = true;
+        for (const auto& e : threads_) all_done = all_done && *e.done;
+        if (all_done) return true;
+      }
+      if (std::chrono::steady_clock::now() >= deadline) return false;
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+  }
+
   void join_all() {
     std::vector<Entry> all;
     {
