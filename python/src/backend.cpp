@@ -109,12 +109,12 @@ class DdpkitBackend : public compat::Backend {
   }
 
   // Registered with Python's atexit, which runs before the interpreter finalizes: teardowns still
-  // running get `limit` to end (with the GIL released: their last step may take it); from then on
-  // a teardown that ends leaves its backend to the process's end.
-  static void at_python_exit(std::chrono::milliseconds limit) {
+  // running get kExitWait to end (with the GIL released: their last step may take it); from then
+  // on a teardown that ends leaves its backend to the process's end.
+  static void at_python_exit() {
     AbortTeardowns& teardowns = abort_teardowns();
     py::gil_scoped_release no_gil;
-    teardowns.threads.wait_all_done(limit);
+    teardowns.threads.wait_all_done(AbortTeardowns::kExitWait);
     std::lock_guard<std::mutex> lock(teardowns.exit_mutex);
     teardowns.python_exiting = true;
   }
@@ -711,10 +711,12 @@ class DdpkitBackend : public compat::Backend {
     pg_.reset();
   }
 
+#if DDPKIT_TORCH_AT_LEAST(2, 7)
   // Aborted groups being torn down. Never destroyed: joining them in static destruction at exit
   // aborted the process (std::terminate, after torchft's tests had passed). At Python's exit they
-  // get up to 10 s (at_python_exit); one still running then ends with the process.
+  // get kExitWait (at_python_exit); one still running then ends with the process.
   struct AbortTeardowns {
+    static constexpr std::chrono::seconds kExitWait{10};
     ft::DetachedThreads threads;
     std::mutex exit_mutex;
     bool python_exiting = false;  // set by at_python_exit, under exit_mutex
@@ -724,7 +726,6 @@ class DdpkitBackend : public compat::Backend {
     return *teardowns;
   }
 
-#if DDPKIT_TORCH_AT_LEAST(2, 7)
   static constexpr bool kAbortable = true;  // Backend::abort() exists from 2.7
 #else
   static constexpr bool kAbortable = false;
@@ -774,10 +775,8 @@ void bind_backend(py::module& m) {
       py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("timeout_s"), py::arg("gloo_threads"),
       py::arg("shared_memory"), py::call_guard<py::gil_scoped_release>());
 #if DDPKIT_TORCH_AT_LEAST(2, 7)
-  // At exit, an aborted group's teardown (torchft aborts one on every quorum change) gets up to 10 s
-  // to end; past that it ends with the process. See DdpkitBackend::abort.
-  py::module::import("atexit").attr("register")(
-      py::cpp_function([] { DdpkitBackend::at_python_exit(std::chrono::seconds(10)); }));
+  // torchft aborts a group on every quorum change; see DdpkitBackend::abort.
+  py::module::import("atexit").attr("register")(py::cpp_function(&DdpkitBackend::at_python_exit));
 #endif
 }
 
