@@ -2,11 +2,14 @@
 """ddpkit's fault tolerance against torchft's, side by side on one machine (issue 71).
 
     bench/ft_vs_torchft.py --python "$(scripts/pip-torch-env.sh)" --bin build-pip/ddpkit
-                           [--seconds 600] [--kill-every 60] [--probe-steps 30] [--sides torchft,torchft-ddpkit,ddpkit]
+                           [--python-nightly "$(scripts/pip-torch-env.sh --torchft-nightly)"]
+                           [--seconds 600] [--kill-every 60] [--probe-steps 30]
+                           [--sides torchft,torchft-nightly,torchft-ddpkit,ddpkit]
 
 The same model on every side: a GPT of --layers 7 x --d-model 512 (8 heads, 64 byte tokens, batch 8;
 22.4M parameters), AdamW; 4 replica groups of one process each, on this host.
-  torchft          torchft 0.2.0 as its users run it: the torchft_lighthouse (Rust), in each group
+  torchft          torchft 0.2.0 as its users run it: the torchft_lighthouse (Rust) with its own
+                   defaults, in each group
                    its Manager, DistributedDataParallel and optimizer wrapper over its
                    ProcessGroupGloo, live recovery over its HTTP transport (bench/torchft_replica.py;
                    --recovery pg: its PGTransport, over the Manager's own group); a killed group's process is
@@ -15,7 +18,15 @@ The same model on every side: a GPT of --layers 7 x --d-model 512 (8 heads, 64 b
                    (torchft 0.2.0's DistributedDataParallel hook asserts on the bucket after a
                    peer's failure, torchft/ddp.py _comm_hook, so its survivors die too: counted as
                    "crashes", each started again as a killed group is)
+  torchft-nightly  the same with torchft-nightly (--python-nightly: the newest torchft on PyPI, whose
+                   DDP hook gives DDP the bucket back after a peer's failure where 0.2.0 asserts)
   ddpkit           ddpkit train --fault-tolerant --replica-groups 4 --nproc 1 --model transformer
+Detection, the same on every side: torchft_lighthouse's defaults (heartbeat timeout 5000 ms, join
+timeout 60000 ms, quorum tick 100 ms; min_replicas 1), and `ddpkit lighthouse --heartbeat-timeout-ms
+5000 --join-timeout-ms 60000 --expected-groups 4` for ddpkit; heartbeats every 100 ms on both
+(torchft's Manager default, ddpkit's ManagerOptions default). A side whose survivors die (a process
+that was not killed exits and is started again) is a failed baseline: its row is printed, and no
+ratio is drawn against it.
 Failure-free: each side's step over --probe-steps steps against plain DDP of 4 ranks on the same
 model (torch DDP on Gloo for the Python sides, ddpkit train --nproc 4 for ddpkit's): the overhead
 of fault tolerance. Then each side runs the steps a failure-free run takes --seconds for, while a
@@ -48,6 +59,8 @@ from ft_bench import children_ranks, group_of, kill_times, percentile, reports, 
 from ports import free_port  # noqa: E402  (tests/, put on the path by ft_bench: below the ephemeral range)
 
 GROUPS = 4
+# The detection settings of both sides' lighthouses: torchft_lighthouse's own defaults.
+HEARTBEAT_TIMEOUT_MS, JOIN_TIMEOUT_MS = 5000, 60000
 MALLOC = dict(FSDP_MALLOC, MALLOC_TOP_PAD_=str(1 << 26), OMP_NUM_THREADS="1")
 
 
@@ -71,8 +84,8 @@ class TorchftJob:
     """4 groups of bench/torchft_replica.py under a torchft_lighthouse; a group whose process dies is
     started again until it finishes its steps."""
 
-    def __init__(self, a, model, pg, steps, work):
-        self.a, self.model, self.pg, self.steps, self.work = a, model, pg, steps, work
+    def __init__(self, a, model, pg, steps, work, python):
+        self.a, self.model, self.pg, self.steps, self.work, self.python = a, model, pg, steps, work, python
         self.recovery = a.recovery
         self.procs, self.incarnations, self.outputs = {}, {}, {g: [] for g in range(GROUPS)}
         self.lock = threading.Lock()
@@ -82,10 +95,11 @@ class TorchftJob:
 
     def start(self, step_log):
         port = free_port()
-        lighthouse = os.path.join(os.path.dirname(self.a.python), "torchft_lighthouse")
+        lighthouse = os.path.join(os.path.dirname(self.python), "torchft_lighthouse")
+        # Its defaults, named (HEARTBEAT_TIMEOUT_MS, JOIN_TIMEOUT_MS are torchft_lighthouse's own).
         self.lighthouse = subprocess.Popen([lighthouse, "--min_replicas", "1", "--bind", f"127.0.0.1:{port}",
-                                            "--join_timeout_ms", "1000", "--quorum_tick_ms", "50",
-                                            "--heartbeat_timeout_ms", "2000"],
+                                            "--join_timeout_ms", str(JOIN_TIMEOUT_MS),
+                                            "--heartbeat_timeout_ms", str(HEARTBEAT_TIMEOUT_MS)],
                                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         self.address = f"127.0.0.1:{port}"
         time.sleep(1)
@@ -98,7 +112,7 @@ class TorchftJob:
         env = dict(os.environ, **MALLOC, PYTHONPATH=os.path.join(os.path.dirname(os.path.abspath(self.a.bin)), "python"))
         incarnation = 0
         while not self.stop:
-            cmd = [self.a.python, os.path.join(HERE, "torchft_replica.py"), "--group", str(g), "--groups", str(GROUPS),
+            cmd = [self.python, os.path.join(HERE, "torchft_replica.py"), "--group", str(g), "--groups", str(GROUPS),
                    "--lighthouse", self.address, "--pg", self.pg, "--recovery", self.recovery, "--steps",
                    str(self.steps), "--incarnation", str(incarnation)] + self.model.python_flags()
             if self.step_log:
@@ -142,8 +156,18 @@ class DdpkitJob:
         self.a, self.model, self.steps, self.work = a, model, steps, work
 
     def start(self, step_log):
+        # Its own lighthouse with torchft's detection settings (train's built-in one times out in 1 s).
+        self.lighthouse = subprocess.Popen([self.a.bin, "lighthouse", "--address", "127.0.0.1:0", "--quiet",
+                                            "--heartbeat-timeout-ms", str(HEARTBEAT_TIMEOUT_MS),
+                                            "--join-timeout-ms", str(JOIN_TIMEOUT_MS),
+                                            "--expected-groups", str(GROUPS)],
+                                           stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        line = self.lighthouse.stdout.readline()
+        if "listening on" not in line:
+            sys.exit(f"ft_vs_torchft: ddpkit lighthouse did not start: {line!r}")
+        address = line.split("listening on ")[1].split()[0]
         cmd = [self.a.bin, "train", "--fault-tolerant", "--replica-groups", str(GROUPS), "--nproc", "1", "--steps",
-               str(self.steps), "--max-restarts", "1000"] + self.model.ddpkit_flags()
+               str(self.steps), "--max-restarts", "1000", "--lighthouse", address] + self.model.ddpkit_flags()
         if step_log:
             cmd += ["--step-log", step_log]
         self.err = open(os.path.join(self.work, "ddpkit.log"), "w")
@@ -175,6 +199,8 @@ class DdpkitJob:
                 except OSError:
                     pass
         self.p.wait()
+        self.lighthouse.kill()
+        self.lighthouse.wait()
         self.reader.join(timeout=30)
         self.err.close()
         if self.p.returncode != 0:
@@ -185,7 +211,7 @@ class DdpkitJob:
 def make_job(a, model, side, steps, work):
     if side == "ddpkit":
         return DdpkitJob(a, model, steps, work)
-    return TorchftJob(a, model, "ddpkit" if side == "torchft-ddpkit" else "gloo", steps, work)
+    return TorchftJob(a, model, "ddpkit" if side == "torchft-ddpkit" else "gloo", steps, work, sys_python(a, side))
 
 
 def run(job, step_log, kills, timeout):
@@ -218,6 +244,10 @@ def rolled_back(logs, kills):
     return total
 
 
+def sys_python(a, side):
+    return a.python_nightly if side == "torchft-nightly" else a.python
+
+
 def plain_step_ms(a, model, side):
     """Plain DDP of 4 ranks on the model, failure-free: the baseline of the side's overhead."""
     steps = a.probe_steps
@@ -228,7 +258,7 @@ def plain_step_ms(a, model, side):
             sys.exit(f"ft_vs_torchft: plain ddpkit train failed\n{p.stderr[-2000:]}")
         return json.loads(p.stdout.strip().splitlines()[-1])["median_step_ms"]
     port = free_port()
-    procs = [subprocess.Popen([a.python, os.path.join(HERE, "torchft_replica.py"), "--plain", "--steps", str(steps)]
+    procs = [subprocess.Popen([sys_python(a, side), os.path.join(HERE, "torchft_replica.py"), "--plain", "--steps", str(steps)]
                               + model.python_flags(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                               env=dict(os.environ, **MALLOC, RANK=str(r), WORLD_SIZE=str(GROUPS), MASTER_ADDR="127.0.0.1",
                                        MASTER_PORT=str(port), USE_LIBUV="0")) for r in range(GROUPS)]
@@ -246,7 +276,8 @@ def main():
     ap.add_argument("--seconds", type=float, default=600)
     ap.add_argument("--kill-every", type=float, default=60)
     ap.add_argument("--probe-steps", type=int, default=30)
-    ap.add_argument("--sides", default="torchft,torchft-ddpkit,ddpkit")
+    ap.add_argument("--python-nightly", help="the venv with torchft-nightly (pip-torch-env.sh --torchft-nightly)")
+    ap.add_argument("--sides", default="torchft,torchft-nightly,torchft-ddpkit,ddpkit")
     ap.add_argument("--recovery", choices=["http", "pg"], default="http", help="torchft's live recovery transport")
     ap.add_argument("--layers", type=int, default=7)
     ap.add_argument("--d-model", type=int, default=512)
@@ -256,6 +287,8 @@ def main():
     a.bin = os.path.abspath(a.bin)
     model = Model(a)
     sides = a.sides.split(",")
+    if "torchft-nightly" in sides and not a.python_nightly:
+        sys.exit("ft_vs_torchft: the torchft-nightly side needs --python-nightly (scripts/pip-torch-env.sh --torchft-nightly)")
     d, L = a.d_model, a.layers
     params = L * (12 * d * d + 13 * d) + (256 + 64) * d + 2 * d + d * 256 + 256
     print(f"fault tolerance, ddpkit vs torchft: GPT {L} x d_model {d} ({params / 1e6:.1f}M parameters), AdamW, "
@@ -271,7 +304,7 @@ def main():
             probe = make_job(a, model, side, a.probe_steps, work)
             wall, _ = run(probe, None, [], 3600)
             step_ms = max(r["median_step_ms"] for r in probe.finish())
-            base = plain_step_ms(a, model, "ddpkit" if side == "ddpkit" else "torch")
+            base = plain_step_ms(a, model, side)
             steps = max(20, int(a.seconds * 1000 / step_ms))
             log = os.path.join(work, "steps")
             job = make_job(a, model, side, steps, work)
@@ -318,12 +351,25 @@ def main():
         print(f"{side:<15} {r['step_ms']:>8.1f} {r['base_ms']:>9.1f} {100 * (r['step_ms'] / r['base_ms'] - 1):>8.1f}% "
               f"{r['lost']:>10.2f} {r['rollback']:>9.1f} {r['p50']:>7.2f} {r['p95']:>7.2f} {r['heal']:>7.3f} {r['heal_mb']:>8.0f} "
               f"{r['goodput']:>8.3f} {r['crashes']:>8}")
-    peer = "torchft"
-    if "ddpkit" in results and peer in results:
+    print(f"detection on every side: heartbeat timeout {HEARTBEAT_TIMEOUT_MS} ms, join timeout {JOIN_TIMEOUT_MS} ms "
+          "(torchft_lighthouse's defaults), heartbeats every 100 ms")
+    versions = {"torchft": a.python, "torchft-nightly": a.python_nightly}
+    for peer in ("torchft", "torchft-nightly"):
+        if "ddpkit" not in results or peer not in results:
+            continue
         dk, tf = results["ddpkit"], results[peer]
+        version = subprocess.run([versions[peer], "-c", "import importlib.metadata as m, torchft\n"
+                                  "for n in ('torchft-nightly', 'torchft'):\n"
+                                  "    try: print(n, m.version(n)); break\n"
+                                  "    except m.PackageNotFoundError: pass"],
+                                 capture_output=True, text=True).stdout.strip()
+        if tf["crashes"] > 0:  # not the peer as its users run it: no ratio against it
+            print(f"ddpkit vs {peer} ({version}): failed baseline: {tf['crashes']} of its survivors died (a process "
+                  "that was not killed exited), so no ratio is drawn")
+            continue
         over = lambda r: r["step_ms"] / r["base_ms"] - 1  # noqa: E731
-        print(f"ddpkit vs {peer}: heal {tf['heal'] / dk['heal']:.1f}x faster (target >= 3x); steady-state overhead "
-              f"{100 * over(dk):+.1f} % vs {100 * over(tf):+.1f} % (target: at most half); goodput "
+        print(f"ddpkit vs {peer} ({version}): heal {tf['heal'] / dk['heal']:.1f}x faster; steady-state overhead "
+              f"{100 * over(dk):+.1f} % vs {100 * over(tf):+.1f} %; goodput "
               f"{dk['goodput'] / tf['goodput']:.2f}x; failure->next commit p95 {dk['p95']:.2f} s vs {tf['p95']:.2f} s")
 
 

@@ -4,6 +4,12 @@
 #
 #   py=$(scripts/pip-torch-env.sh)          # /var/cache/ddpkit/pip-torch-2.15.0/bin/python3
 #   DDPKIT_PIP_VENV=~/venvs/t215 scripts/pip-torch-env.sh
+#   py=$(scripts/pip-torch-env.sh --torchft-nightly)   # the same, with torchft-nightly in place of 0.2.0
+#
+# --torchft-nightly: a second, small venv (<venv>-torchft-nightly) layered over the first (a .pth
+# file puts the first's site-packages after its own): torchft-nightly (pinned below, the newest on
+# PyPI; its module is torchft too, so it cannot sit beside 0.2.0) and its OpenTelemetry packages in
+# its own site-packages, torch and the rest shared. The fault-tolerance benchmark runs both.
 #
 # The venv lives outside the checkout (a fresh clone reuses it; its ~6 GB never lands in git) and
 # holds torch 2.15.0 from PyPI, which on Linux is the CUDA 13 build with its nvidia-* wheels (PyPI
@@ -28,6 +34,10 @@ pins=(
   setuptools==84.2.1
   wheel==0.48.0
 )
+
+nightly_pin=torchft-nightly==2026.10.26
+nightly=false
+[ "${1:-}" = "--torchft-nightly" ] && nightly=true
 
 log() { echo "pip-torch-env: $*" >&2; }
 
@@ -66,4 +76,22 @@ if [ -n "$missing" ]; then
 else
   log "all ${#pins[@]} pins present in $venv"
 fi
-echo "$py"
+if ! $nightly; then
+  echo "$py"
+  exit 0
+fi
+
+layer="$venv-torchft-nightly"
+if [ ! -x "$layer/bin/python3" ]; then
+  log "creating $layer over $venv"
+  "$base_python" -m venv "$layer"
+  shared=$("$py" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+  own=$("$layer/bin/python3" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+  echo "$shared" > "$own/zz-ddpkit-pip-torch.pth"  # after its own packages: its torchft wins
+fi
+lpy="$layer/bin/python3"
+if [ "$("$lpy" -c 'from importlib import metadata; print(metadata.version("torchft-nightly"))' 2>/dev/null)" != "${nightly_pin#*==}" ]; then
+  log "installing $nightly_pin into $layer"
+  "$lpy" -m pip install --quiet --no-input --progress-bar off "$nightly_pin" >&2
+fi
+echo "$lpy"

@@ -1,5 +1,7 @@
 // One suite run against every codec make_codec knows (include/ddpkit/codecs/codec.h): round-trip
-// bounds, sizes, NaN/Inf, accumulation, the same bytes at every SIMD level, and the padded encode,
+// bounds (and a cast's at both ends of its range), sizes, NaN/Inf, zeros among non-zeros and
+// symmetric rounding, accumulation, the same bytes at every SIMD level (codecs with kernels per
+// level), and the padded encode,
 // residual and prefix decode the hooks use. A new codec is
 // covered by adding it to make_codec; kExpectedBytesPerValue below holds what each may cost.
 #include "harness.h"
@@ -114,7 +116,57 @@ TEST_P(CodecConformance, DecodeScalesAndAccumulates) {
   EXPECT_TRUE(at::allclose(acc, plain * 2 + 1, 1e-6, 1e-6)) << GetParam();
 }
 
+// Zeros among non-zeros in one block (an unused embedding row beside used ones) decode to exactly
+// 0, and the rounding is odd-symmetric: -x decodes to minus what x decodes to, so over values of
+// both signs the error is zero-mean (int2's four levels had no 0 and pushed every 0 by +max/3).
+TEST_P(CodecConformance, ZerosAmongNonZerosStayZerosAndRoundingIsSymmetric) {
+  for (int64_t n : {128, 300, 1000}) {
+    at::Tensor x = spread_values(n, 31 + static_cast<uint64_t>(n));
+    x.slice(0, 0, n, 3).zero_();  // every third value, in every block
+    const at::Tensor y = decode(*codec, encode(*codec, x), n);
+    const at::Tensor zeros = x.eq(0);
+    EXPECT_TRUE(y.masked_select(zeros).eq(0).all().item<bool>())
+        << GetParam() << ": a 0 among non-zeros decoded to " << y.masked_select(zeros).abs().max().item<float>();
+    const at::Tensor negated = decode(*codec, encode(*codec, -x), n);
+    EXPECT_TRUE(at::equal(negated, -y)) << GetParam() << ", " << n << " values: -x does not decode to -decode(x)";
+  }
+}
+
+// A cast keeps its relative bound over [normal_min, finite_max]; below, its subnormals keep the
+// absolute error normal_min x bound; above, a value may become Inf, never a wrong finite value.
+TEST_P(CodecConformance, CastsKeepTheirBoundAtBothEndsOfTheirRange) {
+  if (codec->block() != 1 || codec->error_bound() == 0) GTEST_SKIP() << GetParam() << " has no range of its own";
+  const double lo = codec->normal_min(), hi = codec->finite_max(), bound = codec->error_bound();
+  ASSERT_GT(lo, 0) << GetParam();
+  ASSERT_LE(hi, std::numeric_limits<float>::max()) << GetParam();
+  // Inside, at both ends: relative.
+  std::vector<float> inside = {static_cast<float>(lo), static_cast<float>(lo) * 1.37f, static_cast<float>(hi),
+                               static_cast<float>(hi) * 0.77f};
+  for (float v : std::vector<float>(inside)) inside.push_back(-v);
+  const at::Tensor x = at::tensor(inside);
+  const at::Tensor y = decode(*codec, encode(*codec, x), x.numel());
+  EXPECT_TRUE((y - x).abs().le(x.abs() * (bound + 1e-7)).all().item<bool>())
+      << GetParam() << ": worst relative error " << ((y - x).abs() / x.abs()).max().item<double>();
+  // Below: absolute, down to float32's own subnormals.
+  const float l = static_cast<float>(lo);
+  const at::Tensor small = at::tensor({l * 0.3f, -l * 0.0065f, l * 1e-3f, std::numeric_limits<float>::denorm_min()});
+  const at::Tensor ys = decode(*codec, encode(*codec, small), small.numel());
+  EXPECT_TRUE((ys - small).abs().le(lo * bound * (1 + 1e-6)).all().item<bool>())
+      << GetParam() << ": worst error below normal_min " << (ys - small).abs().max().item<double>() << " > "
+      << lo * bound;
+  // Above (where the format's range ends before float32's): Inf with the sign, never finite.
+  if (hi < std::numeric_limits<float>::max()) {
+    const at::Tensor big = at::tensor({static_cast<float>(hi) * 2.f, -static_cast<float>(hi) * 2.f});
+    const at::Tensor yb = decode(*codec, encode(*codec, big), 2);
+    EXPECT_TRUE(at::isinf(yb).all().item<bool>()) << GetParam() << " turned " << hi * 2 << " into " << yb;
+    EXPECT_TRUE(yb.sign().eq(big.sign()).all().item<bool>()) << GetParam();
+  }
+}
+
+// Only codecs with kernels per SIMD level (simd_kernels()): the others run one code path.
 TEST_P(CodecConformance, EverySimdLevelWritesTheSameBytes) {
+  if (!codec->simd_kernels()) GTEST_SKIP() << GetParam() << " has one code path at every SIMD level";
+  if (levels_here().size() < 2) GTEST_SKIP() << "this CPU has one SIMD level: nothing to compare";
   const codecs::SimdLevel before = codecs::simd_level();
   const at::Tensor x = spread_values(5000, 11);
   at::Tensor first, first_decoded;

@@ -7,7 +7,14 @@ MODE:
   parity      DiLoCo with H=1, outer lr 1, no momentum, over SGD is DDP across the groups: the
               same test loss as plain --fault-tolerant (2 groups of 2 ranks)
   streaming   3 groups, 2 fragments synced in turn, each average behind 1 inner step, int4 outer
-              codec: every group ends alike, the bytes per step as the layout says
+              codec: every group ends alike, and the bytes each sends are 2(n-1)/n of its syncs'
+              encoded fragments (within 2 %)
+  site-bytes  2 sites of 1, 2 and 4 ranks (DDP inside, int8): a site sends one copy of its
+              pseudo-gradient whatever its ranks (each carries 1/W): cross_bytes_per_site_per_sync
+              is 2(n-1)/n of the encoded model within 2 % at each size
+  rounds      2 sites of 2 ranks with time-budgeted rounds (--round-seconds), one rank of site 1
+              throttled (SIGSTOP/SIGCONT pulses), three times: each site's ranks end their rounds at
+              the same inner step (one decision a site), every group ends alike
   kill-sync   3 groups, int2 outer codec with error feedback; group 1 dies just after issuing an
               outer average (its peers mid-transfer): the survivors redo that sync among themselves,
               lose no inner step, stay identical; group 1 restarts, heals at a later sync and ends alike
@@ -78,8 +85,96 @@ def streaming_mode():
     r = reps[0]
     if r["outer_syncs"] != 1 + 48 // 4:
         sys.exit(f"FAILED: expected {1 + 48 // 4} syncs (one per 4 steps), got {r}")
+    # Fragment 0 in the first quorum's sync, then the fragments in turn: 7 of fragment 0, 6 of 1.
+    f0, f1 = r["fragment_parameters"]
+    want = 2 * (3 - 1) / 3 * (7 * encoded_bytes("int4", f0) + 6 * encoded_bytes("int4", f1))
+    for rep in reps:
+        if abs(rep["cross_bytes_sent"] / want - 1) > 0.02:
+            sys.exit(f"FAILED: group {rep['replica_group']} sent {rep['cross_bytes_sent']} B, the layout says "
+                     f"{want:.0f} (2(n-1)/n x int4 of fragments {f0} and {f1}, 7 and 6 syncs)")
     print(f"streaming, 2 fragments, tau 1, int4: {r['outer_syncs']} syncs, {r['cross_bytes_per_step']:.0f} B/step, "
           f"test loss {r['test_loss']:.4f}")
+
+
+def encoded_bytes(codec, n):
+    """include/ddpkit/codecs/codec.h's sizes, for the codecs these tests send."""
+    if codec == "int8":  # blocks of 256 values, a float32 scale each
+        blocks = -(-n // 256)
+        return blocks * 256 + 4 * blocks
+    if codec == "int4":  # 4-bit codes padded to 4 bytes, a float32 scale per 128 values
+        return ((n + 1) // 2 + 3) // 4 * 4 + 4 * -(-n // 128)
+    raise ValueError(codec)
+
+
+def site_bytes_mode():
+    sites, steps, h = 2, 16, 4
+    share = 2 * (sites - 1) / sites
+    per_site = {}
+    for ranks in (1, 2, 4):
+        reps, _ = run(["--replica-groups", str(sites), "--nproc", str(ranks), "--steps", str(steps), "--diloco", str(h),
+                       "--outer-codec", "int8", "--no-eval"], dims="64,512,512,10")
+        check_alike(reps, sites, f"{ranks} ranks a site")
+        for r in reps:
+            want = share * encoded_bytes("int8", r["parameters"])
+            got = r["cross_bytes_per_site_per_sync"]
+            if r["outer_syncs"] != 1 + steps // h or abs(got / want - 1) > 0.02:
+                sys.exit(f"FAILED: {ranks} ranks a site: {got:.0f} B per site per sync, the formula says {want:.0f} "
+                         f"(2(n-1)/n x int8 of {r['parameters']} values): {r}")
+            per_site.setdefault(ranks, []).append(got)
+        print(f"{ranks} rank(s) a site: {per_site[ranks][0]:.0f} B per site per sync (formula {want:.0f}), "
+              f"{reps[0]['cross_bytes_per_rank_per_sync']:.0f} B per rank")
+    if abs(per_site[4][0] / per_site[1][0] - 1) > 0.02:
+        sys.exit(f"FAILED: a site of 4 ranks sends {per_site[4][0]:.0f} B per sync, a site of 1 {per_site[1][0]:.0f}")
+
+
+def rounds_mode():
+    import signal
+    import threading
+    import time
+    for attempt in range(3):
+        cmd = [BIN, "train", "--fault-tolerant", "--mlp-dims", "64,128,10"] + MODEL + \
+            ["--replica-groups", "2", "--nproc", "2", "--steps", "6000", "--diloco", "1000", "--round-seconds", "0.25",
+             "--no-eval"]
+        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        stop = threading.Event()
+
+        def throttle():
+            # One rank of site 1 runs 20 ms in every 50 ms: its clock reaches each deadline up to
+            # 30 ms after its peer's.
+            while not stop.is_set() and not ranks_of(1):
+                time.sleep(0.05)
+            pids = ranks_of(1)
+            while not stop.is_set() and pids:
+                try:
+                    os.kill(pids[-1], signal.SIGSTOP)
+                    time.sleep(0.03)
+                    os.kill(pids[-1], signal.SIGCONT)
+                except OSError:
+                    return
+                time.sleep(0.02)
+        pulse = threading.Thread(target=throttle, daemon=True)
+        pulse.start()
+        try:
+            out, err = p.communicate(timeout=200)
+        finally:
+            stop.set()
+            pulse.join()
+            for pid in ranks_of(1):
+                try:
+                    os.kill(pid, signal.SIGCONT)
+                except OSError:
+                    pass
+            if p.poll() is None:
+                p.kill()
+        if p.returncode != 0:
+            sys.exit(f"FAILED (run {attempt + 1}): exit {p.returncode}\n{err[-4000:]}")
+        reps = sorted((json.loads(l) for l in out.splitlines() if l.startswith("{")), key=lambda r: r["replica_group"])
+        check_alike(reps, 2, f"rounds, run {attempt + 1}")
+        for r in reps:
+            if r["outer_steps"] != 6 or r["sync_retries"]:
+                sys.exit(f"FAILED (run {attempt + 1}): expected 6 rounds without retries: {r}")
+        print(f"run {attempt + 1}: 6 time-budgeted rounds, inner steps by site {[r['steps_run'] for r in reps]} "
+              "(site 1 throttled), every group alike")
 
 
 def kill_mode(phase, step, codec=()):
@@ -181,7 +276,7 @@ def checkpoint_mode():
             shutil.rmtree(d, ignore_errors=True)
 
 
-MODES = {"parity": parity_mode, "streaming": streaming_mode,
+MODES = {"parity": parity_mode, "streaming": streaming_mode, "site-bytes": site_bytes_mode, "rounds": rounds_mode,
          "kill-sync": lambda: kill_mode("outer-issued", 4, ["--outer-codec", "int2", "--outer-error-feedback"]),
          "kill-inner": lambda: kill_mode("forward", 4), "stop": stop_mode, "strategies": strategies_mode,
          "checkpoint": checkpoint_mode}

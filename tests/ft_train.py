@@ -40,6 +40,7 @@ import tempfile
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -223,6 +224,8 @@ def lighthouse_mode():
         line = lh.stdout.readline()
         if "listening on" not in line:
             sys.exit(f"FAILED: the lighthouse did not start: {line}")
+        # Its event lines follow: drained, so that a full pipe never blocks the lighthouse.
+        threading.Thread(target=lambda out=lh.stdout: [None for _ in out], daemon=True).start()
         return lh
 
     lh = [start_lighthouse()]

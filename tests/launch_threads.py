@@ -10,6 +10,10 @@ unset, says so once, and leaves a user's own value alone.
     kubeflow-node         a Trainer v2 pod (PET_NPROC_PER_NODE=2): the node's 2 ranks get 1
     train-2               `ddpkit train --nproc 2`: its ranks' environment
     fault-tolerant        `ddpkit train --fault-tolerant --replica-groups 2`: 2 groups of 1 rank
+    openblas              `ddpkit train --nproc 2` with OPENBLAS_CORETYPE unset: on a CPU OpenBLAS does
+                          not recognise, its ranks get the kernels the CPU has (procs.openblas_coretype)
+                          and the command says so once; elsewhere, and with a user's own value, the
+                          variable is left as it was
 
     tests/launch_threads.py build/ddpkit
 """
@@ -22,7 +26,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from ports import free_port  # noqa: E402
-from procs import children  # noqa: E402
+from procs import children, openblas_coretype  # noqa: E402
 
 NOTICE = "OMP_NUM_THREADS is unset: setting it to 1"
 PROBE = [sys.executable, "-c",
@@ -59,7 +63,7 @@ def check_probe(name, got, want_lines, want_notices):
     return ok
 
 
-def ranks_environment(cmd, env, want_ranks):
+def ranks_environment(cmd, env, want_ranks, var="OMP_NUM_THREADS"):
     """Starts a job and reads its ranks' environments from /proc while they run."""
     job = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     seen = {}
@@ -74,10 +78,40 @@ def ranks_environment(cmd, env, want_ranks):
             except OSError:
                 continue
             if entries.get(b"DDPKIT_LAUNCHED") == b"1":
-                seen[pid] = entries.get(b"OMP_NUM_THREADS", b"unset").decode()
+                seen[pid] = entries.get(var.encode(), b"unset").decode()
         time.sleep(0.02)
     _, err = job.communicate(timeout=300)
     return job.returncode, sorted(seen.values()), err.count(NOTICE), err
+
+
+BLAS_NOTICE = "OpenBLAS did not recognise this CPU"
+
+
+def check_openblas(ddpkit):
+    cmd = [ddpkit] + TRAIN + ["--nproc", "2"]
+    env = {k: v for k, v in clean_env().items() if k != "OPENBLAS_CORETYPE"}
+    rc, values, _, err = ranks_environment(cmd, env, 2, var="OPENBLAS_CORETYPE")
+    notices = err.count(BLAS_NOTICE)
+    if notices:  # this CPU is one OpenBLAS misdetects: the ranks run with the kernels it has
+        saved = os.environ.pop("OPENBLAS_CORETYPE", None)
+        try:
+            core = openblas_coretype()  # from the CPU's flags, as the command decides
+        finally:
+            if saved is not None:
+                os.environ["OPENBLAS_CORETYPE"] = saved
+        good = rc == 0 and notices == 1 and core is not None and values == [core] * 2 and \
+            f"OPENBLAS_CORETYPE={core}" in err
+    else:
+        good = rc == 0 and values == ["unset"] * 2
+    print(f"openblas: {'ok' if good else 'FAILED'}: ranks' OPENBLAS_CORETYPE {values}, notice {notices}x")
+    if not good:
+        print(err[-2000:])
+    rc, values, _, err = ranks_environment(cmd, dict(env, OPENBLAS_CORETYPE="Haswell"), 2, var="OPENBLAS_CORETYPE")
+    mine = rc == 0 and values == ["Haswell"] * 2 and BLAS_NOTICE not in err
+    print(f"openblas-user-value: {'ok' if mine else 'FAILED'}: ranks' OPENBLAS_CORETYPE {values}")
+    if not mine:
+        print(err[-2000:])
+    return good and mine
 
 
 def main():
@@ -106,6 +140,7 @@ def main():
         if not good:
             print(err[-2000:])
         ok &= good
+    ok &= check_openblas(ddpkit)
     if not ok:
         sys.exit("FAILED")
     print("every launch path sets one compute thread per rank")

@@ -9,6 +9,7 @@
 
 #include <cstring>
 #include <functional>
+#include <limits>
 #include <map>
 
 namespace ddpkit {
@@ -64,7 +65,8 @@ class Fp32Codec final : public Codec {
 // encode and prefix decode are the compress hooks' path: one pass, scaled, on any device.
 class CastCodec final : public Codec {
  public:
-  CastCodec(std::string name, at::ScalarType type, double bound) : name_(std::move(name)), type_(type), bound_(bound) {}
+  CastCodec(std::string name, at::ScalarType type, double bound, double normal_min, double finite_max)
+      : name_(std::move(name)), type_(type), bound_(bound), normal_min_(normal_min), finite_max_(finite_max) {}
   const std::string& name() const override { return name_; }
   int64_t encoded_bytes(int64_t numel) const override { return 2 * numel; }
   void encode(const at::Tensor& src, const at::Tensor& out) const override { encode_padded(src, src.numel(), out, 1.0f, {}); }
@@ -95,12 +97,15 @@ class CastCodec final : public Codec {
   }
   int64_t block() const override { return 1; }
   double error_bound() const override { return bound_; }
+  double normal_min() const override { return normal_min_; }
+  double finite_max() const override { return finite_max_; }
+  bool simd_kernels() const override { return true; }
   at::ScalarType summable_type() const override { return type_; }
 
  private:
   std::string name_;
   at::ScalarType type_;
-  double bound_;
+  double bound_, normal_min_, finite_max_;
 };
 
 // Block int8 (codecs/quantize.h): its kernels pad, and write the residual, themselves.
@@ -132,6 +137,7 @@ class Int8Codec final : public Codec {
   }
   int64_t block() const override { return block_; }
   double error_bound() const override { return 1.0 / 254.0; }
+  bool simd_kernels() const override { return true; }
 
  private:
   std::string name_ = "int8";
@@ -144,8 +150,13 @@ const std::vector<std::pair<std::string, Factory>>& registry() {
   static const std::vector<std::pair<std::string, Factory>> codecs = {
       {"fp32", [] { return std::make_shared<Fp32Codec>(); }},
       // Half an ulp: 2^-11 of |x| for fp16 (normal range), 2^-8 for bf16.
-      {"fp16", [] { return std::make_shared<CastCodec>("fp16", at::kHalf, 1.0 / 2048); }},
-      {"bf16", [] { return std::make_shared<CastCodec>("bf16", at::kBFloat16, 1.0 / 256); }},
+      // fp16: 2^-14 is its smallest normal, 65504 its largest finite value; bf16 has float32's
+      // exponent range, and its largest finite value is (2 - 2^-7) * 2^127.
+      {"fp16", [] { return std::make_shared<CastCodec>("fp16", at::kHalf, 1.0 / 2048, 6.103515625e-05, 65504.0); }},
+      {"bf16", [] {
+         return std::make_shared<CastCodec>("bf16", at::kBFloat16, 1.0 / 256, std::numeric_limits<float>::min(),
+                                            3.3895313892515355e38);
+       }},
       {"int8", [] { return make_int8_codec(256); }},
       {"int4", [] { return make_int4_codec(); }},
       {"int2", [] { return make_int2_codec(); }},
@@ -154,6 +165,8 @@ const std::vector<std::pair<std::string, Factory>>& registry() {
 }
 
 }  // namespace
+
+double Codec::finite_max() const { return std::numeric_limits<float>::max(); }
 
 void Codec::encode_padded(const at::Tensor& src, int64_t numel, const at::Tensor& out, float multiplier,
                           const at::Tensor& residual) const {

@@ -1,14 +1,17 @@
-// int2: 2-bit codes with one float32 scale per block of 128 values (0.28 B/value). A value moves
-// by up to a third of its block's max|x|: DiLoCo's outer momentum averages that over rounds
-// (docs/diloco.md: Streaming DiLoCo within 1.5 % of DDP's loss with it), and error feedback
-// (DiLoCoOptions::error_feedback) can carry it to the next round instead.
+// int2: 2-bit codes with one float32 scale per block of 128 values (0.28 B/value). Three levels,
+// -s, 0 and +s with s = 2/3 of the block's max|x|: a value moves by at most a third of that max (the
+// same bound as four levels -max, -max/3, max/3, max, and on heavy-tailed values such as
+// pseudo-gradients half their squared error), and the rounding is odd-symmetric, so its error is
+// zero-mean and an exact 0 stays 0 (four levels have no zero: each 0 in a mixed block, such as
+// an unused embedding row, was pushed by +max/3 every round). DiLoCo's outer momentum averages the
+// rounding over rounds, and error feedback (DiLoCoOptions::error_feedback) can carry it to the
+// next round instead.
 //
 // Layout of n values: ceil(n / 4) bytes of codes (value 4i+j in bits 2j..2j+1 of byte i), padded
-// to a multiple of 4, then one float32 scale max|x| / 3 per block. Code k in 0..3 decodes to
-// (2k - 3) * scale: the four levels -max, -max/3, max/3, max, evenly spaced (no zero level: four
-// levels spaced by 2/3 max lose less than three spaced by max; an all-zero block has scale 0 and
-// decodes to zeros). A block holding NaN or Inf gets a NaN scale: all of it decodes to NaN. Plain
-// loops, so every SIMD level writes the same bytes.
+// to a multiple of 4, then one float32 scale s per block. Code k in 0..2 decodes to (k - 1) * s (3
+// is never written, and decodes to 0). An all-zero block has scale 0. A block holding NaN or Inf
+// gets a NaN scale: all of it decodes to NaN. Plain loops: there is one code path at every SIMD
+// level.
 #include "codec_checks.h"
 #include "packed_blocks.h"
 
@@ -28,14 +31,17 @@ namespace int2 {
 constexpr int64_t kBlock = detail::kPackedBlock;
 
 int64_t code_bytes(int64_t numel) { return ((numel + 3) / 4 + 3) / 4 * 4; }
-float block_scale(const float* x, int64_t n) { return detail::block_absmax(x, n) / 3.f; }
+float block_scale(const float* x, int64_t n) { return detail::block_absmax(x, n) * (2.f / 3.f); }
 
-// The nearest level's code: level (2k - 3) * scale is nearest for k = round(x / (2 scale) + 1.5).
-inline uint8_t code_of(float x, float half_inverse) {
-  float k = std::nearbyint(x * half_inverse + 1.5f);
-  k = k > 3.f ? 3.f : (k < 0.f ? 0.f : k);
-  return static_cast<uint8_t>(k);
+// The nearest level's code: level (k - 1) * scale is nearest for k = round(x / scale) + 1. Ties
+// (|x| = scale / 2) round to even, i.e. to 0 on both sides: -x always gets the opposite level of x.
+inline uint8_t code_of(float x, float inverse) {
+  float k = std::nearbyint(x * inverse);
+  k = k > 1.f ? 1.f : (k < -1.f ? -1.f : k);
+  return static_cast<uint8_t>(k + 1.f);
 }
+
+constexpr float kLevel[4] = {-1.f, 0.f, 1.f, 0.f};
 
 class Int2Codec final : public Codec {
  public:
@@ -54,10 +60,10 @@ class Int2Codec final : public Codec {
       const float scale = block_scale(x + start, len);
       std::memcpy(scales + 4 * b, &scale, 4);
       if (std::isnan(scale) || scale == 0.f) continue;  // NaN or 0 through the scale
-      const float half_inverse = 0.5f / scale;
+      const float inverse = 1.f / scale;
       // kBlock is a multiple of 4, so a block starts on a byte.
       uint8_t* c = codes + start / 4;
-      for (int64_t i = 0; i < len; ++i) c[i / 4] |= static_cast<uint8_t>(code_of(x[start + i], half_inverse) << (2 * (i & 3)));
+      for (int64_t i = 0; i < len; ++i) c[i / 4] |= static_cast<uint8_t>(code_of(x[start + i], inverse) << (2 * (i & 3)));
     }
   }
 
@@ -76,7 +82,7 @@ class Int2Codec final : public Codec {
       float* o = out + start;
       for (int64_t i = 0; i < len; ++i) {
         const int k = (c[i / 4] >> (2 * (i & 3))) & 3;
-        const float v = static_cast<float>(2 * k - 3) * scale;
+        const float v = kLevel[k] * scale;
         o[i] = accumulate ? o[i] + v : v;
       }
     }

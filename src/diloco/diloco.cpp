@@ -43,9 +43,22 @@ struct DiLoCoFragment {
   at::Tensor global;    // float32, flat
   at::Tensor momentum;  // float32, flat; meaningful once outer_steps > 0
   int64_t outer_steps = 0;
-  // Error feedback (DiLoCoOptions::error_feedback): what this site's last committed encodings lost,
-  // of its pseudo-gradient and of the mean at the positions it owned (float32, flat).
+  // The part of the values this rank carries across sites: [shard_offset, + shard_numel), padded
+  // with zeros to shard_size (the same on every rank of the site). All of them (shard_size ==
+  // numel) unless the site's ranks hold the same parameters and split the carrying.
+  int64_t shard_offset = 0, shard_numel = 0, shard_size = 0;
+  // Error feedback (DiLoCoOptions::error_feedback): what this rank's last committed encodings lost,
+  // of its shard of the pseudo-gradient and of the mean at the positions it owned (float32, flat).
   at::Tensor sent_residual, mean_residual;
+
+  bool split_across_site() const { return shard_size != numel; }
+  // This rank's shard of `full` (numel values), as a tensor of its own.
+  at::Tensor shard_of(const at::Tensor& full) const {
+    if (!split_across_site()) return full;
+    at::Tensor out = at::zeros({shard_size}, at::kFloat);
+    if (shard_numel > 0) out.narrow(0, 0, shard_numel).copy_(full.narrow(0, shard_offset, shard_numel));
+    return out;
+  }
 
   at::Tensor local_flat() const {
     std::vector<at::Tensor> flat;
@@ -71,7 +84,7 @@ struct DiLoCoFragment {
 struct DiLoCoSync {
   bool active = false;
   size_t fragment = 0;
-  at::Tensor delta;  // this site's pseudo-gradient, sent again on a retry
+  at::Tensor delta;  // this rank's shard of the site's pseudo-gradient, sent again on a retry
   float weight = 0;
   uint64_t checksum = 0;
   at::Tensor mean;   // the average, once the future completes
@@ -80,7 +93,9 @@ struct DiLoCoSync {
   std::shared_ptr<MeanErrorFeedback> feedback;  // this attempt's residuals, kept if it commits
   Clock::time_point issued;
   double blocked = 0;  // the training thread's wait in this sync so far
-  std::shared_ptr<std::atomic<double>> done_after;  // seconds from issue to completion
+  // Seconds from issue to completion, stored before `future` completes (it is a then() of the
+  // average's own future, so whoever waits on it reads the figure).
+  std::shared_ptr<std::atomic<double>> done_after;
 };
 
 struct DiLoCo::Impl {
@@ -98,7 +113,59 @@ struct DiLoCo::Impl {
   DiLoCoSync sync;
   DiLoCoStats stats;
 
-  Impl(ft::Manager& m, DiLoCoOptions o) : manager(m), options(std::move(o)) {}
+  // The site's own group (its ranks' fast network) and this rank's place in it.
+  std::shared_ptr<ProcessGroup> site;
+  int site_world = 1, site_rank = 0;
+
+  Impl(ft::Manager& m, DiLoCoOptions o) : manager(m), options(std::move(o)) {
+    site = manager.group();
+    if (site) {
+      site_world = site->size();
+      site_rank = site->rank();
+    }
+  }
+
+  // Whether this time-budgeted round ends now: rank 0's clock decides for the whole site, so its
+  // ranks enter the sync at the same inner step (each deciding alone, one rank could start the
+  // sync's collectives while another ran DDP's allreduce of one more step on the same group).
+  bool round_ends() {
+    bool ends = local_step >= period || seconds_since(round_start) >= options.round_seconds();
+    if (site_world > 1) {
+      at::Tensor decision = at::full({1}, ends ? 1 : 0, at::kInt);
+      ProcessGroup::wait(site->broadcast(decision, 0));
+      ends = decision.item<int>() != 0;
+    }
+    return ends;
+  }
+
+  // The site's ranks must hold the same parameters when they split the carrying (a model under
+  // FSDP does not: its ranks hold their own shards).
+  void check_site_agrees() {
+    if (site_world == 1 || options.parameters_sharded()) return;
+    const auto count = static_cast<int64_t>(fragments.size());
+    at::Tensor mine = at::empty({count}, at::kLong), all = at::empty({count * site_world}, at::kLong);
+    for (int64_t i = 0; i < count; ++i) {
+      const uint64_t sum = checksum_of(fragments[static_cast<size_t>(i)].global);
+      std::memcpy(mine.data_ptr<int64_t>() + i, &sum, sizeof sum);
+    }
+    ProcessGroup::wait(site->allgather_into_tensor(all, mine));
+    for (int r = 1; r < site_world; ++r)
+      DDPKIT_CHECK(at::equal(all.narrow(0, r * count, count), all.narrow(0, 0, count)), "DiLoCo: rank ", r,
+                   " of this site holds other parameters than rank 0, and DiLoCoOptions::parameters_sharded is "
+                   "false (every rank of a site carries 1/", site_world,
+                   " of the whole model's pseudo-gradient): under FSDP, where each rank holds its own shards, "
+                   "set parameters_sharded(true); under DDP or ZeRO, start DiLoCo after the model is replicated");
+  }
+
+  // The fragment's whole mean from the ranks' shards of it (all-gathered inside the site).
+  at::Tensor whole_mean(const DiLoCoFragment& f) {
+    if (!f.split_across_site()) return sync.mean;
+    const auto t0 = Clock::now();
+    at::Tensor all = at::empty({f.shard_size * site_world}, at::kFloat);
+    ProcessGroup::wait(site->allgather_into_tensor(all, sync.mean));
+    stats.site_gather_seconds += seconds_since(t0);
+    return all.narrow(0, 0, f.numel);
+  }
 
   // Joins the quorum; true when this site healed in it (its state was replaced).
   bool join_quorum() {
@@ -126,7 +193,7 @@ struct DiLoCo::Impl {
     if (options.error_feedback()) {
       const DiLoCoFragment& f = fragments[sync.fragment];
       sync.feedback = std::make_shared<MeanErrorFeedback>();
-      sync.feedback->sent = at::empty({f.numel}, at::kFloat);
+      sync.feedback->sent = at::empty({f.shard_size}, at::kFloat);
       sync.feedback->mean = f.mean_residual.clone();  // a failed attempt leaves the fragment's as it was
     }
     sync.issued = Clock::now();
@@ -142,9 +209,16 @@ struct DiLoCo::Impl {
       sync.future = completed_future(sync.mean);
       return;
     }
+    // A future wakes its waiters before it runs its callbacks: the time is stamped in a then(),
+    // whose future completes only after it.
     auto done = sync.done_after;
     const auto issued = sync.issued;
-    sync.future->addCallback([done, issued](c10::ivalue::Future&) { done->store(seconds_since(issued)); });
+    sync.future = sync.future->then(
+        [done, issued](c10::ivalue::Future& average) {
+          done->store(seconds_since(issued));
+          return average.value();
+        },
+        sync.future->elementType());
     if (options.on_phase()) options.on_phase()("outer-issued", manager.step());
   }
 
@@ -158,7 +232,7 @@ struct DiLoCo::Impl {
     DiLoCoFragment& f = fragments[sync.fragment];
     // Equal rounds weigh alike; time-budgeted ones by the inner steps each site ran.
     sync.weight = (weightless || healed) ? 0.f : options.round_seconds() > 0 ? static_cast<float>(local_step) : 1.f;
-    sync.delta = sync.weight > 0 ? f.global - f.local_flat() : at::zeros({f.numel}, at::kFloat);
+    sync.delta = sync.weight > 0 ? f.shard_of(f.global - f.local_flat()) : at::zeros({f.shard_size}, at::kFloat);
     if (options.error_feedback() && sync.weight > 0) sync.delta.add_(f.sent_residual);
     sync.checksum = checksum_of(f.global);
     issue();
@@ -207,7 +281,7 @@ struct DiLoCo::Impl {
         sync.fragment = static_cast<size_t>(next_fragment);
         DiLoCoFragment& f = fragments[sync.fragment];
         sync.weight = 0.f;
-        sync.delta = at::zeros({f.numel}, at::kFloat);
+        sync.delta = at::zeros({f.shard_size}, at::kFloat);
         sync.checksum = checksum_of(f.global);
       }
       issue();
@@ -226,7 +300,7 @@ struct DiLoCo::Impl {
         if (sync.weight > 0) f.sent_residual = sync.feedback->sent;
         f.mean_residual = sync.feedback->mean;  // owners encode the mean whatever their weight
       }
-      apply(f, sync.mean);
+      apply(f, whole_mean(f));
       f.merge(options.fragment_alpha());
       next_fragment = (next_fragment + 1) % static_cast<int64_t>(fragments.size());
     }
@@ -278,9 +352,16 @@ DiLoCo::DiLoCo(ft::Manager& manager, std::vector<std::vector<at::Tensor>> fragme
     }
     f.global = f.local_flat().clone();
     f.momentum = at::zeros({f.numel}, at::kFloat);
+    f.shard_size = f.numel;
+    f.shard_numel = f.numel;
+    if (!o.parameters_sharded() && im.site_world > 1) {
+      f.shard_size = (f.numel + im.site_world - 1) / im.site_world;
+      f.shard_offset = std::min<int64_t>(f.numel, f.shard_size * im.site_rank);
+      f.shard_numel = std::min<int64_t>(f.shard_size, f.numel - f.shard_offset);
+    }
     if (o.error_feedback()) {
-      f.sent_residual = at::zeros({f.numel}, at::kFloat);
-      f.mean_residual = at::zeros({f.numel}, at::kFloat);
+      f.sent_residual = at::zeros({f.shard_size}, at::kFloat);
+      f.mean_residual = at::zeros({f.shard_size}, at::kFloat);
     }
     im.fragments.push_back(std::move(f));
   }
@@ -291,6 +372,7 @@ DiLoCo::~DiLoCo() = default;
 void DiLoCo::start() {
   Impl& im = *impl_;
   DDPKIT_CHECK(!im.sync.active && im.stats.syncs == 0, "DiLoCo::start: call it once, before the first inner step");
+  im.check_site_agrees();
   im.prepare(/*weightless=*/true);
   // A site that healed into another's sync in flight (tau > 0) applies it at that site's sync point.
   if (im.stats.heals > 0 && im.options.round_seconds() == 0 && im.local_step < im.period) return;
@@ -303,8 +385,8 @@ bool DiLoCo::after_inner_step() {
   ++im.stats.inner_steps;
   ++im.local_step;
   if (im.options.round_seconds() > 0) {
-    // A time-budgeted round ends at its deadline (every site's clock, within one of its steps).
-    if (im.local_step < im.period && seconds_since(im.round_start) < im.options.round_seconds()) return false;
+    // A time-budgeted round ends at its deadline (each site's rank 0's clock, within one of its steps).
+    if (!im.round_ends()) return false;
     im.prepare(false);
     im.applied = false;
     if (im.perform()) im.local_step = 0;
@@ -383,8 +465,9 @@ void DiLoCo::load_site_state(const TensorDict& state) {
       auto it = state.find(key);
       DDPKIT_CHECK(it != state.end(), "DiLoCo::load_site_state: no '", key,
                    "' (a state saved without error_feedback, or of another fragment count?)");
-      DDPKIT_CHECK(it->second.numel() == f.numel, "DiLoCo::load_site_state: fragment ", i, " holds ", f.numel,
-                   " values here, ", it->second.numel(), " in '", key, "'");
+      DDPKIT_CHECK(it->second.numel() == f.shard_size, "DiLoCo::load_site_state: this rank carries ", f.shard_size,
+                   " values of fragment ", i, ", ", it->second.numel(), " in '", key,
+                   "' (saved with another site size or parameters_sharded?)");
       dst->copy_(it->second.reshape({-1}));
     }
   }

@@ -379,6 +379,7 @@ Manager::~Manager() {
 }
 
 const std::string& Manager::group_id() const { return impl_->options.group_id(); }
+const std::shared_ptr<ProcessGroup>& Manager::group() const { return impl_->group; }
 int Manager::replica_rank() const { return quorum_.replica_rank(impl_->options.group_id()); }
 int Manager::replica_count() const { return static_cast<int>(quorum_.participants.size()); }
 

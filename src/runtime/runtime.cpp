@@ -53,16 +53,20 @@ bool set_compute_threads(int n) {
   return openblas != nullptr;
 }
 
-std::string blas_kernel_advice() {
+std::string blas_coretype_for_this_cpu() {
   using CoreName = char* (*)();
   auto corename = reinterpret_cast<CoreName>(dlsym(RTLD_DEFAULT, "openblas_get_corename"));
   const char* core = corename ? corename() : nullptr;
   if (!core || std::strcmp(core, "Prescott") != 0) return "";
-  const char* better = __builtin_cpu_supports("avx512f") ? "SkylakeX" : __builtin_cpu_supports("avx2") ? "Haswell" : nullptr;
-  if (!better) return "";
+  return __builtin_cpu_supports("avx512f") ? "SkylakeX" : __builtin_cpu_supports("avx2") ? "Haswell" : "";
+}
+
+std::string blas_kernel_advice() {
+  const std::string better = blas_coretype_for_this_cpu();
+  if (better.empty()) return "";
   return std::string("OpenBLAS did not recognise this CPU and runs its generic Prescott kernels, which multiply "
                      "matrices several times slower than its ") +
-         (std::strcmp(better, "SkylakeX") == 0 ? "AVX-512" : "AVX2") + " ones; set OPENBLAS_CORETYPE=" + better +
+         (better == "SkylakeX" ? "AVX-512" : "AVX2") + " ones; set OPENBLAS_CORETYPE=" + better +
          " in the environment of every rank (and of any PyTorch run compared with it)";
 }
 

@@ -9,7 +9,11 @@
 #include <functional>
 #include <iomanip>
 #include <iostream>
+#include <memory>
+#include <mutex>
 #include <sstream>
+#include <string>
+#include <vector>
 
 namespace ddpkit {
 namespace cli {
@@ -27,6 +31,33 @@ std::string utc_now_ms() {
   os << std::put_time(&tm, "%Y-%m-%dT%H:%M:%S") << '.' << std::setw(3) << std::setfill('0') << ms << 'Z';
   return os.str();
 }
+
+// Prints the lighthouse's events, a line each, but only after its address line: the lighthouse's
+// thread may report a quorum before start() returns, and scripts read the first line for the
+// address. Events that come earlier wait here and follow it.
+class EventPrinter {
+ public:
+  void print(const std::string& event) {
+    std::lock_guard<std::mutex> lock(mu_);
+    const std::string line = utc_now_ms() + " " + event;
+    if (open_)
+      std::cout << line << std::endl;
+    else
+      held_.push_back(line);
+  }
+  void open_after(const std::string& first_line) {
+    std::lock_guard<std::mutex> lock(mu_);
+    std::cout << first_line << std::endl;
+    for (const auto& line : held_) std::cout << line << std::endl;
+    held_.clear();
+    open_ = true;
+  }
+
+ private:
+  std::mutex mu_;
+  bool open_ = false;
+  std::vector<std::string> held_;
+};
 
 }  // namespace
 
@@ -62,9 +93,9 @@ int run_lighthouse(const std::vector<std::string>& args) {
   if (f.str("tls-cert").empty() != f.str("tls-key").empty()) throw UsageError("--tls-cert and --tls-key go together");
   const std::string token = read_token(f.str("token-file"), "DDPKIT_FT_TOKEN");
   catch_stop_signals();
+  auto printer = std::make_shared<EventPrinter>();
   std::function<void(const std::string&)> print_event;
-  if (!f.on("quiet"))
-    print_event = [](const std::string& event) { std::cout << utc_now_ms() << " " << event << std::endl; };
+  if (!f.on("quiet")) print_event = [printer](const std::string& event) { printer->print(event); };
   ft::Lighthouse lighthouse(ft::LighthouseOptions()
                                 .address(f.str("address"))
                                 .advertise_host(f.str("advertise-host"))
@@ -76,8 +107,10 @@ int run_lighthouse(const std::vector<std::string>& args) {
                                 .tls(ft::TlsFiles().certificate(f.str("tls-cert")).private_key(f.str("tls-key")))
                                 .on_event(print_event));
   lighthouse.start();
-  std::cout << "ddpkit lighthouse: listening on " << lighthouse.address() << " (min replicas "
-            << f.integer("min-replicas") << (f.str("tls-cert").empty() ? ", plaintext" : ", TLS") << ")" << std::endl;
+  std::ostringstream listening;
+  listening << "ddpkit lighthouse: listening on " << lighthouse.address() << " (min replicas "
+            << f.integer("min-replicas") << (f.str("tls-cert").empty() ? ", plaintext" : ", TLS") << ")";
+  printer->open_after(listening.str());
   const int sig = wait_for_stop_signal();
   const int64_t formed = lighthouse.quorums_formed();
   lighthouse.shutdown();

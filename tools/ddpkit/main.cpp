@@ -73,6 +73,21 @@ int main(int argc, char** argv) {
   // first line scripts read for the address.
   const bool multiplies = argc >= 2 && (all[1] == "train" || all[1] == "bench" || all[1] == "plan" ||
                                         all[1] == "tune" || all[1] == "launch");
+  if (multiplies && !std::getenv("OPENBLAS_CORETYPE")) {
+    // OpenBLAS reads OPENBLAS_CORETYPE as it loads: set it and start this program again, so that
+    // it and every rank it starts (which inherit it, as they inherit OMP_NUM_THREADS) run the
+    // kernels the CPU has. Said once, by the process that leads the job.
+    const std::string core = ddpkit::blas_coretype_for_this_cpu();
+    if (!core.empty() && ::setenv("OPENBLAS_CORETYPE", core.c_str(), 1) == 0) {
+      if (lead)
+        ddpkit::print_error("ddpkit: OpenBLAS did not recognise this CPU (it chose its generic Prescott kernels); "
+                            "running with OPENBLAS_CORETYPE=" + core + ", as do the ranks this command starts; set "
+                            "OPENBLAS_CORETYPE yourself to choose\n");
+      ::execv("/proc/self/exe", argv);
+      // Not restarted (no /proc): the advice, as below.
+      ::unsetenv("OPENBLAS_CORETYPE");
+    }
+  }
   if (lead && multiplies) {
     const std::string blas = ddpkit::blas_kernel_advice();
     if (!blas.empty()) ddpkit::print_error("ddpkit: " + blas + "\n");

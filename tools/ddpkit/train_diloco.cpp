@@ -65,7 +65,7 @@ void load_global_parameters(const std::vector<std::vector<at::Tensor>>& fragment
 // What a site's rank 0 prints at the end, besides the run's own figures in `run_figures`.
 nlohmann::json diloco_report(const TrainFlags& t, const std::vector<std::vector<at::Tensor>>& fragments,
                              const diloco::DiLoCo& dl, const ft::Manager& manager, int64_t steps_run,
-                             nlohmann::json run_figures) {
+                             uint64_t site_cross_bytes, nlohmann::json run_figures) {
   nlohmann::json j = std::move(run_figures);
   const auto& s = manager.stats();
   const auto& d = dl.stats();
@@ -98,6 +98,7 @@ nlohmann::json diloco_report(const TrainFlags& t, const std::vector<std::vector<
   j["longest_later_sync_blocked_seconds"] = d.longest_later_blocked_seconds;
   j["sync_transfer_seconds"] = d.transfer_seconds;
   j["sync_wait_seconds"] = d.wait_seconds;
+  j["site_gather_seconds"] = d.site_gather_seconds;
   j["last_error"] = d.last_error;
   j["quorums"] = s.quorums;
   j["reconfigurations"] = s.reconfigurations;
@@ -108,6 +109,11 @@ nlohmann::json diloco_report(const TrainFlags& t, const std::vector<std::vector<
   j["cross_transport"] = s.cross_transport;
   j["cross_bytes_sent"] = s.cross_bytes_sent;
   j["cross_bytes_per_step"] = steps_run > 0 ? static_cast<double>(s.cross_bytes_sent) / static_cast<double>(steps_run) : 0.0;
+  // What the whole site put on the links between sites per sync (its ranks together: each carries
+  // 1/W of a replicated model's pseudo-gradient, or its own FSDP shards), beside this rank's.
+  j["cross_bytes_sent_by_site"] = site_cross_bytes;
+  j["cross_bytes_per_rank_per_sync"] = d.syncs > 0 ? static_cast<double>(s.cross_bytes_sent) / static_cast<double>(d.syncs) : 0.0;
+  j["cross_bytes_per_site_per_sync"] = d.syncs > 0 ? static_cast<double>(site_cross_bytes) / static_cast<double>(d.syncs) : 0.0;
   return j;
 }
 
@@ -149,6 +155,7 @@ int run_diloco_rank(const Flags& f, const TrainFlags& t) {
                                             .fragment_delay(t.fragment_delay)
                                             .fragment_alpha(t.fragment_alpha)
                                             .round_seconds(t.round_seconds)
+                                            .parameters_sharded(t.use_fsdp)
                                             .on_phase(fault.hook()));
 
   const int data_world = t.replica_groups * world, data_rank = t.replica_group * world + rank;
@@ -177,7 +184,11 @@ int run_diloco_rank(const Flags& f, const TrainFlags& t) {
   // Time-budgeted rounds end the job after --steps / H of them (sites run different step counts).
   const int64_t rounds = schedule.total_steps / t.diloco;
   auto done = [&] { return t.round_seconds > 0 ? dl->outer_steps() >= rounds : inner_step >= schedule.total_steps; };
+  // train_seconds spans the first quorum and cross-group rendezvous too (start()), to the last
+  // fragment applied (finish()): the span a torchft DiLoCo run's loop covers.
+  const auto train_start = std::chrono::steady_clock::now();
   dl->start();  // a site that starts late heals here, at the others' next sync
+  const double first_sync_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - train_start).count();
   for (;;) {
     if (done()) break;
     const auto t0 = std::chrono::steady_clock::now();
@@ -223,17 +234,22 @@ int run_diloco_rank(const Flags& f, const TrainFlags& t) {
       progress.update("step", inner_step, schedule.total_steps, last_loss, median(step_ms));
   }
   dl->finish();
+  const double train_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - train_start).count();
   progress.finish();
   load_global_parameters(fragments, *dl);
   const TestScore score = f.on("no-eval") ? TestScore{-1, -1} : evaluate(run.model, data.test, run.sharded_model.get(), pg.get());
   memory.stop();
+  at::Tensor site_bytes = at::full({1}, static_cast<double>(manager.stats().cross_bytes_sent), at::kDouble);
+  ProcessGroup::wait(pg->allreduce(site_bytes));
   if (lead) {
     nlohmann::json j;
     j["world_size"] = world;
     j["steps"] = inner_step;
     j["steps_run"] = steps_run;
     j["median_step_ms"] = step_ms.empty() ? 0.0 : median(step_ms);
-    j["train_seconds"] = std::accumulate(step_ms.begin(), step_ms.end(), 0.0) / 1000;
+    j["train_seconds"] = train_seconds;
+    j["first_sync_seconds"] = first_sync_seconds;  // the first quorum, rendezvous and any heal
+    j["inner_step_seconds"] = std::accumulate(step_ms.begin(), step_ms.end(), 0.0) / 1000;  // the loop's steps alone
     j["final_loss"] = last_loss;
     j["test_accuracy"] = score.accuracy;
     j["test_loss"] = score.loss;
@@ -241,7 +257,10 @@ int run_diloco_rank(const Flags& f, const TrainFlags& t) {
     j["checkpoints_written"] = checkpoints_written;
     j["parameter_checksum"] = parameter_checksum(run.params);
     j["peak_rss_bytes"] = memory.peak_rss_bytes();
-    std::cout << diloco_report(t, fragments, *dl, manager, steps_run, std::move(j)).dump() << std::endl;
+    std::cout << diloco_report(t, fragments, *dl, manager, steps_run, static_cast<uint64_t>(site_bytes.item<double>()),
+                               std::move(j))
+                     .dump()
+              << std::endl;
   }
   ProcessGroup::wait(pg->barrier());
   return 0;

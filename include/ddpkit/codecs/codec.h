@@ -3,15 +3,20 @@
 // against every codec make_codec knows.
 //
 //   fp32   4 B/value, exact
-//   fp16   2 B/value, round to nearest even (c10::Half); |x| > 65504 becomes Inf
-//   bf16   2 B/value, round to nearest even (c10::BFloat16)
+//   fp16   2 B/value, round to nearest even (c10::Half); relative error 2^-11 for |x| in
+//          [6.1e-5, 65504] only: below, fp16's subnormals keep an absolute error of 3e-8 (use bf16
+//          for pseudo-gradients that small); above, a value may become Inf (normal_min, finite_max)
+//   bf16   2 B/value, round to nearest even (c10::BFloat16): float32's range
 //   int8   1 B/value + 4 B per block of 256: symmetric, scale max|x|/127 (codecs/quantize.h)
 //   int4   0.5 B/value + 4 B per block of 128: symmetric, codes -7..7, scale max|x|/7 (0.53 B/value)
-//   int2   0.25 B/value + 4 B per block of 128: levels -1, -1/3, 1/3, 1 of max|x| (0.28 B/value)
+//   int2   0.25 B/value + 4 B per block of 128: levels -2/3, 0, 2/3 of max|x| (0.28 B/value)
 //
 // Every codec: a NaN or Inf input never decodes to a finite value (a block codec turns the whole
-// block into NaN); the error of a finite value is at most error_bound() times |x| (block() == 1)
-// or times the largest |x| of its block; every SIMD level writes the same bytes. A new codec is
+// block into NaN); the error of a finite value is at most error_bound() times |x| (block() == 1,
+// within [normal_min(), finite_max()]) or times the largest |x| of its block; the rounding is
+// odd-symmetric (-x decodes to minus what x decodes to), so an exact 0 stays 0 and the error is
+// zero-mean; a codec with kernels per SIMD level (simd_kernels()) writes the same bytes at every
+// level. A new codec is
 // one file under src/codecs/ and one line in make_codec (src/codecs/codec.cpp): encode, decode,
 // the sizes; encode_padded and decode_prefix have general defaults it may speed up.
 //
@@ -46,6 +51,14 @@ class Codec {
   virtual int64_t block() const = 0;
   // The largest error of a finite value, relative to |x| (block() == 1) or to its block's max |x|.
   virtual double error_bound() const = 0;
+  // The magnitudes over which a cast (block() == 1) keeps error_bound(): [normal_min(),
+  // finite_max()]. Below normal_min() the format's subnormals keep an absolute error of at most
+  // normal_min() * error_bound(); above finite_max() a value may round to +-Inf. Block codecs scale
+  // each block: every finite float32.
+  virtual double normal_min() const { return 0; }
+  virtual double finite_max() const;
+  // Whether the codec runs kernels chosen by the SIMD level (set_simd_level): fp16, bf16, int8.
+  virtual bool simd_kernels() const { return false; }
 
   // The element type a process group can sum the encoded bytes as (fp32, fp16, bf16: an allreduce
   // of the encoding is the encoding of the sum), or Undefined for a block codec, whose codes are

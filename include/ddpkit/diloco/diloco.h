@@ -58,8 +58,17 @@ struct DiLoCoOptions {
   TORCH_ARG(double, fragment_alpha) = 0.0;  // in [0, 1]
   // Stragglers: > 0, a round lasts this many seconds (or sync_every inner steps, if sooner): each
   // site runs the inner steps it can, and its pseudo-gradient is weighted by them (Dynamic Local
-  // Updates, arXiv 2401.09135), so a slow site slows no one. One fragment, no delay.
+  // Updates, arXiv 2401.09135), so a slow site slows no one. One fragment, no delay. In a site of
+  // several ranks the round's end is one decision, rank 0's clock, broadcast over the site's group
+  // after every inner step (a few microseconds over shared memory), so its ranks step alike.
   TORCH_ARG(double, round_seconds) = 0;
+  // How the ranks of a site hold the fragments' parameters.
+  // false (DDP, ZeRO, PowerSGD inside the site: every rank holds all of them, identical): rank k
+  //   of a site of W carries the k-th 1/W of each pseudo-gradient across the sites, and the site
+  //   all-gathers the mean over its own group (its fast network), so a site sends the bytes of a
+  //   site of one rank whatever its W. start() checks that the ranks' parameters agree.
+  // true (FSDP: each rank's parameters are its own shards): each rank carries all of its own.
+  TORCH_ARG(bool, parameters_sharded) = false;
   // Pieces of the outer all-reduce, bytes per peer (set on the cross group before each sync; 0:
   // the group's own). Each piece waits a round trip for its peers, so a piece near one round
   // trip of a peer's share of the link keeps every connection busy: 256 KiB fits 100 Mbit/s x
@@ -84,7 +93,8 @@ struct DiLoCoStats {
   double longest_blocked_seconds = 0;  // the longest such wait of one sync (retries included)
   // The same over the syncs after this site's first, which waits for every site to start (or heals).
   double longest_later_blocked_seconds = 0;
-  double transfer_seconds = 0;    // from issuing each average to its completion
+  double transfer_seconds = 0;    // from issuing each average to its completion (all attempts)
+  double site_gather_seconds = 0; // all-gathering the mean's shards inside the site (W > 1)
   double wait_seconds = 0;        // of blocked_seconds, waiting for averages in flight (the rest:
                                   // quorums, commits, the outer step): 1 - wait / transfer is the
                                   // share of the transfers hidden behind inner steps

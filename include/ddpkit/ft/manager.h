@@ -137,6 +137,8 @@ class Manager {
   const Quorum& quorum() const { return quorum_; }
   const ManagerStats& stats() const;  // cross_bytes_sent as of this call
   const std::string& group_id() const;
+  // The replica group's own process group (the one the Manager was made over): its ranks' fast network.
+  const std::shared_ptr<ProcessGroup>& group() const;
 
  private:
   // This rank's state from the matching rank of participant `source`; false with `why` on failure.

@@ -46,6 +46,9 @@ bool set_compute_threads(int n);
 // the OPENBLAS_CORETYPE to set; OpenBLAS reads that variable when it loads, so only a new process
 // can take it.
 std::string blas_kernel_advice();
+// The OPENBLAS_CORETYPE that advice names ("SkylakeX", "Haswell"), or "" when OpenBLAS recognised
+// this CPU (or is not loaded). `ddpkit` sets it for itself and the ranks it starts when unset.
+std::string blas_coretype_for_this_cpu();
 
 // The median of `values` (the mean of the middle two for an even count); 0 when there are none.
 double median(std::vector<double> values);

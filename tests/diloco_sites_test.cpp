@@ -1,0 +1,252 @@
+// diloco::DiLoCo over real ft::Managers, sites and their ranks as threads of one process (an
+// in-process lighthouse): the outer step against torch's own SGD(nesterov) applied to the same
+// pseudo-gradients, with Streaming's fragments and alpha mixing; a site of W ranks carrying 1/W
+// of the pseudo-gradient each (the bytes of a site of one rank, the same outer step); and each
+// sync's transfer time.
+#include "harness.h"
+
+#include <ddpkit/diloco/diloco.h>
+#include <ddpkit/ft/lighthouse.h>
+#include <ddpkit/ft/manager.h>
+
+#include <torch/optim/sgd.h>
+
+#include <mutex>
+#include <thread>
+
+namespace ddpkit {
+namespace {
+
+using namespace std::chrono_literals;
+
+// The model of every site, its parameters' shapes by fragment.
+using Shapes = std::vector<std::vector<std::vector<int64_t>>>;
+// Two fragments, fragment 0 of two tensors, fragment 1 of one: small enough to compare every value.
+const Shapes kSmall = {{{3, 5}, {7}}, {{11}}};
+// Large enough that padding and trailers are under 2 % of the bytes.
+const Shapes kLarge = {{{512, 256}}, {{64, 1024}}};
+
+std::vector<std::vector<at::Tensor>> initial_fragments(const Shapes& model) {
+  std::vector<std::vector<at::Tensor>> out;
+  uint64_t seed = 500;
+  for (const auto& shapes : model) {
+    out.emplace_back();
+    for (const auto& s : shapes) out.back().push_back(testing::seeded_randn(s, seed++));
+  }
+  return out;
+}
+
+int64_t numel_of(const Shapes& model, size_t fragment) {
+  int64_t n = 0;
+  for (const auto& s : model[fragment]) n += c10::multiply_integers(s);
+  return n;
+}
+
+// Site s's inner step t: what it subtracts from each fragment's flat parameters.
+at::Tensor inner_step(int64_t numel, int site, int t, size_t fragment) {
+  return testing::seeded_randn({numel}, 9000 + 100 * static_cast<uint64_t>(site) + 10 * static_cast<uint64_t>(t) + fragment) *
+         0.1;
+}
+
+at::Tensor flat(const std::vector<at::Tensor>& ts) {
+  std::vector<at::Tensor> parts;
+  for (const auto& t : ts) parts.push_back(t.reshape({-1}));
+  return at::cat(parts);
+}
+
+void subtract_flat(std::vector<at::Tensor>& ts, const at::Tensor& step) {
+  int64_t offset = 0;
+  for (auto& t : ts) {
+    t.sub_(step.narrow(0, offset, t.numel()).view(t.sizes()));
+    offset += t.numel();
+  }
+}
+
+// What each site's rank r reports after its run.
+struct RankEnd {
+  std::vector<at::Tensor> globals, locals;  // per fragment, flat
+  diloco::DiLoCoStats stats;
+  uint64_t cross_bytes = 0;
+  std::vector<double> transfer_per_sync;  // each committed sync's transfer time
+};
+
+// Runs `sites` sites of `ranks` thread-ranks each for `steps` inner steps (inner_step above), every
+// rank with its own Manager over its site's group and a DiLoCo with `options`.
+std::vector<std::vector<RankEnd>> run_sites(const Shapes& model, int sites, int ranks, int steps,
+                                           diloco::DiLoCoOptions options) {
+  ft::Lighthouse lighthouse(ft::LighthouseOptions().expected_groups(sites).heartbeat_timeout(2s));
+  lighthouse.start();
+  std::vector<std::vector<RankEnd>> ends(static_cast<size_t>(sites), std::vector<RankEnd>(static_cast<size_t>(ranks)));
+  std::vector<std::thread> threads;
+  std::mutex mu;
+  std::exception_ptr first;
+  for (int s = 0; s < sites; ++s) {
+    threads.emplace_back([&, s] {
+      try {
+        testing::spawn_ranks(ranks, [&](int rank, std::shared_ptr<ProcessGroup> pg) {
+          TrainingState state;
+          ft::Manager manager(pg, state,
+                              ft::ManagerOptions()
+                                  .lighthouse(lighthouse.address())
+                                  .group_id("site" + std::to_string(s))
+                                  .quorum_timeout(60s)
+                                  .cross_group_timeout(60s));
+          std::vector<std::vector<at::Tensor>> params = initial_fragments(model);
+          diloco::DiLoCo dl(manager, params, options);
+          RankEnd& end = ends[static_cast<size_t>(s)][static_cast<size_t>(rank)];
+          dl.start();
+          for (int t = 0; t < steps; ++t) {
+            for (size_t f = 0; f < params.size(); ++f) subtract_flat(params[f], inner_step(numel_of(model, f), s, t, f));
+            const double transfer_before = dl.stats().transfer_seconds;
+            const int64_t syncs_before = dl.stats().syncs;
+            dl.after_inner_step();
+            if (dl.stats().syncs > syncs_before)
+              end.transfer_per_sync.push_back(dl.stats().transfer_seconds - transfer_before);
+          }
+          dl.finish();
+          for (size_t f = 0; f < params.size(); ++f) {
+            end.globals.push_back(dl.global_parameters(f).clone());
+            end.locals.push_back(flat(params[f]).clone());
+          }
+          end.stats = dl.stats();
+          end.cross_bytes = manager.stats().cross_bytes_sent;
+          ProcessGroup::wait(pg->barrier());
+        });
+      } catch (...) {
+        std::lock_guard<std::mutex> lock(mu);
+        if (!first) first = std::current_exception();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  lighthouse.shutdown();
+  if (first) std::rethrow_exception(first);
+  return ends;
+}
+
+// The outer rule written with torch's own optimizer: per fragment a torch::optim::SGD(lr,
+// momentum, nesterov) whose parameter is the global copy and whose gradient is the sites' mean
+// pseudo-gradient; after each step the synced fragment's local parameters become
+// lerp(global, local, alpha). Fragments are synced in turn, one per H / P inner steps.
+struct Reference {
+  std::vector<at::Tensor> globals;                       // per fragment, flat
+  std::vector<std::vector<at::Tensor>> locals;           // per site, per fragment
+  std::vector<std::unique_ptr<torch::optim::SGD>> optimizers;
+
+  Reference(int sites, int steps, int64_t sync_every, double lr, double momentum, double alpha) {
+    const size_t fragments = kSmall.size();
+    const std::vector<std::vector<at::Tensor>> init = initial_fragments(kSmall);
+    for (size_t f = 0; f < fragments; ++f) {
+      globals.push_back(flat(init[f]).clone().set_requires_grad(true));
+      optimizers.push_back(std::make_unique<torch::optim::SGD>(
+          std::vector<at::Tensor>{globals[f]}, torch::optim::SGDOptions(lr).momentum(momentum).nesterov(true)));
+    }
+    for (int s = 0; s < sites; ++s) {
+      locals.emplace_back();
+      for (size_t f = 0; f < fragments; ++f) locals.back().push_back(flat(init[f]).clone());
+    }
+    const int64_t period = sync_every / static_cast<int64_t>(fragments);
+    size_t next = 0;
+    for (int t = 0; t < steps; ++t) {
+      for (int s = 0; s < sites; ++s)
+        for (size_t f = 0; f < fragments; ++f) locals[s][f] -= inner_step(numel_of(kSmall, f), s, t, f);
+      if ((t + 1) % period != 0) continue;
+      at::NoGradGuard no_grad;
+      at::Tensor mean = at::zeros_like(locals[0][next]);
+      for (int s = 0; s < sites; ++s) mean += (globals[next].detach() - locals[s][next]);
+      mean /= sites;
+      globals[next].mutable_grad() = mean;
+      optimizers[next]->step();
+      for (int s = 0; s < sites; ++s) {
+        const at::Tensor g = globals[next].detach();
+        locals[s][next] = g + alpha * (locals[s][next] - g);
+      }
+      next = (next + 1) % fragments;
+    }
+  }
+};
+
+double max_abs_diff(const at::Tensor& a, const at::Tensor& b) { return (a - b).abs().max().item<double>(); }
+
+// Nesterov momentum 0.9, outer lr 0.7, two fragments synced in turn with alpha 0.5 mixing, over
+// several rounds: every rank of every site ends where torch's SGD(nesterov=True) puts the same
+// pseudo-gradients (fp32 codec: within 1e-6), with one rank a site and with two (each carrying
+// half of the pseudo-gradient across sites).
+TEST(DiLoCoSites, OuterStepIsTorchSgdNesterovWithAlphaMixing) {
+  const int sites = 2, steps = 24;
+  const int64_t sync_every = 4;
+  const double lr = 0.7, momentum = 0.9, alpha = 0.5;
+  const Reference ref(sites, steps, sync_every, lr, momentum, alpha);
+  for (int ranks : {1, 2}) {
+    const auto ends = run_sites(kSmall, sites, ranks, steps,
+                                diloco::DiLoCoOptions().sync_every(sync_every).outer_lr(lr).outer_momentum(momentum).fragment_alpha(alpha));
+    for (int s = 0; s < sites; ++s)
+      for (int r = 0; r < ranks; ++r) {
+        const RankEnd& e = ends[s][r];
+        EXPECT_EQ(e.stats.checksum_mismatches, 0);
+        EXPECT_EQ(e.stats.syncs, 1 + steps / (sync_every / 2));
+        for (size_t f = 0; f < kSmall.size(); ++f) {
+          EXPECT_LT(max_abs_diff(e.globals[f], ref.globals[f].detach()), 1e-6)
+              << ranks << " rank(s) a site, site " << s << " rank " << r << ", fragment " << f << ": global";
+          EXPECT_LT(max_abs_diff(e.locals[f], ref.locals[s][f]), 1e-6)
+              << ranks << " rank(s) a site, site " << s << " rank " << r << ", fragment " << f << ": local";
+        }
+      }
+  }
+}
+
+// A site of W ranks sends what a site of one rank sends: each rank carries 1/W of the
+// pseudo-gradient across sites, 2(n-1)/n of its encoding in all (within 2 %, the 16-byte trailers
+// and block padding), and all-gathers the mean inside the site.
+TEST(DiLoCoSites, ASiteSendsOneCopyOfThePseudoGradientWhateverItsRanks) {
+  const int sites = 2, steps = 8;
+  const auto codec = codecs::make_codec("int8");
+  // Syncs alternate the two fragments, one per inner step (H = 2, P = 2): the first quorum's (of
+  // weight 0, fragment 0), then steps / 2 of each. Each sends 2(n-1)/n of its fragment's encoding.
+  const double share = 2.0 * (sites - 1) / sites;
+  const double expected = share * static_cast<double>((1 + steps / 2) * codec->encoded_bytes(numel_of(kLarge, 0)) +
+                                                      steps / 2 * codec->encoded_bytes(numel_of(kLarge, 1)));
+  std::vector<double> measured;
+  for (int ranks : {1, 2, 4}) {
+    const auto ends = run_sites(kLarge, sites, ranks, steps, diloco::DiLoCoOptions().sync_every(2).codec("int8"));
+    for (int s = 0; s < sites; ++s) {
+      uint64_t bytes = 0;
+      for (const RankEnd& e : ends[s]) bytes += e.cross_bytes;
+      EXPECT_EQ(ends[s][0].stats.syncs, 1 + steps);
+      measured.push_back(static_cast<double>(bytes));
+      EXPECT_NEAR(static_cast<double>(bytes) / expected, 1.0, 0.02)
+          << ranks << " rank(s) a site, site " << s << ": " << bytes << " B sent, the formula says " << expected;
+    }
+  }
+  EXPECT_NEAR(measured.back() / measured.front(), 1.0, 0.02) << "a site of 4 ranks against a site of 1";
+}
+
+// Each committed sync reports its transfer time: the figure is stamped before the average's
+// future completes (it was read after wait() while the future's callback had not yet run: 0).
+TEST(DiLoCoSites, EverySyncReportsItsTransferTime) {
+  const Shapes one_fragment = {{{3, 5}, {7}, {11}}};
+  const auto ends = run_sites(one_fragment, 2, 1, 40, diloco::DiLoCoOptions().sync_every(1));
+  for (const auto& site : ends)
+    for (size_t i = 0; i < site[0].transfer_per_sync.size(); ++i)
+      EXPECT_GT(site[0].transfer_per_sync[i], 0.0) << "sync " << i << " reported no transfer time";
+}
+
+// Ranks of one site that hold different parameters (FSDP's shards) cannot split the carrying:
+// start() says so and names the option.
+TEST(DiLoCoSites, RanksHoldingDifferentParametersAreNamed) {
+  ft::Lighthouse lighthouse(ft::LighthouseOptions().expected_groups(1));
+  lighthouse.start();
+  std::vector<std::string> errors(2);
+  testing::spawn_ranks(2, [&](int rank, std::shared_ptr<ProcessGroup> pg) {
+    TrainingState state;
+    ft::Manager manager(pg, state, ft::ManagerOptions().lighthouse(lighthouse.address()).group_id("site0"));
+    std::vector<std::vector<at::Tensor>> params = {{testing::seeded_randn({64}, 1 + static_cast<uint64_t>(rank))}};
+    diloco::DiLoCo dl(manager, params, diloco::DiLoCoOptions().sync_every(2));
+    errors[rank] = testing::error_of([&] { dl.start(); });
+  });
+  lighthouse.shutdown();
+  for (const auto& e : errors) EXPECT_THAT(e, ::testing::HasSubstr("set parameters_sharded(true)"));
+}
+
+}  // namespace
+}  // namespace ddpkit
