@@ -27,6 +27,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
 from fsdp_bench import MALLOC as FSDP_MALLOC  # noqa: E402  glibc's thresholds pinned, as the other benchmarks
 from ports import free_port  # noqa: E402
 
+# The engine python/tests/test_deepspeed.py trains (imported by the workers: it imports torch).
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "python", "tests"))
+
 DIMS = [1024, 2048, 2048, 2048, 2048, 1024]
 BATCH = 32
 MALLOC = dict(FSDP_MALLOC, MALLOC_TOP_PAD_=str(1 << 26))
@@ -50,18 +53,8 @@ def worker(rank, world, port, backend, stage, steps, out):
     import deepspeed
     deepspeed.init_distributed(dist_backend=backend)
     import torch.distributed as dist
-    torch.manual_seed(1)
-    layers = []
-    for i in range(len(DIMS) - 1):
-        layers.append(torch.nn.Linear(DIMS[i], DIMS[i + 1]))
-        if i < len(DIMS) - 2:
-            layers.append(torch.nn.ReLU())
-    net = torch.nn.Sequential(*layers)
-    config = {"train_micro_batch_size_per_gpu": BATCH, "gradient_accumulation_steps": 1,
-              "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True,
-              "steps_per_print": 10 ** 9, "wall_clock_breakdown": False}
-    engine, optimizer, _, _ = deepspeed.initialize(model=net, optimizer=torch.optim.Adam(net.parameters(), lr=1e-3),
-                                                   config=config)
+    from workloads import deepspeed_zero_engine
+    engine, optimizer = deepspeed_zero_engine(DIMS, BATCH, stage, lr=1e-3)
     gen = torch.Generator().manual_seed(1234 + rank)
     x = torch.randn(BATCH, DIMS[0], generator=gen)
     y = torch.randint(0, DIMS[-1], (BATCH,), generator=gen)

@@ -21,12 +21,17 @@ The same model on every side: a GPT of --layers 7 x --d-model 512 (8 heads, 64 b
   torchft-nightly  the same with torchft-nightly (--python-nightly: the newest torchft on PyPI, whose
                    DDP hook gives DDP the bucket back after a peer's failure where 0.2.0 asserts)
   ddpkit           ddpkit train --fault-tolerant --replica-groups 4 --nproc 1 --model transformer
-Detection, the same on every side: torchft_lighthouse's defaults (heartbeat timeout 5000 ms, join
-timeout 60000 ms, quorum tick 100 ms; min_replicas 1), and `ddpkit lighthouse --heartbeat-timeout-ms
-5000 --join-timeout-ms 60000 --expected-groups 4` for ddpkit; heartbeats every 100 ms on both
-(torchft's Manager default, ddpkit's ManagerOptions default). A side whose survivors die (a process
-that was not killed exits and is started again) is a failed baseline: its row is printed, and no
-ratio is drawn against it.
+Detection, the same on every side: the lighthouse as torchft's own launch instructions start it
+(torchft/examples/slurm/README.md: `torchft_lighthouse --min_replicas 1 --quorum_tick_ms 100
+--join_timeout_ms 10000`; its default heartbeat timeout, 5000 ms), and `ddpkit lighthouse
+--heartbeat-timeout-ms 5000 --join-timeout-ms 10000 --expected-groups 4` for ddpkit; heartbeats
+every 100 ms on both (torchft's Manager default, ddpkit's ManagerOptions default); torchft's
+Manager with its default timeouts (60 s). torchft's default join timeout (60 s) is not usable with
+its own default quorum timeout (60 s): a restarted replica heartbeats before it asks for a quorum,
+the lighthouse waits the join timeout for it, and the survivors' quorum call times out first, so
+they die (measured: survivors died at every kill with 60 s against the harness's 30 s). A side whose
+survivors die (a process that was not killed exits and is started again) is a failed baseline: its
+row is printed, and no ratio is drawn against it.
 Failure-free: each side's step over --probe-steps steps against plain DDP of 4 ranks on the same
 model (torch DDP on Gloo for the Python sides, ddpkit train --nproc 4 for ddpkit's): the overhead
 of fault tolerance. Then each side runs the steps a failure-free run takes --seconds for, while a
@@ -59,8 +64,9 @@ from ft_bench import children_ranks, group_of, kill_times, percentile, reports, 
 from ports import free_port  # noqa: E402  (tests/, put on the path by ft_bench: below the ephemeral range)
 
 GROUPS = 4
-# The detection settings of both sides' lighthouses: torchft_lighthouse's own defaults.
-HEARTBEAT_TIMEOUT_MS, JOIN_TIMEOUT_MS = 5000, 60000
+# The detection settings of both sides' lighthouses: torchft_lighthouse's heartbeat timeout default
+# and the join timeout of torchft's launch instructions (its examples' README).
+HEARTBEAT_TIMEOUT_MS, JOIN_TIMEOUT_MS = 5000, 10000
 MALLOC = dict(FSDP_MALLOC, MALLOC_TOP_PAD_=str(1 << 26), OMP_NUM_THREADS="1")
 
 
@@ -96,9 +102,9 @@ class TorchftJob:
     def start(self, step_log):
         port = free_port()
         lighthouse = os.path.join(os.path.dirname(self.python), "torchft_lighthouse")
-        # Its defaults, named (HEARTBEAT_TIMEOUT_MS, JOIN_TIMEOUT_MS are torchft_lighthouse's own).
+        # As torchft's launch instructions start it (HEARTBEAT_TIMEOUT_MS is its default).
         self.lighthouse = subprocess.Popen([lighthouse, "--min_replicas", "1", "--bind", f"127.0.0.1:{port}",
-                                            "--join_timeout_ms", str(JOIN_TIMEOUT_MS),
+                                            "--quorum_tick_ms", "100", "--join_timeout_ms", str(JOIN_TIMEOUT_MS),
                                             "--heartbeat_timeout_ms", str(HEARTBEAT_TIMEOUT_MS)],
                                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         self.address = f"127.0.0.1:{port}"
@@ -283,6 +289,7 @@ def main():
     ap.add_argument("--d-model", type=int, default=512)
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--keep-logs", action="store_true", help="keep each side's process logs and step logs")
     a = ap.parse_args()
     a.bin = os.path.abspath(a.bin)
     model = Model(a)
@@ -301,7 +308,9 @@ def main():
     for side in sides:
         work = tempfile.mkdtemp(prefix=f"ft-vs-torchft-{side}-")
         try:
-            probe = make_job(a, model, side, a.probe_steps, work)
+            probe_work = os.path.join(work, "probe")  # its logs apart from the run's
+            os.makedirs(probe_work)
+            probe = make_job(a, model, side, a.probe_steps, probe_work)
             wall, _ = run(probe, None, [], 3600)
             step_ms = max(r["median_step_ms"] for r in probe.finish())
             base = plain_step_ms(a, model, side)
@@ -343,7 +352,10 @@ def main():
                   f"{r['heal_mb']:.0f} MB ({len(heals)} heals), goodput {r['goodput']:.3f} steps/s, survivors that died "
                   f"{r['crashes']}", flush=True)
         finally:
-            shutil.rmtree(work, ignore_errors=True)
+            if a.keep_logs:
+                print(f"{side}: logs kept in {work}", flush=True)
+            else:
+                shutil.rmtree(work, ignore_errors=True)
     print(f"\n{'side':<15} {'step ms':>8} {'plain ms':>9} {'overhead':>9} {'lost/fail':>10} {'rollback':>9} {'p50 s':>7} "
           f"{'p95 s':>7} "
           f"{'heal s':>7} {'heal MB':>8} {'goodput':>8} {'crashes':>8}")
@@ -352,7 +364,7 @@ def main():
               f"{r['lost']:>10.2f} {r['rollback']:>9.1f} {r['p50']:>7.2f} {r['p95']:>7.2f} {r['heal']:>7.3f} {r['heal_mb']:>8.0f} "
               f"{r['goodput']:>8.3f} {r['crashes']:>8}")
     print(f"detection on every side: heartbeat timeout {HEARTBEAT_TIMEOUT_MS} ms, join timeout {JOIN_TIMEOUT_MS} ms "
-          "(torchft_lighthouse's defaults), heartbeats every 100 ms")
+          "(torchft's launch instructions), heartbeats every 100 ms; torchft's Manager timeouts 60 s (its defaults)")
     versions = {"torchft": a.python, "torchft-nightly": a.python_nightly}
     for peer in ("torchft", "torchft-nightly"):
         if "ddpkit" not in results or peer not in results:

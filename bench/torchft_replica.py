@@ -265,7 +265,7 @@ def main():
     ap.add_argument("--layers", type=int, default=7)
     ap.add_argument("--seq-len", type=int, default=64)
     ap.add_argument("--batch-size", type=int, default=8)
-    ap.add_argument("--timeout-s", type=float, default=30)
+    ap.add_argument("--timeout-s", type=float, default=60, help="the Manager's and the group's timeouts (torchft's default)")
     ap.add_argument("--diloco", type=int, default=0, help="H: one site of torchft's DiLoCo (0: off)")
     ap.add_argument("--host", default="127.0.0.1", help="--diloco: the address other sites reach this one at")
     ap.add_argument("--lr", type=float, default=1e-3, help="--diloco: the inner AdamW's")

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from conftest import run_ranks
+from workloads import deepspeed_zero_engine
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
                                 reason="deepspeed is not installed (scripts/pip-torch-env.sh pins 0.19.8)")
@@ -25,23 +26,12 @@ def zero_losses(rank, world, backend, stage):
         import ddpkit  # noqa: F401  registers the backend
     deepspeed.init_distributed(dist_backend=backend)
     assert dist.get_backend() == backend
-    torch.manual_seed(1)
-    layers = []
-    for i in range(len(DIMS) - 1):
-        layers.append(torch.nn.Linear(DIMS[i], DIMS[i + 1]))
-        if i < len(DIMS) - 2:
-            layers.append(torch.nn.ReLU())
-    net = torch.nn.Sequential(*layers)
-    config = {"train_micro_batch_size_per_gpu": BATCH, "gradient_accumulation_steps": 1,
-              "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True,
-              "steps_per_print": 10 ** 9, "wall_clock_breakdown": False}
-    engine, optimizer, _, _ = deepspeed.initialize(model=net, optimizer=torch.optim.Adam(net.parameters(), lr=1e-2),
-                                                   config=config)
+    engine, optimizer = deepspeed_zero_engine(DIMS, BATCH, stage, lr=1e-2)
     gen = torch.Generator().manual_seed(1234 + rank)
+    x = torch.randn(BATCH, DIMS[0], generator=gen)  # one batch a rank, fitted over the steps
+    y = torch.randint(0, DIMS[-1], (BATCH,), generator=gen)
     losses = []
     for _ in range(STEPS):
-        x = torch.randn(BATCH, DIMS[0], generator=gen)
-        y = torch.randint(0, DIMS[-1], (BATCH,), generator=gen)
         loss = torch.nn.functional.cross_entropy(engine(x), y)
         engine.backward(loss)
         engine.step()
@@ -68,5 +58,5 @@ def test_deepspeed_zero_on_ddpkit_matches_gloo(stage):
         worst = max(abs(x - y) for x, y in zip(a, b))
         assert worst <= 1e-5, f"ZeRO-{stage}, rank {rank}: losses differ by {worst} (Gloo {a}, ddpkit {b})"
         assert ours[rank]["sent"] > 0, f"ZeRO-{stage}, rank {rank}: nothing went through ddpkit's group"
-    # Training happened: the loss moved.
-    assert gloo[0]["losses"][-1] < gloo[0]["losses"][0]
+    # Training happened: each rank fits its batch.
+    assert gloo[0]["losses"][-1] < 0.5 * gloo[0]["losses"][0], gloo[0]["losses"]

@@ -50,3 +50,24 @@ def ddp(dims, **kwargs):
 
 
 DIMS_SMALL = [16, 32, 4]
+
+
+def deepspeed_zero_engine(dims, batch, stage, lr):
+    """DeepSpeed's engine for ZeRO stage `stage` over an MLP of `dims` (ReLU between, torch's default
+    init after manual_seed(1)) with torch.optim.Adam(lr) as its client optimizer, fp32, `batch` per
+    rank: what python/tests/test_deepspeed.py and bench/deepspeed_zero.py train. Returns (engine,
+    optimizer)."""
+    import deepspeed
+    torch.manual_seed(1)
+    layers = []
+    for i in range(len(dims) - 1):
+        layers.append(torch.nn.Linear(dims[i], dims[i + 1]))
+        if i < len(dims) - 2:
+            layers.append(torch.nn.ReLU())
+    net = torch.nn.Sequential(*layers)
+    config = {"train_micro_batch_size_per_gpu": batch, "gradient_accumulation_steps": 1,
+              "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True,
+              "steps_per_print": 10 ** 9, "wall_clock_breakdown": False}
+    engine, optimizer, _, _ = deepspeed.initialize(model=net, optimizer=torch.optim.Adam(net.parameters(), lr=lr),
+                                                   config=config)
+    return engine, optimizer

@@ -24,6 +24,12 @@
 // parameters, outer momentum, the schedule, with what TrainingState and the caller's extra carry:
 // its inner optimizer, its data position) and takes part in that sync with weight 0. Each sync
 // carries a checksum of the fragment's global parameters: the sites compare them (stats()).
+//
+// A site of several ranks: every rank makes its own Manager (over the site's group) and DiLoCo. When
+// they hold the same parameters (DDP, ZeRO, PowerSGD inside the site) rank k carries the k-th 1/W
+// of each pseudo-gradient across the sites and the site all-gathers the mean over its own group,
+// so a site sends one copy whatever its size; under FSDP (parameters_sharded) each rank carries
+// its own shards.
 #pragma once
 
 #include <ddpkit/codecs/codec.h>
@@ -123,8 +129,9 @@ class DiLoCo {
   // "diloco/"; load_state takes it back (after a heal: the local parameters become the global).
   TensorDict state() const;
   void load_state(const TensorDict& state);
-  // This site's own outer state (the error-feedback residuals; empty without error_feedback): a
-  // checkpoint keeps it beside state(), a heal does not copy it (a healed site starts with none).
+  // This rank's own outer state (the error-feedback residuals of the part it carries; empty
+  // without error_feedback): a checkpoint keeps it beside state(), a heal does not copy it (a
+  // healed site starts with none).
   TensorDict site_state() const;
   void load_site_state(const TensorDict& state);
 
