@@ -325,21 +325,8 @@ DiLoCo::DiLoCo(ft::Manager& manager, std::vector<std::vector<at::Tensor>> fragme
   const DiLoCoOptions& o = im.options;
   DDPKIT_CHECK(!fragments.empty(), "DiLoCo: no fragments (give at least one list of parameters)");
   const auto count = static_cast<int64_t>(fragments.size());
-  DDPKIT_CHECK(o.sync_every() >= 1, "DiLoCo: sync_every must be >= 1, got ", o.sync_every());
-  DDPKIT_CHECK(o.sync_every() % count == 0, "DiLoCo: sync_every (", o.sync_every(), ") must be a multiple of the ",
-               count, " fragments");
+  o.validate(count);
   im.period = o.sync_every() / count;
-  DDPKIT_CHECK(o.fragment_delay() >= 0 && o.fragment_delay() < im.period, "DiLoCo: fragment_delay must be in 0..",
-               im.period - 1, " (sync_every / fragments - 1), got ", o.fragment_delay());
-  DDPKIT_CHECK(o.fragment_alpha() >= 0 && o.fragment_alpha() <= 1, "DiLoCo: fragment_alpha must be in [0, 1], got ",
-               o.fragment_alpha());
-  DDPKIT_CHECK(o.round_seconds() >= 0, "DiLoCo: round_seconds must be >= 0, got ", o.round_seconds());
-  DDPKIT_CHECK(o.piece_bytes() >= 0, "DiLoCo: piece_bytes must be >= 0 (0: the cross group's own), got ", o.piece_bytes());
-  DDPKIT_CHECK(o.round_seconds() == 0 || (count == 1 && o.fragment_delay() == 0),
-               "DiLoCo: time-budgeted rounds (round_seconds) take one fragment and no fragment_delay");
-  DDPKIT_CHECK(o.outer_lr() > 0, "DiLoCo: outer_lr must be > 0, got ", o.outer_lr());
-  DDPKIT_CHECK(o.outer_momentum() >= 0 && o.outer_momentum() < 1, "DiLoCo: outer_momentum must be in [0, 1), got ",
-               o.outer_momentum());
   im.codec = codecs::make_codec(o.codec());
   for (size_t i = 0; i < fragments.size(); ++i) {
     DiLoCoFragment f;
@@ -365,9 +352,20 @@ DiLoCo::DiLoCo(ft::Manager& manager, std::vector<std::vector<at::Tensor>> fragme
     }
     im.fragments.push_back(std::move(f));
   }
+  // A heal carries the outer state (under FSDP each rank's part, rank to rank); a checkpoint keeps
+  // it and this rank's residuals. Registered here, so a loop passes nothing along for DiLoCo.
+  manager.register_state(
+      "diloco", [this] { return state(); }, [this](const TensorDict& d) { load_state(d); },
+      o.parameters_sharded() ? ft::StateScope::kSharedPerRank : ft::StateScope::kShared);
+  manager.register_state(
+      "diloco_site", [this] { return site_state(); }, [this](const TensorDict& d) { load_site_state(d); },
+      ft::StateScope::kLocal);
 }
 
-DiLoCo::~DiLoCo() = default;
+DiLoCo::~DiLoCo() {
+  impl_->manager.unregister_state("diloco");
+  impl_->manager.unregister_state("diloco_site");
+}
 
 void DiLoCo::start() {
   Impl& im = *impl_;
@@ -457,6 +455,10 @@ TensorDict DiLoCo::site_state() const {
 void DiLoCo::load_site_state(const TensorDict& state) {
   Impl& im = *impl_;
   if (!im.options.error_feedback()) return;
+  if (state.empty()) {  // none kept (a checkpoint of another site size): the residuals start at zero
+    for (DiLoCoFragment& f : im.fragments) f.sent_residual.zero_(), f.mean_residual.zero_();
+    return;
+  }
   for (size_t i = 0; i < im.fragments.size(); ++i) {
     DiLoCoFragment& f = im.fragments[i];
     for (auto [name, dst] : {std::pair<const char*, at::Tensor*>{"sent_residual", &f.sent_residual},
@@ -480,22 +482,6 @@ at::Tensor DiLoCo::global_parameters(size_t fragment) const {
 size_t DiLoCo::fragments() const { return impl_->fragments.size(); }
 int64_t DiLoCo::outer_steps() const { return impl_->fragments[0].outer_steps; }
 const DiLoCoStats& DiLoCo::stats() const { return impl_->stats; }
-
-std::vector<std::vector<at::Tensor>> fragments_of(const std::vector<std::vector<at::Tensor>>& layers, int64_t count,
-                                                  const std::string& layout) {
-  DDPKIT_CHECK(count >= 1, "DiLoCo: fragments must be >= 1, got ", count);
-  DDPKIT_CHECK(static_cast<int64_t>(layers.size()) >= count, "DiLoCo: ", count, " fragments of ", layers.size(),
-               " layers: give at most one fragment per layer");
-  DDPKIT_CHECK(layout == "strided" || layout == "sequential", "DiLoCo: the fragment layout is strided or sequential, got '",
-               layout, "'");
-  std::vector<std::vector<at::Tensor>> out(static_cast<size_t>(count));
-  const auto n = static_cast<int64_t>(layers.size());
-  for (int64_t i = 0; i < n; ++i) {
-    const int64_t f = layout == "strided" ? i % count : i * count / n;
-    for (const auto& p : layers[static_cast<size_t>(i)]) out[static_cast<size_t>(f)].push_back(p);
-  }
-  return out;
-}
 
 }  // namespace diloco
 }  // namespace ddpkit

@@ -7,6 +7,7 @@
 #include "../comm/local_address.h"
 #include "cross_group_buckets.h"
 #include "detached.h"
+#include "state_registry.h"
 #include "state_transfer.h"
 #include "wire.h"
 
@@ -98,10 +99,12 @@ std::string new_incarnation() {
 
 struct Manager::Impl {
   std::shared_ptr<ProcessGroup> group;
+  std::unique_ptr<TrainingState> owned_state;  // the Manager made without one
   TrainingState& state;
   ManagerOptions options;
-  std::function<TensorDict()> extra;
+  std::function<TensorDict()> extra;  // the deprecated constructor's
   std::function<void(const TensorDict&)> load_extra;
+  StateRegistry registry;
 
   std::unique_ptr<LighthouseClient> client;
   std::unique_ptr<StateServer> server;
@@ -199,8 +202,11 @@ struct Manager::Impl {
   std::condition_variable beat_cv;
   bool stopping = false;
 
-  Impl(std::shared_ptr<ProcessGroup> g, TrainingState& s, ManagerOptions o)
-      : group(std::move(g)), state(s), options(std::move(o)) {}
+  Impl(std::shared_ptr<ProcessGroup> g, TrainingState* s, ManagerOptions o)
+      : group(std::move(g)),
+        owned_state(s ? nullptr : std::make_unique<TrainingState>()),
+        state(s ? *s : *owned_state),
+        options(std::move(o)) {}
 
   void retire_cross() {
     std::lock_guard<std::mutex> lock(cross_mu);
@@ -334,7 +340,17 @@ struct Manager::Impl {
   }
 };
 
+Manager::Manager(std::shared_ptr<ProcessGroup> group, TrainingState& state, ManagerOptions options)
+    : Manager(std::move(group), &state, std::move(options), nullptr, nullptr) {}
+
+Manager::Manager(std::shared_ptr<ProcessGroup> group, ManagerOptions options)
+    : Manager(std::move(group), nullptr, std::move(options), nullptr, nullptr) {}
+
 Manager::Manager(std::shared_ptr<ProcessGroup> group, TrainingState& state, ManagerOptions options,
+                 std::function<TensorDict()> extra, std::function<void(const TensorDict&)> load_extra)
+    : Manager(std::move(group), &state, std::move(options), std::move(extra), std::move(load_extra)) {}
+
+Manager::Manager(std::shared_ptr<ProcessGroup> group, TrainingState* state, ManagerOptions options,
                  std::function<TensorDict()> extra, std::function<void(const TensorDict&)> load_extra) {
   DDPKIT_CHECK(group, "ft::Manager needs its replica group's process group");
   DDPKIT_CHECK(!options.lighthouse().empty(), "ft::Manager: no lighthouse address (host:port)");
@@ -382,6 +398,43 @@ const std::string& Manager::group_id() const { return impl_->options.group_id();
 const std::shared_ptr<ProcessGroup>& Manager::group() const { return impl_->group; }
 int Manager::replica_rank() const { return quorum_.replica_rank(impl_->options.group_id()); }
 int Manager::replica_count() const { return static_cast<int>(quorum_.participants.size()); }
+
+void Manager::register_state(const std::string& key, SaveState save, LoadState load, StateScope scope) {
+  impl_->registry.add(key, std::move(save), std::move(load), scope);
+}
+
+void Manager::unregister_state(const std::string& key) { impl_->registry.remove(key); }
+
+void Manager::checkpoint_state(TensorDict* common, TensorDict* local) const {
+  impl_->registry.checkpoint_entries(common, local);
+}
+
+void Manager::load_checkpoint_state(const TensorDict& common, const TensorDict& local) {
+  impl_->registry.load_checkpoint_entries(common, local, "the checkpoint");
+}
+
+std::string Manager::save_checkpoint(const std::string& dir, int keep) {
+  TensorDict common, local;
+  checkpoint_state(&common, &local);
+  common["manager_step"] = int_entry(step_);
+  return impl_->state.save(impl_->group.get(), dir, step_, common, local, keep);
+}
+
+int64_t Manager::restore_checkpoint(const std::string& dir) {
+  Impl& im = *impl_;
+  const auto loaded = im.state.restore(im.group.get(), dir);
+  if (!loaded) return -1;
+  auto extras = [](const TensorDict& d) {
+    TensorDict out;
+    for (const auto& [name, value] : d)
+      if (name.compare(0, 6, "extra/") == 0) out[name.substr(6)] = value;
+    return out;
+  };
+  const TensorDict common = extras(loaded->common), local = extras(loaded->local);
+  im.registry.load_checkpoint_entries(common, local, loaded->path);
+  resume_at(int_of(common, "manager_step", loaded->path));
+  return step_;
+}
 
 void Manager::resume_at(int64_t step) {
   DDPKIT_CHECK(stats_.quorums == 0, "ft::Manager::resume_at: before the first start_step");
@@ -457,6 +510,7 @@ void Manager::start_step() {
       for (size_t j = 0; j < quorum_.heal_sources.size(); ++j)
         if (quorum_.heal_sources[j] == me) healers.insert(quorum_.participants[j].group_id);
       TensorDict extra = im.extra ? im.extra() : TensorDict{};
+      for (auto& [name, value] : im.registry.heal_entries()) extra[name] = std::move(value);
       im.server->publish(step_, im.state.snapshot(extra), healers);
       im.phase("heal-publish", step_);
       const int64_t serving = quorum_.quorum_id, since = im.beats_now();
@@ -511,7 +565,8 @@ bool Manager::copy_state_from(int source, std::string* why) {
     if (got.pair) im.reap(std::move(got.pair));
     im.phase("heal-fetched", quorum_.max_step);
     const TensorDict extra = im.state.load_snapshot(got.state, what);
-    if (im.load_extra) im.load_extra(extra);
+    if (im.load_extra) im.load_extra(StateRegistry::without_registered(extra));
+    im.registry.load_heal_entries(extra, what);
     stats_.heal_bytes += got.bytes;
     stats_.heal_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     stats_.heals_single_copy += got.single_copy ? 1 : 0;

@@ -4,6 +4,7 @@
 #include "training.h"
 
 #include <ddpkit/codecs/codec.h>
+#include <ddpkit/diloco/diloco.h>
 #include <ddpkit/training/checkpoint.h>
 
 #include <algorithm>
@@ -149,6 +150,34 @@ void check_checkpoint_flags(const Flags& f, TrainFlags& t) {
     std::cerr << "ddpkit: --max-restarts without --checkpoint-dir restarts training from step 0\n";
 }
 
+// The library's checks of the DiLoCo options the flags give (DiLoCoOptions::validate), its
+// errors naming the flags the user typed rather than the options.
+void validate_diloco_flags(const TrainFlags& t) {
+  try {
+    diloco::DiLoCoOptions()
+        .sync_every(t.diloco)
+        .outer_lr(t.outer_lr)
+        .outer_momentum(t.outer_momentum)
+        .codec(t.outer_codec)
+        .fragment_delay(t.fragment_delay)
+        .fragment_alpha(t.fragment_alpha)
+        .round_seconds(t.round_seconds)
+        .parameters_sharded(t.use_fsdp)
+        .validate(t.fragments);
+  } catch (const c10::Error& e) {
+    static const std::pair<std::string, std::string> kFlags[] = {
+        {"ddpkit: DiLoCo: ", ""}, {"sync_every", "--diloco"}, {"outer_lr", "--outer-lr"},
+        {"outer_momentum", "--outer-momentum"}, {"fragment_delay", "--fragment-delay"},
+        {"fragment_alpha", "--fragment-alpha"}, {"round_seconds", "--round-seconds"},
+        {"parameters_sharded", "--fsdp"}, {" fragments", " --fragments"}};
+    std::string msg = e.msg();
+    for (const auto& [option, flag] : kFlags)
+      for (size_t at = msg.find(option); at != std::string::npos; at = msg.find(option, at + flag.size()))
+        msg.replace(at, option.size(), flag);
+    throw UsageError(msg);
+  }
+}
+
 // --diloco and its outer optimizer, codec and fragments (docs/diloco.md).
 void check_diloco_flags(const Flags& f, TrainFlags& t) {
   const char* needs[] = {"outer-lr", "outer-momentum", "outer-codec", "fragments", "fragment-delay", "fragment-alpha",
@@ -172,24 +201,9 @@ void check_diloco_flags(const Flags& f, TrainFlags& t) {
   if (!f.str("round-seconds").empty()) t.round_seconds = f.real("round-seconds");
   if (!f.str("round-seconds").empty() && !(t.round_seconds > 0))
     throw UsageError("--round-seconds must be > 0, got " + f.str("round-seconds"));
-  if (t.round_seconds > 0 && (t.fragments != 1 || t.fragment_delay != 0))
-    throw UsageError("--round-seconds takes whole-model rounds: not with --fragments or --fragment-delay");
-  if (!(t.outer_lr > 0)) throw UsageError("--outer-lr must be > 0, got " + f.str("outer-lr"));
-  if (!(t.outer_momentum >= 0 && t.outer_momentum < 1))
-    throw UsageError("--outer-momentum must be in [0, 1), got " + f.str("outer-momentum"));
-  if (!(t.fragment_alpha >= 0 && t.fragment_alpha <= 1))
-    throw UsageError("--fragment-alpha must be in [0, 1], got " + f.str("fragment-alpha"));
-  if (t.fragments < 1 || t.diloco % t.fragments != 0)
-    throw UsageError("--fragments must be >= 1 and divide --diloco (" + std::to_string(t.diloco) + "), got " +
-                     std::to_string(t.fragments));
-  if (t.fragment_delay < 0 || t.fragment_delay >= t.diloco / t.fragments)
-    throw UsageError("--fragment-delay must be in 0.." + std::to_string(t.diloco / t.fragments - 1) +
-                     " (--diloco / --fragments - 1), got " + std::to_string(t.fragment_delay));
+  validate_diloco_flags(t);
   if (t.fragment_layout != "strided" && t.fragment_layout != "sequential")
     throw UsageError("--fragment-layout is strided or sequential, got '" + t.fragment_layout + "'");
-  codecs::make_codec(t.outer_codec);  // an unknown codec: a UsageError listing them
-  if (t.fragments > 1 && t.use_fsdp)
-    throw UsageError("--fragments > 1 splits the model by layers: not under --fsdp (its shards are flat)");
 }
 
 // --fault-tolerant and its replica groups (docs/fault_tolerance.md).

@@ -2,9 +2,11 @@
 #pragma once
 
 #include "cli.h"
+#include "train_build.h"
 #include "train_flags.h"
 
 #include <ddpkit/ft/manager.h>
+#include <ddpkit/training/replica_group_sampler.h>
 
 #include <ATen/ATen.h>
 
@@ -106,6 +108,45 @@ inline ft::ManagerOptions group_manager_options(const TrainFlags& t, const Fault
       .cross_group_timeout(std::min(timeout, std::chrono::milliseconds(30000)))
       .heal_connections(t.heal_connections)
       .on_phase(fault.hook());
+}
+
+inline std::chrono::milliseconds timeout_of(const Flags& f) {
+  return std::chrono::milliseconds(int64_t{f.integer("timeout-s")} * 1000);
+}
+
+// This rank's share of the training data: group g's rank r reads share g*W + r of R*W.
+inline ReplicaGroupSampler group_sampler(const Flags& f, const TrainFlags& t, const Split& data, const ProcessGroup& pg) {
+  return ReplicaGroupSampler(data.train.inputs.size(0), ReplicaGroupSamplerOptions()
+                                                            .batch_size(t.batch)
+                                                            .replica_groups(t.replica_groups)
+                                                            .replica_group(t.replica_group)
+                                                            .group_size(pg.size())
+                                                            .group_rank(pg.rank())
+                                                            .seed(static_cast<uint64_t>(f.integer("seed"))));
+}
+
+// One forward and backward of `run` on the samples `idx` (gradients reset first); the loss.
+inline at::Tensor forward_backward(Training& run, const Dataset& train, const at::Tensor& idx, const FaultPoints& fault,
+                                   int64_t step) {
+  at::Tensor x = train.inputs.index_select(0, idx), y = train.labels.index_select(0, idx);
+  if (run.model.language_model) x = x.to(at::kLong), y = y.to(at::kLong);
+  for (auto& p : run.params) p.mutable_grad().reset();
+  fault.at("forward", step);
+  at::Tensor loss = model_loss(run.model, run.forward(x), y);
+  fault.at("backward", step);
+  loss.backward();
+  return loss;
+}
+
+inline void optimizer_step(Training& run) {
+  if (run.zero)
+    run.zero->step();
+  else
+    run.optimizer->step();
+}
+
+inline double ms_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
 }
 
 }  // namespace cli

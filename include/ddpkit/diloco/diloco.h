@@ -37,6 +37,7 @@
 #include <ddpkit/ft/manager.h>
 
 #include <torch/arg.h>
+#include <torch/nn/module.h>
 
 #include <functional>
 #include <memory>
@@ -85,6 +86,11 @@ struct DiLoCoOptions {
   // Called with the Manager's step as each sync's average has been issued ("outer-issued": the
   // transfer is in flight). For tracing, and for tests that make a site die mid-sync.
   TORCH_ARG(std::function<void(const std::string& phase, int64_t step)>, on_phase) = nullptr;
+
+ public:
+  // Throws, naming the option, when these options cannot run over `fragments` fragments (DiLoCo's
+  // constructor calls it; a CLI or config loader can call it first).
+  void validate(int64_t fragments = 1) const;
 };
 
 struct DiLoCoStats {
@@ -146,6 +152,13 @@ class DiLoCo {
   struct Impl;
   std::unique_ptr<Impl> impl_;
 };
+
+// A model's parameters as layers, in model order, for fragments_of. With `units` (FSDP's units, or
+// the blocks a model is made of): each unit's parameters are one layer, and the parameters between
+// units (embeddings, a final norm, a head) a layer per run. Without: each direct child of
+// `module` is a layer, and its own parameters (if any) one before them.
+std::vector<std::vector<at::Tensor>> layers_of(const torch::nn::Module& module,
+                                               const std::vector<std::shared_ptr<torch::nn::Module>>& units = {});
 
 // Splits `layers` (each a list of parameters, in model order) into `count` fragments:
 // "strided" (layer i to fragment i % count, Streaming DiLoCo's choice) or "sequential" (consecutive runs).

@@ -57,6 +57,16 @@ struct LighthouseOptions {
   // change; a slow callback delays only quorums formed by join_timeout). `ddpkit lighthouse`
   // prints them with a UTC time.
   TORCH_ARG(std::function<void(const std::string& event)>, on_event) = nullptr;
+
+ public:
+  // A lighthouse for DiLoCo sites whose Managers wait `site_quorum_timeout` for a quorum
+  // (ManagerOptions::quorum_timeout). A live site asks for a quorum only every H / P inner steps,
+  // so a quorum must wait for it as long as the sites wait for the quorum: join_timeout equals
+  // it. With a shorter one, a quorum formed without a slow site lets sites that committed
+  // different syncs go on apart.
+  static LighthouseOptions for_diloco(std::chrono::milliseconds site_quorum_timeout) {
+    return LighthouseOptions().join_timeout(site_quorum_timeout);
+  }
 };
 
 // A replica group as its rank 0 describes itself (and as a quorum lists it).

@@ -70,6 +70,21 @@ struct ManagerOptions {
   TORCH_ARG(std::function<void(const std::string& phase, int64_t step)>, on_phase) = nullptr;
 };
 
+// What a state registered with Manager::register_state is, which decides where it goes.
+enum class StateScope {
+  // The same on every rank of every group (the model and optimizer under DDP, DiLoCo's outer
+  // state, the data position): a heal copies it, a checkpoint keeps one copy.
+  kShared,
+  // The same across groups rank by matching rank, each rank holding its own part (FSDP's shards,
+  // a ZeRO partition, DiLoCo's outer state under FSDP): a heal copies it, a checkpoint keeps each rank's.
+  kSharedPerRank,
+  // This rank's (or site's) own (error-feedback residuals): a checkpoint keeps it per rank, a heal
+  // never copies it (a healed rank starts with none).
+  kLocal,
+};
+using SaveState = std::function<TensorDict()>;
+using LoadState = std::function<void(const TensorDict&)>;
+
 struct ManagerStats {
   int64_t quorums = 0;           // quorums taken part in
   int64_t reconfigurations = 0;  // cross-group process groups built
@@ -95,9 +110,16 @@ struct ManagerStats {
 class Manager {
  public:
   // Collective over `group`: starts this rank's state service and heartbeats. `state` says what a
-  // heal copies; `extra` / `load_extra` carry the loop's own state along (may be empty).
+  // heal copies of the model, optimizer, DDP and hook; register_state adds the loop's own.
+  Manager(std::shared_ptr<ProcessGroup> group, TrainingState& state, ManagerOptions options);
+  // No TrainingState: everything a heal copies is registered with register_state (the Python
+  // API's Manager: the module's and optimizer's state_dict()). A heal still copies the CPU generator.
+  Manager(std::shared_ptr<ProcessGroup> group, ManagerOptions options);
+  // Deprecated: register_state("key", save, load) replaces `extra` / `load_extra`, and needs no
+  // object to exist before the Manager (this form keeps working for one release).
+  [[deprecated("pass the loop's own state with Manager::register_state(key, save, load, scope)")]]
   Manager(std::shared_ptr<ProcessGroup> group, TrainingState& state, ManagerOptions options,
-          std::function<TensorDict()> extra = nullptr, std::function<void(const TensorDict&)> load_extra = nullptr);
+          std::function<TensorDict()> extra, std::function<void(const TensorDict&)> load_extra = nullptr);
   ~Manager();
   Manager(const Manager&) = delete;
   Manager& operator=(const Manager&) = delete;
@@ -127,6 +149,26 @@ class Manager {
   std::shared_ptr<ProcessGroup> cross_group();
   void fail_step(const std::string& why);
 
+  // The loop's own state, beside TrainingState's: `save` gives its tensors (CPU; shared with the
+  // live state is fine, a heal source holds still until read), `load` takes back what a save gave
+  // on a matching rank. Called back only when a heal or a checkpoint needs them, so any object may
+  // register at any time before it is needed (DiLoCo registers itself, as "diloco" and
+  // "diloco_site"). Loaded in the order registered, after TrainingState. `key`: no '/'.
+  void register_state(const std::string& key, SaveState save, LoadState load, StateScope scope = StateScope::kShared);
+  void unregister_state(const std::string& key);
+  // Collective over the group: TrainingState's checkpoint (save_checkpoint, DIR/checkpoint-<step>)
+  // with every registered state and this Manager's step; keeps the newest `keep`. Which rank writes
+  // is the caller's choice: replicas that are equal (DDP across groups) need one group to write
+  // (replica_rank() == 0); DiLoCo sites differ, each writes its own directory.
+  std::string save_checkpoint(const std::string& dir, int keep = 3);
+  // Collective: the newest checkpoint in `dir` into TrainingState and the registered state, and
+  // resume_at its step (before the first start_step). Returns that step, or -1 when `dir` has none.
+  int64_t restore_checkpoint(const std::string& dir);
+  // The registered state as a checkpoint holds it (`common`: kShared; `local`: the others), and
+  // back, for a loop that writes its own checkpoints (TrainingState::save's extras).
+  void checkpoint_state(TensorDict* common, TensorDict* local) const;
+  void load_checkpoint_state(const TensorDict& common, const TensorDict& local);
+
   int64_t step() const { return step_; }
   // This rank starts at `step` committed steps (its state loaded from a checkpoint of that step):
   // before the first start_step, on every rank of the group. The quorum takes the highest step
@@ -141,6 +183,8 @@ class Manager {
   const std::shared_ptr<ProcessGroup>& group() const;
 
  private:
+  Manager(std::shared_ptr<ProcessGroup> group, TrainingState* state, ManagerOptions options,
+          std::function<TensorDict()> extra, std::function<void(const TensorDict&)> load_extra);
   // This rank's state from the matching rank of participant `source`; false with `why` on failure.
   bool copy_state_from(int source, std::string* why);
 
