@@ -3,6 +3,9 @@
 // this file converts arguments, releases the GIL around anything that waits, and turns ddpkit's
 // errors into Python exceptions that name what is wrong.
 #include "backend.h"
+#ifdef DDPKIT_WITH_FT
+#include "ft_bindings.h"
+#endif
 #include "torch_ddp_hook.h"
 #include "torch_fsdp2_comm.h"
 
@@ -291,6 +294,9 @@ PYBIND11_MODULE(_C, m) {
   py::register_exception<CommError>(m, "CommError", PyExc_RuntimeError);
   bind_backend(m);
   bind_fsdp2_comm(m);
+#ifdef DDPKIT_WITH_FT
+  bind_ft(m);
+#endif
 
   py::class_<ProcessGroup, std::shared_ptr<ProcessGroup>>(m, "ProcessGroup",
       "A ddpkit process group (Gloo): ordered collectives with a timeout; see ddpkit.new_group")

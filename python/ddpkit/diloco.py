@@ -1,0 +1,173 @@
+"""DiLoCo and Streaming DiLoCo for your own model: ddpkit's outer loop, attached to your optimizer.
+
+Each site (replica group: one torchrun job) trains alone with its own inner optimizer; every
+sync_every inner steps the sites average their pseudo-gradients (the last synced parameters minus
+the local ones) and take an outer step (SGD, Nesterov momentum). With fragments > 1 (Streaming
+DiLoCo) one fragment of layers syncs every sync_every / fragments steps, overlapped with the next
+fragment_delay inner steps. The pseudo-gradients cross the sites in `codec` (fp32, bf16, fp16,
+int8, int4, int2: ddpkit.diloco.codec_names()), with error feedback if asked.
+
+    manager = ddpkit.ft.Manager(lighthouse="host:29510", group_id=f"site-{site}")
+    with ddpkit.diloco.DiLoCo(manager, model, optimizer, sync_every=64, fragments=4, codec="int4") as diloco:
+        while diloco.inner_steps < steps:                    # the job's steps: a healed site's too
+            x, y = batch(diloco.inner_steps)
+            loss_fn(model(x), y).backward()
+            optimizer.step()                                 # syncs on schedule, in the step's hook
+            optimizer.zero_grad()
+
+The model's and optimizer's state_dict() are registered with the Manager ("model",
+"inner_optimizer"), so a site that starts late or comes back copies them, the outer state and your
+registered entries from a live site at the next sync. A site lost mid-sync costs the others no inner
+steps: the sync is redone among the survivors. See docs/diloco.md.
+"""
+import torch
+
+from . import _C
+
+__all__ = ["DiLoCo", "codec_names", "layers_of"]
+
+
+def codec_names():
+    """The wire formats a pseudo-gradient may cross the sites in."""
+    return list(_C.diloco.codec_names())
+
+
+def layers_of(module):
+    """`module`'s parameters as layers, in order: its own (if any), then each direct child's. For a
+    model whose blocks sit in one child (a ModuleList), pass that child's layers, or your own lists."""
+    layers = []
+    own = list(module.parameters(recurse=False))
+    if own:
+        layers.append(own)
+    for child in module.children():
+        params = list(child.parameters())
+        if params:
+            layers.append(params)
+    if not layers:
+        raise ValueError("ddpkit.diloco.layers_of: the module has no parameters")
+    return layers
+
+
+class DiLoCo:
+    """DiLoCo over `manager`'s sites for `model`, driven by `inner_optimizer`'s steps.
+
+    fragments: 1 (the whole model), a count (that many fragments of layers_of(model), `layout`
+        "strided": layer i to fragment i % count; "sequential": consecutive runs), or a list of
+        fragments (each a module or a list of parameters).
+    outer_lr, outer_momentum, nesterov: the outer optimizer. codec, error_feedback: the wire format.
+    fragment_delay (tau), fragment_alpha: Streaming DiLoCo's overlap and mixing.
+    round_seconds > 0: time-budgeted rounds (a site's pseudo-gradient weighted by its inner steps).
+    parameters_sharded: the site's ranks each hold their own shards (FSDP).
+    register_state: register the model's and optimizer's state_dict with the manager (a heal copies them).
+    """
+
+    def __init__(self, manager, model, inner_optimizer, sync_every, *, fragments=1, layout="strided", outer_lr=0.7,
+                 outer_momentum=0.9, nesterov=True, codec="fp32", error_feedback=False, fragment_delay=0,
+                 fragment_alpha=0.0, round_seconds=0.0, parameters_sharded=False, piece_bytes=256 << 10,
+                 register_state=True):
+        self._model = model
+        self._optimizer = inner_optimizer
+        if register_state:
+            # Before DiLoCo registers its own state: a heal loads the model first, then the outer state.
+            manager.register_state_dict("model", model.state_dict, model.load_state_dict)
+            manager.register_state_dict("inner_optimizer", inner_optimizer.state_dict, inner_optimizer.load_state_dict)
+        self._inner_steps = 0
+        # The job's inner steps: a healed site takes its source's (a data position that heals).
+        manager.register_state_dict("diloco_inner_steps", lambda: {"inner_steps": torch.tensor([self._inner_steps])},
+                                    lambda d: setattr(self, "_inner_steps", int(d["inner_steps"][0])))
+        self._fragments = self._fragment_lists(model, fragments, layout)
+        self._diloco = _C.diloco.DiLoCo(
+            manager._manager, self._fragments, int(sync_every), float(outer_lr), float(outer_momentum), bool(nesterov),
+            str(codec), bool(error_feedback), int(fragment_delay), float(fragment_alpha), float(round_seconds),
+            bool(parameters_sharded), int(piece_bytes))
+        self._manager = manager
+        self._started = False
+        self.last_step_synced = False  # whether the last inner step applied an outer step
+        if hasattr(inner_optimizer, "register_step_post_hook"):
+            self._hook = inner_optimizer.register_step_post_hook(lambda opt, args, kwargs: self.after_inner_step())
+        else:  # torch < 2.0: wrap this optimizer's step
+            step = inner_optimizer.step
+
+            def step_then_sync(*args, **kwargs):
+                out = step(*args, **kwargs)
+                self.after_inner_step()
+                return out
+
+            inner_optimizer.step = step_then_sync
+            self._hook = None
+
+    @staticmethod
+    def _fragment_lists(model, fragments, layout):
+        if isinstance(fragments, int):
+            if fragments == 1:
+                return [list(model.parameters())]
+            return _C.diloco.fragments_of(layers_of(model), fragments, layout)
+        out = []
+        for f in fragments:
+            out.append(list(f.parameters()) if isinstance(f, torch.nn.Module) else list(f))
+        return out
+
+    def start(self):
+        """Collective over the site, before the first inner step: the first quorum (a site that
+        starts late heals here)."""
+        if not self._started:
+            self._diloco.start()
+            self._started = True
+
+    def after_inner_step(self):
+        """Called by the inner optimizer's step (its post hook): syncs fragments on their schedule.
+        Returns True when an outer step was applied."""
+        if not self._started:
+            raise RuntimeError("ddpkit.diloco.DiLoCo: call start() (or enter `with DiLoCo(...)`) before the first "
+                               "inner step")
+        self._inner_steps += 1
+        self.last_step_synced = self._diloco.after_inner_step()
+        return self.last_step_synced
+
+    def finish(self):
+        """Waits for the fragment in flight, if any, and applies it (the end of training)."""
+        self._diloco.finish()
+
+    def load_global_parameters(self):
+        """Copies the parameters the sites agree on (the last sync's) into the model, for evaluation."""
+        with torch.no_grad():
+            for i, params in enumerate(self._fragments):
+                flat = self._diloco.global_parameters(i)
+                offset = 0
+                for p in params:
+                    p.copy_(flat[offset:offset + p.numel()].view_as(p))
+                    offset += p.numel()
+
+    def close(self):
+        """Detaches from the optimizer and the Manager (the DiLoCo is done)."""
+        self._manager.unregister_state_dict("diloco_inner_steps")
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+
+    def __enter__(self):
+        self.start()
+        return self
+
+    def __exit__(self, kind, value, traceback):
+        if kind is None:
+            self.finish()
+        self.close()
+        return False
+
+    @property
+    def inner_steps(self):
+        """The job's inner steps so far (a site that heals takes its source's): a data position."""
+        return self._inner_steps
+
+    @property
+    def outer_steps(self):
+        """Outer steps applied to the first fragment: the job's rounds, the same on every site."""
+        return self._diloco.outer_steps
+
+    @property
+    def fragments(self):
+        return self._fragments
+
+    def stats(self):
+        return self._diloco.stats()

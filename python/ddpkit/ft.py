@@ -1,0 +1,196 @@
+"""Fault-tolerant training across replica groups, for your own model: ddpkit's Manager.
+
+Each replica group is one torchrun job (its ranks' torch.distributed world); the groups meet at a
+lighthouse (`ddpkit lighthouse`). Every rank makes one Manager, registers the state a late or
+restarted group must copy, and follows the per-step commit protocol:
+
+    import torch.distributed as dist, ddpkit.ft
+    dist.init_process_group("gloo")                      # or "ddpkit"; the group's own ranks
+    manager = ddpkit.ft.Manager(lighthouse="host:29510", group_id="replica-0")
+    manager.register_state_dict("model", model.state_dict, model.load_state_dict)
+    manager.register_state_dict("optimizer", optimizer.state_dict, optimizer.load_state_dict)
+    while manager.step < steps:
+        manager.start_step()                             # the quorum; a group behind heals here
+        loss = loss_fn(model(x), y); loss.backward()     # DDP inside the group, if several ranks
+        manager.allreduce_gradients(model)               # averaged across the quorum's groups
+        if manager.should_commit():                      # every rank of every group succeeded
+            optimizer.step()
+        optimizer.zero_grad()
+
+A group that dies is out of the next quorum; the survivors go on without a restart, and a group
+that comes back copies the registered state from a live one (no checkpoint is read). State goes
+through state_dict()-style functions: nested dicts and lists of CPU tensors and plain values.
+See docs/fault_tolerance.md.
+"""
+import os
+import pickle
+
+import torch
+
+from . import _C, _seconds
+
+__all__ = ["Manager", "SCOPES"]
+
+# Where registered state goes (ddpkit::ft::StateScope): "shared", the same on every rank of every
+# group (a heal copies it, a checkpoint keeps one copy); "shared_per_rank", the same across groups
+# rank by rank (FSDP shards: a heal copies it rank to rank, a checkpoint keeps each rank's);
+# "local", this rank's own (a checkpoint keeps it, a heal never copies it).
+SCOPES = ("shared", "shared_per_rank", "local")
+
+
+class _TensorRef:
+    """Where a tensor stood in a pickled state dict's skeleton."""
+
+    def __init__(self, index):
+        self.index = index
+
+
+def flatten_state(state):
+    """A state dict (nested dicts, lists and tuples of CPU tensors and picklable values) as the flat
+    {name: tensor} the Manager carries: the tensors as they are, the rest pickled as bytes."""
+    tensors = {}
+
+    def strip(x):
+        if isinstance(x, torch.Tensor):
+            if x.device.type != "cpu":
+                raise ValueError(f"ddpkit.ft: state holds a tensor on {x.device}; the Manager carries CPU tensors")
+            index = len(tensors)
+            tensors[f"t/{index}"] = x.detach().contiguous()
+            return _TensorRef(index)
+        if isinstance(x, dict):
+            return type(x)((k, strip(v)) for k, v in x.items())
+        if isinstance(x, (list, tuple)) and type(x) in (list, tuple):
+            return type(x)(strip(v) for v in x)
+        return x
+
+    skeleton = pickle.dumps(strip(state))
+    tensors["skeleton"] = torch.frombuffer(bytearray(skeleton), dtype=torch.uint8)
+    return tensors
+
+
+def unflatten_state(tensors):
+    """flatten_state's input back from its output."""
+    if "skeleton" not in tensors:
+        raise ValueError("ddpkit.ft: the state holds no skeleton (not made by flatten_state)")
+
+    def fill(x):
+        if isinstance(x, _TensorRef):
+            return tensors[f"t/{x.index}"]
+        if isinstance(x, dict):
+            return type(x)((k, fill(v)) for k, v in x.items())
+        if isinstance(x, (list, tuple)) and type(x) in (list, tuple):
+            return type(x)(fill(v) for v in x)
+        return x
+
+    return fill(pickle.loads(tensors["skeleton"].numpy().tobytes()))
+
+
+def _ddpkit_group(group):
+    """The ddpkit ProcessGroup a Manager runs its group's collectives on."""
+    from . import ProcessGroup, _ddpkit_group_of, default_group
+    import torch.distributed as dist
+
+    if isinstance(group, ProcessGroup):
+        return group
+    if group is None:
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError("ddpkit.ft.Manager: torch.distributed is not initialized; call "
+                               "torch.distributed.init_process_group first (the replica group's ranks), or pass group=")
+        return _ddpkit_group_of(dist.group.WORLD) or default_group()
+    own = _ddpkit_group_of(group)
+    if own is None:
+        raise TypeError("ddpkit.ft.Manager: group must be a ddpkit.ProcessGroup or a torch.distributed group of the "
+                        f"'ddpkit' backend, got {group!r} (for gloo's world, leave group out)")
+    return own
+
+
+class Manager:
+    """One rank's part in fault-tolerant training across replica groups (see the module's doc).
+
+    lighthouse: host:port of `ddpkit lighthouse` (default: $DDPKIT_LIGHTHOUSE).
+    group_id: this replica group's id, the same on its every rank (default: $DDPKIT_REPLICA_GROUP_ID).
+    group: the replica group's own process group: None (torch.distributed's world: its ddpkit
+        group on the ddpkit backend, else ddpkit.default_group() over its store), a
+        ddpkit.ProcessGroup, or a group of the ddpkit backend.
+    quorum_timeout: how long start_step waits for a quorum (a timedelta or seconds). For DiLoCo,
+        start the lighthouse with --join-timeout-ms of the same length.
+    cross_group_timeout: the cross-group collectives' and heals' timeout.
+    """
+
+    def __init__(self, lighthouse=None, group_id=None, group=None, *, token=None, quorum_timeout=60.0,
+                 cross_group_timeout=30.0, heartbeat_interval=0.1, cross_gloo_threads=0, heal_connections=1):
+        lighthouse = lighthouse or os.environ.get("DDPKIT_LIGHTHOUSE", "")
+        if not lighthouse:
+            raise ValueError("ddpkit.ft.Manager: no lighthouse (host:port): pass lighthouse= or set DDPKIT_LIGHTHOUSE")
+        group_id = group_id or os.environ.get("DDPKIT_REPLICA_GROUP_ID", "")
+        if not group_id:
+            raise ValueError("ddpkit.ft.Manager: no group_id: pass group_id= or set DDPKIT_REPLICA_GROUP_ID")
+        if token is None:
+            token = os.environ.get("DDPKIT_FT_TOKEN", "")
+        self._manager = _C.ft.Manager(
+            _ddpkit_group(group), lighthouse, group_id, token, _seconds(quorum_timeout, "quorum_timeout"),
+            _seconds(cross_group_timeout, "cross_group_timeout"),
+            _seconds(heartbeat_interval, "heartbeat_interval"), int(cross_gloo_threads), int(heal_connections))
+
+    def register_state_dict(self, key, state_dict, load_state_dict, scope="shared"):
+        """What a heal copies and a checkpoint keeps under `key`: state_dict() gives it (as
+        torch.nn.Module.state_dict does), load_state_dict(d) takes back what one gave on a matching
+        rank. Called only when a heal or a checkpoint needs it; loaded in the order registered."""
+        if scope not in SCOPES:
+            raise ValueError(f"ddpkit.ft: scope must be one of {SCOPES}, got {scope!r}")
+        self._manager.register_state(key, lambda: flatten_state(state_dict()),
+                                     lambda d: load_state_dict(unflatten_state(d)), scope)
+
+    def unregister_state_dict(self, key):
+        self._manager.unregister_state(key)
+
+    def start_step(self):
+        """Collective over the group: joins the quorum for the next step; a group behind heals."""
+        self._manager.start_step()
+
+    def allreduce(self, tensors):
+        """Averages CPU `tensors` across the quorum's groups, in place; a failure leaves them as they
+        were and marks the step not to commit."""
+        self._manager.allreduce(list(tensors))
+
+    def allreduce_gradients(self, module_or_parameters):
+        """allreduce of the gradients of a module's (or a list of) parameters."""
+        params = module_or_parameters.parameters() if isinstance(module_or_parameters, torch.nn.Module) \
+            else module_or_parameters
+        self.allreduce([p.grad for p in params if p.grad is not None])
+
+    def should_commit(self):
+        """Collective over the group: True when every rank's step succeeded (then step advances)."""
+        return self._manager.should_commit()
+
+    def fail_step(self, why):
+        self._manager.fail_step(why)
+
+    def save_checkpoint(self, directory, keep=3):
+        """Collective over the group: the registered state and the step, as DIR/checkpoint-<step>.ddpk."""
+        return self._manager.save_checkpoint(os.fspath(directory), keep)
+
+    def restore_checkpoint(self, directory):
+        """Collective, before the first start_step: the newest checkpoint in `directory` loaded into
+        the registered state; returns its step, or -1 when there is none."""
+        return self._manager.restore_checkpoint(os.fspath(directory))
+
+    @property
+    def step(self):
+        """Steps committed."""
+        return self._manager.step
+
+    @property
+    def replica_rank(self):
+        return self._manager.replica_rank
+
+    @property
+    def replica_count(self):
+        return self._manager.replica_count
+
+    @property
+    def group_id(self):
+        return self._manager.group_id
+
+    def stats(self):
+        return self._manager.stats()

@@ -1,0 +1,177 @@
+// ddpkit._C.ft and ddpkit._C.diloco: the Manager and DiLoCo for Python (python/ddpkit/ft.py and
+// diloco.py are the public API). Everything that waits on other groups runs with the GIL released;
+// the state callbacks a heal or a checkpoint calls take it back.
+#include "ft_bindings.h"
+
+#include <ddpkit/codecs/codec.h>
+#include <ddpkit/diloco/diloco.h>
+#include <ddpkit/ft/manager.h>
+
+#include <torch/csrc/utils/pybind.h>
+
+#include <pybind11/functional.h>
+#include <pybind11/stl.h>
+
+#include <chrono>
+#include <memory>
+
+namespace py = pybind11;
+
+namespace ddpkit {
+namespace python {
+namespace {
+
+std::chrono::milliseconds ms_of(double seconds, const char* what) {
+  if (!(seconds > 0)) throw py::value_error(std::string(what) + " must be > 0 seconds, got " + std::to_string(seconds));
+  return std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000));
+}
+
+ft::StateScope scope_of(const std::string& name) {
+  if (name == "shared") return ft::StateScope::kShared;
+  if (name == "shared_per_rank") return ft::StateScope::kSharedPerRank;
+  if (name == "local") return ft::StateScope::kLocal;
+  throw py::value_error("ddpkit.ft: scope is 'shared', 'shared_per_rank' or 'local', got '" + name + "'");
+}
+
+// A Python save/load pair as the Manager calls it (from the thread in start_step, GIL released).
+// The functions are released under the GIL too: the Manager may drop them on any thread.
+struct PyCallbacks {
+  std::shared_ptr<py::object> save, load;
+  PyCallbacks(py::object s, py::object l)
+      : save(new py::object(std::move(s)), release), load(new py::object(std::move(l)), release) {}
+  static void release(py::object* o) {
+    py::gil_scoped_acquire gil;
+    delete o;
+  }
+};
+
+py::dict manager_stats(const ft::ManagerStats& s) {
+  py::dict d;
+  d["quorums"] = s.quorums;
+  d["reconfigurations"] = s.reconfigurations;
+  d["reconfiguration_seconds"] = s.reconfiguration_seconds;
+  d["heals"] = s.heals;
+  d["heal_bytes"] = s.heal_bytes;
+  d["heal_seconds"] = s.heal_seconds;
+  d["serve_seconds"] = s.serve_seconds;
+  d["heal_route"] = s.heal_route;
+  d["steps_committed"] = s.steps_committed;
+  d["steps_not_committed"] = s.steps_not_committed;
+  d["last_error"] = s.last_error;
+  d["cross_transport"] = s.cross_transport;
+  d["cross_bytes_sent"] = s.cross_bytes_sent;
+  return d;
+}
+
+py::dict diloco_stats(const diloco::DiLoCoStats& s) {
+  py::dict d;
+  d["inner_steps"] = s.inner_steps;
+  d["syncs"] = s.syncs;
+  d["sync_retries"] = s.sync_retries;
+  d["heals"] = s.heals;
+  d["checksum_mismatches"] = s.checksum_mismatches;
+  d["last_sites"] = s.last_sites;
+  d["last_sites_weighted"] = s.last_sites_weighted;
+  d["blocked_seconds"] = s.blocked_seconds;
+  d["longest_blocked_seconds"] = s.longest_blocked_seconds;
+  d["transfer_seconds"] = s.transfer_seconds;
+  d["site_gather_seconds"] = s.site_gather_seconds;
+  d["wait_seconds"] = s.wait_seconds;
+  d["last_error"] = s.last_error;
+  return d;
+}
+
+}  // namespace
+
+void bind_ft(py::module& root) {
+  py::module m = root.def_submodule("ft", "ddpkit's fault-tolerant Manager (see ddpkit.ft)");
+  py::class_<ft::Manager>(m, "Manager")
+      .def(py::init([](std::shared_ptr<ProcessGroup> group, const std::string& lighthouse, const std::string& group_id,
+                       const std::string& token, double quorum_timeout_s, double cross_group_timeout_s,
+                       double heartbeat_interval_s, int cross_gloo_threads, int heal_connections) {
+             ft::ManagerOptions o;
+             o.lighthouse(lighthouse)
+                 .group_id(group_id)
+                 .token(token)
+                 .quorum_timeout(ms_of(quorum_timeout_s, "quorum_timeout"))
+                 .cross_group_timeout(ms_of(cross_group_timeout_s, "cross_group_timeout"))
+                 .heartbeat_interval(ms_of(heartbeat_interval_s, "heartbeat_interval"))
+                 .cross_gloo_threads(cross_gloo_threads)
+                 .heal_connections(heal_connections);
+             py::gil_scoped_release nogil;  // collective over the group
+             return std::make_unique<ft::Manager>(std::move(group), std::move(o));
+           }),
+           py::arg("group"), py::arg("lighthouse"), py::arg("group_id"), py::arg("token"), py::arg("quorum_timeout_s"),
+           py::arg("cross_group_timeout_s"), py::arg("heartbeat_interval_s"), py::arg("cross_gloo_threads"),
+           py::arg("heal_connections"))
+      .def("register_state",
+           [](ft::Manager& mgr, const std::string& key, py::object save, py::object load, const std::string& scope) {
+             PyCallbacks cb(std::move(save), std::move(load));
+             mgr.register_state(
+                 key,
+                 [cb] {
+                   py::gil_scoped_acquire gil;
+                   return (*cb.save)().cast<TensorDict>();
+                 },
+                 [cb](const TensorDict& d) {
+                   py::gil_scoped_acquire gil;
+                   (*cb.load)(py::cast(d));
+                 },
+                 scope_of(scope));
+           },
+           py::arg("key"), py::arg("save"), py::arg("load"), py::arg("scope"))
+      .def("unregister_state", &ft::Manager::unregister_state)
+      .def("start_step", &ft::Manager::start_step, py::call_guard<py::gil_scoped_release>())
+      .def("allreduce", &ft::Manager::allreduce, py::call_guard<py::gil_scoped_release>())
+      .def("should_commit", &ft::Manager::should_commit, py::call_guard<py::gil_scoped_release>())
+      .def("fail_step", &ft::Manager::fail_step)
+      .def("resume_at", &ft::Manager::resume_at)
+      .def("save_checkpoint", &ft::Manager::save_checkpoint, py::arg("dir"), py::arg("keep") = 3,
+           py::call_guard<py::gil_scoped_release>())
+      .def("restore_checkpoint", &ft::Manager::restore_checkpoint, py::arg("dir"),
+           py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("step", &ft::Manager::step)
+      .def_property_readonly("replica_rank", &ft::Manager::replica_rank)
+      .def_property_readonly("replica_count", &ft::Manager::replica_count)
+      .def_property_readonly("group_id", &ft::Manager::group_id)
+      .def_property_readonly("group", &ft::Manager::group)
+      .def("stats", [](const ft::Manager& mgr) { return manager_stats(mgr.stats()); });
+
+  py::module d = root.def_submodule("diloco", "ddpkit's DiLoCo (see ddpkit.diloco)");
+  d.def("codec_names", &codecs::codec_names);
+  d.def("fragments_of", &diloco::fragments_of, py::arg("layers"), py::arg("count"), py::arg("layout"));
+  py::class_<diloco::DiLoCo>(d, "DiLoCo")
+      .def(py::init([](ft::Manager& manager, std::vector<std::vector<at::Tensor>> fragments, int64_t sync_every,
+                       double outer_lr, double outer_momentum, bool nesterov, const std::string& codec,
+                       bool error_feedback, int64_t fragment_delay, double fragment_alpha, double round_seconds,
+                       bool parameters_sharded, int64_t piece_bytes) {
+             diloco::DiLoCoOptions o;
+             o.sync_every(sync_every)
+                 .outer_lr(outer_lr)
+                 .outer_momentum(outer_momentum)
+                 .nesterov(nesterov)
+                 .codec(codec)
+                 .error_feedback(error_feedback)
+                 .fragment_delay(fragment_delay)
+                 .fragment_alpha(fragment_alpha)
+                 .round_seconds(round_seconds)
+                 .parameters_sharded(parameters_sharded)
+                 .piece_bytes(piece_bytes);
+             return std::make_unique<diloco::DiLoCo>(manager, std::move(fragments), std::move(o));
+           }),
+           py::keep_alive<1, 2>(),  // the Manager outlives its DiLoCo
+           py::arg("manager"), py::arg("fragments"), py::arg("sync_every"), py::arg("outer_lr"),
+           py::arg("outer_momentum"), py::arg("nesterov"), py::arg("codec"), py::arg("error_feedback"),
+           py::arg("fragment_delay"), py::arg("fragment_alpha"), py::arg("round_seconds"),
+           py::arg("parameters_sharded"), py::arg("piece_bytes"))
+      .def("start", &diloco::DiLoCo::start, py::call_guard<py::gil_scoped_release>())
+      .def("after_inner_step", &diloco::DiLoCo::after_inner_step, py::call_guard<py::gil_scoped_release>())
+      .def("finish", &diloco::DiLoCo::finish, py::call_guard<py::gil_scoped_release>())
+      .def("global_parameters", &diloco::DiLoCo::global_parameters)
+      .def_property_readonly("fragments", &diloco::DiLoCo::fragments)
+      .def_property_readonly("outer_steps", &diloco::DiLoCo::outer_steps)
+      .def("stats", [](const diloco::DiLoCo& dl) { return diloco_stats(dl.stats()); });
+}
+
+}  // namespace python
+}  // namespace ddpkit
