@@ -6,6 +6,11 @@ layers, never a folder in its own layer or above. The order is LAYERS below, as 
 draws it. Prints the folder dependency graph (who includes whom, how many times) and fails on
 every include that points sideways or up, naming the file and line.
 
+The library's clients (tools/: the CLIs; python/src: the bindings) sit above every layer: they
+include only public headers (no private header of src/), and hold no training policy the library
+owns (CLIENT_POLICY: which samples a rank reads, how gradients cross replica groups, the
+lighthouse's DiLoCo invariant), so a user of the library gets every behaviour the CLI has.
+
   python3 tests/layers.py            # check
   python3 tests/layers.py --graph    # the graph only
 """
@@ -71,8 +76,39 @@ def scan():
     return edges, bad, unknown
 
 
+# (pattern, what the library owns it as, files allowed to use it): a client that needs one calls the library.
+CLIENT_POLICY = [
+    (re.compile(r"\brandperm\b"), "which samples each rank reads: ddpkit::ReplicaGroupSampler", ()),
+    (re.compile(r"set_cross_replica_reduction|gradient_shards\(\)"),
+     "the route of gradients across replica groups: ddpkit::ft::CrossGroupGradients", ()),
+    (re.compile(r"\.join_timeout\("), "the lighthouse's DiLoCo invariant: ft::LighthouseOptions::for_diloco",
+     ("tools/ddpkit/lighthouse.cpp",)),  # `ddpkit lighthouse --join-timeout-ms`: the option as a flag
+]
+PRIVATE_INCLUDE = re.compile(r'^\s*#\s*include\s*["<](?:\.\./)*src/')
+
+
+def scan_clients():
+    bad = []
+    for base in ("tools", "python/src"):
+        for root, _, files in os.walk(os.path.join(ROOT, base)):
+            for name in sorted(files):
+                if not name.endswith((".h", ".cpp")):
+                    continue
+                path = os.path.relpath(os.path.join(root, name), ROOT)
+                with open(os.path.join(ROOT, path)) as f:
+                    for lineno, line in enumerate(f, 1):
+                        if PRIVATE_INCLUDE.match(line):
+                            bad.append(f"{path}:{lineno}: a client includes a private header of src/: {line.strip()}")
+                        code = line.split("//", 1)[0]
+                        for pattern, owner, allowed in CLIENT_POLICY:
+                            if pattern.search(code) and path not in allowed:
+                                bad.append(f"{path}:{lineno}: the library owns {owner}: {line.strip()}")
+    return bad
+
+
 def main():
     edges, bad, unknown = scan()
+    client_bad = scan_clients()
     print("folder dependencies (includes), lowest layer first:")
     for layer in LAYERS:
         for folder in layer:
@@ -82,10 +118,11 @@ def main():
         return 0
     for u in sorted(unknown):
         print(f"folder '{u}' is in no layer: add it to LAYERS in tests/layers.py and to docs/design.md")
-    for b in bad:
+    for b in bad + client_bad:
         print(b)
-    print(f"layers: {len(bad)} includes point sideways or up, {len(unknown)} folders without a layer")
-    return 1 if bad or unknown else 0
+    print(f"layers: {len(bad)} includes point sideways or up, {len(unknown)} folders without a layer; "
+          f"clients (tools/, python/src): {len(client_bad)} private includes or library policy")
+    return 1 if bad or unknown or client_bad else 0
 
 
 if __name__ == "__main__":

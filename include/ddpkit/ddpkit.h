@@ -12,6 +12,7 @@
 #include <ddpkit/runtime/program.h>
 #include <ddpkit/training/checkpoint.h>
 #include <ddpkit/training/preemption.h>
+#include <ddpkit/training/replica_group_sampler.h>
 #include <ddpkit/runtime/runtime.h>
 #include <ddpkit/ddp/distributed_data_parallel.h>
 #include <ddpkit/fsdp/fully_sharded_data_parallel.h>

@@ -82,20 +82,18 @@ void StateRegistry::checkpoint_entries(TensorDict* common, TensorDict* local) co
 
 void StateRegistry::load_checkpoint_entries(const TensorDict& common, const TensorDict& local,
                                             const std::string& what) const {
+  // Every entry is checked before any is loaded: a checkpoint that cannot be resumed changes nothing.
+  auto source = [&](const Entry& e) -> const TensorDict& { return e.scope == StateScope::kShared ? common : local; };
   for (const Entry& e : entries_) {
-    const TensorDict& from = e.scope == StateScope::kShared ? common : local;
-    if (!from.count(kMarker + e.key)) {
-      // This rank's own state starts afresh (a checkpoint of another world size keeps none).
-      if (e.scope == StateScope::kLocal) {
-        e.load(TensorDict{});
-        continue;
-      }
-      DDPKIT_CHECK(e.scope == StateScope::kShared || !local.empty(), what, " holds no per-rank state '", e.key,
-                   "': it was written by a group of another size, and this state is each rank's part (resume "
-                   "with as many ranks per group)");
-      DDPKIT_CHECK(false, what, " holds no state '", e.key, "': the loop that wrote it did not register_state it");
-    }
-    e.load(take_under(from, kPrefix + e.key + "/"));
+    if (source(e).count(kMarker + e.key) || e.scope == StateScope::kLocal) continue;
+    DDPKIT_CHECK(e.scope == StateScope::kShared || !local.empty(), what, " holds no per-rank state '", e.key,
+                 "': it was written by a group of another size, and this state is each rank's part (resume "
+                 "with as many ranks per group)");
+    DDPKIT_CHECK(false, what, " holds no state '", e.key, "': the loop that wrote it did not register_state it");
+  }
+  for (const Entry& e : entries_) {
+    // This rank's own state starts afresh when the checkpoint keeps none (another world size).
+    e.load(source(e).count(kMarker + e.key) ? take_under(source(e), kPrefix + e.key + "/") : TensorDict{});
   }
 }
 

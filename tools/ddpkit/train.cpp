@@ -8,6 +8,7 @@
 #include <ddpkit/runtime/memory_sampler.h>
 #include <ddpkit/training/divergence_guard.h>
 #include <ddpkit/training/preemption.h>
+#include <ddpkit/training/replica_group_sampler.h>
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <sys/resource.h>
@@ -578,7 +579,13 @@ int run_train(const std::vector<std::string>& args, const std::vector<std::strin
 
   const int64_t n_train = data.train.inputs.size(0);
   const Schedule schedule = schedule_for(n_train, world, t);
-  const int64_t per_rank = schedule.per_rank, steps_per_epoch = schedule.steps_per_epoch,
+  // DistributedSampler: one permutation per epoch for all ranks (same seed), rank r takes r, r+W, ...
+  ReplicaGroupSampler sampler(n_train, ReplicaGroupSamplerOptions()
+                                           .batch_size(t.batch)
+                                           .group_size(world)
+                                           .group_rank(rank)
+                                           .seed(static_cast<uint64_t>(f.integer("seed"))));
+  const int64_t steps_per_epoch = schedule.steps_per_epoch,
                 total_steps = schedule.total_steps;
   const int run_epochs = static_cast<int>((total_steps + steps_per_epoch - 1) / steps_per_epoch);
 
@@ -607,14 +614,11 @@ int run_train(const std::vector<std::string>& args, const std::vector<std::strin
   double last_loss = 0, train_seconds = 0;
   if (run.ddp) run.ddp->reducer().reset_traffic();
   for (int epoch = static_cast<int>(start.epoch); epoch < run_epochs && step < total_steps; ++epoch) {
-    // DistributedSampler: one permutation for all ranks (same seed), rank r takes r, r+W, ...
-    auto gen = at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(f.integer("seed")) * 1000 + epoch);
-    at::Tensor perm = at::randperm(n_train, gen, at::kLong).slice(0, rank, world * per_rank, world);
     double epoch_loss = 0;
     int64_t epoch_steps = 0;
     const auto epoch_start = std::chrono::steady_clock::now();
     for (int64_t i = epoch == start.epoch ? start.in_epoch : 0; i < steps_per_epoch && step < total_steps;) {
-      at::Tensor idx = perm.slice(0, i * t.batch, (i + 1) * t.batch);
+      at::Tensor idx = sampler.batch(epoch * steps_per_epoch + i);
       // Text is held as bytes (a tenth of int64's memory per rank) and widened per batch.
       at::Tensor x = data.train.inputs.index_select(0, idx), y = data.train.labels.index_select(0, idx);
       if (run.model.language_model) x = x.to(at::kLong), y = y.to(at::kLong);

@@ -122,27 +122,56 @@ void save_site_checkpoint(Training& run, const ft::Manager& manager, const std::
   run.state.save(manager.group().get(), dir, inner_step, extras, local);
 }
 
-// The JSON line's run figures (diloco_report adds the sync's).
-nlohmann::json run_figures(const ft::Manager& manager, const Training& run, int64_t inner_step, int64_t steps_run,
-                           const std::vector<double>& step_ms, double train_seconds, double first_sync_seconds,
-                           double last_loss, const TestScore& score, const StartPoint& start, int64_t checkpoints,
-                           int64_t peak_rss_bytes) {
+// What one site rank's loop counted, for its report.
+struct SiteRun {
+  int64_t inner_step = 0;  // the job's inner steps so far: the data position, which a heal carries
+  int64_t steps_run = 0, checkpoints = 0;
+  double last_loss = 0, train_seconds = 0, first_sync_seconds = 0;
+  std::vector<double> step_ms;
+  StartPoint start;
+};
+
+// --resume: the site's newest checkpoint into TrainingState, the registered state (DiLoCo's, the
+// data position) and the Manager's step.
+void resume_site(const Flags& f, const TrainFlags& site, Training& run, ft::Manager& manager,
+                 const ReplicaGroupSampler& sampler, const Schedule& schedule, SiteRun& r) {
+  r.start = resume_point(f, site, run, manager.group().get(), checkpoint_settings(f), schedule.steps_per_epoch,
+                         sampler.data_world());
+  if (r.start.resumed_from < 0) return;
+  manager.load_checkpoint_state(without_prefix(r.start.common, "extra/"), without_prefix(r.start.local, "extra/"));
+  manager.resume_at(int_of(r.start.common, "extra/manager_step", "checkpoint"));
+}
+
+// After the loop: the global parameters into the model, the test score, and rank 0's JSON line.
+void report_site(const Flags& f, const TrainFlags& t, Training& run, const RunData& data, const ft::Manager& manager,
+                 const diloco::DiLoCo& dl, const std::vector<std::vector<at::Tensor>>& fragments, const SiteRun& r,
+                 PeakMemorySampler& memory) {
+  ProcessGroup& pg = *manager.group();
+  load_global_parameters(fragments, dl);
+  const TestScore score = f.on("no-eval") ? TestScore{-1, -1} : evaluate(run.model, data.data.test, run.sharded_model.get(), &pg);
+  memory.stop();
+  at::Tensor site_bytes = at::full({1}, static_cast<double>(manager.stats().cross_bytes_sent), at::kDouble);
+  ProcessGroup::wait(pg.allreduce(site_bytes));
+  if (pg.rank() != 0) return;
   nlohmann::json j;
-  j["world_size"] = manager.group()->size();
-  j["steps"] = inner_step;
-  j["steps_run"] = steps_run;
-  j["median_step_ms"] = step_ms.empty() ? 0.0 : median(step_ms);
-  j["train_seconds"] = train_seconds;
-  j["first_sync_seconds"] = first_sync_seconds;  // the first quorum, rendezvous and any heal
-  j["inner_step_seconds"] = std::accumulate(step_ms.begin(), step_ms.end(), 0.0) / 1000;  // the loop's steps alone
-  j["final_loss"] = last_loss;
+  j["world_size"] = pg.size();
+  j["steps"] = r.inner_step;
+  j["steps_run"] = r.steps_run;
+  j["median_step_ms"] = r.step_ms.empty() ? 0.0 : median(r.step_ms);
+  j["train_seconds"] = r.train_seconds;
+  j["first_sync_seconds"] = r.first_sync_seconds;  // the first quorum, rendezvous and any heal
+  j["inner_step_seconds"] = std::accumulate(r.step_ms.begin(), r.step_ms.end(), 0.0) / 1000;  // the loop's steps alone
+  j["final_loss"] = r.last_loss;
   j["test_accuracy"] = score.accuracy;
   j["test_loss"] = score.loss;
-  j["resumed_from"] = start.resumed_from;
-  j["checkpoints_written"] = checkpoints;
+  j["resumed_from"] = r.start.resumed_from;
+  j["checkpoints_written"] = r.checkpoints;
   j["parameter_checksum"] = parameter_checksum(run.params);
-  j["peak_rss_bytes"] = peak_rss_bytes;
-  return j;
+  j["peak_rss_bytes"] = memory.peak_rss_bytes();
+  std::cout << diloco_report(t, fragments, dl, manager, r.steps_run, static_cast<uint64_t>(site_bytes.item<double>()),
+                             std::move(j))
+                   .dump()
+            << std::endl;
 }
 
 }  // namespace
@@ -155,11 +184,11 @@ int run_diloco_rank(const Flags& f, const TrainFlags& t) {
   std::shared_ptr<ProcessGroup> pg = join_group(f, t);
   const FaultPoints fault(t.replica_group, pg->rank());
   Training run;
+  SiteRun r;
   // 4 outer all-reduce pieces in flight across sites (DiLoCoOptions::piece_bytes).
   ft::Manager manager(pg, run.state, group_manager_options(t, fault, timeout_of(f)).cross_gloo_threads(4));
-  int64_t inner_step = 0;  // the job's inner steps so far: the data position, which a heal carries
-  manager.register_state("data", [&] { return TensorDict{{"inner_step", int_entry(inner_step)}}; },
-                         [&](const TensorDict& d) { inner_step = int_of(d, "inner_step", "the data position"); });
+  manager.register_state("data", [&] { return TensorDict{{"inner_step", int_entry(r.inner_step)}}; },
+                         [&](const TensorDict& d) { r.inner_step = int_of(d, "inner_step", "the data position"); });
   RunData run_data = build_rank(f, t, pg, run);
   const auto fragments = t.fragments == 1 ? std::vector<std::vector<at::Tensor>>{run.params}
                                           : diloco::fragments_of(diloco::layers_of(*run.model.module, run.model.units),
@@ -167,58 +196,40 @@ int run_diloco_rank(const Flags& f, const TrainFlags& t) {
   diloco::DiLoCo dl(manager, fragments, diloco_options(t, fault));
   ReplicaGroupSampler sampler = group_sampler(f, t, run_data.data, *pg);
   const Schedule schedule = schedule_for(sampler.dataset_size(), sampler.data_world(), t);
-  const auto settings = checkpoint_settings(f);
   TrainFlags site = t;
   if (!t.checkpoint_dir.empty()) site.checkpoint_dir = t.checkpoint_dir + "/" + manager.group_id();
-  const StartPoint start = resume_point(f, site, run, pg.get(), settings, schedule.steps_per_epoch, sampler.data_world());
-  if (start.resumed_from >= 0) {
-    manager.load_checkpoint_state(without_prefix(start.common, "extra/"), without_prefix(start.local, "extra/"));
-    manager.resume_at(int_of(start.common, "extra/manager_step", "checkpoint"));
-  }
-  int64_t checkpoints = 0, steps_run = 0;
+  resume_site(f, site, run, manager, sampler, schedule, r);
   Progress progress(pg->rank() == 0 && t.replica_group == 0 && !f.on("quiet"));
-  std::vector<double> step_ms;
-  double last_loss = 0;
   // Time-budgeted rounds end the job after --steps / H of them (sites run different step counts).
   const int64_t rounds = schedule.total_steps / t.diloco;
-  auto done = [&] { return t.round_seconds > 0 ? dl.outer_steps() >= rounds : inner_step >= schedule.total_steps; };
+  const bool by_round = t.round_seconds > 0;
+  auto done = [&] { return by_round ? dl.outer_steps() >= rounds : r.inner_step >= schedule.total_steps; };
   // train_seconds spans start() (the first quorum, rendezvous, a late site's heal) to finish():
   // the span a torchft DiLoCo run's loop covers.
   const auto train_start = std::chrono::steady_clock::now();
   dl.start();
-  const double first_sync_seconds = ms_since(train_start) / 1000;
+  r.first_sync_seconds = ms_since(train_start) / 1000;
   while (!done()) {
     const auto t0 = std::chrono::steady_clock::now();
-    at::Tensor loss = forward_backward(run, run_data.data.train, sampler.batch(inner_step), fault, manager.step());
+    at::Tensor loss = forward_backward(run, run_data.data.train, sampler.batch(r.inner_step), fault, manager.step());
     optimizer_step(run);
-    last_loss = loss.item<double>();
-    ++inner_step, ++steps_run;
+    r.last_loss = loss.item<double>();
+    ++r.inner_step, ++r.steps_run;
     // After the same syncs on every site (the Manager's step counts the job's).
     if (dl.after_inner_step() && !site.checkpoint_dir.empty() && (manager.step() % t.checkpoint_every == 0 || done())) {
-      save_site_checkpoint(run, manager, site.checkpoint_dir, inner_step,
-                           checkpoint_extra(settings, inner_step / schedule.steps_per_epoch,
-                                            (inner_step % schedule.steps_per_epoch) * t.batch * sampler.data_world()));
-      ++checkpoints;
+      save_site_checkpoint(run, manager, site.checkpoint_dir, r.inner_step,
+                           checkpoint_extra(checkpoint_settings(f), r.inner_step / schedule.steps_per_epoch,
+                                            (r.inner_step % schedule.steps_per_epoch) * t.batch * sampler.data_world()));
+      ++r.checkpoints;
     }
-    step_ms.push_back(ms_since(t0));
-    const bool by_round = t.round_seconds > 0;
-    progress.update(by_round ? "round" : "step", by_round ? dl.outer_steps() : inner_step,
-                    by_round ? rounds : schedule.total_steps, last_loss, median(step_ms));
+    r.step_ms.push_back(ms_since(t0));
+    progress.update(by_round ? "round" : "step", by_round ? dl.outer_steps() : r.inner_step,
+                    by_round ? rounds : schedule.total_steps, r.last_loss, median(r.step_ms));
   }
   dl.finish();
-  const double train_seconds = ms_since(train_start) / 1000;
+  r.train_seconds = ms_since(train_start) / 1000;
   progress.finish();
-  load_global_parameters(fragments, dl);
-  const TestScore score = f.on("no-eval") ? TestScore{-1, -1} : evaluate(run.model, run_data.data.test, run.sharded_model.get(), pg.get());
-  memory.stop();
-  at::Tensor site_bytes = at::full({1}, static_cast<double>(manager.stats().cross_bytes_sent), at::kDouble);
-  ProcessGroup::wait(pg->allreduce(site_bytes));
-  if (pg->rank() == 0)
-    std::cout << diloco_report(t, fragments, dl, manager, steps_run, static_cast<uint64_t>(site_bytes.item<double>()),
-                               run_figures(manager, run, inner_step, steps_run, step_ms, train_seconds, first_sync_seconds,
-                                           last_loss, score, start, checkpoints, memory.peak_rss_bytes()))
-                     .dump()
-              << std::endl;
+  report_site(f, t, run, run_data, manager, dl, fragments, r, memory);
   ProcessGroup::wait(pg->barrier());
   return 0;
 }
