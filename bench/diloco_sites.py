@@ -20,6 +20,10 @@ same switch, no rate limit, no delay), printing:
   goodput        DiLoCo: bytes a rank sent per sync / the sync's transfer time, over the shaped rate
 Connections are kept warm: net.ipv4.tcp_slow_start_after_idle=0 in every namespace (Linux's
 default, 1, restarts a connection idle for an RTO from 10 segments; --slow-start-after-idle keeps it).
+Rows torchft-*, torchft-nightly-* and ddpkit-py-* run one Python script (bench/torchft_replica.py:
+the same model, text, data order, inner AdamW and outer SGD) under torchft 0.2.0's DiLoCo, torchft-
+nightly 2026.10.26's, and ddpkit's Python DiLoCo (ddpkit.diloco, from --pip-build's python/; int4
+and int2 too, which torchft has only on CUDA); torchft's bytes are its interface's.
 --blackhole S adds two DiLoCo runs in which site 3 goes silent after S seconds (every frame to and
 from it dropped), at once and as it next starts sending a sync: when the lighthouse lost it and
 formed the first quorum without it (its log), the survivors' inner steps, retries, longest
@@ -64,11 +68,22 @@ CONFIGS = {
     # torchft 0.2.0's DiLoCo (bench/torchft_replica.py --diloco), fp32 (its quantization needs CUDA)
     "torchft-64-fp32": ("torchft", ["--diloco", "64"]),
     "torchft-128-fp32": ("torchft", ["--diloco", "128"]),
+    # torchft-nightly 2026.10.26's DiLoCo: the same script in the nightly venv
+    "torchft-nightly-64-fp32": ("torchft-nightly", ["--diloco", "64"]),
+    # ddpkit's Python DiLoCo (ddpkit.diloco) in the same script, model, data and optimizers as torchft's
+    "ddpkit-py-64-fp32": ("ddpkit-py", ["--diloco", "64"]),
+    "ddpkit-py-64-int8": ("ddpkit-py", ["--diloco", "64", "--codec", "int8"]),
+    "ddpkit-py-64-int4": ("ddpkit-py", ["--diloco", "64", "--codec", "int4"]),
+    "ddpkit-py-64-int2": ("ddpkit-py", ["--diloco", "64", "--codec", "int2"]),
+    "ddpkit-py-streaming-64-int4": ("ddpkit-py", ["--diloco", "64", "--fragments", "4", "--fragment-delay", "4",
+                                                  "--codec", "int4"]),
 }
 # The pip venv with torchft (scripts/pip-torch-env.sh), for the torchft rows.
 TORCHFT_PYTHON = "/var/cache/ddpkit/pip-torch-2.15.0/bin/python3"
+TORCHFT_NIGHTLY_PYTHON = "/var/cache/ddpkit/pip-torch-2.15.0-torchft-nightly/bin/python3"
 TORCHFT_SITE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "torchft_replica.py")
-ENCODED = {"fp32": lambda n: 4 * n, "int8": lambda n: n + 4 * math.ceil(n / 256), "int4": lambda n: n / 2 + 4 * n / 128}
+ENCODED = {"fp32": lambda n: 4 * n, "int8": lambda n: n + 4 * math.ceil(n / 256), "int4": lambda n: n / 2 + 4 * n / 128,
+           "int2": lambda n: n / 4 + 4 * n / 128}
 
 
 def tx_bytes(ns, iface):
@@ -92,22 +107,33 @@ def run_job(args, hosts, addrs, kind, flags, port):
                 procs.append(subprocess.Popen(["ip", "netns", "exec", ns, args.bin, "train", "--steps", str(args.steps)]
                                               + MODEL + INNER + flags, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                               text=True, env=e))
-        elif kind == "torchft":
-            tool = os.path.join(os.path.dirname(TORCHFT_PYTHON), "torchft_lighthouse")
-            lighthouse = subprocess.Popen(["ip", "netns", "exec", hosts[0][0], tool, "--min_replicas", "4", "--bind",
-                                           f"{addrs[0]}:{port}", "--join_timeout_ms", "60000", "--quorum_tick_ms",
-                                           "50"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+        elif kind in ("torchft", "torchft-nightly", "ddpkit-py"):
+            python = TORCHFT_NIGHTLY_PYTHON if kind == "torchft-nightly" else TORCHFT_PYTHON
+            site_env = dict(env)
+            if kind == "ddpkit-py":
+                # ddpkit's lighthouse, with the quorum waiting for a site as long as the sites wait for it.
+                lighthouse = subprocess.Popen(["ip", "netns", "exec", hosts[0][0], args.bin, "lighthouse", "--address",
+                                               f"{addrs[0]}:{port}", "--expected-groups", "4", "--join-timeout-ms",
+                                               "120000", "--quiet"], stdout=subprocess.DEVNULL,
+                                              stderr=subprocess.DEVNULL, env=env)
+                site_env["PYTHONPATH"] = os.path.abspath(os.path.join(args.pip_build, "python"))
+                flags = flags + ["--impl", "ddpkit"]
+            else:
+                tool = os.path.join(os.path.dirname(python), "torchft_lighthouse")
+                lighthouse = subprocess.Popen(["ip", "netns", "exec", hosts[0][0], tool, "--min_replicas", "4", "--bind",
+                                               f"{addrs[0]}:{port}", "--join_timeout_ms", "60000", "--quorum_tick_ms",
+                                               "50"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
             time.sleep(1.0)
             for i, (ns, ifc) in enumerate(hosts):
                 # torchft logs every quorum: to a file, as a full stderr pipe would block a site.
                 logs.append(tempfile.TemporaryFile(mode="w+"))
-                procs.append(subprocess.Popen(["ip", "netns", "exec", ns, TORCHFT_PYTHON, TORCHFT_SITE, "--group", str(i),
+                procs.append(subprocess.Popen(["ip", "netns", "exec", ns, python, TORCHFT_SITE, "--group", str(i),
                                                "--groups", "4", "--lighthouse", f"{addrs[0]}:{port}", "--host", addrs[i],
                                                "--steps", str(args.steps), "--layers", "2", "--d-model", "128",
                                                "--heads", "4", "--seq-len", "64", "--batch-size", str(BATCH),
                                                "--lr", "0.002", "--timeout-s", "120"] + flags,
                                               stdout=subprocess.PIPE, stderr=logs[-1], text=True,
-                                              env=dict(env, GLOO_SOCKET_IFNAME=ifc)))
+                                              env=dict(site_env, GLOO_SOCKET_IFNAME=ifc)))
         else:
             lighthouse = subprocess.Popen(["ip", "netns", "exec", hosts[0][0], args.bin, "lighthouse", "--address",
                                            f"{addrs[0]}:{port}", "--expected-groups", "4", "--join-timeout-ms",
@@ -279,6 +305,8 @@ def blackhole_run(args, switch, addrs, port, say, mid_sync):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--bin", default="build/ddpkit")
+    ap.add_argument("--pip-build", default="build-pip", help="the pip torch build, whose python/ the ddpkit-py rows "
+                                                             "import (scripts/check-pip-torch.sh makes it)")
     ap.add_argument("--steps", type=int, default=512)
     ap.add_argument("--rate-mbit", type=float, default=100)
     ap.add_argument("--rtt-ms", type=float, default=50)
@@ -331,7 +359,7 @@ def main():
                 rate0 = reps0[0]["samples_per_s"] / (BATCH * 4)
                 formula = counted  # the hooks' own traffic tables check theirs (docs/hooks.md)
                 hidden = goodput = float("nan")
-            elif kind == "torchft":
+            elif kind.startswith("torchft"):
                 # No transport count: the interface's bytes (TCP/IP headers, quorum RPCs included); the
                 # formula is Gloo's ring allreduce of the fp32 parameters once per sync.
                 counted = wire[0] / steps

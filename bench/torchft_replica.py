@@ -241,6 +241,66 @@ def diloco(args, model):
     manager.shutdown(wait=False)
 
 
+def ddpkit_diloco(args, model):
+    """The same site under ddpkit's Python DiLoCo (ddpkit.diloco over ddpkit.ft.Manager): the same
+    model, data order, inner AdamW and outer SGD(Nesterov) settings; --codec and --fragments choose
+    its wire format and Streaming fragments (the model's blocks, strided). The timed span covers
+    start() (the first quorum) to finish() (the last fragment applied)."""
+    import torch.distributed as dist
+    import ddpkit.diloco
+    import ddpkit.ft
+
+    (train_x, train_y), (test_x, test_y) = text_split(args.text_dir, args.seq_len)
+    shard = torch.arange(args.group, train_x.size(0), args.groups)
+    inner = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    store = dist.TCPStore(args.host, 0, 1, True, wait_for_workers=False)  # the site's own world of one rank
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    manager = ddpkit.ft.Manager(lighthouse=args.lighthouse, group_id=f"site_{args.group}",
+                                quorum_timeout=args.timeout_s, cross_group_timeout=args.timeout_s,
+                                cross_gloo_threads=4)
+    fragments = 1 if args.fragments == 1 else _gpt_fragments(model, args.fragments)
+    diloco = ddpkit.diloco.DiLoCo(manager, model, inner, args.diloco, fragments=fragments, outer_lr=args.outer_lr,
+                                  outer_momentum=args.outer_momentum, codec=args.codec,
+                                  fragment_delay=args.fragment_delay)
+    gen = torch.Generator().manual_seed(1000 + args.group)
+    order, at = shard[torch.randperm(shard.numel(), generator=gen)], 0
+    start = time.perf_counter()
+    with diloco:
+        for _ in range(args.steps):
+            if at + args.batch_size > order.numel():
+                order, at = shard[torch.randperm(shard.numel(), generator=gen)], 0
+            idx = order[at:at + args.batch_size]
+            at += args.batch_size
+            inner.zero_grad()
+            loss_of(model, train_x[idx], train_y[idx]).backward()
+            inner.step()  # DiLoCo's post hook syncs on its schedule
+    train_s = time.perf_counter() - start
+    diloco.load_global_parameters()
+    with torch.no_grad():
+        total = sum(F.cross_entropy(model(test_x[i:i + 256]).reshape(-1, 256), test_y[i:i + 256].reshape(-1),
+                                    reduction="sum").item() for i in range(0, test_x.size(0), 256))
+    d, m = diloco.stats(), manager.stats()
+    print(json.dumps({"replica_group": args.group, "steps_run": args.steps, "train_seconds": train_s,
+                      "parameters": sum(p.numel() for p in model.parameters()),
+                      "fragment_parameters": [sum(p.numel() for p in f) for f in diloco.fragments],
+                      "outer_codec": args.codec, "outer_syncs": d["syncs"], "sync_retries": d["sync_retries"],
+                      "sync_wait_seconds": d["wait_seconds"], "sync_transfer_seconds": d["transfer_seconds"],
+                      "cross_bytes_sent": m["cross_bytes_sent"],
+                      "cross_bytes_per_step": m["cross_bytes_sent"] / args.steps,
+                      "test_loss": total / test_y.numel()}), flush=True)
+    diloco.close()
+
+
+def _gpt_fragments(model, count):
+    """Streaming DiLoCo's fragments of the Gpt: each block a layer, the embeddings and the head layers
+    of their own, strided over `count` fragments (ddpkit train --fragments does the same)."""
+    import ddpkit.diloco
+    layers = [list(model.tokens.parameters()) + list(model.positions.parameters())]
+    layers += [list(b.parameters()) for b in model.blocks]
+    layers.append(list(model.ln_f.parameters()) + list(model.head.parameters()))
+    return ddpkit.diloco.fragments_of(layers, count, "strided")
+
+
 def _tensors(d):
     for v in d.values():
         if torch.is_tensor(v):
@@ -272,6 +332,11 @@ def main():
     ap.add_argument("--outer-lr", type=float, default=0.7)
     ap.add_argument("--outer-momentum", type=float, default=0.9)
     ap.add_argument("--text-dir", default="/usr/share/games/fortunes")
+    ap.add_argument("--impl", choices=["torchft", "ddpkit"], default="torchft",
+                    help="--diloco: whose DiLoCo (ddpkit: ddpkit's Python API, its lighthouse at --lighthouse)")
+    ap.add_argument("--codec", default="fp32", help="--impl ddpkit: the pseudo-gradients' wire format")
+    ap.add_argument("--fragments", type=int, default=1, help="--impl ddpkit: Streaming DiLoCo's fragments")
+    ap.add_argument("--fragment-delay", type=int, default=0, help="--impl ddpkit: Streaming DiLoCo's tau")
     args = ap.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)  # every group starts from the same parameters (torchft also syncs them)
@@ -279,7 +344,7 @@ def main():
     if args.plain:
         plain(args, model)
     elif args.diloco:
-        diloco(args, model)
+        (ddpkit_diloco if args.impl == "ddpkit" else diloco)(args, model)
     else:
         fault_tolerant(args, model)
 

@@ -21,9 +21,10 @@ made over torch.distributed's default store: `new_group`, `default_group`). Opti
 `Options` fields or keyword arguments; the environment (DDPKIT_GLOO_THREADS, DDPKIT_SHM,
 DDPKIT_TIMEOUT_S) gives the values left unset. See docs/python.md.
 
-Alongside: ddpkit.fsdp2 (ddpkit's FSDP hooks as FSDP2's custom reduce-scatter), ddpkit.torchft
-(torchft's process group on ddpkit's backend), ddpkit.register (the backend, for Ray's
-worker_process_setup_hook).
+Alongside: ddpkit.ft (fault-tolerant replica groups for your own model: the Manager),
+ddpkit.diloco (DiLoCo and Streaming DiLoCo attached to your optimizer), ddpkit.fsdp2 (ddpkit's FSDP
+hooks as FSDP2's custom reduce-scatter), ddpkit.torchft (torchft's process group on ddpkit's
+backend), ddpkit.register (the backend, for Ray's worker_process_setup_hook).
 """
 import itertools
 import os

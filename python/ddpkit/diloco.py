@@ -24,7 +24,7 @@ import torch
 
 from . import _C
 
-__all__ = ["DiLoCo", "codec_names", "layers_of"]
+__all__ = ["DiLoCo", "codec_names", "fragments_of", "layers_of"]
 
 
 def codec_names():
@@ -46,6 +46,12 @@ def layers_of(module):
     if not layers:
         raise ValueError("ddpkit.diloco.layers_of: the module has no parameters")
     return layers
+
+
+def fragments_of(layers, count, layout="strided"):
+    """`layers` (lists of parameters, in model order) split into `count` fragments: "strided" (layer
+    i to fragment i % count, Streaming DiLoCo's choice) or "sequential" (consecutive runs)."""
+    return _C.diloco.fragments_of([list(layer) for layer in layers], int(count), layout)
 
 
 class DiLoCo:
@@ -101,7 +107,7 @@ class DiLoCo:
         if isinstance(fragments, int):
             if fragments == 1:
                 return [list(model.parameters())]
-            return _C.diloco.fragments_of(layers_of(model), fragments, layout)
+            return fragments_of(layers_of(model), fragments, layout)
         out = []
         for f in fragments:
             out.append(list(f.parameters()) if isinstance(f, torch.nn.Module) else list(f))
