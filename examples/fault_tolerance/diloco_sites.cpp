@@ -53,6 +53,7 @@ static int train(int argc, char** argv) {
                                                           .group_rank(pg->rank()));
   int64_t steps_run = 0;
   double loss_value = 0;
+  const auto start = std::chrono::steady_clock::now();
   diloco.start();  // the first quorum: a site that starts late heals here
   while (inner_step < flags.integer("steps")) {
     const at::Tensor idx = sampler.batch(inner_step);
@@ -68,16 +69,17 @@ static int train(int argc, char** argv) {
                                      static_cast<long long>(inner_step), loss_value), std::fflush(stdout);
   }
   diloco.finish();  // the fragment in flight
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   // The model the sites agree on: every fragment's global parameters.
   std::vector<at::Tensor> global;
   for (size_t f = 0; f < diloco.fragments(); ++f) global.push_back(diloco.global_parameters(f));
   const auto& d = diloco.stats();
   if (pg->rank() == 0)
     std::printf("{\"site\": %ld, \"steps\": %lld, \"steps_run\": %lld, \"outer_steps\": %lld, \"heals\": %lld, "
-                "\"sync_retries\": %lld, \"loss\": %.5f, \"global_checksum\": \"%s\"}\n",
+                "\"sync_retries\": %lld, \"train_seconds\": %.4f, \"loss\": %.5f, \"global_checksum\": \"%s\"}\n",
                 flags.integer("site"), static_cast<long long>(inner_step), static_cast<long long>(steps_run),
                 static_cast<long long>(diloco.outer_steps()), static_cast<long long>(d.heals),
-                static_cast<long long>(d.sync_retries), loss_value, checksum(global).c_str());
+                static_cast<long long>(d.sync_retries), seconds, loss_value, checksum(global).c_str());
   return 0;
 }
 

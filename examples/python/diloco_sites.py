@@ -24,7 +24,7 @@ import ddpkit.ft
 def make_model():
     torch.manual_seed(0)  # every site starts from the same parameters
     return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 64), torch.nn.Tanh(),
-                               torch.nn.Linear(64, 10))
+                               torch.nn.Linear(64, 10))  # each Linear a layer: DiLoCo's fragments are layers
 
 
 def make_data(samples=8192):
@@ -37,9 +37,7 @@ def make_data(samples=8192):
 def batch(data, step, batch_size, share, shares):
     """This rank's batch at job step `step`: share `share` of `shares` of each epoch's permutation."""
     x, y = data
-    per_share = x.shape[0] // shares
-    steps_per_epoch = per_share // batch_size
-    epoch, i = divmod(step, steps_per_epoch)
+    epoch, i = divmod(step, x.shape[0] // shares // batch_size)
     perm = torch.randperm(x.shape[0], generator=torch.Generator().manual_seed(epoch))[share::shares]
     idx = perm[i * batch_size:(i + 1) * batch_size]
     return x[idx], y[idx]
@@ -58,9 +56,8 @@ def main():
     p.add_argument("--outer-momentum", type=float, default=0.9)
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--step-seconds", type=float, default=0, help="make each inner step last this long (a larger "
-                   "model's pace, to kill and restart a site by hand)")
-    p.add_argument("--out", help="rank 0 saves the final parameters and figures here (torch.save)")
+    p.add_argument("--step-seconds", type=float, default=0, help="pace each inner step (to kill a site by hand)")
+    p.add_argument("--out", help="rank 0 saves the final parameters and figures here")
     args = p.parse_args()
 
     dist.init_process_group("gloo")  # this site's ranks (torchrun's environment)
@@ -72,7 +69,7 @@ def main():
     manager = ddpkit.ft.Manager(lighthouse=args.lighthouse, group_id=f"site-{args.site}")
     diloco = ddpkit.diloco.DiLoCo(manager, model, optimizer, sync_every=args.sync_every, fragments=args.fragments,
                                   codec=args.codec, outer_lr=args.outer_lr, outer_momentum=args.outer_momentum)
-    steps_run = 0
+    steps_run, start = 0, time.perf_counter()
     with diloco:  # start(): the first quorum (a late site heals here); finish() on the way out
         while diloco.inner_steps < args.steps:
             # The site's ranks hold the same model: the site averages their gradients (its DDP).
@@ -88,10 +85,11 @@ def main():
             steps_run += 1
             if rank == 0:
                 print(f"site {args.site} step {diloco.inner_steps} loss {loss.item():.4f}", flush=True)
+    train_seconds = time.perf_counter() - start
     diloco.load_global_parameters()  # the model the sites agree on
     if rank == 0:
         report = {"site": args.site, "inner_steps": diloco.inner_steps, "steps_run": steps_run,
-                  "outer_steps": diloco.outer_steps, "diloco": diloco.stats(), "manager": manager.stats()}
+                  "outer_steps": diloco.outer_steps, "train_seconds": train_seconds, "diloco": diloco.stats(), "manager": manager.stats()}
         print(json.dumps(report), flush=True)
         if args.out:
             torch.save({"params": [p.detach().clone() for p in model.parameters()], "report": report}, args.out)
