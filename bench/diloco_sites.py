@@ -111,8 +111,10 @@ def run_job(args, hosts, addrs, kind, flags, port):
             python = TORCHFT_NIGHTLY_PYTHON if kind == "torchft-nightly" else TORCHFT_PYTHON
             site_env = dict(env)
             if kind == "ddpkit-py":
-                # ddpkit's lighthouse, with the quorum waiting for a site as long as the sites wait for it.
-                lighthouse = subprocess.Popen(["ip", "netns", "exec", hosts[0][0], args.bin, "lighthouse", "--address",
+                # ddpkit's lighthouse of the same build (its store's wire format is that torch's), the
+                # quorum waiting for a site as long as the sites wait for it.
+                lighthouse = subprocess.Popen(["ip", "netns", "exec", hosts[0][0],
+                                               os.path.join(args.pip_build, "ddpkit"), "lighthouse", "--address",
                                                f"{addrs[0]}:{port}", "--expected-groups", "4", "--join-timeout-ms",
                                                "120000", "--quiet"], stdout=subprocess.DEVNULL,
                                               stderr=subprocess.DEVNULL, env=env)

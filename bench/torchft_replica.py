@@ -183,6 +183,28 @@ def text_split(text_dir, length, test_fraction=0.05):
     return split(0, windows - test), split(windows - test, test)
 
 
+def inner_steps(args, model, inner, train_x, train_y, shard):
+    """--steps inner steps on this site's shard of the windows, in a seeded order (both DiLoCos)."""
+    gen = torch.Generator().manual_seed(1000 + args.group)
+    order, at = shard[torch.randperm(shard.numel(), generator=gen)], 0
+    for _ in range(args.steps):
+        if at + args.batch_size > order.numel():
+            order, at = shard[torch.randperm(shard.numel(), generator=gen)], 0
+        idx = order[at:at + args.batch_size]
+        at += args.batch_size
+        inner.zero_grad()
+        loss_of(model, train_x[idx], train_y[idx]).backward()
+        inner.step()
+
+
+def test_loss(model, test_x, test_y):
+    """The mean next-byte loss on the held-out windows."""
+    with torch.no_grad():
+        total = sum(F.cross_entropy(model(test_x[i:i + 256]).reshape(-1, 256), test_y[i:i + 256].reshape(-1),
+                                    reduction="sum").item() for i in range(0, test_x.size(0), 256))
+    return total / test_y.numel()
+
+
 def diloco(args, model):
     from torchft import Manager
     from torchft.local_sgd import DiLoCo
@@ -219,25 +241,14 @@ def diloco(args, model):
                       store_addr=args.host, store_port=store.port, rank=0, world_size=1,
                       lighthouse_addr=f"http://{args.lighthouse}", port=0, hostname=args.host, timeout=timeout,
                       quorum_timeout=timeout, connect_timeout=timeout)
-    gen = torch.Generator().manual_seed(1000 + args.group)
-    order, at = shard[torch.randperm(shard.numel(), generator=gen)], 0
     with DiLoCo(manager, [model], inner, outer, sync_every=args.diloco):
         start = time.perf_counter()
-        for _ in range(args.steps):
-            if at + args.batch_size > order.numel():
-                order, at = shard[torch.randperm(shard.numel(), generator=gen)], 0
-            idx = order[at:at + args.batch_size]
-            at += args.batch_size
-            inner.zero_grad()
-            loss_of(model, train_x[idx], train_y[idx]).backward()
-            inner.step()  # DiLoCo's hook counts inner steps and syncs every H
+        inner_steps(args, model, inner, train_x, train_y, shard)  # DiLoCo's hook counts them and syncs every H
         train_s = time.perf_counter() - start
-    with torch.no_grad():
-        total = sum(F.cross_entropy(model(test_x[i:i + 256]).reshape(-1, 256), test_y[i:i + 256].reshape(-1),
-                                    reduction="sum").item() for i in range(0, test_x.size(0), 256))
     print(json.dumps({"replica_group": args.group, "steps_run": args.steps, "train_seconds": train_s,
                       "parameters": sum(p.numel() for p in model.parameters()),
-                      "outer_syncs": manager.current_step(), "test_loss": total / test_y.numel()}), flush=True)
+                      "outer_syncs": manager.current_step(), "test_loss": test_loss(model, test_x, test_y)}),
+          flush=True)
     manager.shutdown(wait=False)
 
 
@@ -262,23 +273,11 @@ def ddpkit_diloco(args, model):
     diloco = ddpkit.diloco.DiLoCo(manager, model, inner, args.diloco, fragments=fragments, outer_lr=args.outer_lr,
                                   outer_momentum=args.outer_momentum, codec=args.codec,
                                   fragment_delay=args.fragment_delay)
-    gen = torch.Generator().manual_seed(1000 + args.group)
-    order, at = shard[torch.randperm(shard.numel(), generator=gen)], 0
     start = time.perf_counter()
     with diloco:
-        for _ in range(args.steps):
-            if at + args.batch_size > order.numel():
-                order, at = shard[torch.randperm(shard.numel(), generator=gen)], 0
-            idx = order[at:at + args.batch_size]
-            at += args.batch_size
-            inner.zero_grad()
-            loss_of(model, train_x[idx], train_y[idx]).backward()
-            inner.step()  # DiLoCo's post hook syncs on its schedule
+        inner_steps(args, model, inner, train_x, train_y, shard)  # DiLoCo's post hook syncs on its schedule
     train_s = time.perf_counter() - start
     diloco.load_global_parameters()
-    with torch.no_grad():
-        total = sum(F.cross_entropy(model(test_x[i:i + 256]).reshape(-1, 256), test_y[i:i + 256].reshape(-1),
-                                    reduction="sum").item() for i in range(0, test_x.size(0), 256))
     d, m = diloco.stats(), manager.stats()
     print(json.dumps({"replica_group": args.group, "steps_run": args.steps, "train_seconds": train_s,
                       "parameters": sum(p.numel() for p in model.parameters()),
@@ -287,7 +286,7 @@ def ddpkit_diloco(args, model):
                       "sync_wait_seconds": d["wait_seconds"], "sync_transfer_seconds": d["transfer_seconds"],
                       "cross_bytes_sent": m["cross_bytes_sent"],
                       "cross_bytes_per_step": m["cross_bytes_sent"] / args.steps,
-                      "test_loss": total / test_y.numel()}), flush=True)
+                      "test_loss": test_loss(model, test_x, test_y)}), flush=True)
     diloco.close()
 
 

@@ -46,33 +46,38 @@ def folder_of(path):
     return None
 
 
-def scan():
-    edges, bad, unknown = {}, [], set()
-    for base in ("include/ddpkit", "src"):
+def source_lines(bases):
+    """(path, line number, line) of every C++ source and header under `bases`, relative to ROOT."""
+    for base in bases:
         for root, _, files in os.walk(os.path.join(ROOT, base)):
             for name in sorted(files):
-                if not name.endswith((".h", ".cpp")):
-                    continue
-                path = os.path.relpath(os.path.join(root, name), ROOT)
-                here = folder_of(path)
-                if here is None:
-                    continue
-                if here not in RANK:
-                    unknown.add(here)
-                    continue
-                with open(os.path.join(ROOT, path)) as f:
-                    for lineno, line in enumerate(f, 1):
-                        m = INCLUDE.match(line)
-                        if not m or m.group(1) == here:
-                            continue
-                        there = m.group(1)
-                        edges.setdefault(here, {}).setdefault(there, 0)
-                        edges[here][there] += 1
-                        if there not in RANK:
-                            unknown.add(there)
-                        elif RANK[there] >= RANK[here]:
-                            bad.append(f"{path}:{lineno}: {here} (layer {RANK[here]}) includes {there} "
-                                       f"(layer {RANK[there]}): {line.strip()}")
+                if name.endswith((".h", ".cpp")):
+                    path = os.path.relpath(os.path.join(root, name), ROOT)
+                    with open(os.path.join(ROOT, path)) as f:
+                        for lineno, line in enumerate(f, 1):
+                            yield path, lineno, line
+
+
+def scan():
+    edges, bad, unknown = {}, [], set()
+    for path, lineno, line in source_lines(("include/ddpkit", "src")):
+        here = folder_of(path)
+        if here is None:
+            continue
+        if here not in RANK:
+            unknown.add(here)
+            continue
+        m = INCLUDE.match(line)
+        if not m or m.group(1) == here:
+            continue
+        there = m.group(1)
+        edges.setdefault(here, {}).setdefault(there, 0)
+        edges[here][there] += 1
+        if there not in RANK:
+            unknown.add(there)
+        elif RANK[there] >= RANK[here]:
+            bad.append(f"{path}:{lineno}: {here} (layer {RANK[here]}) includes {there} "
+                       f"(layer {RANK[there]}): {line.strip()}")
     return edges, bad, unknown
 
 
@@ -82,27 +87,21 @@ CLIENT_POLICY = [
     (re.compile(r"set_cross_replica_reduction|gradient_shards\(\)"),
      "the route of gradients across replica groups: ddpkit::ft::CrossGroupGradients", ()),
     (re.compile(r"\.join_timeout\("), "the lighthouse's DiLoCo invariant: ft::LighthouseOptions::for_diloco",
-     ("tools/ddpkit/lighthouse.cpp",)),  # `ddpkit lighthouse --join-timeout-ms`: the option as a flag
+     # `ddpkit lighthouse --join-timeout-ms` and ddpkit.ft.Lighthouse(join_timeout=): the option as it is
+     ("tools/ddpkit/lighthouse.cpp", "python/src/ft_bindings.cpp")),
 ]
 PRIVATE_INCLUDE = re.compile(r'^\s*#\s*include\s*["<](?:\.\./)*src/')
 
 
 def scan_clients():
     bad = []
-    for base in ("tools", "python/src"):
-        for root, _, files in os.walk(os.path.join(ROOT, base)):
-            for name in sorted(files):
-                if not name.endswith((".h", ".cpp")):
-                    continue
-                path = os.path.relpath(os.path.join(root, name), ROOT)
-                with open(os.path.join(ROOT, path)) as f:
-                    for lineno, line in enumerate(f, 1):
-                        if PRIVATE_INCLUDE.match(line):
-                            bad.append(f"{path}:{lineno}: a client includes a private header of src/: {line.strip()}")
-                        code = line.split("//", 1)[0]
-                        for pattern, owner, allowed in CLIENT_POLICY:
-                            if pattern.search(code) and path not in allowed:
-                                bad.append(f"{path}:{lineno}: the library owns {owner}: {line.strip()}")
+    for path, lineno, line in source_lines(("tools", "python/src")):
+        if PRIVATE_INCLUDE.match(line):
+            bad.append(f"{path}:{lineno}: a client includes a private header of src/: {line.strip()}")
+        code = line.split("//", 1)[0]
+        for pattern, owner, allowed in CLIENT_POLICY:
+            if pattern.search(code) and path not in allowed:
+                bad.append(f"{path}:{lineno}: the library owns {owner}: {line.strip()}")
     return bad
 
 

@@ -29,7 +29,7 @@ import torch
 
 from . import _C, _seconds
 
-__all__ = ["Manager", "SCOPES"]
+__all__ = ["Lighthouse", "Manager", "SCOPES"]
 
 # Where registered state goes (ddpkit::ft::StateScope): "shared", the same on every rank of every
 # group (a heal copies it, a checkpoint keeps one copy); "shared_per_rank", the same across groups
@@ -102,6 +102,44 @@ def _ddpkit_group(group):
         raise TypeError("ddpkit.ft.Manager: group must be a ddpkit.ProcessGroup or a torch.distributed group of the "
                         f"'ddpkit' backend, got {group!r} (for gloo's world, leave group out)")
     return own
+
+
+class Lighthouse:
+    """The quorum service, in this process (as `ddpkit lighthouse` runs it): the groups' Managers
+    reach it at `address`. It hands out a c10d TCPStore, whose wire format is this torch's: Managers
+    of another torch major version cannot use it (nor a lighthouse built for another torch).
+
+    min_replicas: fewest groups a quorum may have. join_timeout: how long a quorum waits for a live
+    group that has not asked (for DiLoCo: as long as the sites' quorum_timeout, as a site asks only
+    at its syncs). expected_groups: the first quorum waits up to join_timeout for that many.
+    """
+
+    def __init__(self, address="0.0.0.0:29510", *, min_replicas=1, join_timeout=10.0, expected_groups=0,
+                 heartbeat_timeout=1.0, token=None):
+        if token is None:
+            token = os.environ.get("DDPKIT_FT_TOKEN", "")
+        self._lighthouse = _C.ft.Lighthouse(address, int(min_replicas), _seconds(join_timeout, "join_timeout"),
+                                            int(expected_groups), _seconds(heartbeat_timeout, "heartbeat_timeout"),
+                                            token)
+
+    @property
+    def address(self):
+        """host:port, as the groups reach it."""
+        return self._lighthouse.address
+
+    @property
+    def quorums_formed(self):
+        return self._lighthouse.quorums_formed
+
+    def shutdown(self):
+        self._lighthouse.shutdown()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.shutdown()
+        return False
 
 
 class Manager:

@@ -5,6 +5,7 @@
 
 #include <ddpkit/codecs/codec.h>
 #include <ddpkit/diloco/diloco.h>
+#include <ddpkit/ft/lighthouse.h>
 #include <ddpkit/ft/manager.h>
 
 #include <torch/csrc/utils/pybind.h>
@@ -85,6 +86,24 @@ py::dict diloco_stats(const diloco::DiLoCoStats& s) {
 
 void bind_ft(py::module& root) {
   py::module m = root.def_submodule("ft", "ddpkit's fault-tolerant Manager (see ddpkit.ft)");
+  py::class_<ft::Lighthouse>(m, "Lighthouse")
+      .def(py::init([](const std::string& address, int min_replicas, double join_timeout_s, int expected_groups,
+                       double heartbeat_timeout_s, const std::string& token) {
+             auto lh = std::make_unique<ft::Lighthouse>(ft::LighthouseOptions()
+                                                            .address(address)
+                                                            .min_replicas(min_replicas)
+                                                            .join_timeout(ms_of(join_timeout_s, "join_timeout"))
+                                                            .expected_groups(expected_groups)
+                                                            .heartbeat_timeout(ms_of(heartbeat_timeout_s, "heartbeat_timeout"))
+                                                            .token(token));
+             lh->start();
+             return lh;
+           }),
+           py::arg("address"), py::arg("min_replicas"), py::arg("join_timeout_s"), py::arg("expected_groups"),
+           py::arg("heartbeat_timeout_s"), py::arg("token"))
+      .def_property_readonly("address", &ft::Lighthouse::address)
+      .def_property_readonly("quorums_formed", &ft::Lighthouse::quorums_formed)
+      .def("shutdown", &ft::Lighthouse::shutdown, py::call_guard<py::gil_scoped_release>());
   py::class_<ft::Manager>(m, "Manager")
       .def(py::init([](std::shared_ptr<ProcessGroup> group, const std::string& lighthouse, const std::string& group_id,
                        const std::string& token, double quorum_timeout_s, double cross_group_timeout_s,

@@ -1,5 +1,6 @@
 """ddpkit.ft.Manager in a user's own loop: the commit protocol across two replica groups (each a
-process of its own torch.distributed world), the state it carries, and its checkpoints."""
+process of its own torch.distributed world) at a ddpkit.ft.Lighthouse in the test's process, the
+state it carries, and its checkpoints."""
 import os
 import subprocess
 import sys
@@ -10,9 +11,9 @@ import torch
 
 from conftest import free_port
 
-CLI = os.environ.get("DDPKIT_CLI")
-pytestmark = pytest.mark.skipif(not CLI or not hasattr(__import__("ddpkit")._C, "ft"),
-                                reason="needs the ddpkit CLI (DDPKIT_CLI) and a build with fault tolerance")
+import ddpkit  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not hasattr(ddpkit._C, "ft"), reason="needs a build with fault tolerance (gRPC)")
 
 # One rank of replica group GROUP: the model and data are seeded alike everywhere; group g reads
 # rows g, g + 2, ... of each batch of 8. Prints nothing; saves its parameters and figures to OUT.
@@ -65,14 +66,6 @@ def reference(steps):
     return [p.detach() for p in model.parameters()]
 
 
-def lighthouse(groups):
-    """`ddpkit lighthouse` whose quorums hold every group (each run's groups train as one)."""
-    proc = subprocess.Popen([CLI, "lighthouse", "--address", "127.0.0.1:0", "--min-replicas", str(groups),
-                             "--quiet"], stdout=subprocess.PIPE, text=True)
-    line = proc.stdout.readline()
-    return proc, line.split("listening on ")[1].split()[0]
-
-
 def run_groups(tmp_path, address, groups, steps, ckpt="", resume=False):
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
@@ -90,8 +83,10 @@ def run_groups(tmp_path, address, groups, steps, ckpt="", resume=False):
 
 
 def test_two_groups_train_as_one_ddp_and_a_checkpoint_resumes_them(tmp_path):
-    proc, address = lighthouse(2)
-    try:
+    import ddpkit.ft
+    # In this process: every quorum holds both groups (each run's groups train as one).
+    with ddpkit.ft.Lighthouse("127.0.0.1:0", min_replicas=2) as lighthouse:
+        address = lighthouse.address
         ckpt = str(tmp_path / "ckpt")
         results = run_groups(tmp_path, address, [0, 1], 6, ckpt)
         ref = reference(6)
@@ -105,6 +100,4 @@ def test_two_groups_train_as_one_ddp_and_a_checkpoint_resumes_them(tmp_path):
         for r in again:
             assert r["replica_count"] == 2 and r["stats"]["steps_committed"] == 3, r["stats"]
             assert all(torch.equal(a, b) for a, b in zip(r["params"], results[0]["params"]))
-    finally:
-        proc.terminate()
-        proc.wait()
+        assert lighthouse.quorums_formed >= 2
