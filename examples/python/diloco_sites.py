@@ -9,6 +9,7 @@ One torchrun job per site; the sites meet at a lighthouse:
         --lighthouse 127.0.0.1:29510
 
 Kill a site and the others go on; start it again and it heals from a live one at the next sync.
+(Debian's own PyTorch is built without libuv, which torchrun's store asks for: set USE_LIBUV=0 there.)
 """
 import argparse
 import json

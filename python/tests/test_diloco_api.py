@@ -56,7 +56,8 @@ def lighthouse(request):
 
 def start_site(lighthouse, site, sites, out, *args):
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
-               LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", OMP_NUM_THREADS="1")
+               LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", OMP_NUM_THREADS="1",
+               USE_LIBUV="0")  # Debian 13's torch 2.6 has no libuv TCPStore
     return subprocess.Popen([sys.executable, EXAMPLE, "--lighthouse", lighthouse, "--site", str(site), "--sites",
                              str(sites), "--out", str(out), *map(str, args)], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)

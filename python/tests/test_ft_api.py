@@ -72,7 +72,7 @@ def run_groups(tmp_path, address, groups, steps, ckpt="", resume=False):
     procs = []
     for g in groups:
         env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
-                   OMP_NUM_THREADS="1")
+                   OMP_NUM_THREADS="1", USE_LIBUV="0")  # Debian 13's torch 2.6: no libuv
         procs.append(subprocess.Popen([sys.executable, str(script), address, str(g), str(steps),
                                        str(tmp_path / f"g{g}.pt"), ckpt, "1" if resume else "0"], env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
