@@ -94,6 +94,14 @@ def tx_bytes(ns, iface):
     return 0
 
 
+class FailedRun(Exception):
+    """A configuration's run that did not finish: a peer's is a failed baseline, ddpkit's a failure."""
+
+    def __init__(self, what, stderr_tail):
+        super().__init__(what)
+        self.stderr_tail = stderr_tail
+
+
 def run_job(args, hosts, addrs, kind, flags, port):
     env = with_openblas_coretype(os.environ)
     before = [tx_bytes(ns, ifc) for ns, ifc in hosts]
@@ -162,10 +170,15 @@ def run_job(args, hosts, addrs, kind, flags, port):
     wall = time.time() - start
     for p, (o, e) in zip(procs, outs):
         if p.returncode != 0:
-            sys.exit(f"FAILED: {kind} {' '.join(flags)}: exit {p.returncode}\n{e[-3000:]}")
+            raise FailedRun(f"{kind} {' '.join(flags)}: exit {p.returncode}", e[-3000:])
     reps = [json.loads(l) for o, _ in outs for l in o.splitlines() if l.startswith("{")]
     wire = [tx_bytes(ns, ifc) - b for (ns, ifc), b in zip(hosts, before)]
     return reps, wire, wall
+
+
+def last_line(text):
+    lines = [l for l in text.splitlines() if l.strip()]
+    return lines[-1].strip()[:300] if lines else "(none)"
 
 
 def set_slow_start_after_idle(hosts, value):
@@ -344,13 +357,22 @@ def main():
             say(f"{'config':<18} {'bytes/step':>11} {'formula':>11} {'cnt/form':>8} {'wire/step':>11} {'vs_ddp':>8} "
                 f"{'steps/s':>8} {'frac':>6} {'test_loss':>9} {'vs_ddp':>7} {'hidden':>7} {'goodput':>8}")
         results = {}
+        failures = 0
         port = 29700
         for name in names:
             kind, flags = CONFIGS[name]
-            for shaped in (False, True):
-                switch.shape(args.rate_mbit if shaped else 0, args.rtt_ms / 2 if shaped else 0)
-                port += 3
-                results[(name, shaped)] = run_job(args, hosts, addrs, kind, flags, port)
+            try:
+                for shaped in (False, True):
+                    switch.shape(args.rate_mbit if shaped else 0, args.rtt_ms / 2 if shaped else 0)
+                    port += 3
+                    results[(name, shaped)] = run_job(args, hosts, addrs, kind, flags, port)
+            except FailedRun as e:
+                peer = kind.startswith("torchft")
+                say(f"{name:<18} {'FAILED BASELINE' if peer else 'FAILED'} ({'shaped' if shaped else 'unshaped'} "
+                    f"run): {e}; last stderr line: {last_line(e.stderr_tail)}")
+                print(e.stderr_tail, file=sys.stderr)
+                failures += 0 if peer else 1
+                continue
             (reps, wire, wall), (reps0, _, wall0) = results[(name, True)], results[(name, False)]
             r = min(reps, key=lambda x: x.get("replica_group", 0))
             steps = args.steps
@@ -404,6 +426,8 @@ def main():
     if args.out:
         with open(args.out, "w") as f:
             f.write("\n".join(lines) + "\n")
+    if failures:
+        sys.exit(f"diloco_sites.py: {failures} of ddpkit's configurations failed (above)")
 
 
 if __name__ == "__main__":

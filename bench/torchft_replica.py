@@ -224,19 +224,15 @@ def diloco(args, model):
         model.load_state_dict(sd["model"])
         inner.load_state_dict(sd["optim"])
 
-    from torchft.checkpointing import HTTPTransport
-
-    class SiteHTTPTransport(HTTPTransport):
-        """torchft's default transport, advertising --host: its own address names the machine by
-        socket.gethostname(), which in a network namespace is not this site's address."""
-
-        def address(self):
-            import socket
-            return super().address().replace(f"//{socket.gethostname()}:", f"//{args.host}:", 1)
+    # torchft names this machine by socket.gethostname() in what it advertises (0.2.0's checkpoint
+    # address, the nightly's reconfigure handles' stores). Network namespaces share one hostname,
+    # which resolves to none of the sites: each site answers with --host, as a real host's name
+    # would resolve to its own address.
+    import socket
+    socket.gethostname = lambda: args.host
 
     store = torch.distributed.TCPStore(args.host, 0, is_master=True, wait_for_workers=False)  # the site's own
     manager = Manager(pg=ProcessGroupGloo(timeout=timeout), min_replica_size=1, use_async_quorum=False,
-                      checkpoint_transport=SiteHTTPTransport(timeout=timeout, num_chunks=0),
                       load_state_dict=load_state_dict, state_dict=state_dict, replica_id=f"site_{args.group}",
                       store_addr=args.host, store_port=store.port, rank=0, world_size=1,
                       lighthouse_addr=f"http://{args.lighthouse}", port=0, hostname=args.host, timeout=timeout,

@@ -424,13 +424,7 @@ int64_t Manager::restore_checkpoint(const std::string& dir) {
   Impl& im = *impl_;
   const auto loaded = im.state.restore(im.group.get(), dir);
   if (!loaded) return -1;
-  auto extras = [](const TensorDict& d) {
-    TensorDict out;
-    for (const auto& [name, value] : d)
-      if (name.compare(0, 6, "extra/") == 0) out[name.substr(6)] = value;
-    return out;
-  };
-  const TensorDict common = extras(loaded->common), local = extras(loaded->local);
+  const TensorDict common = entries_under(loaded->common, "extra/"), local = entries_under(loaded->local, "extra/");
   im.registry.load_checkpoint_entries(common, local, loaded->path);
   resume_at(int_of(common, "manager_step", loaded->path));
   return step_;

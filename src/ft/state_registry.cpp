@@ -2,6 +2,7 @@
 #include "state_registry.h"
 
 #include <ddpkit/error.h>
+#include <ddpkit/training/checkpoint.h>
 
 namespace ddpkit {
 namespace ft {
@@ -13,13 +14,6 @@ const std::string kMarker = "registered_key/";
 
 void put_under(TensorDict* out, const std::string& prefix, const TensorDict& entries) {
   for (const auto& [name, value] : entries) (*out)[prefix + name] = value;
-}
-
-TensorDict take_under(const TensorDict& entries, const std::string& prefix) {
-  TensorDict out;
-  for (auto it = entries.lower_bound(prefix); it != entries.end() && it->first.compare(0, prefix.size(), prefix) == 0; ++it)
-    out[it->first.substr(prefix.size())] = it->second;
-  return out;
 }
 
 bool heals_copy(StateScope scope) { return scope != StateScope::kLocal; }
@@ -59,7 +53,7 @@ void StateRegistry::load_heal_entries(const TensorDict& entries, const std::stri
     if (!heals_copy(e.scope)) continue;
     DDPKIT_CHECK(entries.count(kMarker + e.key), "ft::Manager: ", what, " holds no state '", e.key,
                  "': register_state it on every replica group (the source's loop registered other keys)");
-    e.load(take_under(entries, kPrefix + e.key + "/"));
+    e.load(entries_under(entries, kPrefix + e.key + "/"));
   }
 }
 
@@ -93,7 +87,7 @@ void StateRegistry::load_checkpoint_entries(const TensorDict& common, const Tens
   }
   for (const Entry& e : entries_) {
     // This rank's own state starts afresh when the checkpoint keeps none (another world size).
-    e.load(source(e).count(kMarker + e.key) ? take_under(source(e), kPrefix + e.key + "/") : TensorDict{});
+    e.load(source(e).count(kMarker + e.key) ? entries_under(source(e), kPrefix + e.key + "/") : TensorDict{});
   }
 }
 

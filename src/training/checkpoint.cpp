@@ -191,19 +191,21 @@ TensorDict decode_tensors(const std::string& bytes, const std::string& what) {
   return decode_tensor_bytes(bytes.data(), bytes.size(), what);
 }
 
+TensorDict entries_under(const TensorDict& entries, const std::string& prefix) {
+  TensorDict out;
+  // Names are sorted: the matches are one run from the first name not below the prefix.
+  for (auto it = entries.lower_bound(prefix); it != entries.end() && it->first.compare(0, prefix.size(), prefix) == 0;
+       ++it)
+    out[it->first.substr(prefix.size())] = it->second;
+  return out;
+}
+
 // ---- files ---------------------------------------------------------------------------------------
 namespace {
 
 TensorDict with_prefix(const TensorDict& d, const std::string& prefix) {
   TensorDict out;
   for (const auto& kv : d) out[prefix + kv.first] = kv.second;
-  return out;
-}
-
-TensorDict under_prefix(const TensorDict& d, const std::string& prefix) {
-  TensorDict out;
-  for (const auto& kv : d)
-    if (kv.first.rfind(prefix, 0) == 0) out[kv.first.substr(prefix.size())] = kv.second;
   return out;
 }
 
@@ -401,7 +403,7 @@ std::optional<Checkpoint> load_latest_checkpoint(ProcessGroup* pg, const std::st
   ck.step = int_of(all, "meta/step", what);
   ck.world_size = static_cast<int>(int_of(all, "meta/world_size", what));
   ck.path = checkpoint_path(dir, ck.step);
-  ck.common = under_prefix(all, "common/");
+  ck.common = entries_under(all, "common/");
   if (ck.world_size == world) ck.local = decode_tensors(bytes_of(all, "rank" + std::to_string(rank), what), what);
   return ck;
 }
@@ -428,7 +430,7 @@ void load_module(const TensorDict& d, torch::nn::Module& m, const std::string& w
   };
   for (auto& kv : m.named_parameters(true)) load(kv.key(), kv.value());
   for (auto& kv : m.named_buffers(true)) load(kv.key(), kv.value());
-  for (const auto& kv : under_prefix(d, "model/"))
+  for (const auto& kv : entries_under(d, "model/"))
     DDPKIT_CHECK(names.count(kv.first), what, ": it holds ", kv.first, ", which this model does not have");
 }
 
@@ -567,10 +569,10 @@ std::optional<Checkpoint> TrainingState::restore(ProcessGroup* pg, const std::st
   if (module_) load_module(*replica, *module_, what);
   if (fsdp_) {
     torch::OrderedDict<std::string, at::Tensor> model;
-    for (const auto& kv : under_prefix(ck->common, "model/")) model.insert(kv.first, kv.second);
+    for (const auto& kv : entries_under(ck->common, "model/")) model.insert(kv.first, kv.second);
     DDPKIT_CHECK(!model.is_empty(), what, " holds no model");
     fsdp_->load_full_state_dict(model);
-    if (optimizer_) fsdp_->load_full_optimizer_state_dict(*optimizer_, under_prefix(ck->common, "fsdp/"));
+    if (optimizer_) fsdp_->load_full_optimizer_state_dict(*optimizer_, entries_under(ck->common, "fsdp/"));
   } else if (optimizer_) {
     DDPKIT_CHECK(replica->count("optimizer"), what, " holds no optimizer state (was it written by a ZeRO run?)");
     load_optimizer(bytes_of(*replica, "optimizer", what), *optimizer_);
@@ -580,7 +582,7 @@ std::optional<Checkpoint> TrainingState::restore(ProcessGroup* pg, const std::st
     zero_->load_state_dict(ZeroStateDict::load(in, zero_->factory()));
   }
   if (ddp_) load_bucket_layout(ck->common, *ddp_, what);
-  if (hook_state_ && same_world) hook_state_->load_state_dict(under_prefix(ck->local, "hook/"));
+  if (hook_state_ && same_world) hook_state_->load_state_dict(entries_under(ck->local, "hook/"));
   load_cpu_generator(ck->common, what);
   return ck;
 }
@@ -604,15 +606,15 @@ TensorDict TrainingState::snapshot(const TensorDict& extra) const {
 
 TensorDict TrainingState::load_snapshot(const TensorDict& snapshot, const std::string& what) {
   if (module_) load_module(snapshot, *module_, what);
-  if (fsdp_) fsdp_->load_sharded_state_dict(under_prefix(snapshot, "fsdp_shard/"));
+  if (fsdp_) fsdp_->load_sharded_state_dict(entries_under(snapshot, "fsdp_shard/"));
   if (optimizer_ && !detail::load_optimizer_tensors(snapshot, *optimizer_, "optimizer/", what))
     load_optimizer(bytes_of(snapshot, "optimizer", what + " (no optimizer state)"), *optimizer_);
   if (zero_ && !detail::load_optimizer_tensors(snapshot, zero_->local_optimizer(), "zero_partition/", what))
     load_optimizer(bytes_of(snapshot, "zero_partition", what + " (no ZeRO partition)"), zero_->local_optimizer());
   if (ddp_) load_bucket_layout(snapshot, *ddp_, what);
-  if (hook_state_) hook_state_->load_state_dict(under_prefix(snapshot, "hook/"));
+  if (hook_state_) hook_state_->load_state_dict(entries_under(snapshot, "hook/"));
   load_cpu_generator(snapshot, what);
-  return under_prefix(snapshot, "extra/");
+  return entries_under(snapshot, "extra/");
 }
 
 }  // namespace ddpkit

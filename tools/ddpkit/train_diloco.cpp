@@ -20,13 +20,6 @@ namespace ddpkit {
 namespace cli {
 namespace {
 
-TensorDict without_prefix(const TensorDict& d, const std::string& prefix) {
-  TensorDict out;
-  for (const auto& [k, v] : d)
-    if (k.compare(0, prefix.size(), prefix) == 0) out[k.substr(prefix.size())] = v;
-  return out;
-}
-
 // The model the sites agree on: every fragment's global parameters into the model (trailing inner
 // steps since the last sync, when the steps are not a multiple of H / P, are not in it).
 void load_global_parameters(const std::vector<std::vector<at::Tensor>>& fragments, const diloco::DiLoCo& dl) {
@@ -138,7 +131,7 @@ void resume_site(const Flags& f, const TrainFlags& site, Training& run, ft::Mana
   r.start = resume_point(f, site, run, manager.group().get(), checkpoint_settings(f), schedule.steps_per_epoch,
                          sampler.data_world());
   if (r.start.resumed_from < 0) return;
-  manager.load_checkpoint_state(without_prefix(r.start.common, "extra/"), without_prefix(r.start.local, "extra/"));
+  manager.load_checkpoint_state(entries_under(r.start.common, "extra/"), entries_under(r.start.local, "extra/"));
   manager.resume_at(int_of(r.start.common, "extra/manager_step", "checkpoint"));
 }
 

@@ -39,6 +39,10 @@ std::string encode_tensors(const TensorDict& dict);
 bool storable_dtype(at::ScalarType type);
 TensorDict decode_tensors(const std::string& bytes, const std::string& what);
 
+// The entries of `entries` whose names start with `prefix`, the prefix removed: a Checkpoint's
+// extras are entries_under(ck.common, "extra/") (and of ck.local).
+TensorDict entries_under(const TensorDict& entries, const std::string& prefix);
+
 struct Checkpoint {
   int64_t step = 0;
   int world_size = 0;  // of the run that wrote it
