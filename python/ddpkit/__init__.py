@@ -279,8 +279,9 @@ def _create_backend(backend_options, pg_options):
         raise TypeError(f"ddpkit backend: pg_options must be a ddpkit.Options, got {type(pg_options).__name__}")
     options = pg_options.resolved()
     o = backend_options
+    # enable_reconfigure=True (torch >= 2.14): no members until the first reconfigure().
     return _C._make_backend(o.store, o.group_rank, o.group_size, o.timeout.total_seconds(), options.gloo_threads,
-                            options.shared_memory)
+                            options.shared_memory, getattr(o, "enable_reconfigure", False))
 
 
 def _register_backend():

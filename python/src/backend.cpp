@@ -1,9 +1,13 @@
 // ddpkit as a torch.distributed backend. Every collective maps onto one ddpkit::ProcessGroup call
-// (issued in program order on its sequencer, bounded by the group's timeout), so ranks on one host
-// exchange through shared memory and hosts through Gloo, hierarchically for allreduce. What
-// ddpkit's group does not do itself (reductions other than SUM/AVG, uneven all-to-all, send/recv)
-// runs on its Gloo backend, the first two on the sequencer so the order still holds.
+// (issued in program order on its sequencer, bounded by the group's timeout; backend_collectives.h),
+// so ranks on one host exchange through shared memory and hosts through Gloo, hierarchically for
+// allreduce. What ddpkit's group does not do itself (reductions other than SUM/AVG, uneven
+// all-to-all, send/recv) runs on its Gloo backend, the first two on the sequencer so the order
+// still holds. From torch 2.14 a group made with enable_reconfigure=True changes members in place
+// (c10d's reconfigure API, backend_reconfigure.h) and runs abort hooks.
 #include "backend.h"
+#include "backend_collectives.h"
+#include "backend_reconfigure.h"
 #include "backend_work.h"
 #include "ft/detached.h"  // src/: the library's own helper for teardown off the caller's path
 
@@ -16,8 +20,13 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cstdio>
 #include <cstdlib>
+#include <map>
 #include <mutex>
+#include <thread>
+#include <unordered_set>
+#include <variant>
 
 namespace py = pybind11;
 
@@ -29,50 +38,55 @@ using WorkPtr = c10::intrusive_ptr<c10d::Work>;
 using c10d::OpType;
 using c10d::ReduceOp;
 
-// `f`, then `after` (on the thread that completes f); errors in either reach the result.
-FuturePtr then(const FuturePtr& f, std::function<void()> after) {
-  auto result = make_tensor_future();
-  f->addCallback([result, after = std::move(after)](c10::ivalue::Future& done) {
-    if (done.hasError()) return result->setError(done.exception_ptr());
-    try {
-      after();
-      result->markCompleted(done.value());
-    } catch (...) {
-      result->setError(std::current_exception());
-    }
-  });
-  return result;
+using GroupPtr = std::shared_ptr<ddpkit::ProcessGroup>;
+
+// One membership's communicator: its group, and the runner and issue order of its work. A
+// reconfigure replaces it whole; the old one's work fails (its group aborted) and it is torn down
+// off the caller's path, while a collective issued to it runs on it and nowhere else.
+struct Communicator {
+  GroupPtr pg;
+  std::shared_ptr<CallbackRunner> runner = CallbackRunner::make();
+  std::shared_ptr<IssueOrder> order = std::make_shared<IssueOrder>(runner);
+};
+using CommunicatorPtr = std::shared_ptr<Communicator>;
+
+// Drops `pg` where it may be the group's last owner: on a thread of its own then, as the thread
+// this runs on may be one of the group's, which the group's destruction joins (EDEADLK).
+void let_go(GroupPtr pg) {
+  if (pg.use_count() == 1) std::thread([last = std::move(pg)] {}).detach();
 }
 
-const char* op_name(const ReduceOp& op) {
-  switch (op) {
-    case ReduceOp::SUM: return "SUM";
-    case ReduceOp::AVG: return "AVG";
-    case ReduceOp::PRODUCT: return "PRODUCT";
-    case ReduceOp::MIN: return "MIN";
-    case ReduceOp::MAX: return "MAX";
-    case ReduceOp::BAND: return "BAND";
-    case ReduceOp::BOR: return "BOR";
-    case ReduceOp::BXOR: return "BXOR";
-    case ReduceOp::PREMUL_SUM: return "PREMUL_SUM";
-    default: return "an unsupported op";
-  }
+// Queued collectives end (each within the timeout), then the group goes, here: a collective being
+// started holds it for that moment (work()), so that one is let go of first.
+void tear_down(Communicator& c) {
+  c.order->drain(c.pg->timeout() * 2);
+  c.runner->stop();
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+  while (c.pg.use_count() > 1 && std::chrono::steady_clock::now() < deadline)
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  c.pg.reset();
 }
-
-bool is_sum(const ReduceOp& op) { return op == ReduceOp::SUM || op == ReduceOp::AVG; }
 
 class DdpkitBackend : public compat::Backend {
  public:
+  // `reconfigurable` (enable_reconfigure=True): no group until the first reconfigure(), whose
+  // handles name the members; `store`, `rank` and `size` are then only the group's starting ones.
   DdpkitBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size, std::chrono::milliseconds timeout,
-                int gloo_threads, bool shared_memory)
+                int gloo_threads, bool shared_memory, bool reconfigurable)
       : compat::Backend(rank, size),
-        pg_(std::make_shared<ddpkit::ProcessGroup>(store, rank, size,
-                                           ProcessGroupOptions()
-                                               .timeout(timeout)
-                                               .gloo_threads(gloo_threads)
-                                               .shared_memory(shared_memory)
-                                               .abortable(kAbortable)
-                                               .group_name("ddpkit"))) {}
+        options_(ProcessGroupOptions()
+                     .timeout(timeout)
+                     .gloo_threads(gloo_threads)
+                     .shared_memory(shared_memory)
+                     .abortable(kAbortable)
+                     .group_name("ddpkit")) {
+    if (reconfigurable) {
+      endpoint_ = std::make_unique<ReconfigureEndpoint>(timeout);
+    } else {
+      comm_ = std::make_shared<Communicator>();
+      comm_->pg = std::make_shared<ddpkit::ProcessGroup>(store, rank, size, options_);
+    }
+  }
 
   ~DdpkitBackend() override { close(); }
 
@@ -81,36 +95,24 @@ class DdpkitBackend : public compat::Backend {
   // timeout), then the group's sockets, threads and shared memory go, before the Python object does.
   void shutdown() override { close(); }
   // ProcessGroup.abort() (and torchft-style callers on a lost peer): the collectives in flight fail
-  // now with an error naming the abort, and it returns at once. The teardown (its transport's
-  // aborted work ends only by its timeout) runs on a thread of its own, which holds this backend
-  // until it is done, so a caller that aborts to reconfigure (torchft, on every quorum) does not wait.
+  // now with an error naming the abort, and it returns at once; the group is torn down on a thread
+  // of its own (its transport's aborted work ends only by its timeout), so a caller that aborts to
+  // reconfigure (torchft, on every quorum) does not wait. A reconfigurable group stays
+  // reconfigurable: it has no members until the next reconfigure().
   void abort() override {
+    CommunicatorPtr aborted;
     {
-      std::lock_guard<std::mutex> lock(close_mutex_);
-      if (closed_.load()) return;
-      pg_->abort("the torch.distributed group was aborted");
-      closed_ = true;  // collectives issued from now fail in work(), naming the abort
+      std::lock_guard<std::mutex> lock(state_mutex_);
+      if (closed_ || !comm_) return;
+      aborted = std::move(comm_);
+      if (!endpoint_) closed_ = true;  // collectives issued from now fail in current(), naming the abort
     }
-    auto self = c10::intrusive_ptr<DdpkitBackend>::unsafe_reclaim_from_nonowning(this);
-    AbortTeardowns& teardowns = abort_teardowns();
-    teardowns.threads.start([self, &teardowns]() mutable {
-      self->tear_down();
-      // Letting go of the backend takes the GIL (torch >= 2.7 keeps its Python object alive while
-      // C++ holds it). Once Python finalizes, it ends any other thread that asks for the GIL
-      // (pthread_exit), and unwinding through torch's noexcept release is std::terminate: so after
-      // Python's exit began, the backend is left to the process's end instead.
-      std::lock_guard<std::mutex> lock(teardowns.exit_mutex);
-      if (teardowns.python_exiting) {
-        self.release();
-      } else {
-        self.reset();
-      }
-    });
+    retire(std::move(aborted), "the torch.distributed group was aborted");
   }
 
   // Registered with Python's atexit, which runs before the interpreter finalizes: teardowns still
   // running get kExitWait to end (with the GIL released: their last step may take it); from then
-  // on a teardown that ends leaves its backend to the process's end.
+  // on a teardown that ends leaves its communicator to the process's end.
   static void at_python_exit() {
     AbortTeardowns& teardowns = abort_teardowns();
     py::gil_scoped_release no_gil;
@@ -126,16 +128,12 @@ class DdpkitBackend : public compat::Backend {
   // (PyTorch's debug wrapper, TORCH_DISTRIBUTED_DEBUG=DETAIL, compares them across the group).
   void setSequenceNumberForGroup() override { sequence_ = 0; }
   uint64_t getSequenceNumberForGroup() override { return sequence_.load(); }
-  const std::shared_ptr<ddpkit::ProcessGroup>& group() const {
-    check_open();
-    return pg_;
-  }
+  // The ddpkit group of the current membership.
+  GroupPtr group() const { return current()->pg; }
   // A collective of ddpkit's own (its FSDP hooks, torch_fsdp2_comm.cpp) as this group's work, in
   // the order every collective of the group keeps.
-  WorkPtr issue(OpType type, std::vector<at::Tensor> outputs,
-                std::function<FuturePtr(const std::shared_ptr<ddpkit::ProcessGroup>&)> start) {
-    std::shared_ptr<ddpkit::ProcessGroup> pg = group();
-    return work(type, std::move(outputs), [pg, start] { return start(pg); });
+  WorkPtr issue(OpType type, std::vector<at::Tensor> outputs, std::function<FuturePtr(const GroupPtr&)> start) {
+    return work(type, std::move(outputs), std::move(start));
   }
 
   WorkPtr broadcast(std::vector<at::Tensor>& tensors, const c10d::BroadcastOptions& opts) override {
@@ -143,16 +141,14 @@ class DdpkitBackend : public compat::Backend {
     check_root(opts.rootRank, "broadcast");
     const int root = static_cast<int>(opts.rootRank);
     // As bytes: Gloo moves no bfloat16 or bool.
-    return work(OpType::BROADCAST, {t}, [this, t, root] {
-      return on_contiguous(t, [&](const at::Tensor& c) { return pg_->broadcast(as_bytes(c), root); });
-    });
+    return work(OpType::BROADCAST, {t}, [t, root](const GroupPtr& pg) { return broadcast_any(*pg, t, root); });
   }
 
   WorkPtr allreduce(std::vector<at::Tensor>& tensors, const c10d::AllreduceOptions& opts) override {
     if (tensors.size() == 1 && tensors[0].defined() && tensors[0].is_sparse()) return sparse_allreduce(tensors[0], opts);
     const at::Tensor t = one(tensors, "allreduce");
     const ReduceOp op = opts.reduceOp;
-    return work(OpType::ALLREDUCE, {t}, [this, t, op] { return reduce_in_place(t, op, "allreduce"); });
+    return work(OpType::ALLREDUCE, {t}, [t, op](const GroupPtr& pg) { return reduce_in_place(*pg, t, op, "allreduce"); });
   }
 
   // Sparse COO on the CPU, summed as Gloo sums it (its own sparse allreduce; SUM only, as there).
@@ -161,15 +157,15 @@ class DdpkitBackend : public compat::Backend {
                  "; this backend serves CPU tensors");
     DDPKIT_CHECK(opts.reduceOp == ReduceOp::SUM, "ddpkit backend: a sparse allreduce supports SUM only, got ",
                  op_name(opts.reduceOp));
-    return work(OpType::ALLREDUCE, {t}, [this, t] { return pg_->allreduce(t); });
+    return work(OpType::ALLREDUCE, {t}, [t](const GroupPtr& pg) { return pg->allreduce(t); });
   }
 
   WorkPtr allreduce_coalesced(std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) override {
     for (const auto& t : tensors) cpu(t, "allreduce_coalesced");
     const ReduceOp op = opts.reduceOp;
-    return work(OpType::ALLREDUCE_COALESCED, tensors, [this, tensors, op] {
+    return work(OpType::ALLREDUCE_COALESCED, tensors, [tensors, op](const GroupPtr& pg) {
       std::vector<FuturePtr> parts;
-      for (const auto& t : tensors) parts.push_back(reduce_in_place(t, op, "allreduce_coalesced"));
+      for (const auto& t : tensors) parts.push_back(reduce_in_place(*pg, t, op, "allreduce_coalesced"));
       return when_all(parts, at::Tensor());
     });
   }
@@ -181,7 +177,7 @@ class DdpkitBackend : public compat::Backend {
     at::Tensor target = getRank() == opts.rootRank ? t : t.clone();
     const ReduceOp op = opts.reduceOp;
     return work(OpType::REDUCE, {t},
-                [this, target, op] { return reduce_in_place(target, op, "reduce"); });
+                [target, op](const GroupPtr& pg) { return reduce_in_place(*pg, target, op, "reduce"); });
   }
 
   WorkPtr allgather(std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
@@ -190,13 +186,13 @@ class DdpkitBackend : public compat::Backend {
     DDPKIT_CHECK(outputs.size() == 1, "ddpkit backend: allgather takes one output list, got ", outputs.size());
     check_list(outputs[0], in, "allgather");
     std::vector<at::Tensor> outs = outputs[0];
-    return work(OpType::ALLGATHER, outs, [this, outs, in] { return gather_list(outs, in); });
+    return work(OpType::ALLGATHER, outs, [outs, in](const GroupPtr& pg) { return gather_list(*pg, outs, in); });
   }
 
   WorkPtr DDPKIT_C10D_ALL_GATHER_SINGLE(at::Tensor& output, at::Tensor& input, const c10d::AllgatherOptions&) override {
     check_world_times(output, "output", input, "input", "all_gather_into_tensor");
     const at::Tensor out = output, in = input;
-    return work(OpType::_ALLGATHER_BASE, {out}, [this, out, in] { return gather_flat(out, in); });
+    return work(OpType::_ALLGATHER_BASE, {out}, [out, in](const GroupPtr& pg) { return gather_flat(*pg, out, in); });
   }
 
   // outputs[r][i] receives rank r's inputs[i] (one list per rank, as PyTorch passes them and Gloo
@@ -217,9 +213,9 @@ class DdpkitBackend : public compat::Backend {
     }
     for (const auto& list : outputs) all.insert(all.end(), list.begin(), list.end());
     std::vector<at::Tensor> ins = inputs;
-    return work(OpType::ALLGATHER_COALESCED, all, [this, by_input, ins] {
+    return work(OpType::ALLGATHER_COALESCED, all, [by_input, ins](const GroupPtr& pg) {
       std::vector<FuturePtr> parts;
-      for (size_t i = 0; i < ins.size(); ++i) parts.push_back(gather_list(by_input[i], ins[i]));
+      for (size_t i = 0; i < ins.size(); ++i) parts.push_back(gather_list(*pg, by_input[i], ins[i]));
       return when_all(parts, at::Tensor());
     });
   }
@@ -232,9 +228,9 @@ class DdpkitBackend : public compat::Backend {
     for (size_t i = 0; i < inputs.size(); ++i)
       check_world_times(outputs[i], "output", inputs[i], "input", "all_gather_into_tensor");
     std::vector<at::Tensor> outs = outputs, ins = inputs;
-    return work(OpType::COALESCED, outs, [this, outs, ins] {
+    return work(OpType::COALESCED, outs, [outs, ins](const GroupPtr& pg) {
       std::vector<FuturePtr> parts;
-      for (size_t i = 0; i < ins.size(); ++i) parts.push_back(gather_flat(outs[i], ins[i]));
+      for (size_t i = 0; i < ins.size(); ++i) parts.push_back(gather_flat(*pg, outs[i], ins[i]));
       return when_all(parts, at::Tensor());
     });
   }
@@ -247,9 +243,10 @@ class DdpkitBackend : public compat::Backend {
       check_world_times(inputs[i], "input", outputs[i], "output", "reduce_scatter_tensor");
     std::vector<at::Tensor> outs = outputs, ins = inputs;
     const ReduceOp op = opts.reduceOp;
-    return work(OpType::COALESCED, outs, [this, outs, ins, op] {
+    return work(OpType::COALESCED, outs, [outs, ins, op](const GroupPtr& pg) {
       std::vector<FuturePtr> parts;
-      for (size_t i = 0; i < ins.size(); ++i) parts.push_back(scatter_flat(outs[i], ins[i], op, "reduce_scatter_tensor"));
+      for (size_t i = 0; i < ins.size(); ++i)
+        parts.push_back(scatter_flat(*pg, outs[i], ins[i], op, "reduce_scatter_tensor"));
       return when_all(parts, at::Tensor());
     });
   }
@@ -271,7 +268,7 @@ class DdpkitBackend : public compat::Backend {
     }
     check_list(into, in, "gather");
     return work(OpType::GATHER, root ? outputs[0] : std::vector<at::Tensor>{},
-                [this, into, in] { return gather_list(into, in); });
+                [into, in](const GroupPtr& pg) { return gather_list(*pg, into, in); });
   }
 
   WorkPtr scatter(std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
@@ -296,8 +293,8 @@ class DdpkitBackend : public compat::Backend {
     const int64_t n = out.numel(), rank = getRank();
     const int root_rank = static_cast<int>(opts.rootRank);
     at::Tensor target = out;
-    return work(OpType::SCATTER, {out}, [this, all, target, n, rank, root_rank] {
-      return then(pg_->broadcast(as_bytes(all), root_rank), [all, target, n, rank] {
+    return work(OpType::SCATTER, {out}, [all, target, n, rank, root_rank](const GroupPtr& pg) {
+      return then(pg->broadcast(as_bytes(all), root_rank), [all, target, n, rank] {
         at::Tensor t = target;
         t.copy_(all.narrow(0, rank * n, n).view(t.sizes()));
       });
@@ -316,7 +313,8 @@ class DdpkitBackend : public compat::Backend {
     }
     at::Tensor in = at::cat(flat), target = out;
     const ReduceOp op = opts.reduceOp;
-    return work(OpType::REDUCE_SCATTER, {out}, [this, target, in, op] { return scatter_flat(target, in, op, "reduce_scatter"); });
+    return work(OpType::REDUCE_SCATTER, {out},
+                [target, in, op](const GroupPtr& pg) { return scatter_flat(*pg, target, in, op, "reduce_scatter"); });
   }
 
   WorkPtr DDPKIT_C10D_REDUCE_SCATTER_SINGLE(at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) override {
@@ -324,9 +322,7 @@ class DdpkitBackend : public compat::Backend {
     const at::Tensor out = output, in = input;
     const ReduceOp op = opts.reduceOp;
     return work(OpType::_REDUCE_SCATTER_BASE, {out},
-                [this, out, in, op] {
-      return scatter_flat(out, in, op, "reduce_scatter_tensor");
-    });
+                [out, in, op](const GroupPtr& pg) { return scatter_flat(*pg, out, in, op, "reduce_scatter_tensor"); });
   }
 
   WorkPtr DDPKIT_C10D_ALL_TO_ALL_SINGLE(at::Tensor& output, at::Tensor& input, std::vector<int64_t>& output_splits,
@@ -334,7 +330,8 @@ class DdpkitBackend : public compat::Backend {
     check_alltoall(output, input, output_splits, input_splits);
     const at::Tensor out = output, in = input;
     std::vector<int64_t> os = output_splits, is = input_splits;
-    return work(OpType::ALLTOALL_BASE, {out}, [this, out, in, os, is] { return alltoall_flat(out, in, os, is); });
+    return work(OpType::ALLTOALL_BASE, {out},
+                [out, in, os, is](const GroupPtr& pg) { return alltoall_flat(*pg, out, in, os, is); });
   }
 
   WorkPtr alltoall(std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
@@ -361,9 +358,9 @@ class DdpkitBackend : public compat::Backend {
     const bool even = std::all_of(in_splits.begin(), in_splits.end(), [&](int64_t s) { return s == in_splits[0]; }) &&
                       std::all_of(out_splits.begin(), out_splits.end(), [&](int64_t s) { return s == in_splits[0]; });
     std::vector<at::Tensor> outs = outputs;
-    return work(OpType::ALLTOALL, outputs, [this, outs, out, in, even, out_splits, in_splits] {
+    return work(OpType::ALLTOALL, outputs, [outs, out, in, even, out_splits, in_splits](const GroupPtr& pg) {
       const std::vector<int64_t> none;
-      FuturePtr moved = even ? alltoall_flat(out, in, none, none) : alltoall_flat(out, in, out_splits, in_splits);
+      FuturePtr moved = even ? alltoall_flat(*pg, out, in, none, none) : alltoall_flat(*pg, out, in, out_splits, in_splits);
       return then(moved, [outs, out, out_splits] {
         int64_t off = 0;
         for (size_t i = 0; i < outs.size(); ++i) {
@@ -376,38 +373,36 @@ class DdpkitBackend : public compat::Backend {
   }
 
   WorkPtr barrier(const c10d::BarrierOptions&) override {
-    return work(OpType::BARRIER, {}, [this] { return pg_->barrier(); });
+    return work(OpType::BARRIER, {}, [](const GroupPtr& pg) { return pg->barrier(); });
   }
   // A group's own monitored_barrier (torch.distributed.monitored_barrier itself refuses every
   // backend not named gloo). Blocks, as Gloo's does. Not compared across ranks first: it is there
   // to find the rank that does not come.
   void monitoredBarrier(const c10d::BarrierOptions& opts, bool wait_all_ranks) override {
-    const std::chrono::milliseconds timeout = opts.timeout == c10d::kUnsetTimeout ? pg_->timeout() : opts.timeout;
-    auto w = work(OpType::BARRIER, {},
-                  [this, timeout, wait_all_ranks] { return pg_->monitored_barrier(timeout, wait_all_ranks); });
+    const std::chrono::milliseconds timeout = opts.timeout == c10d::kUnsetTimeout ? group()->timeout() : opts.timeout;
+    auto w = work(OpType::BARRIER, {}, [timeout, wait_all_ranks](const GroupPtr& pg) {
+      return pg->monitored_barrier(timeout, wait_all_ranks);
+    });
     w->wait();
   }
 
   // Point to point: Gloo's own (tags keep them apart from collectives).
   WorkPtr send(std::vector<at::Tensor>& tensors, int dst, int tag) override {
-    check_open();
     one(tensors, "send");
     check_root(dst, "send");
     check_tag(tag, "send");
-    return pg_->with_backend([&](compat::Backend& b) { return b.send(tensors, dst, tag); });
+    return group()->with_backend([&](compat::Backend& b) { return b.send(tensors, dst, tag); });
   }
   WorkPtr recv(std::vector<at::Tensor>& tensors, int src, int tag) override {
-    check_open();
     one(tensors, "recv");
     check_root(src, "recv");
     check_tag(tag, "recv");
-    return pg_->with_backend([&](compat::Backend& b) { return b.recv(tensors, src, tag); });
+    return group()->with_backend([&](compat::Backend& b) { return b.recv(tensors, src, tag); });
   }
   WorkPtr recvAnysource(std::vector<at::Tensor>& tensors, int tag) override {
-    check_open();
     one(tensors, "recv");
     check_tag(tag, "recv");
-    return pg_->with_backend([&](compat::Backend& b) { return b.recvAnysource(tensors, tag); });
+    return group()->with_backend([&](compat::Backend& b) { return b.recvAnysource(tensors, tag); });
   }
   // Tags from ddpkit::ProcessGroup::kFirstInternalTag up are the backend's own allgathers and alltoalls.
   static void check_tag(int tag, const char* op) {
@@ -430,7 +425,7 @@ class DdpkitBackend : public compat::Backend {
       parts.swap(coalesced_);
     }
     auto result = c10::make_intrusive<FutureWork>(getRank(), OpType::COALESCED, std::vector<at::Tensor>{});
-    complete_on_runner(when_all(parts, at::Tensor()), result, runner_);
+    complete_on_runner(when_all(parts, at::Tensor()), result, current()->runner);
     return result;
   }
 #endif
@@ -443,31 +438,137 @@ class DdpkitBackend : public compat::Backend {
   bool supportsSplitting() const override { return true; }
   // What split_group copies for each child (and may change: its timeout, group name).
   c10::intrusive_ptr<Options> getBackendOptions() override {
-    check_open();
-    return c10::make_intrusive<Options>("ddpkit", pg_->timeout());
+    return c10::make_intrusive<Options>("ddpkit", group()->timeout());
   }
   c10::intrusive_ptr<c10d::Backend> split(const c10::intrusive_ptr<c10d::Store>& store, const std::vector<int>& ranks,
                                           const c10::intrusive_ptr<Options>& opts) override {
-    check_open();
+    const GroupPtr pg = group();
     const auto at = std::find(ranks.begin(), ranks.end(), getRank());
     if (at == ranks.end()) return nullptr;  // not in this split: no group here (NON_GROUP_MEMBER)
     for (int r : ranks) check_root(r, "split_group");
-    const auto& o = pg_->options();
-    const std::chrono::milliseconds timeout = opts ? opts->timeout : pg_->timeout();
+    const auto& o = pg->options();
+    const std::chrono::milliseconds timeout = opts ? opts->timeout : pg->timeout();
     return c10::make_intrusive<DdpkitBackend>(store->clone(), static_cast<int>(at - ranks.begin()),
                                               static_cast<int>(ranks.size()), timeout, o.gloo_threads(),
-                                              o.shared_memory());
+                                              o.shared_memory(), /*reconfigurable=*/false);
+  }
+#endif
+
+#ifdef C10D_BACKEND_HAS_RECONFIGURE
+  // c10d's fault-tolerance API (torch >= 2.14; torchft's Manager takes such a group). The handle
+  // names this rank's endpoint (backend_reconfigure.h); reconfigure() fails the current members'
+  // work, tears their group down off this path, and builds the group of the members `opts`
+  // names, this rank at its handle's place (an unordered set: in sorted order), within the
+  // options' timeout (else the group's). Collectives after it run on the new members.
+  bool supportsReconfigure() const override { return endpoint_ != nullptr; }
+  c10d::ReconfigureHandle get_reconfigure_handle() const override {
+    check_reconfigurable("get_reconfigure_handle");
+    return endpoint_->handle();
+  }
+  WorkPtr reconfigure(const c10d::ReconfigureOptions& opts) override {
+    check_reconfigurable("reconfigure");
+    std::vector<std::string> handles;
+    if (const auto* ordered = std::get_if<std::vector<c10d::ReconfigureHandle>>(&opts.handles)) {
+      handles = *ordered;
+    } else {
+      const auto& set = std::get<std::unordered_set<c10d::ReconfigureHandle>>(opts.handles);
+      handles.assign(set.begin(), set.end());
+      std::sort(handles.begin(), handles.end());  // every member derives the same order
+    }
+    const Membership members = endpoint_->place(handles);
+    CommunicatorPtr old;
+    {
+      std::lock_guard<std::mutex> lock(state_mutex_);
+      DDPKIT_CHECK(!closed_, "ddpkit backend: reconfigure on a group that was shut down (destroy_process_group)");
+      DDPKIT_CHECK(opts.uuid != last_uuid_, "ddpkit backend: reconfigure: uuid ", opts.uuid,
+                   " was this group's last one; pass a new uuid for every reconfigure");
+      last_uuid_ = opts.uuid;
+      old = std::move(comm_);
+    }
+    if (old) retire(std::move(old), "the group was reconfigured (uuid " + std::to_string(opts.uuid) + ")");
+    ProcessGroupOptions o = options_;
+    if (opts.timeout) o.timeout(*opts.timeout);
+    auto next = std::make_shared<Communicator>();
+    without_gil([&] { next->pg = endpoint_->connect(members, opts.uuid, o); });
+    {
+      std::lock_guard<std::mutex> lock(state_mutex_);
+      if (!closed_) {
+        rank_ = members.rank;
+        size_ = members.size;
+        sequence_ = 0;
+        comm_ = next;
+        next.reset();
+      }
+    }
+    if (next) {  // shut down while it connected
+      without_gil([&next] { tear_down(*next); });
+      DDPKIT_CHECK(false, "ddpkit backend: the group was shut down during reconfigure");
+    }
+    auto done = c10::make_intrusive<FutureWork>(getRank(), OpType::UNKNOWN, std::vector<at::Tensor>{});
+    done->complete(nullptr);
+    return done;
+  }
+#endif
+
+#ifdef C10D_BACKEND_HAS_HOOKS
+  // Abort hooks run when one of the group's collectives fails (a timeout, a lost peer), on its
+  // callback runner, as the group gives up on it: where NCCL's watchdog would abort. A caller's
+  // own abort() or a reconfigure is no failure and runs none (torch registers its flight
+  // recorder's dump as one).
+  bool supportsAbortHooks() const override { return true; }
+  void registerAbortHook(int64_t hook_id, c10d::AbortHook hook) override {
+    DDPKIT_CHECK(hook, "ddpkit backend: register_abort_hook got no callable (hook ", hook_id, ")");
+    std::lock_guard<std::mutex> lock(hooks_->mutex);
+    DDPKIT_CHECK(hooks_->by_id.emplace(hook_id, std::move(hook)).second, "ddpkit backend: abort hook ", hook_id,
+                 " is registered already; unregister it first");
+    hooks_->count = static_cast<int>(hooks_->by_id.size());
+  }
+  void unregisterAbortHook(int64_t hook_id) override {
+    std::lock_guard<std::mutex> lock(hooks_->mutex);
+    DDPKIT_CHECK(hooks_->by_id.erase(hook_id) == 1, "ddpkit backend: no abort hook ", hook_id, " is registered");
+    hooks_->count = static_cast<int>(hooks_->by_id.size());
   }
 #endif
 
  private:
-  static at::Tensor as_bytes(const at::Tensor& contiguous) { return contiguous.reshape({-1}).view(at::kByte); }
+  // Abort hooks by id, shared with the callbacks that run them (which may outlive a call).
+  struct AbortHooks {
+    std::mutex mutex;
+    std::map<int64_t, std::function<void()>> by_id;
+    std::atomic<int> count{0};  // by_id.size(), read without the lock on every collective
+    // Each hook once per event; a hook's error is reported, not thrown into the failing path.
+    void run(const char* event) {
+      std::vector<std::function<void()>> hooks;
+      {
+        std::lock_guard<std::mutex> lock(mutex);
+        for (const auto& kv : by_id) hooks.push_back(kv.second);
+      }
+      for (const auto& hook : hooks) {
+        try {
+          hook();
+        } catch (const std::exception& e) {
+          std::fprintf(stderr, "ddpkit backend: an abort hook (%s) failed: %s\n", event, e.what());
+        }
+      }
+    }
+  };
+  std::shared_ptr<AbortHooks> hooks_ = std::make_shared<AbortHooks>();
+  void check_reconfigurable(const char* call) const {
+    DDPKIT_CHECK(endpoint_, "ddpkit backend: ", call, " needs a group made with enable_reconfigure=True "
+                 "(init_process_group(\"ddpkit\", ..., enable_reconfigure=True))");
+  }
+
+  // The current membership's communicator; names why there is none.
+  CommunicatorPtr current() const {
+    std::lock_guard<std::mutex> lock(state_mutex_);
+    DDPKIT_CHECK(!closed_, "ddpkit backend: this process group was shut down or aborted "
+                 "(destroy_process_group, abort); make a new group");
+    DDPKIT_CHECK(comm_, "ddpkit backend: this process group (enable_reconfigure=True) has no members ",
+                 last_uuid_ < 0 ? "yet" : "since it was aborted", ": call reconfigure() before issuing collectives");
+    return comm_;
+  }
 
   // ---- argument checks ----
-  void check_open() const {
-    DDPKIT_CHECK(!closed_.load(), "ddpkit backend: this process group was shut down or aborted "
-                 "(destroy_process_group, abort); make a new group");
-  }
   const at::Tensor& cpu(const at::Tensor& t, const char* op) const {
     DDPKIT_CHECK(t.defined(), "ddpkit backend: ", op, " got an undefined tensor");
     DDPKIT_CHECK(t.device().is_cpu(), "ddpkit backend: ", op, " got a tensor on ", t.device(),
@@ -501,151 +602,11 @@ class DdpkitBackend : public compat::Backend {
                  whole.scalar_type());
   }
 
-  // The work of the collective `start` issues, in the order IssueOrder keeps (backend_work.h).
-  // Arguments are checked before, so that bad input is named at the call.
-  WorkPtr work(OpType type, std::vector<at::Tensor> outputs, std::function<FuturePtr()> start) {
-    check_open();
-    ++sequence_;
-    FuturePtr done;
-    {
-      std::lock_guard<std::mutex> lock(coalescing_mutex_);
-      if (coalescing_) {
-        done = make_tensor_future();
-        coalesced_.push_back(done);
-      }
-    }
-    return order_->issue(getRank(), type, std::move(outputs), std::move(start), done);
-  }
-  template <class Op>
-  FuturePtr on_contiguous(const at::Tensor& t, Op&& op) {
-    if (t.is_contiguous()) return op(t);
-    at::Tensor c = t.contiguous(), target = t;
-    return then(op(c), [c, target] {
-      at::Tensor t2 = target;
-      t2.copy_(c);
-    });
-  }
-
-  // A reduction of t into itself on every rank, for every op and dtype torch.distributed names.
-  // PREMUL_SUM (FSDP2 with set_gradient_divide_factor; Gloo refuses it): SUM of the inputs times
-  // the factor. The factor, checked; `op` must be PREMUL_SUM.
-  double premul_factor(const ReduceOp& op, const at::Tensor& t, const char* what) const {
-    const compat::optional<double> f = compat::premul_sum_factor(op);
-    DDPKIT_CHECK(f.has_value(), "ddpkit backend: ", what, " with PREMUL_SUM takes a number as its factor "
-                 "(ReduceOp.PREMUL_SUM(x) / _make_nccl_premul_sum(x)), not a tensor");
-    DDPKIT_CHECK(at::isFloatingType(t.scalar_type()), "ddpkit backend: ", what,
-                 " with PREMUL_SUM needs a floating-point tensor, got ", t.scalar_type());
-    return *f;
-  }
-
-  FuturePtr reduce_in_place(const at::Tensor& t, const ReduceOp& op, const char* what) {
-    if (op == ReduceOp::PREMUL_SUM) {
-      at::Tensor scaled = t;
-      scaled.mul_(premul_factor(op, t, what));
-      return reduce_in_place(t, ReduceOp::SUM, what);
-    }
-    DDPKIT_CHECK(is_sum(op) || op == ReduceOp::PRODUCT || op == ReduceOp::MIN || op == ReduceOp::MAX ||
-                     op == ReduceOp::BAND || op == ReduceOp::BOR || op == ReduceOp::BXOR,
-                 "ddpkit backend: ", what, " does not support ", op_name(op));
-    const at::ScalarType dtype = t.scalar_type();
-    const bool bitwise = op == ReduceOp::BAND || op == ReduceOp::BOR || op == ReduceOp::BXOR;
-    DDPKIT_CHECK(!bitwise || !at::isFloatingType(dtype), "ddpkit backend: ", what, " with ", op_name(op),
-                 " needs an integer or bool tensor, got ", dtype);
-    DDPKIT_CHECK(op != ReduceOp::AVG || at::isFloatingType(dtype), "ddpkit backend: ", what,
-                 " with AVG needs a floating-point tensor, got ", dtype);
-    if (dtype == at::kBool) {
-      // As uint8: any (SUM, MAX, BOR), all (MIN, PRODUCT, BAND), parity (BXOR).
-      const ReduceOp as = op == ReduceOp::BXOR ? ReduceOp::BXOR
-                          : (op == ReduceOp::MIN || op == ReduceOp::PRODUCT || op == ReduceOp::BAND) ? ReduceOp::MIN
-                                                                                                     : ReduceOp::MAX;
-      return via_copy(t, t.to(at::kByte).contiguous(), as);
-    }
-    // SUM/AVG of fp16/bf16 are ddpkit's own (summed in fp32). Other ops go to Gloo, which has no
-    // bfloat16 before 2.x's and no fp16 MIN/MAX on every version: in fp32, exact for MIN/MAX, one
-    // rounding for PRODUCT.
-    if (!is_sum(op) && (dtype == at::kBFloat16 || dtype == at::kHalf))
-      return via_copy(t, t.to(at::kFloat).contiguous(), op);
-    return on_contiguous(t, [&](const at::Tensor& c) { return pg_->allreduce(c, op); });
-  }
-  FuturePtr via_copy(const at::Tensor& t, const at::Tensor& copy, const ReduceOp& op) {
-    at::Tensor target = t;
-    return then(pg_->allreduce(copy, op), [copy, target] {
-      at::Tensor t2 = target;
-      t2.copy_(copy);
-    });
-  }
-
   void check_list(const std::vector<at::Tensor>& outputs, const at::Tensor& input, const char* what) const {
     DDPKIT_CHECK(static_cast<int>(outputs.size()) == getSize(), "ddpkit backend: ", what, " takes ", getSize(),
                  " outputs (one per rank), got ", outputs.size());
     for (const auto& o : outputs) check_same(o, input, what);
   }
-  // Outputs that are consecutive pieces of one buffer in rank order (FSDP gathers its flat
-  // parameter on CPU into its chunks): that buffer, as one tensor.
-  static at::Tensor consecutive_span(const std::vector<at::Tensor>& outputs) {
-    const at::Tensor& first = outputs.front();
-    const int64_t bytes = first.numel() * static_cast<int64_t>(first.element_size());
-    for (size_t r = 0; r < outputs.size(); ++r) {
-      const at::Tensor& o = outputs[r];
-      if (!o.is_contiguous() || !o.storage().is_alias_of(first.storage()) ||
-          static_cast<const char*>(o.data_ptr()) != static_cast<const char*>(first.data_ptr()) + r * bytes)
-        return {};
-    }
-    return first.as_strided({first.numel() * static_cast<int64_t>(outputs.size())}, {1});
-  }
-
-  FuturePtr gather_list(const std::vector<at::Tensor>& outputs, const at::Tensor& input) {
-    const bool contiguous = std::all_of(outputs.begin(), outputs.end(), [](const at::Tensor& o) { return o.is_contiguous(); });
-    if (contiguous && input.numel() > 0) {
-      // One flat gather: about twice as fast as a list's at FSDP's 8 MB chunks (6.4 -> 3.4 ms).
-      const at::Tensor span = consecutive_span(outputs);
-      if (span.defined()) return pg_->allgather_into_tensor(as_bytes(span), as_bytes(input.contiguous()));
-    }
-    if (contiguous) {
-      std::vector<at::Tensor> bytes;
-      for (const auto& o : outputs) bytes.push_back(as_bytes(o));
-      return pg_->allgather(bytes, as_bytes(input.contiguous()));
-    }
-    at::Tensor flat = at::empty({input.numel() * getSize()}, input.options());
-    const int64_t n = input.numel();
-    return then(pg_->allgather_into_tensor(as_bytes(flat), as_bytes(input.contiguous())), [outputs, flat, n] {
-      for (size_t r = 0; r < outputs.size(); ++r) {
-        at::Tensor o = outputs[r];
-        o.copy_(flat.narrow(0, static_cast<int64_t>(r) * n, n).view(o.sizes()));
-      }
-    });
-  }
-
-  FuturePtr gather_flat(const at::Tensor& output, const at::Tensor& input) {
-    at::Tensor in = input.contiguous();
-    return on_contiguous(output, [&](const at::Tensor& o) { return pg_->allgather_into_tensor(as_bytes(o), as_bytes(in)); });
-  }
-
-  // output = chunk rank() of the reduction of every rank's input.
-  FuturePtr scatter_flat(const at::Tensor& output, const at::Tensor& input, const ReduceOp& op, const char* what) {
-    if (op == ReduceOp::PREMUL_SUM)
-      return scatter_flat(output, input * premul_factor(op, input, what), ReduceOp::SUM, what);
-    const at::ScalarType dtype = input.scalar_type();
-    const int64_t n = output.numel(), rank = getRank();
-    at::Tensor target = output;
-    if (is_sum(op) && dtype != at::kBool && (op == ReduceOp::SUM || at::isFloatingType(dtype))) {
-      const double scale = op == ReduceOp::AVG ? 1.0 / getSize() : 1.0;
-      at::Tensor in = input.contiguous().view({-1});
-      return on_contiguous(output, [&](const at::Tensor& o) {
-        at::Tensor flat = o.view({-1});
-        FuturePtr f = pg_->reduce_scatter(flat, in);
-        if (scale == 1.0) return f;
-        return then(f, [flat, scale] { flat.mul_(scale); });
-      });
-    }
-    // Other ops: a reduction of the whole input, of which this rank keeps its chunk.
-    at::Tensor whole = input.reshape({-1}).clone();
-    return then(reduce_in_place(whole, op, what), [whole, target, n, rank] {
-      at::Tensor t = target;
-      t.copy_(whole.narrow(0, rank * n, n).view(t.sizes()));
-    });
-  }
-
   void check_alltoall(const at::Tensor& output, const at::Tensor& input, const std::vector<int64_t>& output_splits,
                       const std::vector<int64_t>& input_splits) const {
     cpu(output, "all_to_all_single");
@@ -659,59 +620,79 @@ class DdpkitBackend : public compat::Backend {
       DDPKIT_CHECK(output.is_contiguous(), "ddpkit backend: all_to_all_single with splits needs a contiguous output");
     }
   }
-  FuturePtr alltoall_flat(const at::Tensor& output, const at::Tensor& input, const std::vector<int64_t>& output_splits,
-                          const std::vector<int64_t>& input_splits) {
-    if (output_splits.empty() && input_splits.empty()) {
-      at::Tensor in = input.contiguous();
-      // As bytes, rows of dim 0 kept whole.
-      const int64_t rows = input.size(0);
-      return on_contiguous(output, [&](const at::Tensor& o) {
-        return pg_->alltoall(o.reshape({rows, -1}).view(at::kByte), in.reshape({rows, -1}).view(at::kByte));
-      });
-    }
-    // Uneven splits: Gloo's, ordered with the other collectives, moving bytes (Gloo has no
-    // bfloat16 or bool). Splits count rows of dim 0.
-    const int64_t elt = static_cast<int64_t>(c10::elementSize(input.scalar_type()));
-    const int64_t in_row = input.dim() && input.size(0) ? input.numel() / input.size(0) * elt : elt;
-    const int64_t out_row = output.dim() && output.size(0) ? output.numel() / output.size(0) * elt : elt;
-    at::Tensor out = output.reshape({-1}).view(at::kByte), in = input.contiguous().reshape({-1}).view(at::kByte);
-    std::vector<int64_t> os, is;
-    for (int64_t v : output_splits) os.push_back(v * out_row);
-    for (int64_t v : input_splits) is.push_back(v * in_row);
-    ddpkit::ProcessGroup* pg = pg_.get();
-    const std::chrono::milliseconds timeout = pg_->timeout();
-    const std::string what = "all_to_all with splits (" + std::string(c10::toString(input.scalar_type())) + ")";
-    at::Tensor result = output;
-    return pg_->run_ordered([pg, out, in, os, is, timeout, what, result]() mutable {
-      c10d::AllToAllOptions o;
-      o.timeout = timeout;
-      try {
-        pg->with_backend([&](compat::Backend& b) { return b.alltoall_base(out, in, os, is, o); })->wait();
-      } catch (const std::exception& e) {
-        throw std::runtime_error(what + ": " + e.what());
+
+  // The work of the collective `start` issues on the current membership's group, in the order
+  // IssueOrder keeps (backend_work.h). Arguments are checked before, so that bad input is named at
+  // the call.
+  WorkPtr work(OpType type, std::vector<at::Tensor> outputs, std::function<FuturePtr(const GroupPtr&)> start) {
+    const CommunicatorPtr c = current();
+    ++sequence_;
+    FuturePtr done;
+    {
+      std::lock_guard<std::mutex> lock(coalescing_mutex_);
+      if (coalescing_) {
+        done = make_tensor_future();
+        coalesced_.push_back(done);
       }
-      return result;
-    });
+    }
+    // Weak: the communicator owns its group until its teardown has drained this queue. A queued
+    // collective holding the last reference would destroy the group on the group's own thread,
+    // where it completes (which joins that thread: EDEADLK).
+    std::weak_ptr<ddpkit::ProcessGroup> weak = c->pg;
+    auto on_group = [weak, start = std::move(start)] {
+      GroupPtr pg = weak.lock();
+      DDPKIT_CHECK(pg, "ddpkit backend: the group this collective was issued to is gone (shut down)");
+      FuturePtr issued = start(pg);
+      let_go(std::move(pg));
+      return issued;
+    };
+    if (hooks_->count.load() == 0) return c->order->issue(getRank(), type, std::move(outputs), std::move(on_group), done);
+    // Abort hooks see a failed collective before its error reaches the caller's wait.
+    std::shared_ptr<AbortHooks> hooks = hooks_;
+    std::shared_ptr<CallbackRunner> runner = c->runner;
+    return c->order->issue(getRank(), type, std::move(outputs), [on_group = std::move(on_group), hooks, runner] {
+      FuturePtr f = on_group();
+      f->addCallback([hooks, runner](c10::ivalue::Future& landed) {
+        if (landed.hasError()) runner->post([hooks] { hooks->run("a collective failed"); }, runner);
+      });
+      return f;
+    }, done);
   }
 
   // Once: queued collectives end (each within the timeout), then the group goes. A collective
-  // issued afterwards fails in work() naming the shutdown.
+  // issued afterwards fails in current() naming the shutdown.
   void close() {
+    CommunicatorPtr c;
     {
-      std::lock_guard<std::mutex> lock(close_mutex_);
-      if (closed_.exchange(true)) return;  // closed, or aborted (whose thread tears down)
+      std::lock_guard<std::mutex> lock(state_mutex_);
+      if (closed_) return;
+      closed_ = true;
+      c = std::move(comm_);
     }
-    without_gil([this] { tear_down(); });  // the destructor runs where Python drops the group
-  }
-  void tear_down() {
-    std::lock_guard<std::mutex> lock(close_mutex_);
-    if (!pg_) return;
-    order_->drain(pg_->timeout() * 2);
-    runner_->stop();
-    pg_.reset();
+    if (c) without_gil([&c] { tear_down(*c); });  // the destructor runs where Python drops the group
   }
 
 #if DDPKIT_TORCH_AT_LEAST(2, 7)
+  // Fails the work of `c` (no longer current) now, naming `reason`, and tears it down on a thread
+  // of its own.
+  static void retire(CommunicatorPtr c, const std::string& reason) {
+    c->pg->abort(reason);
+    AbortTeardowns& teardowns = abort_teardowns();
+    teardowns.threads.start([c = std::move(c), &teardowns]() mutable {
+      tear_down(*c);
+      // Letting go of the queued work's tensors takes the GIL (torch >= 2.7 keeps their Python
+      // objects alive while C++ holds them). Once Python finalizes, it ends any other thread that
+      // asks for the GIL (pthread_exit), and unwinding through torch's noexcept release is
+      // std::terminate: so after Python's exit began, the communicator is left to the process's end.
+      std::lock_guard<std::mutex> lock(teardowns.exit_mutex);
+      if (teardowns.python_exiting) {
+        new CommunicatorPtr(std::move(c));  // deliberately never freed
+      } else {
+        c.reset();
+      }
+    });
+  }
+
   // Aborted groups being torn down. Never destroyed: joining them in static destruction at exit
   // aborted the process (std::terminate, after torchft's tests had passed). At Python's exit they
   // get kExitWait (at_python_exit); one still running then ends with the process.
@@ -730,11 +711,12 @@ class DdpkitBackend : public compat::Backend {
 #else
   static constexpr bool kAbortable = false;
 #endif
-  std::mutex close_mutex_;
-  std::atomic<bool> closed_{false};
-  std::shared_ptr<ddpkit::ProcessGroup> pg_;
-  std::shared_ptr<CallbackRunner> runner_ = CallbackRunner::make();
-  std::shared_ptr<IssueOrder> order_ = std::make_shared<IssueOrder>(runner_);
+  const ProcessGroupOptions options_;               // of every group this backend makes
+  std::unique_ptr<ReconfigureEndpoint> endpoint_;    // reconfigurable groups only
+  mutable std::mutex state_mutex_;                   // guards the three below
+  bool closed_ = false;
+  CommunicatorPtr comm_;                             // null: aborted, or no reconfigure yet
+  int64_t last_uuid_ = -1;
   std::mutex coalescing_mutex_;
   bool coalescing_ = false;
   std::vector<FuturePtr> coalesced_;
@@ -767,13 +749,18 @@ void bind_backend(py::module& m) {
   m.def(
       "_make_backend",
       [](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size, double timeout_s, int gloo_threads,
-         bool shared_memory) {
+         bool shared_memory, bool reconfigurable) {
         DDPKIT_CHECK(timeout_s > 0, "ddpkit backend: the timeout must be positive, got ", timeout_s, " s");
         const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000));
-        return c10::make_intrusive<DdpkitBackend>(store, rank, size, timeout, gloo_threads, shared_memory);
+#ifndef C10D_BACKEND_HAS_RECONFIGURE
+        DDPKIT_CHECK(!reconfigurable, "ddpkit backend: enable_reconfigure needs torch >= 2.14 (c10d's reconfigure "
+                     "API); this build's torch has none");
+#endif
+        return c10::make_intrusive<DdpkitBackend>(store, rank, size, timeout, gloo_threads, shared_memory,
+                                                  reconfigurable);
       },
       py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("timeout_s"), py::arg("gloo_threads"),
-      py::arg("shared_memory"), py::call_guard<py::gil_scoped_release>());
+      py::arg("shared_memory"), py::arg("reconfigurable") = false, py::call_guard<py::gil_scoped_release>());
 #if DDPKIT_TORCH_AT_LEAST(2, 7)
   // torchft aborts a group on every quorum change; see DdpkitBackend::abort.
   py::module::import("atexit").attr("register")(py::cpp_function(&DdpkitBackend::at_python_exit));
