@@ -28,6 +28,16 @@ if [ "${1:-}" = "--pip-torch" ]; then
   exit 0
 fi
 
+# c10d names every TCPStore connection's peer with a reverse lookup (getnameinfo without
+# NI_NUMERICHOST). A loopback peer is ::ffff:127.0.0.1, which /etc/hosts does not name as written
+# (127.0.0.1), so the lookup goes to DNS; where the resolver does not answer it (these VMs), that
+# connect stalls 5 s, about one in ten (torchft's test_quorum_timeout, ddpkit.torchft's quorums).
+# Naming the address here answers it locally. Only as root; docs/python.md says so for users.
+if [ "$(id -u)" -eq 0 ] && [ -w /etc/hosts ] && ! grep -qE '^::ffff:127\.0\.0\.1[[:space:]]' /etc/hosts; then
+  echo "::ffff:127.0.0.1 localhost" >> /etc/hosts
+  echo "install-deps: /etc/hosts now names ::ffff:127.0.0.1 (c10d's reverse lookups of loopback peers)"
+fi
+
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
