@@ -28,7 +28,26 @@ except ImportError as e:  # said once, with the fix, instead of torchft's name m
 
 from . import Options, _C, _seconds
 
-__all__ = ["ProcessGroupDdpkit"]
+__all__ = ["ProcessGroupDdpkit", "native_group"]
+
+
+def native_group(store, rank: int, world_size: int, timeout: timedelta = timedelta(seconds=60), *,
+                 gloo_threads: Optional[int] = None, shared_memory: Optional[bool] = None) -> _TorchProcessGroup:
+    """A native torch group on ddpkit's backend that changes members in place (enable_reconfigure,
+    torch >= 2.14): what torchft's current Manager takes as `pg=` and reconfigures per quorum with
+    the handles its lighthouse gathers. No members until the first reconfigure; `store`, `rank`
+    and `world_size` are only its starting ones (torch's ProcessGroup wants them)."""
+    if not hasattr(_TorchProcessGroup, "reconfigure"):
+        raise RuntimeError(f"ddpkit.torchft.native_group needs torch >= 2.14 (c10d's reconfigure API); "
+                           f"this is torch {torch.__version__}: use ProcessGroupDdpkit")
+    o = Options(gloo_threads, shared_memory).resolved()
+    backend = _C._make_backend(store, rank, world_size, _seconds(timeout, "ddpkit.torchft.native_group"),
+                               o.gloo_threads, o.shared_memory, True)
+    pg = _TorchProcessGroup(store, rank, world_size)
+    kind = _TorchProcessGroup.BackendType.CUSTOM
+    pg._set_default_backend(kind)
+    pg._register_backend(torch.device("cpu"), kind, backend)
+    return pg
 
 
 class ProcessGroupDdpkit(_Wrapper):

@@ -47,6 +47,43 @@ def test_torchft_own_tests_run_on_ddpkit(module, tmp_path):
     assert made and " 0 ddpkit" not in made[0], f"{module}: no ddpkit group made:\n{tail}"
 
 
+# torchft as its users run it now (torchft-nightly, pinned in scripts/pip-torch-env.sh
+# --torchft-nightly; .ci/run names its interpreter here): its Manager tests with ddpkit's wrapper
+# and a native ddpkit group (enable_reconfigure=True, the Manager reconfiguring it per quorum), and
+# its own resize-and-recover body (3 -> 2 -> 3 members, an abort, a recovery) on the ddpkit backend.
+NIGHTLY = os.environ.get("DDPKIT_TORCHFT_NIGHTLY_PYTHON")
+RESIZE_ON_DDPKIT = """
+import sys, torch.multiprocessing as mp, torch.distributed as dist
+def worker(rank, port):
+    import ddpkit  # registers the backend in the spawned process
+    from torchft.reconfigure_test import _resize_worker
+    _resize_worker(rank, port, "ddpkit")
+if __name__ == "__main__":
+    store = dist.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
+    mp.spawn(worker, args=(store.port,), nprocs=3)
+    print("resize on ddpkit: ok")
+"""
+
+
+@pytest.mark.skipif(not NIGHTLY, reason="DDPKIT_TORCHFT_NIGHTLY_PYTHON is not set (.ci/run sets it in the pip run)")
+def test_torchft_nightly_manager_and_native_groups_on_ddpkit(tmp_path):
+    # The build's ddpkit (ctest's PYTHONPATH), not this venv's site-packages, whose torchft 0.2.0
+    # would shadow the nightly's.
+    build = [os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([TESTS] + build))
+    p = subprocess.run([NIGHTLY, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "torchft_on_ddpkit",
+                        "--pyargs", "torchft.manager_integ_test"], cwd=tmp_path, env=env, capture_output=True,
+                       text=True, timeout=500)
+    tail = (p.stdout + p.stderr)[-4000:]
+    assert p.returncode == 0, f"torchft-nightly's manager_integ_test on ddpkit failed:\n{tail}"
+    made = [line for line in p.stderr.splitlines() if line.startswith("torchft_on_ddpkit:")]
+    assert made and " 0 native" not in made[0], f"no native ddpkit group made:\n{tail}"
+    script = tmp_path / "resize.py"
+    script.write_text(RESIZE_ON_DDPKIT)
+    p = subprocess.run([NIGHTLY, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0 and "resize on ddpkit: ok" in p.stdout, (p.stdout + p.stderr)[-4000:]
+
+
 def _groups(world, prefix, port, timeout_s=10, **options):
     """`world` ProcessGroupDdpkit configured concurrently (threads), as torchft's replicas do."""
     from ddpkit.torchft import ProcessGroupDdpkit

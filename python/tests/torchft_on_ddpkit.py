@@ -12,9 +12,11 @@ on Gloo.
 import sys
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 
 import ddpkit
+import ddpkit.torchft
 from ddpkit.torchft import ProcessGroupDdpkit
 
 made = []
@@ -29,8 +31,10 @@ class _DistWithDdpkit:
 
     @staticmethod
     def ProcessGroupGloo(store, rank, size, timeout=timedelta(seconds=60), enable_reconfigure=False):  # noqa: N802
+        # The backend of ddpkit.torchft.native_group (the tests register it under Gloo's type).
         native.append((rank, size, enable_reconfigure))
-        return ddpkit._C._make_backend(store, rank, size, timeout.total_seconds(), 2, True, enable_reconfigure)
+        return ddpkit.torchft.native_group(store, rank, size, timeout)._get_backend(torch.device("cpu")) \
+            if enable_reconfigure else ddpkit._C._make_backend(store, rank, size, timeout.total_seconds(), 2, True)
 
 
 class _Counted(ProcessGroupDdpkit):
