@@ -198,7 +198,10 @@ void Domain::wait_peer(int peer, int counter, uint32_t target) {
     p->sleepers.value.fetch_sub(1, std::memory_order_seq_cst);
     if (reached(word.load(std::memory_order_acquire), target)) return;
     if (round % 16 == 0 && !peer_alive(peer))
-      fail("rank " + std::to_string(group_rank(peer)) + " (on this host) died during shared-memory " + describe(call_));
+      // Gone: its process died, or it shut its group down (a torchft replica leaving). Gloo's
+      // words for the same event close it, as callers match on them.
+      fail("rank " + std::to_string(group_rank(peer)) + " (on this host) died or shut its group down during "
+           "shared-memory " + describe(call_) + " (Connection closed by peer)");
     if (std::chrono::steady_clock::now() > deadline_)
       fail("rank " + std::to_string(group_rank(peer)) + " (on this host) did not take its part in shared-memory " +
            describe(call_) + " within the group's timeout of " + std::to_string(options_.timeout.count()) +
