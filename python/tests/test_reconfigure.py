@@ -33,6 +33,12 @@ def agree(store, key, place, size, uuid):
     return uuid, [store.get(f"{key}/handle/{i}").decode() for i in range(size)]
 
 
+def meet(store, key, rank, world, timeout=TIMEOUT):
+    """Every rank of the starting world has reached `key` (the test's barrier, outside the group)."""
+    store.set(f"{key}/{rank}", "1")
+    store.wait([f"{key}/{r}" for r in range(world)], timeout)
+
+
 def reconfigure(store, key, members, me, uuid, timeout=None):
     uuid, handles = agree(store, key, members.index(me), len(members), uuid)
     return dist._reconfigure(uuid=uuid, handles=handles, timeout=timeout).wait()
@@ -53,8 +59,7 @@ def resize(rank, world, port):
             dist.all_reduce(t)
             ok = (dist.get_rank(), dist.get_world_size()) == (members.index(rank), len(members))
             sums.append((gen, t.item(), ok))
-        store.set(f"done{gen}/{rank}", "1")
-        store.wait([f"done{gen}/{r}" for r in range(world)], TIMEOUT)
+        meet(store, f"done{gen}", rank, world)
     # An abort leaves the group reconfigurable.
     dist.group.WORLD.abort()
     try:
@@ -65,8 +70,7 @@ def resize(rank, world, port):
     t = torch.ones(1)
     dist.all_reduce(t)
     sums.append(("after", t.item(), True))
-    store.set(f"end/{rank}", "1")
-    store.wait([f"end/{r}" for r in range(world)], TIMEOUT)
+    meet(store, "end", rank, world)
     dist.destroy_process_group()
     return seen, sums
 
@@ -137,8 +141,7 @@ def in_flight_and_bad_input(rank, world, port):
                               timeout=timedelta(seconds=2)).wait()
         except Exception as e:  # noqa: BLE001
             errors["absent"] = (str(e), time.monotonic() - began)
-    store.set(f"end/{rank}", "1")
-    store.wait([f"end/{r}" for r in range(world)], timedelta(seconds=60))
+    meet(store, "end", rank, world, timedelta(seconds=60))
     dist.destroy_process_group()
     return errors
 
@@ -197,8 +200,7 @@ def hooks_on_failure(rank, world, port):
             pg.unregister_abort_hook(7)
         except Exception as e:  # noqa: BLE001
             ran["unregister_twice"] = str(e)
-    store.set(f"end/{rank}", "1")
-    store.wait([f"end/{r}" for r in range(world)], timedelta(seconds=60))
+    meet(store, "end", rank, world, timedelta(seconds=60))
     dist.destroy_process_group()
     return ran
 
