@@ -22,10 +22,6 @@ namespace {
 
 const std::string kScheme = "ddpkit://";
 
-bool is_loopback(const std::string& host) {
-  return host.empty() || host == "localhost" || host.rfind("127.", 0) == 0 || host == "::1";
-}
-
 std::string interface_address(const std::string& name) {
   struct ifaddrs* all = nullptr;
   DDPKIT_CHECK(getifaddrs(&all) == 0, "ddpkit backend: cannot list this host's interfaces for GLOO_SOCKET_IFNAME");
@@ -82,7 +78,7 @@ Endpoint parse(const std::string& handle, const std::string& what) {
 std::string advertised_address() {
   if (const char* ifname = std::getenv("GLOO_SOCKET_IFNAME")) return interface_address(ifname);
   const char* master = std::getenv("MASTER_ADDR");
-  if (is_loopback(master ? master : "")) return "127.0.0.1";
+  if (is_loopback_host(master ? master : "")) return "127.0.0.1";
   const std::string towards = local_address_towards(master, 1);
   if (!towards.empty()) return towards;
   char name[256] = {};
@@ -137,7 +133,8 @@ std::shared_ptr<ProcessGroup> ReconfigureEndpoint::connect(const Membership& m, 
   auto store = c10::make_intrusive<c10d::PrefixStore>(name, client_);
   // Gloo listens on the address the first member reaches this host at (loopback where all are here).
   if (options.gloo_hostname().empty() && !std::getenv("GLOO_SOCKET_IFNAME")) {
-    const std::string towards = is_loopback(m.store_host) ? "127.0.0.1" : local_address_towards(m.store_host, m.store_port);
+    const std::string towards =
+        is_loopback_host(m.store_host) ? "127.0.0.1" : local_address_towards(m.store_host, m.store_port);
     if (!towards.empty()) options.gloo_hostname(towards);
   }
   options.group_name(name);

@@ -16,10 +16,6 @@ using detail::describe_tensor;
 
 namespace {
 
-bool is_loopback(const std::string& host) {
-  return host.empty() || host == "localhost" || host.rfind("127.", 0) == 0 || host == "::1";
-}
-
 std::shared_ptr<::gloo::transport::Device> make_gloo_device(const ProcessGroupOptions& o) {
   if (const char* ifname = std::getenv("GLOO_SOCKET_IFNAME")) {
     return c10d::ProcessGroupGloo::createDeviceForInterface(ifname);
@@ -28,7 +24,7 @@ std::shared_ptr<::gloo::transport::Device> make_gloo_device(const ProcessGroupOp
     return c10d::ProcessGroupGloo::createDeviceForHostname(o.gloo_hostname());
   }
   const char* master = std::getenv("MASTER_ADDR");
-  if (is_loopback(master ? master : "")) {
+  if (is_loopback_host(master ? master : "")) {
     return c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1");
   }
   const std::string towards = local_address_towards(master, 1);

@@ -30,4 +30,8 @@ std::string local_address_towards(const std::string& host, int port) {
   return local;
 }
 
+bool is_loopback_host(const std::string& host) {
+  return host.empty() || host == "localhost" || host.rfind("127.", 0) == 0 || host == "::1";
+}
+
 }  // namespace ddpkit

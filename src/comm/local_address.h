@@ -11,4 +11,8 @@ namespace ddpkit {
 // does not resolve. Sends nothing.
 std::string local_address_towards(const std::string& host, int port);
 
+// Whether `host` names this machine's loopback ("", localhost, 127.x, ::1): peers that meet there
+// are all on this host.
+bool is_loopback_host(const std::string& host);
+
 }  // namespace ddpkit
