@@ -20,6 +20,13 @@ The same model on every side: a GPT of --layers 7 x --d-model 512 (8 heads, 64 b
                    "crashes", each started again as a killed group is)
   torchft-nightly  the same with torchft-nightly (--python-nightly: the newest torchft on PyPI, whose
                    DDP hook gives DDP the bucket back after a peer's failure where 0.2.0 asserts)
+  nightly-native-gloo    torchft-nightly's Manager handed a native torch group, as its docs offer and
+                   its manager_integ_test builds one: c10d's ProcessGroupGloo with enable_reconfigure=True,
+                   reconfigured in place per quorum with the handles the lighthouse gathers; Gloo's
+                   handles rendezvous on a bootstrap store every group shares (one TCPStore process
+                   the harness starts, as a job would run it beside the lighthouse)
+  nightly-native-ddpkit  the same with ddpkit.torchft.native_group (ddpkit's backend, enable_reconfigure):
+                   each rank's handle names its own endpoint, no shared store
   ddpkit           ddpkit train --fault-tolerant --replica-groups 4 --nproc 1 --model transformer
 Detection, the same on every side: the lighthouse as torchft's own launch instructions start it
 (torchft/examples/slurm/README.md: `torchft_lighthouse --min_replicas 1 --quorum_tick_ms 100
@@ -64,6 +71,7 @@ from ft_bench import children_ranks, group_of, kill_times, percentile, reports, 
 from ports import free_port  # noqa: E402  (tests/, put on the path by ft_bench: below the ephemeral range)
 
 GROUPS = 4
+NIGHTLY_SIDES = ("torchft-nightly", "nightly-native-gloo", "nightly-native-ddpkit")  # --python-nightly's
 # The detection settings of both sides' lighthouses: torchft_lighthouse's heartbeat timeout default
 # and the join timeout of torchft's launch instructions (its examples' README).
 HEARTBEAT_TIMEOUT_MS, JOIN_TIMEOUT_MS = 5000, 10000
@@ -92,6 +100,7 @@ class TorchftJob:
 
     def __init__(self, a, model, pg, steps, work, python):
         self.a, self.model, self.pg, self.steps, self.work, self.python = a, model, pg, steps, work, python
+        self.native_store = None  # the bootstrap store of native Gloo groups
         self.recovery = a.recovery
         self.procs, self.incarnations, self.outputs = {}, {}, {g: [] for g in range(GROUPS)}
         self.lock = threading.Lock()
@@ -108,6 +117,12 @@ class TorchftJob:
                                             "--heartbeat_timeout_ms", str(HEARTBEAT_TIMEOUT_MS)],
                                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         self.address = f"127.0.0.1:{port}"
+        if self.pg == "native-gloo":
+            self.native_store = subprocess.Popen(
+                [self.python, "-c", "import time, torch.distributed as d\n"
+                 "s = d.TCPStore('127.0.0.1', 0, is_master=True, wait_for_workers=False)\n"
+                 "print(s.port, flush=True)\ntime.sleep(1e9)"], stdout=subprocess.PIPE, text=True)
+            self.store_address = f"127.0.0.1:{int(self.native_store.stdout.readline())}"
         time.sleep(1)
         self.step_log = step_log
         self.threads = [threading.Thread(target=self.supervise, args=(g,), daemon=True) for g in range(GROUPS)]
@@ -121,6 +136,8 @@ class TorchftJob:
             cmd = [self.python, os.path.join(HERE, "torchft_replica.py"), "--group", str(g), "--groups", str(GROUPS),
                    "--lighthouse", self.address, "--pg", self.pg, "--recovery", self.recovery, "--steps",
                    str(self.steps), "--incarnation", str(incarnation)] + self.model.python_flags()
+            if self.native_store:
+                cmd += ["--native-store", self.store_address]
             if self.step_log:
                 cmd += ["--step-log", self.step_log]
             with open(os.path.join(self.work, f"group{g}.{incarnation}.log"), "w") as err:
@@ -152,8 +169,10 @@ class TorchftJob:
             self.kill(g)
         for t in self.threads:
             t.join(timeout=60)
-        self.lighthouse.kill()
-        self.lighthouse.wait()
+        for server in (self.lighthouse, self.native_store):
+            if server:
+                server.kill()
+                server.wait()
         return [r for g in range(GROUPS) for r in self.outputs[g]]
 
 
@@ -217,7 +236,8 @@ class DdpkitJob:
 def make_job(a, model, side, steps, work):
     if side == "ddpkit":
         return DdpkitJob(a, model, steps, work)
-    return TorchftJob(a, model, "ddpkit" if side == "torchft-ddpkit" else "gloo", steps, work, sys_python(a, side))
+    pg = {"torchft-ddpkit": "ddpkit", "nightly-native-gloo": "native-gloo", "nightly-native-ddpkit": "native-ddpkit"}
+    return TorchftJob(a, model, pg.get(side, "gloo"), steps, work, sys_python(a, side))
 
 
 def run(job, step_log, kills, timeout):
@@ -251,7 +271,7 @@ def rolled_back(logs, kills):
 
 
 def sys_python(a, side):
-    return a.python_nightly if side == "torchft-nightly" else a.python
+    return a.python_nightly if side in NIGHTLY_SIDES else a.python
 
 
 def plain_step_ms(a, model, side):
@@ -294,8 +314,8 @@ def main():
     a.bin = os.path.abspath(a.bin)
     model = Model(a)
     sides = a.sides.split(",")
-    if "torchft-nightly" in sides and not a.python_nightly:
-        sys.exit("ft_vs_torchft: the torchft-nightly side needs --python-nightly (scripts/pip-torch-env.sh --torchft-nightly)")
+    if any(side in NIGHTLY_SIDES for side in sides) and not a.python_nightly:
+        sys.exit("ft_vs_torchft: the torchft-nightly sides need --python-nightly (scripts/pip-torch-env.sh --torchft-nightly)")
     d, L = a.d_model, a.layers
     params = L * (12 * d * d + 13 * d) + (256 + 64) * d + 2 * d + d * 256 + 256
     print(f"fault tolerance, ddpkit vs torchft: GPT {L} x d_model {d} ({params / 1e6:.1f}M parameters), AdamW, "
@@ -345,7 +365,7 @@ def main():
                                  # Groups that died besides the ones killed (ddpkit's survivors go on)
                                  crashes=getattr(job, "restarts", len(done)) - len(done))
             r = results[side]
-            print(f"{side:<15} step {step_ms:7.1f} ms vs plain DDP {base:7.1f} ms (overhead {100 * (step_ms / base - 1):+.1f} %); "
+            print(f"{side:<21} step {step_ms:7.1f} ms vs plain DDP {base:7.1f} ms (overhead {100 * (step_ms / base - 1):+.1f} %); "
                   f"{steps} steps, {len(done)} failures, wall {wall:.0f} s, lost/failure/survivor {r['lost']:.2f}, "
                   f"rolled back/failure {r['rollback']:.1f}, "
                   f"failure->next commit p50 {r['p50']:.2f} s p95 {r['p95']:.2f} s, heal {r['heal']:.3f} s of "
@@ -356,21 +376,20 @@ def main():
                 print(f"{side}: logs kept in {work}", flush=True)
             else:
                 shutil.rmtree(work, ignore_errors=True)
-    print(f"\n{'side':<15} {'step ms':>8} {'plain ms':>9} {'overhead':>9} {'lost/fail':>10} {'rollback':>9} {'p50 s':>7} "
+    print(f"\n{'side':<21} {'step ms':>8} {'plain ms':>9} {'overhead':>9} {'lost/fail':>10} {'rollback':>9} {'p50 s':>7} "
           f"{'p95 s':>7} "
           f"{'heal s':>7} {'heal MB':>8} {'goodput':>8} {'crashes':>8}")
     for side, r in results.items():
-        print(f"{side:<15} {r['step_ms']:>8.1f} {r['base_ms']:>9.1f} {100 * (r['step_ms'] / r['base_ms'] - 1):>8.1f}% "
+        print(f"{side:<21} {r['step_ms']:>8.1f} {r['base_ms']:>9.1f} {100 * (r['step_ms'] / r['base_ms'] - 1):>8.1f}% "
               f"{r['lost']:>10.2f} {r['rollback']:>9.1f} {r['p50']:>7.2f} {r['p95']:>7.2f} {r['heal']:>7.3f} {r['heal_mb']:>8.0f} "
               f"{r['goodput']:>8.3f} {r['crashes']:>8}")
     print(f"detection on every side: heartbeat timeout {HEARTBEAT_TIMEOUT_MS} ms, join timeout {JOIN_TIMEOUT_MS} ms "
           "(torchft's launch instructions), heartbeats every 100 ms; torchft's Manager timeouts 60 s (its defaults)")
-    versions = {"torchft": a.python, "torchft-nightly": a.python_nightly}
-    for peer in ("torchft", "torchft-nightly"):
+    for peer in ("torchft",) + NIGHTLY_SIDES:
         if "ddpkit" not in results or peer not in results:
             continue
         dk, tf = results["ddpkit"], results[peer]
-        version = subprocess.run([versions[peer], "-c", "import importlib.metadata as m, torchft\n"
+        version = subprocess.run([sys_python(a, peer), "-c", "import importlib.metadata as m, torchft\n"
                                   "for n in ('torchft-nightly', 'torchft'):\n"
                                   "    try: print(n, m.version(n)); break\n"
                                   "    except m.PackageNotFoundError: pass"],
@@ -383,6 +402,15 @@ def main():
         print(f"ddpkit vs {peer} ({version}): heal {tf['heal'] / dk['heal']:.1f}x faster; steady-state overhead "
               f"{100 * over(dk):+.1f} % vs {100 * over(tf):+.1f} %; goodput "
               f"{dk['goodput'] / tf['goodput']:.2f}x; failure->next commit p95 {dk['p95']:.2f} s vs {tf['p95']:.2f} s")
+    native = [results.get(side) for side in ("nightly-native-ddpkit", "nightly-native-gloo")]
+    if all(native):  # the same Manager and lighthouse, only the native group's backend differs
+        dk, gl = native
+        if dk["crashes"] or gl["crashes"]:
+            print("native groups under torchft-nightly's Manager: a side lost survivors, no ratio is drawn")
+        else:
+            print(f"torchft-nightly's Manager, native ddpkit group vs native Gloo group: step {dk['step_ms']:.1f} ms vs "
+                  f"{gl['step_ms']:.1f} ms ({gl['step_ms'] / dk['step_ms']:.2f}x); goodput {dk['goodput'] / gl['goodput']:.2f}x; "
+                  f"failure->next commit p95 {dk['p95']:.2f} s vs {gl['p95']:.2f} s")
 
 
 if __name__ == "__main__":

@@ -3,11 +3,13 @@
 run it: torchft 0.2.0's Manager (quorum from the torchft_lighthouse at --lighthouse, live recovery
 over its default HTTP transport, or --recovery pg: its PGTransport over the Manager's own group), its
 DistributedDataParallel
-and OptimizerWrapper, over torchft's ProcessGroupGloo or ddpkit's ProcessGroupDdpkit (--pg). With
+and OptimizerWrapper, over torchft's ProcessGroupGloo or ddpkit's ProcessGroupDdpkit, or (torchft-nightly)
+a native group that torch reconfigures in place: c10d's Gloo or ddpkit's backend (--pg, make_group). With
 --plain: no torchft, the same model under torch's DistributedDataParallel across --groups
 processes (torchrun's variables), the failure-free baseline.
 
-    torchft_replica.py --group G --groups 4 --lighthouse HOST:PORT --steps N [--pg gloo|ddpkit] [--step-log PATH]
+    torchft_replica.py --group G --groups 4 --lighthouse HOST:PORT --steps N [--step-log PATH]
+        [--pg gloo|ddpkit|native-ddpkit|native-gloo --native-store HOST:PORT]
     RANK=.. WORLD_SIZE=.. MASTER_ADDR=.. MASTER_PORT=.. torchft_replica.py --plain --steps N
     torchft_replica.py --diloco H --group G --groups 4 --lighthouse HOST:PORT --host ADDR --steps N [--lr LR]
         [--outer-lr 0.7 --outer-momentum 0.9] [--text-dir DIR]
@@ -101,13 +103,10 @@ def plain(args, model):
 def fault_tolerant(args, model):
     from torchft import DistributedDataParallel, Manager
     from torchft.optim import OptimizerWrapper
-    from torchft.process_group import ProcessGroupGloo
 
-    if args.pg == "ddpkit":
-        from ddpkit.torchft import ProcessGroupDdpkit
-        pg = ProcessGroupDdpkit(timeout=timedelta(seconds=args.timeout_s))
-    else:
-        pg = ProcessGroupGloo(timeout=timedelta(seconds=args.timeout_s))
+    store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # the group's own
+    timeout = timedelta(seconds=args.timeout_s)
+    pg = make_group(args, store, timeout)
     opt_inner = torch.optim.AdamW(model.parameters(), lr=1e-3)
     heals = []
 
@@ -120,8 +119,6 @@ def fault_tolerant(args, model):
         opt_inner.load_state_dict(sd["optim"])
         heals[-1]["load_s"] = time.perf_counter() - t0 if heals else None
 
-    store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # the group's own
-    timeout = timedelta(seconds=args.timeout_s)
     transport = None  # the Manager's default: HTTP
     if args.recovery == "pg":  # the state streamed over the Manager's own group, which it reconfigures per quorum
         from torchft.checkpointing.pg_transport import PGTransport
@@ -166,6 +163,36 @@ def fault_tolerant(args, model):
                       "median_step_ms": statistics.median(times[2:]),
                       "committed": committed_steps, "heals": heals}), flush=True)
     manager.shutdown(wait=False)
+    if args.pg.startswith("native"):  # torchft leaves a native group's shutdown to its owner
+        pg.shutdown()
+
+
+def make_group(args, store, timeout):
+    """The group the Manager reconfigures per quorum (--pg): torchft's own wrappers (gloo: its
+    ProcessGroupGloo; ddpkit: ddpkit.torchft.ProcessGroupDdpkit), both made anew per quorum, or a
+    native torch group created with enable_reconfigure=True that changes members in place (torch >=
+    2.14 and torchft-nightly only): native-gloo, c10d's ProcessGroupGloo as torchft's own
+    manager_integ_test builds it, on a bootstrap store every group shares (--native-store: Gloo's
+    handles rendezvous there, under distinct initial ranks); native-ddpkit, ddpkit.torchft.native_group,
+    whose handles name each rank's own endpoint (no shared store)."""
+    from torchft.process_group import ProcessGroupGloo
+    import torch.distributed as dist
+    if args.pg == "ddpkit":
+        from ddpkit.torchft import ProcessGroupDdpkit
+        return ProcessGroupDdpkit(timeout=timeout)
+    if args.pg == "gloo":
+        return ProcessGroupGloo(timeout=timeout)
+    if args.pg == "native-ddpkit":
+        from ddpkit.torchft import native_group
+        return native_group(store, args.group, args.groups, timeout)
+    host, port = args.native_store.rsplit(":", 1)
+    shared = dist.PrefixStore("native/0", dist.TCPStore(host, int(port), is_master=False,
+                                                                     wait_for_workers=False, timeout=timeout))
+    pg = dist.ProcessGroup(shared, args.group, args.groups)
+    backend = dist.ProcessGroupGloo(shared, args.group, args.groups, timeout=timeout, enable_reconfigure=True)
+    pg._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
+    pg._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, backend)
+    return pg
 
 
 def text_split(text_dir, length, test_fraction=0.05):
@@ -309,7 +336,8 @@ def main():
     ap.add_argument("--group", type=int, default=0)
     ap.add_argument("--groups", type=int, default=4)
     ap.add_argument("--lighthouse", default="127.0.0.1:29510")
-    ap.add_argument("--pg", choices=["gloo", "ddpkit"], default="gloo")
+    ap.add_argument("--pg", choices=["gloo", "ddpkit", "native-gloo", "native-ddpkit"], default="gloo")
+    ap.add_argument("--native-store", default="", help="--pg native-gloo: HOST:PORT of the TCPStore every group shares")
     ap.add_argument("--recovery", choices=["http", "pg"], default="http")
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--step-log", default="")
