@@ -5,6 +5,7 @@
 #include <ddpkit/ft/lighthouse.h>
 
 #include "detached.h"
+#include "group_beats.h"
 #include "lighthouse.grpc.pb.h"
 #include "state_transfer.h"
 #include "wire.h"
@@ -12,6 +13,7 @@
 #include <grpcpp/grpcpp.h>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -192,6 +194,189 @@ TEST(Lighthouse, AForgedQuorumIsRefused) {
   EXPECT_THAT(wire::check_reply(reply), HasSubstr("world_size must be in 1..65536"));
   reply.clear_participants();
   EXPECT_THAT(wire::check_reply(reply), HasSubstr("no participants"));
+  // A delta whose behind entry points past the participants is refused the same way.
+  wire::QuorumReply delta;
+  delta.set_delta(true);
+  delta.set_quorum_id(3);
+  delta.set_max_step(5);
+  delta.set_store_address("127.0.0.1:29500");
+  auto* b = delta.add_behind();
+  b->set_index(7);
+  b->set_step(4);
+  b->set_heal_source(0);
+  EXPECT_THAT(wire::check_reply(wire::apply_delta(delta, q)), HasSubstr("heal_sources does not match"));
+}
+
+// A group asks naming the quorum it holds; the reply is then a delta against it (a step's
+// reply stays small at a thousand groups) and the client fills in the rest. A caller holding
+// nothing, or a quorum of another lighthouse, gets the whole quorum.
+TEST(Lighthouse, AStepsReplyCarriesOnlyWhatChanged) {
+  Lighthouse lh(LighthouseOptions().expected_groups(2));
+  lh.start();
+  auto ca = client_of(lh), cb = client_of(lh);
+  auto round = [&](int64_t step_a, int64_t step_b) {
+    auto b = std::async(std::launch::async, [&] { return cb->quorum(group("b", step_b, 2), 10s); });
+    Quorum a = ca->quorum(group("a", step_a, 2), 10s);
+    b.get();
+    return a;
+  };
+  const Quorum first = round(4, 4);
+  const Quorum second = round(5, 5);
+  EXPECT_EQ(second.quorum_id, first.quorum_id);
+  ASSERT_EQ(second.participants.size(), 2u);
+  EXPECT_EQ(second.participants[1].group_id, "b");
+  EXPECT_EQ(second.participants[1].state_addresses, first.participants[1].state_addresses);
+  EXPECT_EQ(second.participants[1].step, 5);
+  EXPECT_EQ(second.max_step, 5);
+  EXPECT_THAT(second.heal_sources, ::testing::ElementsAre(-1, -1));
+
+  // On the wire: the ask, raw, naming the quorum it holds: no participants; naming nothing or
+  // another lighthouse's quorum: all of them.
+  auto stub = wire::Lighthouse::NewStub(grpc::CreateChannel(lh.address(), grpc::InsecureChannelCredentials()));
+  auto raw = [&](const std::string* known_lighthouse, int64_t step) {
+    wire::QuorumRequest req;
+    wire::to_wire(group("a", step, 2), req.mutable_member());
+    req.set_timeout_ms(10000);
+    if (known_lighthouse) {
+      req.set_known_quorum_id(first.quorum_id);
+      req.set_known_lighthouse(*known_lighthouse);
+    }
+    auto b = std::async(std::launch::async, [&] { return cb->quorum(group("b", step, 2), 10s); });
+    grpc::ClientContext ctx;
+    wire::QuorumReply reply;
+    EXPECT_TRUE(stub->Quorum(&ctx, req, &reply).ok());
+    b.get();
+    return reply;
+  };
+  const wire::QuorumReply whole = raw(nullptr, 6);
+  EXPECT_FALSE(whole.delta());
+  EXPECT_EQ(whole.participants_size(), 2);
+  const std::string instance = whole.lighthouse();
+  const wire::QuorumReply compact = raw(&instance, 7);
+  EXPECT_TRUE(compact.delta());
+  EXPECT_EQ(compact.participants_size(), 0);
+  EXPECT_EQ(compact.max_step(), 7);
+  const std::string elsewhere = "another-lighthouse";
+  EXPECT_EQ(raw(&elsewhere, 8).participants_size(), 2);
+  // b behind a: the delta names it, its step and its source.
+  const Quorum healing = round(9, 6);
+  EXPECT_EQ(healing.heal_sources[1], 0);
+  EXPECT_EQ(healing.participants[1].step, 6);
+  // c joins: a and b get c alone on the wire, c (holding nothing) the whole quorum.
+  auto cc = client_of(lh);
+  cc->heartbeat("c", 0, "c-1");  // known live before a and b ask: their quorum waits for it
+  auto c = std::async(std::launch::async, [&] { return cc->quorum(group("c", 10, 2), 10s); });
+  const Quorum joined = round(10, 10);
+  const Quorum for_c = c.get();
+  ASSERT_EQ(joined.participants.size(), 3u);
+  EXPECT_EQ(joined.participants[2].group_id, "c");
+  EXPECT_EQ(joined.participants[2].state_addresses, for_c.participants[2].state_addresses);
+  EXPECT_NE(joined.quorum_id, first.quorum_id);
+  EXPECT_EQ(joined.quorum_id, for_c.quorum_id);
+}
+
+// A group of three beats once for all its ranks (its rank 0 does, with how long ago it heard
+// from each): the lighthouse counts every rank live from it, and a rank whose age passes the
+// heartbeat timeout makes the group lost as a silent rank would.
+TEST(Lighthouse, AGroupBeatsForItsRanksAndASilentRankLosesIt) {
+  Lighthouse lh(LighthouseOptions().heartbeat_timeout(300ms).expected_groups(2));
+  lh.start();
+  auto ca = client_of(lh), cg = client_of(lh);
+  auto qg = std::async(std::launch::async, [&] { return cg->quorum(group("g", 0, 3), 10s); });
+  ca->quorum(group("a", 0), 10s);
+  qg.get();
+  const auto until = std::chrono::steady_clock::now() + 600ms;
+  while (std::chrono::steady_clock::now() < until) {
+    cg->heartbeat_for_group("g", "g-1", {0, 20, 40});
+    EXPECT_THAT(ca->heartbeat("a", 0, "a-1").lost, ::testing::IsEmpty());
+    std::this_thread::sleep_for(50ms);
+  }
+  // Rank 0 stops hearing from rank 2 (its age grows with the time since): once it passes the
+  // heartbeat timeout, g is lost.
+  const auto silent_since = std::chrono::steady_clock::now();
+  for (const auto until = silent_since + 450ms; std::chrono::steady_clock::now() < until;) {
+    const auto age = std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - silent_since);
+    cg->heartbeat_for_group("g", "g-1", {0, 20, age.count()});
+    ca->heartbeat("a", 0, "a-1");
+    std::this_thread::sleep_for(50ms);
+  }
+  EXPECT_THAT(ca->heartbeat("a", 0, "a-1").lost, ::testing::ElementsAre("g"));
+  EXPECT_THAT(error_of([&] { cg->heartbeat_for_group("g", "g-1", {0, 0, 0, 0}); }), HasSubstr("outside group g of 3 ranks"));
+  auto stub = wire::Lighthouse::NewStub(grpc::CreateChannel(lh.address(), grpc::InsecureChannelCredentials()));
+  wire::HeartbeatRequest req;
+  req.set_group_id("g");
+  req.set_rank(1);
+  req.set_incarnation("g-1");
+  req.add_rank_ages_ms(0);
+  grpc::ClientContext ctx;
+  wire::HeartbeatReply reply;
+  EXPECT_THAT(stub->Heartbeat(&ctx, req, &reply).error_message(), HasSubstr("comes from its rank 0"));
+}
+
+// Each quorum's cross groups meet in a store of their own, and the store of the quorum before
+// the last goes with its keys: after 30 changes of members (a group restarting each time) the
+// lighthouse holds two stores and the keys written in them alone.
+TEST(Lighthouse, StoresDoNotOutliveTheQuorumAfterNext) {
+  Lighthouse lh{LighthouseOptions()};
+  lh.start();
+  auto client = client_of(lh);
+  auto store_client = [](const std::string& address, std::chrono::milliseconds timeout) {
+    c10d::TCPStoreOptions o;
+    o.port = static_cast<uint16_t>(std::stoi(address.substr(address.rfind(':') + 1)));
+    o.isServer = false;
+    o.timeout = timeout;
+    return c10::make_intrusive<c10d::TCPStore>(address.substr(0, address.rfind(':')), o);
+  };
+  std::vector<std::string> addresses;
+  for (int k = 0; k < 30; ++k) {
+    GroupInfo g = group("a", k);
+    g.incarnation = "a-" + std::to_string(k);  // restarted: a new quorum
+    const Quorum q = client->quorum(g, 10s);
+    EXPECT_EQ(q.quorum_id, k);
+    addresses.push_back(q.store_address);
+    auto store = store_client(q.store_address, 10s);
+    for (int i = 0; i < 10; ++i) store->set("rendezvous/" + std::to_string(i), {1});
+  }
+  EXPECT_NE(addresses[28], addresses[29]);
+  const auto use = lh.store_use();
+  EXPECT_EQ(use.stores, 2);
+  EXPECT_EQ(use.keys, 20);
+  EXPECT_THAT(error_of([&] { store_client(addresses[0], 300ms)->set("late", {1}); }), ::testing::Not(::testing::IsEmpty()));
+}
+
+// Ranks beat through their group: rank 0 alone calls the lighthouse and the others read its
+// reply in the group's store; when one of them stops beating, the group is lost.
+TEST(GroupBeats, RanksBeatThroughRankZeroAndASilentRankLosesTheGroup) {
+  Lighthouse lh(LighthouseOptions().heartbeat_timeout(300ms).expected_groups(2));
+  lh.start();
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  std::vector<std::unique_ptr<GroupBeats>> ranks;
+  for (int r = 0; r < 3; ++r) ranks.push_back(std::make_unique<GroupBeats>(store, "g", r, 3));
+  ranks[0]->prepare();
+  auto ca = client_of(lh), cg = client_of(lh);
+  auto qg = std::async(std::launch::async, [&] { return cg->quorum(group("g", 0, 3), 10s); });
+  ca->quorum(group("a", 0), 10s);
+  qg.get();
+  auto beat_for = [&](std::chrono::milliseconds how_long, int ranks_beating) {
+    int fresh = 0;
+    bool lost = false;
+    for (const auto until = std::chrono::steady_clock::now() + how_long; std::chrono::steady_clock::now() < until;) {
+      for (int r = 0; r < ranks_beating; ++r) {
+        const auto b = ranks[static_cast<size_t>(r)]->beat(*cg, "g-1");
+        if (r == 1 && b) ++fresh;
+      }
+      const auto lost_now = ca->heartbeat("a", 0, "a-1").lost;
+      lost = lost || std::find(lost_now.begin(), lost_now.end(), "g") != lost_now.end();
+      std::this_thread::sleep_for(50ms);
+    }
+    return std::make_pair(fresh, lost);
+  };
+  const auto all = beat_for(600ms, 3);
+  EXPECT_GE(all.first, 5);  // rank 1 read a new reply of rank 0's nearly every beat
+  EXPECT_FALSE(all.second);
+  EXPECT_FALSE(ranks[1]->beat(*cg, "g-1").has_value());  // nothing new since its last read
+  const auto without_2 = beat_for(600ms, 2);
+  EXPECT_TRUE(without_2.second);
 }
 
 // ---- rendezvous given up ----------------------------------------------------------------------

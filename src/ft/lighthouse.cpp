@@ -16,8 +16,11 @@
 
 #include <algorithm>
 #include <condition_variable>
+#include <deque>
 #include <map>
 #include <mutex>
+#include <optional>
+#include <random>
 #include <set>
 #include <sstream>
 #include <thread>
@@ -43,68 +46,117 @@ std::string joined(const std::vector<std::string>& names) {
 
 }  // namespace
 
-struct Lighthouse::Impl {
-  explicit Impl(LighthouseOptions o) : options(std::move(o)) {}
+// A quorum call waits without holding a thread (gRPC's callback API): a lighthouse serves a
+// thousand groups waiting at once. Its reactor is finished by whoever forms the quorum, by the
+// ticker at its deadline, or by its own cancellation, whichever comes first (Waiter::finished).
+struct QuorumWaiter {
+  GroupInfo info;
+  bool broken = false;
+  Clock::time_point since, deadline;
+  int64_t timeout_ms = 0;
+  bool knows_quorum = false;  // the caller holds known_quorum_id of this lighthouse
+  int64_t known_quorum_id = -1;
+  bool finished = false;  // under Impl::mu: answered (or about to be); nobody else finishes it
+  grpc::ServerUnaryReactor* reactor = nullptr;
+  wire::QuorumReply* reply = nullptr;
+};
 
-  struct Waiter {
-    GroupInfo info;
-    bool broken = false;
-    Clock::time_point since;
-    bool answered = false;
-    Quorum quorum;
-    std::string error;  // answered with an error (superseded, shutting down)
-  };
+// What to send a finished waiter, done outside Impl::mu: a reply built once per quorum for all
+// the waiters it suits (a full quorum of many groups takes a while to build).
+struct Answer {
+  std::shared_ptr<QuorumWaiter> waiter;
+  grpc::Status status;
+  std::shared_ptr<const wire::QuorumReply> reply;  // set when status is OK
+};
+
+struct Lighthouse::Impl {
+  explicit Impl(LighthouseOptions o) : options(std::move(o)), instance(new_instance_id()) {}
+
   struct Beats {
     std::string incarnation;
     int world_size = 0;
     std::map<int, Clock::time_point> last;  // rank -> last heartbeat
+    Clock::time_point last_any;             // the newest of them (for forgetting long-dead groups)
   };
 
   LighthouseOptions options;
+  const std::string instance;  // QuorumReply.lighthouse
   mutable std::mutex mu;
-  std::condition_variable cv;
-  std::map<std::string, std::shared_ptr<Waiter>> waiting;  // by group id
-  std::map<std::string, Beats> beats;                      // by group id
+  std::map<std::string, std::shared_ptr<QuorumWaiter>> waiting;  // by group id
+  std::map<std::string, Beats> beats;                            // by group id
   Quorum last;
   std::set<std::string> reported_lost;  // groups of `last` whose loss on_event has been told
   std::vector<std::string> events;       // for on_event, which the ticker calls outside mu
   int64_t formed = 0;
   bool stopping = false;
+  // The lost groups heartbeat replies name, recomputed at most every kLostRefresh: a beat costs
+  // O(1), not a pass over every group (a thousand groups beat ten thousand times a second).
+  std::vector<std::string> lost_cache;
+  Clock::time_point lost_cache_at;
+  bool lost_cache_valid = false;
+  Clock::time_point last_forget;
 
-  c10::intrusive_ptr<c10d::TCPStore> store;
+  // A TCPStore per quorum (its id), the newest last: the cross groups of a quorum meet in a store
+  // of their own, and the store of the quorum before the last goes with its keys, so a job whose
+  // groups come and go for weeks does not grow the lighthouse's memory. Two are kept: a group
+  // still meeting in the last quorum's store gives up only once it learns of the newer quorum.
+  std::deque<std::pair<int64_t, c10::intrusive_ptr<c10d::TCPStore>>> stores;
+  std::string store_listen_host;
   std::string host;
   int bound_port = 0;
   std::unique_ptr<grpc::Service> service;
   std::unique_ptr<grpc::Server> server;
   std::thread ticker;
+  std::condition_variable ticker_cv;
+
+  static constexpr auto kLostRefresh = std::chrono::milliseconds(10);
+  static constexpr auto kTick = std::chrono::milliseconds(20);
+
+  static std::string new_instance_id() {
+    std::random_device rd;
+    std::ostringstream os;
+    os << std::hex << rd() << rd();
+    return os.str();
+  }
 
   // A group is live while every one of its ranks has heartbeated within heartbeat_timeout (ranks
   // that have not yet are given that long from when the group registered). A group whose rank 0
   // has not asked for a quorum yet (its size unknown) is live while the ranks heard from are.
   bool live(const std::string& group, Clock::time_point now) const {
     auto it = beats.find(group);
-    if (it == beats.end()) return false;
-    if (it->second.world_size <= 0) {
-      for (const auto& kv : it->second.last)
+    return it != beats.end() && live(it->second, now);
+  }
+  bool live(const Beats& b, Clock::time_point now) const {
+    if (b.world_size <= 0) {
+      for (const auto& kv : b.last)
         if (now - kv.second > options.heartbeat_timeout()) return false;
-      return !it->second.last.empty();
+      return !b.last.empty();
     }
-    for (int r = 0; r < it->second.world_size; ++r) {
-      auto b = it->second.last.find(r);
-      if (b == it->second.last.end() || now - b->second > options.heartbeat_timeout()) return false;
+    for (int r = 0; r < b.world_size; ++r) {
+      auto it = b.last.find(r);
+      if (it == b.last.end() || now - it->second > options.heartbeat_timeout()) return false;
     }
     return true;
+  }
+
+  void heard(Beats& b, int rank, Clock::time_point when) {
+    auto& t = b.last[rank];
+    t = std::max(t, when);
+    b.last_any = std::max(b.last_any, when);
   }
 
   // The group's rank 0 asked for a quorum: (re)register its incarnation and ranks.
   void register_group(const GroupInfo& g, Clock::time_point now) {
     Beats& b = beats[g.group_id];
-    if (b.incarnation != g.incarnation) b.last.clear();
+    if (b.incarnation != g.incarnation) {
+      b.last.clear();
+      lost_cache_valid = false;
+    }
     b.incarnation = g.incarnation;
     b.world_size = g.world_size;
     for (auto it = b.last.begin(); it != b.last.end();) it = it->first >= g.world_size ? b.last.erase(it) : std::next(it);
     for (int r = 0; r < g.world_size; ++r) b.last.emplace(r, now);  // not yet heard from: from now
-    b.last[0] = now;
+    heard(b, 0, now);
   }
 
   // The last quorum's participants that are gone: not live, or restarted since (the process
@@ -113,19 +165,28 @@ struct Lighthouse::Impl {
     std::vector<std::string> lost;
     for (const auto& p : last.participants) {
       auto it = beats.find(p.group_id);
-      if (!live(p.group_id, now) || it == beats.end() || it->second.incarnation != p.incarnation)
+      if (it == beats.end() || it->second.incarnation != p.incarnation || !live(it->second, now))
         lost.push_back(p.group_id);
     }
     return lost;
   }
 
-  // Under mu: forms the next quorum if the rule allows, answering its participants.
-  void try_form(Clock::time_point now) {
+  const std::vector<std::string>& lost_now(Clock::time_point now) {
+    if (!lost_cache_valid || now - lost_cache_at >= kLostRefresh) {
+      lost_cache = lost_of_last(now);
+      lost_cache_at = now;
+      lost_cache_valid = true;
+    }
+    return lost_cache;
+  }
+
+  // Under mu: forms the next quorum if the rule allows; its participants' answers go to `out`.
+  void try_form(Clock::time_point now, std::vector<Answer>& out) {
     report_losses(now);  // before a quorum without them replaces the one they were lost from
-    std::vector<std::shared_ptr<Waiter>> joining;
+    std::vector<std::shared_ptr<QuorumWaiter>> joining;
     bool every_live_group_asked = true;
     for (const auto& kv : beats) {
-      if (!live(kv.first, now)) continue;
+      if (!live(kv.second, now)) continue;
       auto w = waiting.find(kv.first);
       if (w == waiting.end()) {
         every_live_group_asked = false;
@@ -153,32 +214,63 @@ struct Lighthouse::Impl {
       same = last.participants[i].group_id == q.participants[i].group_id &&
              last.participants[i].incarnation == q.participants[i].incarnation;
     q.quorum_id = same ? last.quorum_id : last.quorum_id + 1;
-    q.store_address = host + ":" + std::to_string(store->getPort());
+    q.store_address = host + ":" + std::to_string(store_of(q.quorum_id)->getPort());
     std::vector<int> sources;
     for (size_t i = 0; i < q.participants.size(); ++i)
       if (q.participants[i].step == q.max_step) sources.push_back(static_cast<int>(i));
     size_t next = 0;
     for (const auto& p : q.participants)
       q.heal_sources.push_back(p.step < q.max_step ? sources[next++ % sources.size()] : -1);
+    std::set<std::string> ids;
+    for (const auto& p : q.participants) ids.insert(p.group_id);
     for (const auto& p : last.participants)
-      if (q.replica_rank(p.group_id) < 0) q.dropped.push_back(p.group_id);
+      if (!ids.count(p.group_id)) q.dropped.push_back(p.group_id);
+    // Each reply built once: a delta for a caller holding this quorum's predecessor (or this
+    // quorum, when the participants are the same), the whole quorum for any other.
+    std::shared_ptr<const wire::QuorumReply> full, from_last;
     for (const auto& w : joining) {
-      w->quorum = q;
-      w->answered = true;
+      w->finished = true;
       waiting.erase(w->info.group_id);
+      std::shared_ptr<const wire::QuorumReply> reply;
+      if (w->knows_quorum && w->known_quorum_id == last.quorum_id && last.quorum_id >= 0) {
+        if (!from_last) from_last = std::make_shared<wire::QuorumReply>(wire::delta_reply(q, last));
+        reply = from_last;
+      } else {
+        if (!full) {
+          auto r = std::make_shared<wire::QuorumReply>();
+          wire::to_wire(q, r.get());
+          full = r;
+        }
+        reply = full;
+      }
+      out.push_back(Answer{w, grpc::Status::OK, reply});
     }
     if (options.on_event() && q.quorum_id != last.quorum_id) events.push_back(describe_change(q));
     last = std::move(q);
+    lost_cache_valid = false;
     reported_lost.clear();
     ++formed;
-    cv.notify_all();
+  }
+
+  // Under mu: the store of quorum `id`, made when the id is new (the oldest but one goes).
+  c10::intrusive_ptr<c10d::TCPStore> store_of(int64_t id) {
+    if (!stores.empty() && stores.back().first == id) return stores.back().second;
+    c10d::TCPStoreOptions so = compat::tcp_store_options();
+    so.port = 0;
+    so.isServer = true;
+    so.waitWorkers = false;
+    stores.emplace_back(id, c10::make_intrusive<c10d::TCPStore>(store_listen_host, so));
+    while (stores.size() > 2) stores.pop_front();
+    return stores.back().second;
   }
 
   std::string describe_change(const Quorum& q) const {
     std::vector<std::string> groups, joining;
+    std::set<std::string> before;
+    for (const auto& p : last.participants) before.insert(p.group_id);
     for (const auto& p : q.participants) {
       groups.push_back(p.group_id);
-      if (last.replica_rank(p.group_id) < 0) joining.push_back(p.group_id);
+      if (!before.count(p.group_id)) joining.push_back(p.group_id);
     }
     std::ostringstream os;
     os << "quorum " << q.quorum_id << ": groups [" << joined(groups) << "]";
@@ -191,7 +283,7 @@ struct Lighthouse::Impl {
   // lost (its heartbeats stopped, or it restarted), once per quorum.
   void report_losses(Clock::time_point now) {
     if (!options.on_event()) return;
-    for (const auto& id : lost_of_last(now)) {
+    for (const auto& id : lost_now(now)) {
       if (!reported_lost.insert(id).second) continue;
       std::ostringstream os;
       os << "group " << id << " lost: ";
@@ -216,59 +308,138 @@ struct Lighthouse::Impl {
     }
   }
 
-  grpc::Status check_token(const grpc::ServerContext* ctx) const {
+  // Under mu: why a waiter's quorum did not form within its timeout.
+  std::string no_quorum(const QuorumWaiter& w, Clock::time_point now) const {
+    std::vector<std::string> live_groups, asked;
+    for (const auto& kv : beats)
+      if (live(kv.second, now)) live_groups.push_back(kv.first);
+    for (const auto& kv : waiting) asked.push_back(kv.first);
+    std::ostringstream os;
+    os << "no quorum within " << w.timeout_ms << " ms: live groups [" << joined(live_groups) << "], asking ["
+       << joined(asked) << "], min_replicas " << options.min_replicas() << "; lost since the last quorum ["
+       << joined(lost_of_last(now)) << "]";
+    return os.str();
+  }
+
+  // Under mu, on the ticker: the waiters past their deadline; groups dead long enough to forget
+  // (a job whose groups come and go under new ids must not grow the lighthouse without bound).
+  void expire(Clock::time_point now, std::vector<Answer>& out) {
+    for (auto it = waiting.begin(); it != waiting.end();) {
+      if (now < it->second->deadline) {
+        ++it;
+        continue;
+      }
+      it->second->finished = true;
+      out.push_back(Answer{it->second, grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED, no_quorum(*it->second, now)), {}});
+      it = waiting.erase(it);
+    }
+    const auto forget_after = std::max<Clock::duration>(10 * options.heartbeat_timeout(), options.join_timeout());
+    if (now - last_forget < std::chrono::seconds(1)) return;
+    last_forget = now;
+    for (auto it = beats.begin(); it != beats.end();) {
+      const bool in_last = last.replica_rank(it->first) >= 0;
+      if (!in_last && !waiting.count(it->first) && now - it->second.last_any > forget_after) {
+        it = beats.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
+
+  // Outside mu: sends the answers.
+  void send(std::vector<Answer>& answers) const {
+    for (auto& a : answers) {
+      if (a.status.ok()) {
+        a.waiter->reply->CopyFrom(*a.reply);
+        a.waiter->reply->set_lighthouse(instance);
+      }
+      a.waiter->reactor->Finish(a.status);
+    }
+    answers.clear();
+  }
+
+  grpc::Status check_token(const grpc::CallbackServerContext* ctx) const {
     const std::string refusal = ps::token_refusal(ctx->client_metadata(), options.token(), "lighthouse");
     return refusal.empty() ? grpc::Status::OK : grpc::Status(grpc::StatusCode::UNAUTHENTICATED, refusal);
   }
 
-  grpc::Status quorum(const grpc::ServerContext* ctx, const wire::QuorumRequest& req, wire::QuorumReply* reply) {
-    if (auto s = check_token(ctx); !s.ok()) return s;
+  // Starts a quorum call: answered now (a bad request, or the quorum it completes) or later.
+  void quorum(const grpc::CallbackServerContext* ctx, const wire::QuorumRequest& req,
+              const std::shared_ptr<QuorumWaiter>& w) {
+    auto refuse = [&](const grpc::Status& s) {
+      {
+        std::lock_guard<std::mutex> lock(mu);
+        if (w->finished) return;  // cancelled meanwhile
+        w->finished = true;
+      }
+      w->reactor->Finish(s);
+    };
+    if (auto s = check_token(ctx); !s.ok()) return refuse(s);
     const std::string bad = wire::check_member(req.member());
-    if (!bad.empty()) return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "quorum request: " + bad);
+    if (!bad.empty()) return refuse(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "quorum request: " + bad));
     if (req.timeout_ms() <= 0 || req.timeout_ms() > 24 * 3600 * 1000)
-      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                          "quorum request: timeout_ms must be in 1..86400000, got " + std::to_string(req.timeout_ms()));
-    auto w = std::make_shared<Waiter>();
+      return refuse(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                                 "quorum request: timeout_ms must be in 1..86400000, got " + std::to_string(req.timeout_ms())));
     w->info = wire::from_wire(req.member());
     w->broken = req.broken();
+    w->timeout_ms = req.timeout_ms();
+    w->knows_quorum = req.has_known_quorum_id() && req.known_lighthouse() == instance;
+    w->known_quorum_id = req.known_quorum_id();
     const std::string& id = w->info.group_id;
-    std::unique_lock<std::mutex> lock(mu);
-    const auto now = Clock::now();
-    w->since = now;
-    if (auto it = waiting.find(id); it != waiting.end()) {
-      if (it->second->info.incarnation == w->info.incarnation)
-        return grpc::Status(grpc::StatusCode::ALREADY_EXISTS,
-                            "group " + id + " (incarnation " + w->info.incarnation + ") already waits for a quorum");
-      it->second->answered = true;
-      it->second->error = "superseded: group " + id + " (incarnation " + it->second->info.incarnation +
-                          ") asked again as incarnation " + w->info.incarnation;
-      waiting.erase(it);
+    std::vector<Answer> answers;
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      if (stopping) {
+        w->finished = true;
+        answers.push_back(Answer{w, grpc::Status(grpc::StatusCode::UNAVAILABLE, "the lighthouse is shutting down"), {}});
+      } else if (w->finished) {
+        return;  // cancelled before it was registered (on_cancel finished it)
+      } else {
+        const auto now = Clock::now();
+        w->since = now;
+        w->deadline = now + std::chrono::milliseconds(req.timeout_ms());
+        auto it = waiting.find(id);
+        if (it != waiting.end() && it->second->info.incarnation == w->info.incarnation) {
+          w->finished = true;
+          answers.push_back(Answer{w, grpc::Status(grpc::StatusCode::ALREADY_EXISTS,
+                                                   "group " + id + " (incarnation " + w->info.incarnation +
+                                                       ") already waits for a quorum"), {}});
+        } else {
+          if (it != waiting.end()) {
+            it->second->finished = true;
+            answers.push_back(Answer{it->second,
+                                     grpc::Status(grpc::StatusCode::ABORTED,
+                                                  "superseded: group " + id + " (incarnation " +
+                                                      it->second->info.incarnation + ") asked again as incarnation " +
+                                                      w->info.incarnation),
+                                     {}});
+            waiting.erase(it);
+          }
+          register_group(w->info, now);
+          waiting[id] = w;
+          // Only when every group the lighthouse knows has asked (or is lost) can this ask
+          // complete a quorum at once; otherwise the ticker decides (a lost group's timeout,
+          // join_timeout): one pass over the groups per quorum, not one per ask.
+          if (waiting.size() + lost_now(now).size() >= beats.size()) try_form(now, answers);
+        }
+      }
     }
-    register_group(w->info, now);
-    waiting[id] = w;
-    try_form(now);
-    const auto deadline = now + std::chrono::milliseconds(req.timeout_ms());
-    cv.wait_until(lock, deadline, [&] { return w->answered || stopping || ctx->IsCancelled(); });
-    if (w->answered && w->error.empty()) {
-      wire::to_wire(w->quorum, reply);
-      return grpc::Status::OK;
-    }
-    if (auto it = waiting.find(id); it != waiting.end() && it->second == w) waiting.erase(it);
-    if (!w->error.empty()) return grpc::Status(grpc::StatusCode::ABORTED, w->error);
-    if (stopping) return grpc::Status(grpc::StatusCode::UNAVAILABLE, "the lighthouse is shutting down");
-    std::vector<std::string> live_groups, asked;
-    for (const auto& kv : beats)
-      if (live(kv.first, Clock::now())) live_groups.push_back(kv.first);
-    for (const auto& kv : waiting) asked.push_back(kv.first);
-    asked.push_back(id);
-    std::ostringstream os;
-    os << "no quorum within " << req.timeout_ms() << " ms: live groups [" << joined(live_groups)
-       << "], asking [" << joined(asked) << "], min_replicas " << options.min_replicas() << "; lost since the last quorum ["
-       << joined(lost_of_last(Clock::now())) << "]";
-    return grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED, os.str());
+    send(answers);
   }
 
-  grpc::Status heartbeat(const grpc::ServerContext* ctx, const wire::HeartbeatRequest& req,
+  // The caller went away (a killed process's connection closes): its wait ends.
+  void cancelled(const std::shared_ptr<QuorumWaiter>& w) {
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      if (w->finished) return;
+      w->finished = true;
+      auto it = waiting.find(w->info.group_id);
+      if (it != waiting.end() && it->second == w) waiting.erase(it);
+    }
+    w->reactor->Finish(grpc::Status::CANCELLED);
+  }
+
+  grpc::Status heartbeat(const grpc::CallbackServerContext* ctx, const wire::HeartbeatRequest& req,
                          wire::HeartbeatReply* reply) {
     if (auto s = check_token(ctx); !s.ok()) return s;
     const std::string bad = wire::check_heartbeat(req);
@@ -282,29 +453,54 @@ struct Lighthouse::Impl {
       b.incarnation = req.incarnation();
       b.world_size = 0;
       b.last.clear();
+      lost_cache_valid = false;
     }
-    if (b.world_size > 0 && req.rank() >= b.world_size)
+    const int ranks = req.rank_ages_ms_size() > 0 ? req.rank_ages_ms_size() : req.rank() + 1;
+    if (b.world_size > 0 && ranks > b.world_size)
       return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                          "heartbeat: rank " + std::to_string(req.rank()) + " is outside group " + req.group_id() +
+                          "heartbeat: rank " + std::to_string(ranks - 1) + " is outside group " + req.group_id() +
                               " of " + std::to_string(b.world_size) + " ranks");
-    b.last[req.rank()] = now;
+    if (req.rank_ages_ms_size() > 0) {
+      for (int r = 0; r < req.rank_ages_ms_size(); ++r) heard(b, r, now - std::chrono::milliseconds(req.rank_ages_ms(r)));
+    } else {
+      heard(b, req.rank(), now);
+    }
     reply->set_quorum_id(last.quorum_id);
-    for (const auto& g : lost_of_last(now)) reply->add_lost(g);
+    for (const auto& g : lost_now(now)) reply->add_lost(g);
     return grpc::Status::OK;
   }
 };
 
 namespace {
 
-class Service final : public wire::Lighthouse::Service {
+class QuorumReactor final : public grpc::ServerUnaryReactor {
+ public:
+  QuorumReactor(Lighthouse::Impl* impl, std::shared_ptr<QuorumWaiter> waiter) : impl_(impl), waiter_(std::move(waiter)) {}
+  void OnCancel() override { impl_->cancelled(waiter_); }
+  void OnDone() override { delete this; }
+
+ private:
+  Lighthouse::Impl* impl_;
+  std::shared_ptr<QuorumWaiter> waiter_;
+};
+
+class Service final : public wire::Lighthouse::CallbackService {
  public:
   explicit Service(Lighthouse::Impl* impl) : impl_(impl) {}
-  grpc::Status Quorum(grpc::ServerContext* ctx, const wire::QuorumRequest* req, wire::QuorumReply* reply) override {
-    return impl_->quorum(ctx, *req, reply);
+  grpc::ServerUnaryReactor* Quorum(grpc::CallbackServerContext* ctx, const wire::QuorumRequest* req,
+                                   wire::QuorumReply* reply) override {
+    auto waiter = std::make_shared<QuorumWaiter>();
+    waiter->reply = reply;
+    auto* reactor = new QuorumReactor(impl_, waiter);
+    waiter->reactor = reactor;
+    impl_->quorum(ctx, *req, waiter);
+    return reactor;
   }
-  grpc::Status Heartbeat(grpc::ServerContext* ctx, const wire::HeartbeatRequest* req,
-                         wire::HeartbeatReply* reply) override {
-    return impl_->heartbeat(ctx, *req, reply);
+  grpc::ServerUnaryReactor* Heartbeat(grpc::CallbackServerContext* ctx, const wire::HeartbeatRequest* req,
+                                      wire::HeartbeatReply* reply) override {
+    auto* reactor = ctx->DefaultReactor();
+    reactor->Finish(impl_->heartbeat(ctx, *req, reply));
+    return reactor;
   }
 
  private:
@@ -341,11 +537,7 @@ void Lighthouse::start() {
   im.host = !im.options.advertise_host().empty() ? im.options.advertise_host()
             : (listen_host == "0.0.0.0" || listen_host == "[::]") ? this_host_name()
                                                                     : listen_host;
-  c10d::TCPStoreOptions so = compat::tcp_store_options();
-  so.port = 0;
-  so.isServer = true;
-  so.waitWorkers = false;
-  im.store = c10::make_intrusive<c10d::TCPStore>(listen_host == "[::]" ? "0.0.0.0" : listen_host, so);
+  im.store_listen_host = listen_host == "[::]" ? "0.0.0.0" : listen_host;
 
   const auto& tls = im.options.tls();
   const auto creds = ps::server_credentials(tls.certificate(), tls.private_key());
@@ -354,27 +546,27 @@ void Lighthouse::start() {
   builder.AddListeningPort(a, creds, &im.bound_port);
   builder.RegisterService(service.get());
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
-  // Every waiting quorum call holds a thread: room for many groups.
-  grpc::ResourceQuota quota("lighthouse");
-  quota.SetMaxThreads(1024);
-  builder.SetResourceQuota(quota);
   im.server = builder.BuildAndStart();
   DDPKIT_CHECK(im.server && im.bound_port > 0, "lighthouse: cannot listen on '", a,
                "' (address in use, or not an address of this host)");
   im.service = std::move(service);
   im.ticker = std::thread([&im] {
     std::unique_lock<std::mutex> lock(im.mu);
+    std::vector<Answer> answers;
     while (!im.stopping) {
-      im.try_form(Clock::now());
-      if (!im.events.empty()) {
+      const auto now = Clock::now();
+      im.try_form(now, answers);
+      im.expire(now, answers);
+      if (!answers.empty() || !im.events.empty()) {
         std::vector<std::string> events;
         events.swap(im.events);
         lock.unlock();
+        im.send(answers);
         for (const auto& e : events) im.options.on_event()(e);
         lock.lock();
         continue;
       }
-      im.cv.wait_for(lock, std::chrono::milliseconds(20));
+      im.ticker_cv.wait_for(lock, Impl::kTick);
     }
   });
 }
@@ -387,88 +579,31 @@ int64_t Lighthouse::quorums_formed() const {
   return impl_->formed;
 }
 
+Lighthouse::StoreUse Lighthouse::store_use() const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  StoreUse use;
+  use.stores = static_cast<int>(impl_->stores.size());
+  for (const auto& s : impl_->stores) use.keys += s.second->getNumKeys();
+  return use;
+}
+
 void Lighthouse::shutdown() {
   Impl& im = *impl_;
+  std::vector<Answer> answers;
   {
     std::lock_guard<std::mutex> lock(im.mu);
     if (im.stopping) return;
     im.stopping = true;
+    for (auto& kv : im.waiting) {
+      kv.second->finished = true;
+      answers.push_back(Answer{kv.second, grpc::Status(grpc::StatusCode::UNAVAILABLE, "the lighthouse is shutting down"), {}});
+    }
+    im.waiting.clear();
   }
-  im.cv.notify_all();
+  im.ticker_cv.notify_all();
   if (im.ticker.joinable()) im.ticker.join();
+  im.send(answers);
   if (im.server) im.server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
-}
-
-// ---- client ------------------------------------------------------------------------------------
-
-struct LighthouseClient::Impl {
-  LighthouseClientOptions options;
-  std::unique_ptr<wire::Lighthouse::Stub> stub;
-
-  void prepare(grpc::ClientContext& ctx, std::chrono::milliseconds deadline) const {
-    ctx.set_deadline(std::chrono::system_clock::now() + deadline);
-    ps::add_token(ctx, options.token());
-  }
-  [[noreturn]] void fail(const char* what, const grpc::Status& s) const {
-    throw CommError("ddpkit: lighthouse " + options.address() + ": " + what + " failed (" +
-                    std::to_string(static_cast<int>(s.error_code())) + "): " + s.error_message());
-  }
-};
-
-LighthouseClient::LighthouseClient(LighthouseClientOptions options) : impl_(std::make_unique<Impl>()) {
-  ps::hold_grpc_runtime();
-  DDPKIT_CHECK(!options.address().empty(), "lighthouse client: no address given (host:port)");
-  impl_->options = std::move(options);
-  const auto creds = ps::channel_credentials(impl_->options.tls().root_certificate());
-  grpc::ChannelArguments args;
-  // Heartbeats must not wait out a reconnect backoff after the lighthouse restarts.
-  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
-  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 500);
-  impl_->stub = wire::Lighthouse::NewStub(grpc::CreateCustomChannel(impl_->options.address(), creds, args));
-}
-
-LighthouseClient::~LighthouseClient() = default;
-
-Quorum LighthouseClient::quorum(const GroupInfo& self, std::chrono::milliseconds timeout, bool broken) {
-  wire::QuorumRequest req;
-  wire::to_wire(self, req.mutable_member());
-  req.set_broken(broken);
-  wire::QuorumReply reply;
-  // A lighthouse that is away (restarting) is asked again until the timeout.
-  const auto give_up = std::chrono::steady_clock::now() + timeout;
-  for (;;) {
-    grpc::ClientContext ctx;
-    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(give_up - std::chrono::steady_clock::now());
-    req.set_timeout_ms(std::max<int64_t>(1, left.count()));
-    impl_->prepare(ctx, std::max(left, std::chrono::milliseconds(1)) + impl_->options.rpc_timeout());
-    const grpc::Status s = impl_->stub->Quorum(&ctx, req, &reply);
-    if (s.ok()) break;
-    if (s.error_code() != grpc::StatusCode::UNAVAILABLE || std::chrono::steady_clock::now() >= give_up)
-      impl_->fail("quorum", s);
-    std::this_thread::sleep_for(std::chrono::milliseconds(100));
-  }
-  const std::string bad = wire::check_reply(reply);
-  DDPKIT_CHECK(bad.empty(), "lighthouse ", impl_->options.address(), " sent a malformed quorum: ", bad);
-  Quorum q = wire::from_wire(reply);
-  DDPKIT_CHECK(q.replica_rank(self.group_id) >= 0, "lighthouse ", impl_->options.address(),
-               " sent a quorum without group ", self.group_id, " in it");
-  return q;
-}
-
-LighthouseClient::Beat LighthouseClient::heartbeat(const std::string& group_id, int rank, const std::string& incarnation) {
-  wire::HeartbeatRequest req;
-  req.set_group_id(group_id);
-  req.set_rank(rank);
-  req.set_incarnation(incarnation);
-  wire::HeartbeatReply reply;
-  grpc::ClientContext ctx;
-  impl_->prepare(ctx, impl_->options.rpc_timeout());
-  const grpc::Status s = impl_->stub->Heartbeat(&ctx, req, &reply);
-  if (!s.ok()) impl_->fail("heartbeat", s);
-  Beat b;
-  b.quorum_id = reply.quorum_id();
-  for (const auto& g : reply.lost()) b.lost.push_back(g);
-  return b;
 }
 
 }  // namespace ft

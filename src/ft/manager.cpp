@@ -7,6 +7,7 @@
 #include "../comm/local_address.h"
 #include "cross_group_buckets.h"
 #include "detached.h"
+#include "group_beats.h"
 #include "state_registry.h"
 #include "state_transfer.h"
 #include "wire.h"
@@ -107,6 +108,7 @@ struct Manager::Impl {
   StateRegistry registry;
 
   std::unique_ptr<LighthouseClient> client;
+  std::unique_ptr<GroupBeats> group_beats;  // a group of several ranks beats through its rank 0
   std::unique_ptr<StateServer> server;
   std::string incarnation;
   std::vector<std::string> addresses, hosts;
@@ -227,20 +229,25 @@ struct Manager::Impl {
     while (!stopping) {
       lock.unlock();
       try {
-        const auto beat = client->heartbeat(options.group_id(), group->rank(), incarnation);
-        {
-          std::lock_guard<std::mutex> guard(seen_mu);
-          lost_now = std::set<std::string>(beat.lost.begin(), beat.lost.end());
-          newest_quorum = beat.quorum_id;
-          ++beats;
-        }
-        std::lock_guard<std::mutex> guard(cross_mu);
-        // Only what the lighthouse says of the quorum the cross group was made for: a reply about
-        // an older one may name a group since restarted and back in this one.
-        for (const auto& lost : beat.lost) {
-          if (!cross || beat.quorum_id != cross_quorum || !cross_groups.count(lost)) continue;
-          cross->abort(lost_reason(lost));
-          break;
+        const std::optional<LighthouseClient::Beat> fresh =
+            group_beats ? group_beats->beat(*client, incarnation)
+                        : client->heartbeat(options.group_id(), group->rank(), incarnation);
+        if (fresh) {
+          const LighthouseClient::Beat& beat = *fresh;
+          {
+            std::lock_guard<std::mutex> guard(seen_mu);
+            lost_now = std::set<std::string>(beat.lost.begin(), beat.lost.end());
+            newest_quorum = beat.quorum_id;
+            ++beats;
+          }
+          std::lock_guard<std::mutex> guard(cross_mu);
+          // Only what the lighthouse says of the quorum the cross group was made for: a reply about
+          // an older one may name a group since restarted and back in this one.
+          for (const auto& lost : beat.lost) {
+            if (!cross || beat.quorum_id != cross_quorum || !cross_groups.count(lost)) continue;
+            cross->abort(lost_reason(lost));
+            break;
+          }
         }
       } catch (const std::exception&) {
         // The lighthouse is away (restarting): the next quorum waits for it; collectives go on.
@@ -371,6 +378,10 @@ Manager::Manager(std::shared_ptr<ProcessGroup> group, TrainingState* state, Mana
   for (int r = 0; r < pg.size(); ++r)
     DDPKIT_CHECK(ids[r] == im.options.group_id(), "ft::Manager: rank ", r, " of this group says group_id '", ids[r],
                  "', rank ", pg.rank(), " says '", im.options.group_id(), "'");
+  if (pg.size() > 1 && pg.store()) {
+    im.group_beats = std::make_unique<GroupBeats>(pg.store(), im.options.group_id(), pg.rank(), pg.size());
+    im.group_beats->prepare();  // before the collectives below: every rank's first beat finds rank 0's reply key
+  }
   im.server = std::make_unique<StateServer>(state_host_for(im.options), im.options.token(), im.pair_groups());
   im.addresses = allgather_strings(pg, im.server->address());
   im.hosts = allgather_strings(pg, host_name());

@@ -7,6 +7,7 @@
 #include "lighthouse.pb.h"
 
 #include <cctype>
+#include <map>
 #include <string>
 
 namespace ddpkit {
@@ -43,6 +44,11 @@ inline std::string check_heartbeat(const HeartbeatRequest& r) {
   if (!valid_name(r.group_id()))
     return "group_id must be 1-128 characters of [A-Za-z0-9_.-], got '" + r.group_id().substr(0, 160) + "'";
   if (r.rank() < 0 || r.rank() >= 65536) return "rank must be in 0..65535, got " + std::to_string(r.rank());
+  if (r.rank_ages_ms_size() > 0 && r.rank() != 0)
+    return "a beat for the whole group (rank_ages_ms) comes from its rank 0, got rank " + std::to_string(r.rank());
+  if (r.rank_ages_ms_size() > 65536) return "rank_ages_ms has more than 65536 ranks";
+  for (int64_t age : r.rank_ages_ms())
+    if (age < 0 || age > 24LL * 3600 * 1000) return "rank_ages_ms must be in 0..86400000, got " + std::to_string(age);
   if (!valid_name(r.incarnation())) return "incarnation must be 1-128 characters of [A-Za-z0-9_.-]";
   return "";
 }
@@ -100,6 +106,62 @@ inline Quorum from_wire(const QuorumReply& r) {
   q.heal_sources.assign(r.heal_sources().begin(), r.heal_sources().end());
   q.dropped.assign(r.dropped().begin(), r.dropped().end());
   return q;
+}
+
+// A quorum's reply as a delta against `known` (QuorumReply::delta): the members of `q`
+// that `known` lacks (or holds as another incarnation), the groups of `known` gone, the
+// participants below max_step.
+inline QuorumReply delta_reply(const Quorum& q, const Quorum& known) {
+  QuorumReply r;
+  r.set_quorum_id(q.quorum_id);
+  r.set_max_step(q.max_step);
+  r.set_store_address(q.store_address);
+  r.set_delta(true);
+  std::map<std::string, const std::string*> had;  // group_id -> incarnation
+  for (const auto& p : known.participants) had[p.group_id] = &p.incarnation;
+  for (const auto& p : q.participants) {
+    auto it = had.find(p.group_id);
+    if (it == had.end() || *it->second != p.incarnation) to_wire(p, r.add_participants());
+    if (it != had.end()) had.erase(it);
+  }
+  for (const auto& kv : had) r.add_dropped(kv.first);
+  for (size_t i = 0; i < q.participants.size(); ++i) {
+    if (q.participants[i].step == q.max_step && q.heal_sources[i] < 0) continue;
+    auto* b = r.add_behind();
+    b->set_index(static_cast<int>(i));
+    b->set_step(q.participants[i].step);
+    b->set_heal_source(q.heal_sources[i]);
+  }
+  return r;
+}
+
+// The whole reply a delta (QuorumReply::delta) stands for, against `known`, the quorum the caller
+// holds. What it cannot place (a behind index out of range) is left for check_reply to name.
+inline QuorumReply apply_delta(const QuorumReply& delta, const Quorum& known) {
+  std::map<std::string, Member> members;
+  for (const auto& p : known.participants) to_wire(p, &members[p.group_id]);
+  for (const auto& d : delta.dropped()) members.erase(d);
+  for (const auto& m : delta.participants()) members[m.group_id()] = m;
+  QuorumReply whole;
+  whole.set_quorum_id(delta.quorum_id());
+  whole.set_max_step(delta.max_step());
+  whole.set_store_address(delta.store_address());
+  whole.set_lighthouse(delta.lighthouse());
+  for (auto& kv : members) {
+    kv.second.set_step(delta.max_step());
+    *whole.add_participants() = std::move(kv.second);
+    whole.add_heal_sources(-1);
+  }
+  for (const auto& d : delta.dropped()) whole.add_dropped(d);
+  for (const auto& b : delta.behind()) {
+    if (b.index() < 0 || b.index() >= whole.participants_size()) {
+      whole.clear_heal_sources();  // check_reply: "heal_sources does not match the participants"
+      break;
+    }
+    whole.mutable_participants(b.index())->set_step(b.step());
+    whole.set_heal_sources(b.index(), b.heal_source());
+  }
+  return whole;
 }
 
 }  // namespace wire

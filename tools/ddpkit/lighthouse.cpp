@@ -113,8 +113,10 @@ int run_lighthouse(const std::vector<std::string>& args) {
   printer->open_after(listening.str());
   const int sig = wait_for_stop_signal();
   const int64_t formed = lighthouse.quorums_formed();
+  const auto stores = lighthouse.store_use();
   lighthouse.shutdown();
-  std::cout << "ddpkit lighthouse: stopped by signal " << sig << " after " << formed << " quorums" << std::endl;
+  std::cout << "ddpkit lighthouse: stopped by signal " << sig << " after " << formed << " quorums (" << stores.keys
+            << " keys in the last " << stores.stores << " quorums' stores)" << std::endl;
   return 0;
 }
 

@@ -1,15 +1,19 @@
 // The lighthouse: the quorum service of a fault-tolerant job (gRPC; `ddpkit lighthouse`).
 //
 // A fault-tolerant job is R replica groups, each an ordinary ddpkit process group (DDP, ZeRO or
-// FSDP inside). Every rank heartbeats the lighthouse; each group's rank 0 asks it for a quorum
-// before every step. A quorum forms when every live group has asked (or, after join_timeout, with
+// FSDP inside). Each group's rank 0 heartbeats the lighthouse for its whole group (its ranks beat
+// to it through the group's store, and it says how long ago it heard from each) and asks it for a
+// quorum before every step. A step whose quorum has the participants of the one before gets a
+// reply without them (the client holds them): the lighthouse's work per step grows with the
+// groups, not with their square (docs/scale.md). A quorum forms when every live group has asked (or, after join_timeout, with
 // those that have, if they are at least min_replicas): it names the participants (ordered by
 // group id: the index is the replica rank), the highest committed step among them, who heals from
 // whom, and a quorum id that changes only when the participants do. A group whose heartbeats stop
 // for heartbeat_timeout is out of every quorum from then on, and the heartbeat replies of the
 // others name it, so a survivor blocked in a collective with it aborts that collective at once.
 //
-// The lighthouse also serves the c10d TCPStore the cross-group process groups meet through.
+// The lighthouse also serves the c10d TCPStores the cross-group process groups meet through, one
+// per quorum (Quorum::store_address), so that keys do not outlive the quorum after next.
 //
 //   ddpkit::ft::Lighthouse lh(ddpkit::ft::LighthouseOptions().address("0.0.0.0:29510").min_replicas(2));
 //   lh.start();   // lh.address() is what the groups are given
@@ -106,6 +110,14 @@ class Lighthouse {
   // Quorums formed so far (each with the participants it had).
   int64_t quorums_formed() const;
 
+  // The TCPStores the cross groups meet in: one per quorum id, the last two kept (older ones go
+  // with their keys), and the keys they hold.
+  struct StoreUse {
+    int stores = 0;
+    int64_t keys = 0;
+  };
+  StoreUse store_use() const;
+
  struct Impl;  // internal (the gRPC service reaches it)
 
  private:
@@ -136,6 +148,11 @@ class LighthouseClient {
     std::vector<std::string> lost;  // groups of the newest quorum whose heartbeats stopped, or that restarted since
   };
   Beat heartbeat(const std::string& group_id, int rank, const std::string& incarnation);
+  // One beat for a whole group, sent by its rank 0, which hears its ranks beat through the group:
+  // rank_ages_ms[r] is how long ago it last heard from rank r (its own: 0). A rank whose age
+  // passes the lighthouse's heartbeat timeout makes the group lost, as a silent rank does.
+  Beat heartbeat_for_group(const std::string& group_id, const std::string& incarnation,
+                           const std::vector<int64_t>& rank_ages_ms);
 
  private:
   struct Impl;
