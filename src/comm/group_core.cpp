@@ -19,6 +19,10 @@ std::string describe_comm_failure(const std::string& op, int rank, int world_siz
   }
   // CommErrors raised further down already carry the context; do not wrap them twice.
   if (msg.rfind("ddpkit: ", 0) == 0) return msg;
+  // Gloo's words when a pair's operation ran past the group's timeout (the peer neither answered
+  // nor closed the connection: stopped, or still tearing its group down); say it in plain words.
+  if (msg.find("Application timeout caused pair closure") != std::string::npos)
+    msg += " (timed out after the group's timeout: a peer did not answer)";
   return "ddpkit: " + op + " failed on rank " + std::to_string(rank) + " of " + std::to_string(world_size) + ": " +
          msg;
 }
