@@ -393,19 +393,27 @@ class Driver {
       *request = to_buffer(req);
     }
     auto ctx = std::make_shared<grpc::ClientContext>();
-    ctx->set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(65));
     g.quorum_call = ctx;
-    ++in_flight_;
-    auto response = std::make_shared<grpc::ByteBuffer>();
     const int index = g.index, generation = g.generation;
     const int64_t tick = tick_;
+    return call(g, quorum_method_, std::move(ctx), std::chrono::seconds(65), std::move(request),
+                [this, index, generation, now, tick](const grpc::Status& s, const grpc::ByteBuffer& reply) {
+                  on_quorum(index, generation, now, tick, s, reply);
+                });
+  }
+
+  // Under mu_: a call of `method` for group `g`, to issue outside the lock; `done` runs on gRPC's
+  // thread with the reply.
+  std::function<void()> call(Group& g, const std::string& method, std::shared_ptr<grpc::ClientContext> ctx,
+                             std::chrono::seconds deadline, std::shared_ptr<grpc::ByteBuffer> request,
+                             std::function<void(const grpc::Status&, const grpc::ByteBuffer&)> done) {
+    ctx->set_deadline(std::chrono::system_clock::now() + deadline);
+    ++in_flight_;
+    auto response = std::make_shared<grpc::ByteBuffer>();
     grpc::GenericStub* stub = g.stub.get();
-    const std::string& method = quorum_method_;
-    return [this, stub, ctx, request, response, index, generation, now, tick, &method] {
+    return [stub, &method, ctx, request, response, done] {
       stub->UnaryCall(ctx.get(), method, grpc::StubOptions(), request.get(), response.get(),
-                      [this, ctx, request, response, index, generation, now, tick](grpc::Status s) {
-                        on_quorum(index, generation, now, tick, s, *response);
-                      });
+                      [ctx, request, response, done](grpc::Status s) { done(s, *response); });
     };
   }
 
@@ -425,19 +433,11 @@ class Driver {
       req.set_replica_id(g.id);
       *request = to_buffer(req);
     }
-    auto ctx = std::make_shared<grpc::ClientContext>();
-    ctx->set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
-    ++in_flight_;
-    auto response = std::make_shared<grpc::ByteBuffer>();
     const int index = g.index, generation = g.generation;
-    grpc::GenericStub* stub = g.stub.get();
-    const std::string& method = heartbeat_method_;
-    return [this, stub, ctx, request, response, index, generation, rank, now, &method] {
-      stub->UnaryCall(ctx.get(), method, grpc::StubOptions(), request.get(), response.get(),
-                      [this, ctx, request, response, index, generation, rank, now](grpc::Status s) {
-                        on_heartbeat(index, generation, rank, now, s, *response);
-                      });
-    };
+    return call(g, heartbeat_method_, std::make_shared<grpc::ClientContext>(), std::chrono::seconds(5), std::move(request),
+                [this, index, generation, rank, now](const grpc::Status& s, const grpc::ByteBuffer& reply) {
+                  on_heartbeat(index, generation, rank, now, s, reply);
+                });
   }
 
   void on_quorum(int index, int generation, Clock::time_point sent, int64_t tick, const grpc::Status& s,

@@ -39,14 +39,13 @@ GroupBeats::GroupBeats(const c10::intrusive_ptr<c10d::Store>& store, const std::
       seen_(static_cast<size_t>(size), Clock::now()) {}
 
 void GroupBeats::prepare() {
-  if (rank_ != 0) return;
   // Numbered after any reply a previous incarnation of this group left in the store.
-  LighthouseClient::Beat none;
-  posted_ = store_->add("replies", 1);
-  store_->set("reply", [&] {
-    const std::string s = encode(posted_, none);
-    return std::vector<uint8_t>(s.begin(), s.end());
-  }());
+  if (rank_ == 0) post(LighthouseClient::Beat());
+}
+
+void GroupBeats::post(const LighthouseClient::Beat& b) {
+  const std::string s = encode(store_->add("replies", 1), b);
+  store_->set("reply", std::vector<uint8_t>(s.begin(), s.end()));
 }
 
 std::optional<LighthouseClient::Beat> GroupBeats::beat(LighthouseClient& client, const std::string& incarnation) {
@@ -70,9 +69,7 @@ std::optional<LighthouseClient::Beat> GroupBeats::beat(LighthouseClient& client,
         std::chrono::duration_cast<std::chrono::milliseconds>(now - seen_[static_cast<size_t>(r)]).count();
   }
   const LighthouseClient::Beat b = client.heartbeat_for_group(group_id_, incarnation, ages);
-  posted_ = store_->add("replies", 1);
-  const std::string s = encode(posted_, b);
-  store_->set("reply", std::vector<uint8_t>(s.begin(), s.end()));
+  post(b);
   return b;
 }
 

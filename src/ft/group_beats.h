@@ -37,10 +37,11 @@ class GroupBeats {
 
  private:
   using Clock = std::chrono::steady_clock;
+  void post(const LighthouseClient::Beat& b);  // rank 0: the next numbered reply, for the others to read
+
   c10::intrusive_ptr<c10d::Store> store_;
   std::string group_id_;
   int rank_, size_;
-  int64_t posted_ = 0;                  // rank 0: replies posted
   int64_t read_ = 0;                    // other ranks: the newest reply read
   std::vector<int64_t> counts_;         // rank 0: each rank's counter as last read
   std::vector<Clock::time_point> seen_;  // rank 0: when it last moved

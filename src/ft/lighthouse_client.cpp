@@ -18,7 +18,6 @@
 namespace ddpkit {
 namespace ft {
 
-
 struct LighthouseClient::Impl {
   LighthouseClientOptions options;
   std::unique_ptr<wire::Lighthouse::Stub> stub;
