@@ -12,6 +12,7 @@
 // bytes. Sites share this machine's cores, so the times beyond a few sites are CPU-bound here;
 // the connection and thread counts are the design's, whatever the machine.
 #include <ddpkit/codecs/codec.h>
+#include <ddpkit/compat.h>
 #include <ddpkit/comm/process_group.h>
 #include <ddpkit/diloco/outer_allreduce.h>
 #include <ddpkit/error.h>
@@ -108,7 +109,7 @@ struct SiteTimes {
 };
 
 void run(int sites, int64_t numel, const std::vector<std::string>& codec_names, int repeat) {
-  c10d::TCPStoreOptions so;
+  c10d::TCPStoreOptions so = compat::tcp_store_options();
   so.port = 0;
   so.isServer = true;
   so.waitWorkers = false;
@@ -123,7 +124,7 @@ void run(int sites, int64_t numel, const std::vector<std::string>& codec_names, 
     threads.emplace_back([&, s] {
       SiteTimes& t = times[static_cast<size_t>(s)];
       try {
-        c10d::TCPStoreOptions co;
+        c10d::TCPStoreOptions co = compat::tcp_store_options();
         co.port = server->getPort();
         co.isServer = false;
         co.timeout = std::chrono::seconds(120);

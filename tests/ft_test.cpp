@@ -1,6 +1,7 @@
 // The lighthouse's quorum rule and its checks, in one process: an in-process lighthouse and its
 // clients on threads, each client standing for one replica group's rank 0. And the state service
 // a heal copies from, on both of its routes, with its refusals.
+#include <ddpkit/compat.h>
 #include <ddpkit/error.h>
 #include <ddpkit/ft/lighthouse.h>
 
@@ -321,7 +322,7 @@ TEST(Lighthouse, StoresDoNotOutliveTheQuorumAfterNext) {
   lh.start();
   auto client = client_of(lh);
   auto store_client = [](const std::string& address, std::chrono::milliseconds timeout) {
-    c10d::TCPStoreOptions o;
+    c10d::TCPStoreOptions o = compat::tcp_store_options();
     o.port = static_cast<uint16_t>(std::stoi(address.substr(address.rfind(':') + 1)));
     o.isServer = false;
     o.timeout = timeout;
