@@ -4,9 +4,13 @@
 // DiLoCo's outer weighted mean of a pseudo-gradient. Per site count it prints the slowest site's
 // times, and the sockets and threads each site holds.
 //
-//   build/cross_group_sites [--sites 8,16,32,64] [--numel 1048576] [--codecs fp32,int4] [--repeat 3]
+//   build/cross_group_sites [--sites 8,16,32,64] [--connections all,lazy] [--numel 1048576]
+//                           [--codecs fp32,int4] [--repeat 3]
 //
-// build: store connect to group ready (Gloo's full mesh: every site connects to every other);
+// connections: all, Gloo's full mesh made with the group (every site connects to every other);
+// lazy, ProcessGroupOptions::lazy_connections (pairs made when a collective first needs them:
+// the small all-reduce's log2 N + 1 partners, every peer at the first outer mean).
+// build: store connect to group ready;
 // first: the first all-reduce of 256 floats; next: the median of the next --repeat ones;
 // mean <codec>: the median weighted mean of --numel floats (the pseudo-gradient) moved as codec
 // bytes. Sites share this machine's cores, so the times beyond a few sites are CPU-bound here;
@@ -108,7 +112,7 @@ struct SiteTimes {
   std::vector<double> mean;  // per codec
 };
 
-void run(int sites, int64_t numel, const std::vector<std::string>& codec_names, int repeat) {
+void run(int sites, bool lazy, int64_t numel, const std::vector<std::string>& codec_names, int repeat) {
   c10d::TCPStoreOptions so = compat::tcp_store_options();
   so.port = 0;
   so.isServer = true;
@@ -118,23 +122,21 @@ void run(int sites, int64_t numel, const std::vector<std::string>& codec_names, 
   const int sockets_before = sockets_open(), threads_before = threads_running();
   std::vector<SiteTimes> times(static_cast<size_t>(sites));
   std::vector<std::shared_ptr<ProcessGroup>> groups(static_cast<size_t>(sites));
-  Latch connected(sites), built(sites), counted(sites + 1), go_on(sites + 1);
+  Latch connected(sites), built(sites), counted(sites + 1), meant(sites + 1), go_on(sites + 1);
   std::vector<std::thread> threads;
   for (int s = 0; s < sites; ++s) {
     threads.emplace_back([&, s] {
       SiteTimes& t = times[static_cast<size_t>(s)];
       try {
-        c10d::TCPStoreOptions co = compat::tcp_store_options();
-        co.port = server->getPort();
-        co.isServer = false;
-        co.timeout = std::chrono::seconds(120);
         auto store = c10::make_intrusive<c10d::PrefixStore>(
-            "q" + std::to_string(sites), c10::make_intrusive<c10d::TCPStore>("127.0.0.1", co));
+            "q" + std::to_string(sites) + (lazy ? "-lazy" : ""),
+            compat::tcp_store_client("127.0.0.1", server->getPort(), std::chrono::seconds(120)));
         connected.arrive_and_wait();
         const auto t0 = Clock::now();
         auto pg = std::make_shared<ProcessGroup>(store, s, sites,
                                                  ProcessGroupOptions()
                                                      .shared_memory(false)
+                                                     .lazy_connections(lazy)
                                                      .gloo_hostname("127.0.0.1")
                                                      .timeout(std::chrono::seconds(120))
                                                      .group_name("cross-" + std::to_string(sites)));
@@ -167,6 +169,7 @@ void run(int sites, int64_t numel, const std::vector<std::string>& codec_names, 
           }
           t.mean.push_back(median(means));
         }
+        meant.arrive_and_wait();  // the main thread counts again: the means needed every pair
         go_on.arrive_and_wait();
       } catch (const std::exception& e) {
         std::cerr << "site " << s << ": " << e.what() << std::endl;
@@ -176,6 +179,8 @@ void run(int sites, int64_t numel, const std::vector<std::string>& codec_names, 
   }
   counted.arrive_and_wait();
   const int sockets = sockets_open() - sockets_before, threads_now = threads_running() - threads_before;
+  meant.arrive_and_wait();
+  const int sockets_after_mean = sockets_open() - sockets_before, threads_after_mean = threads_running() - threads_before;
   go_on.arrive_and_wait();
   for (auto& t : threads) t.join();
   groups.clear();
@@ -184,31 +189,35 @@ void run(int sites, int64_t numel, const std::vector<std::string>& codec_names, 
     for (const auto& t : times) m = std::max(m, field(t));
     return m;
   };
-  std::printf("%6d %10.1f %10.1f %9.2f", sites, slowest([](const SiteTimes& t) { return t.build; }),
+  std::printf("%6s %6d %10.1f %10.1f %9.2f", lazy ? "lazy" : "all", sites, slowest([](const SiteTimes& t) { return t.build; }),
               slowest([](const SiteTimes& t) { return t.first; }), slowest([](const SiteTimes& t) { return t.next; }));
   for (size_t c = 0; c < codec_names.size(); ++c)
     std::printf(" %12.1f", slowest([c](const SiteTimes& t) { return t.mean[c]; }));
   // Each site's store connection is counted too (one per site); a Gloo pair is one socket on each end.
-  std::printf(" %14.1f %12.1f\n", static_cast<double>(sockets) / sites, static_cast<double>(threads_now) / sites);
+  std::printf(" %10.1f %10.1f %12.1f %12.1f\n", static_cast<double>(sockets) / sites,
+              static_cast<double>(threads_now) / sites, static_cast<double>(sockets_after_mean) / sites,
+              static_cast<double>(threads_after_mean) / sites);
   std::fflush(stdout);
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::string sites_list = "8,16,32,64", codec_list = "fp32,int4";
+  std::string sites_list = "8,16,32,64", codec_list = "fp32,int4", connections_list = "all,lazy";
   int64_t numel = 1 << 20;
   int repeat = 3;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (i + 1 >= argc) {
-      std::cerr << "usage: cross_group_sites [--sites 8,16,32,64] [--numel N] [--codecs fp32,int4] [--repeat R]\n";
+      std::cerr << "usage: cross_group_sites [--sites 8,16,32,64] [--connections all,lazy] [--numel N] "
+                   "[--codecs fp32,int4] [--repeat R]\n";
       return 2;
     }
     const std::string v = argv[++i];
     if (a == "--sites") sites_list = v;
     else if (a == "--numel") numel = std::stoll(v);
     else if (a == "--codecs") codec_list = v;
+    else if (a == "--connections") connections_list = v;
     else if (a == "--repeat") repeat = std::stoi(v);
     else {
       std::cerr << "cross_group_sites: unknown flag " << a << "\n";
@@ -224,9 +233,15 @@ int main(int argc, char** argv) {
   std::printf("cross group of N sites (one rank each, threads of one process, loopback TCP, no shared memory): "
               "slowest site's ms; weighted mean of %lld floats; %u cores\n",
               static_cast<long long>(numel), std::thread::hardware_concurrency());
-  std::printf("%6s %10s %10s %9s", "sites", "build ms", "+first ms", "next ms");
+  std::printf("%6s %6s %10s %10s %9s", "conn", "sites", "build ms", "+first ms", "next ms");
   for (const auto& c : codec_names) std::printf(" %12s", ("mean " + c + " ms").c_str());
-  std::printf(" %14s %12s\n", "sockets/site", "threads/site");
-  for (const auto& s : split(sites_list)) run(std::stoi(s), numel, codec_names, repeat);
+  std::printf(" %10s %10s %12s %12s\n", "sock/site", "thr/site", "sock (mean)", "thr (mean)");
+  for (const auto& c : split(connections_list)) {
+    if (c != "all" && c != "lazy") {
+      std::cerr << "cross_group_sites: --connections takes all and/or lazy, got " << c << "\n";
+      return 2;
+    }
+    for (const auto& s : split(sites_list)) run(std::stoi(s), c == "lazy", numel, codec_names, repeat);
+  }
   return 0;
 }

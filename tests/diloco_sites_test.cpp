@@ -67,13 +67,14 @@ struct RankEnd {
   std::vector<at::Tensor> globals, locals;  // per fragment, flat
   diloco::DiLoCoStats stats;
   uint64_t cross_bytes = 0;
+  std::string cross_transport;  // what the last cross group ran on
   std::vector<double> transfer_per_sync;  // each committed sync's transfer time
 };
 
 // Runs `sites` sites of `ranks` thread-ranks each for `steps` inner steps (inner_step above), every
 // rank with its own Manager over its site's group and a DiLoCo with `options`.
 std::vector<std::vector<RankEnd>> run_sites(const Shapes& model, int sites, int ranks, int steps,
-                                           diloco::DiLoCoOptions options) {
+                                           diloco::DiLoCoOptions options, bool lazy_connections = false) {
   ft::Lighthouse lighthouse(ft::LighthouseOptions().expected_groups(sites).heartbeat_timeout(2s));
   lighthouse.start();
   std::vector<std::vector<RankEnd>> ends(static_cast<size_t>(sites), std::vector<RankEnd>(static_cast<size_t>(ranks)));
@@ -83,14 +84,17 @@ std::vector<std::vector<RankEnd>> run_sites(const Shapes& model, int sites, int 
   for (int s = 0; s < sites; ++s) {
     threads.emplace_back([&, s] {
       try {
-        testing::spawn_ranks(ranks, [&](int rank, std::shared_ptr<ProcessGroup> pg) {
+        // Lazily connected cross groups are Gloo's: sites without shared memory, as on hosts of their own.
+        testing::spawn_ranks_with(ranks, ProcessGroupOptions().shared_memory(!lazy_connections),
+                                  [&](int rank, std::shared_ptr<ProcessGroup> pg) {
           TrainingState state;
           ft::Manager manager(pg, state,
                               ft::ManagerOptions()
                                   .lighthouse(lighthouse.address())
                                   .group_id("site" + std::to_string(s))
                                   .quorum_timeout(60s)
-                                  .cross_group_timeout(60s));
+                                  .cross_group_timeout(60s)
+                                  .cross_lazy_connections(lazy_connections));
           std::vector<std::vector<at::Tensor>> params = initial_fragments(model);
           diloco::DiLoCo dl(manager, params, options);
           RankEnd& end = ends[static_cast<size_t>(s)][static_cast<size_t>(rank)];
@@ -110,6 +114,7 @@ std::vector<std::vector<RankEnd>> run_sites(const Shapes& model, int sites, int 
           }
           end.stats = dl.stats();
           end.cross_bytes = manager.stats().cross_bytes_sent;
+          end.cross_transport = manager.stats().cross_transport;
           ProcessGroup::wait(pg->barrier());
         });
       } catch (...) {
@@ -172,27 +177,41 @@ double max_abs_diff(const at::Tensor& a, const at::Tensor& b) { return (a - b).a
 // several rounds: every rank of every site ends where torch's SGD(nesterov=True) puts the same
 // pseudo-gradients (fp32 codec: within 1e-6), with one rank a site and with two (each carrying
 // half of the pseudo-gradient across sites).
-TEST(DiLoCoSites, OuterStepIsTorchSgdNesterovWithAlphaMixing) {
-  const int sites = 2, steps = 24;
+// Runs `sites` sites of `ranks` ranks under that rule and compares every rank with the
+// reference: fp32 codec, so within 1e-6.
+void expect_torch_sgd_nesterov(int sites, int ranks, bool lazy_connections) {
+  const int steps = 24;
   const int64_t sync_every = 4;
   const double lr = 0.7, momentum = 0.9, alpha = 0.5;
   const Reference ref(sites, steps, sync_every, lr, momentum, alpha);
-  for (int ranks : {1, 2}) {
-    const auto ends = run_sites(kSmall, sites, ranks, steps,
-                                diloco::DiLoCoOptions().sync_every(sync_every).outer_lr(lr).outer_momentum(momentum).fragment_alpha(alpha));
-    for (int s = 0; s < sites; ++s)
-      for (int r = 0; r < ranks; ++r) {
-        const RankEnd& e = ends[s][r];
-        EXPECT_EQ(e.stats.checksum_mismatches, 0);
-        EXPECT_EQ(e.stats.syncs, 1 + steps / (sync_every / 2));
-        for (size_t f = 0; f < kSmall.size(); ++f) {
-          EXPECT_LT(max_abs_diff(e.globals[f], ref.globals[f].detach()), 1e-6)
-              << ranks << " rank(s) a site, site " << s << " rank " << r << ", fragment " << f << ": global";
-          EXPECT_LT(max_abs_diff(e.locals[f], ref.locals[s][f]), 1e-6)
-              << ranks << " rank(s) a site, site " << s << " rank " << r << ", fragment " << f << ": local";
-        }
+  const auto ends = run_sites(
+      kSmall, sites, ranks, steps,
+      diloco::DiLoCoOptions().sync_every(sync_every).outer_lr(lr).outer_momentum(momentum).fragment_alpha(alpha),
+      lazy_connections);
+  for (int s = 0; s < sites; ++s)
+    for (int r = 0; r < ranks; ++r) {
+      const std::string where = std::to_string(sites) + " sites of " + std::to_string(ranks) + " rank(s), site " +
+                                std::to_string(s) + " rank " + std::to_string(r);
+      const RankEnd& e = ends[s][r];
+      if (lazy_connections) EXPECT_THAT(e.cross_transport, ::testing::StartsWith("gloo (pairs connected on demand)"));
+      EXPECT_EQ(e.stats.checksum_mismatches, 0) << where;
+      EXPECT_EQ(e.stats.syncs, 1 + steps / (sync_every / 2)) << where;
+      for (size_t f = 0; f < kSmall.size(); ++f) {
+        EXPECT_LT(max_abs_diff(e.globals[f], ref.globals[f].detach()), 1e-6) << where << ", fragment " << f << ": global";
+        EXPECT_LT(max_abs_diff(e.locals[f], ref.locals[s][f]), 1e-6) << where << ", fragment " << f << ": local";
       }
-  }
+    }
+}
+
+TEST(DiLoCoSites, OuterStepIsTorchSgdNesterovWithAlphaMixing) {
+  for (int ranks : {1, 2}) expect_torch_sgd_nesterov(2, ranks, /*lazy_connections=*/false);
+}
+
+// The same rule with cross groups that connect their pairs lazily, at 3 sites (recursive doubling
+// folds one in) and 5, of 2 ranks and 1.
+TEST(DiLoCoSites, OuterStepOverLazilyConnectedCrossGroups) {
+  expect_torch_sgd_nesterov(3, 2, /*lazy_connections=*/true);
+  expect_torch_sgd_nesterov(5, 1, /*lazy_connections=*/true);
 }
 
 // A site of W ranks sends what a site of one rank sends: each rank carries 1/W of the

@@ -24,6 +24,9 @@ MODE:
               later the stopped rank is killed, its group restarted and healed)
   strategies  2 groups of 2 ranks with FSDP, ZeRO-1 and PowerSGD inside each site (int8 outer codec,
               2 fragments where the layers allow): every group ends alike
+  lazy-cross  streaming and kill-sync again with --cross-lazy-connections and no shared memory
+              (DDPKIT_SHM=0): the cross groups run on lazily connected Gloo pairs, and the bytes,
+              the retried sync and the heal come out as on the full mesh
   checkpoint  2 groups write their checkpoints (outer state included) every 2 syncs; a run stopped
               half way and resumed ends bit for bit as the run straight through: one rank a site,
               and 2 ranks a site under FSDP with the int2 codec and error feedback (each rank's
@@ -78,9 +81,10 @@ def parity_mode():
     print(f"H=1 DiLoCo = DDP across groups: test loss {b:.6f} vs {a:.6f}")
 
 
-def streaming_mode():
+def streaming_mode(extra=(), env=None):
     reps, _ = run(["--replica-groups", "3", "--nproc", "1", "--steps", "48", "--diloco", "8", "--fragments", "2",
-                   "--fragment-delay", "1", "--outer-codec", "int4", "--optimizer", "adamw", "--lr", "0.001"])
+                   "--fragment-delay", "1", "--outer-codec", "int4", "--optimizer", "adamw", "--lr", "0.001"] +
+                  list(extra), env=env)
     check_alike(reps, 3, "streaming")
     r = reps[0]
     if r["outer_syncs"] != 1 + 48 // 4:
@@ -93,7 +97,8 @@ def streaming_mode():
             sys.exit(f"FAILED: group {rep['replica_group']} sent {rep['cross_bytes_sent']} B, the layout says "
                      f"{want:.0f} (2(n-1)/n x int4 of fragments {f0} and {f1}, 7 and 6 syncs)")
     print(f"streaming, 2 fragments, tau 1, int4: {r['outer_syncs']} syncs, {r['cross_bytes_per_step']:.0f} B/step, "
-          f"test loss {r['test_loss']:.4f}")
+          f"test loss {r['test_loss']:.4f}, cross groups on {r['cross_transport']}")
+    return reps
 
 
 def encoded_bytes(codec, n):
@@ -177,12 +182,12 @@ def rounds_mode():
               "(site 1 throttled), every group alike")
 
 
-def kill_mode(phase, step, codec=()):
+def kill_mode(phase, step, extra=(), extra_env=None):
     # Long enough (~20 s here) that the killed group restarts and heals before the others end.
     steps = 3000
     reps, err = run(["--replica-groups", "3", "--nproc", "1", "--steps", str(steps), "--diloco", "8",
-                     "--max-restarts", "2", "--optimizer", "adamw", "--lr", "0.001", "--no-eval"] + list(codec),
-                    env={"DDPKIT_FT_FAULT": f"{phase}:{step}:1:0"}, dims="64,512,512,10")
+                     "--max-restarts", "2", "--optimizer", "adamw", "--lr", "0.001", "--no-eval"] + list(extra),
+                    env=dict({"DDPKIT_FT_FAULT": f"{phase}:{step}:1:0"}, **(extra_env or {})), dims="64,512,512,10")
     if "DDPKIT_FT_FAULT: dying" not in err:
         sys.exit(f"FAILED: group 1 did not die at {phase}:\n{err[-3000:]}")
     check_alike(reps, 3, phase)
@@ -196,6 +201,18 @@ def kill_mode(phase, step, codec=()):
         sys.exit(f"FAILED: group 1 did not heal: {reps[1]}")
     print(f"group 1 killed at {phase}: survivors ran {steps} of {steps} inner steps, retries "
           f"{[r['sync_retries'] for r in survivors]}, group 1 healed ({reps[1]['heal_bytes']} B) and ends alike")
+    return reps
+
+
+def lazy_cross_mode():
+    lazy = ["--cross-lazy-connections"]
+    no_shm = {"DDPKIT_SHM": "0"}
+    for r in streaming_mode(lazy, no_shm):
+        if not r["cross_transport"].startswith("gloo (pairs connected on demand)"):
+            sys.exit(f"FAILED: the cross group ran on {r['cross_transport']!r}, not lazily connected pairs")
+    for r in kill_mode("outer-issued", 4, ["--outer-codec", "int2", "--outer-error-feedback"] + lazy, no_shm):
+        if not r["cross_transport"].startswith("gloo (pairs connected on demand)"):
+            sys.exit(f"FAILED: the cross group ran on {r['cross_transport']!r}, not lazily connected pairs")
 
 
 def stop_mode():
@@ -279,7 +296,7 @@ def checkpoint_mode():
 MODES = {"parity": parity_mode, "streaming": streaming_mode, "site-bytes": site_bytes_mode, "rounds": rounds_mode,
          "kill-sync": lambda: kill_mode("outer-issued", 4, ["--outer-codec", "int2", "--outer-error-feedback"]),
          "kill-inner": lambda: kill_mode("forward", 4), "stop": stop_mode, "strategies": strategies_mode,
-         "checkpoint": checkpoint_mode}
+         "checkpoint": checkpoint_mode, "lazy-cross": lazy_cross_mode}
 
 if __name__ == "__main__":
     if len(sys.argv) != 3 or sys.argv[2] not in MODES:

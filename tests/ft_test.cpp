@@ -322,11 +322,8 @@ TEST(Lighthouse, StoresDoNotOutliveTheQuorumAfterNext) {
   lh.start();
   auto client = client_of(lh);
   auto store_client = [](const std::string& address, std::chrono::milliseconds timeout) {
-    c10d::TCPStoreOptions o = compat::tcp_store_options();
-    o.port = static_cast<uint16_t>(std::stoi(address.substr(address.rfind(':') + 1)));
-    o.isServer = false;
-    o.timeout = timeout;
-    return c10::make_intrusive<c10d::TCPStore>(address.substr(0, address.rfind(':')), o);
+    return compat::tcp_store_client(address.substr(0, address.rfind(':')),
+                                    std::stoi(address.substr(address.rfind(':') + 1)), timeout);
   };
   std::vector<std::string> addresses;
   for (int k = 0; k < 30; ++k) {

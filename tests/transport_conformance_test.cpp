@@ -9,7 +9,9 @@
 
 #include <chrono>
 #include <csignal>
+#include <array>
 #include <optional>
+#include <set>
 
 namespace ddpkit {
 namespace testing {
@@ -39,6 +41,7 @@ const std::vector<TransportCase>& transports() {
       {"Nccl", "nccl", base_options().backend("nccl").shared_memory(false), [](int) { return std::string(); }, true},
       {"AbortableGloo", "gloo", base_options().shared_memory(false).abortable(true)},
       {"AbortableSharedMemory", "shared memory", base_options().abortable(true)},
+      {"LazyPairs", "gloo (pairs connected on demand)", base_options().shared_memory(false).lazy_connections(true)},
   };
   return cases;
 }
@@ -453,6 +456,80 @@ TEST(GroupRendezvous, AcrossHostsAsksTheStoreNoMoreThanItMust) {
     EXPECT_TRUE(DDPKIT_TORCH_AT_LEAST(2, 1) ? gets == 0 && batches == 1 : gets == world - 1)
         << "rank " << r << ": " << gets << " gets and " << batches << " batches of the topology keys";
     std::cout << "rank " << r << ": " << s.calls.size() << " store calls to build the group\n";
+  }
+}
+
+// The peers each rank connected to over lazily connected pairs: one store set per pair it made
+// (its address), under "<group>//ddpkit/pair/<lo>-<hi>".
+std::set<std::string> pairs_made(const CountingStore& s) {
+  std::set<std::string> pairs;
+  for (const auto& c : s.calls) {
+    const auto at = c.second.find("ddpkit/pair/");
+    if (c.first == "set" && at != std::string::npos) pairs.insert(c.second.substr(at, c.second.find('/', at + 12) - at));
+  }
+  return pairs;
+}
+
+// Rings and trees at sizes that are not powers of two (recursive doubling folds the extra ranks
+// in), with the peers each rank connects to: log2 N + 1 for a small allreduce, 2 more for a ring,
+// every one for an alltoall.
+TEST(LazyPairs, RingsAndTreesAtEverySizeConnectOnlyTheirPeers) {
+  for (int world : {2, 3, 5, 6}) {
+    SCOPED_TRACE("world " + std::to_string(world));
+    std::vector<c10::intrusive_ptr<CountingStore>> counted(world);
+    std::vector<std::array<size_t, 3>> pairs(world);  // after the small allreduce, the large, the alltoall
+    spawn_groups(
+        world,
+        [&](const c10::intrusive_ptr<c10d::Store>& store, int rank) {
+          counted[rank] = c10::make_intrusive<CountingStore>(store);
+          return std::make_shared<ProcessGroup>(
+              counted[rank], rank, world, base_options().shared_memory(false).lazy_connections(true).group_name("lazy"));
+        },
+        [&](int rank, std::shared_ptr<ProcessGroup> pg) {
+          EXPECT_TRUE(pairs_made(*counted[rank]).empty()) << "connected before any collective";
+          at::Tensor small = at::full({37}, static_cast<float>(rank + 1));
+          ProcessGroup::wait(pg->allreduce(small));
+          EXPECT_TRUE(at::equal(small, at::full({37}, world * (world + 1) / 2.0f)));
+          at::Tensor m = at::full({5}, static_cast<double>(rank));
+          ProcessGroup::wait(pg->allreduce(m, c10d::ReduceOp::MAX));
+          EXPECT_TRUE(at::equal(m, at::full({5}, static_cast<double>(world - 1))));
+          pairs[rank][0] = pairs_made(*counted[rank]).size();
+          // A ring: uneven chunks (numel not a multiple of the world), random values whose sums
+          // must come out bit-identical on every rank.
+          at::Tensor large = at::randn({(300 << 10) / 4 + 7}, at::TensorOptions().dtype(at::kFloat));
+          at::Tensor sum = large.clone();
+          ProcessGroup::wait(pg->allreduce(sum));
+          std::vector<at::Tensor> every(world);
+          for (auto& t : every) t = at::empty_like(sum);
+          ProcessGroup::wait(pg->allgather(every, sum));
+          for (int r = 0; r < world; ++r) EXPECT_TRUE(at::equal(every[r], sum)) << "rank " << r << "'s sum differs";
+          std::vector<at::Tensor> inputs(world);
+          for (auto& t : inputs) t = at::empty_like(large);
+          ProcessGroup::wait(pg->allgather(inputs, large));
+          at::Tensor want = at::zeros_like(large);
+          for (const auto& t : inputs) want += t;
+          EXPECT_TRUE(at::allclose(sum, want, 1e-5, 1e-4));
+          for (int root = 0; root < world; ++root) {
+            at::Tensor b = at::full({9}, static_cast<int64_t>(rank * 10 + root), at::kLong);
+            ProcessGroup::wait(pg->broadcast(b, root));
+            EXPECT_TRUE(at::equal(b, at::full({9}, static_cast<int64_t>(root * 11), at::kLong))) << "root " << root;
+          }
+          ProcessGroup::wait(pg->barrier());
+          pairs[rank][1] = pairs_made(*counted[rank]).size();
+          at::Tensor in = at::arange(world * 3, at::kFloat) + 100 * rank, out = at::empty_like(in);
+          ProcessGroup::wait(pg->alltoall(out, in));
+          for (int r = 0; r < world; ++r)
+            EXPECT_TRUE(at::equal(out.narrow(0, r * 3, 3), at::arange(rank * 3, rank * 3 + 3, at::kFloat) + 100 * r));
+          pairs[rank][2] = pairs_made(*counted[rank]).size();
+          EXPECT_THAT(error_of([&] { pg->monitored_barrier(std::chrono::seconds(1)); }),
+                      ::testing::HasSubstr("connects its peers lazily"));
+        });
+    int log2 = 0;
+    while ((2 << log2) <= world) ++log2;
+    for (int r = 0; r < world; ++r) {
+      EXPECT_LE(pairs[r][0], static_cast<size_t>(log2 + 1)) << "rank " << r << " after a small allreduce";
+      EXPECT_EQ(pairs[r][2], static_cast<size_t>(world - 1)) << "rank " << r << " after an alltoall";
+    }
   }
 }
 

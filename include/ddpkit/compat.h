@@ -146,6 +146,16 @@ inline c10d::TCPStoreOptions tcp_store_options() {
   return o;
 }
 
+// A client connection of its own to the TCPStore at host:port, every call bounded by `timeout`.
+inline c10::intrusive_ptr<c10d::TCPStore> tcp_store_client(const std::string& host, int port,
+                                                           std::chrono::milliseconds timeout) {
+  c10d::TCPStoreOptions o = tcp_store_options();
+  o.port = static_cast<uint16_t>(port);
+  o.isServer = false;
+  o.timeout = timeout;
+  return c10::make_intrusive<c10d::TCPStore>(host, o);
+}
+
 // A c10d::Store that hands every call to another. 2.x adds append/multiGet/multiSet to the base,
 // with defaults built on the calls forwarded here; later releases add a pure virtual clone(),
 // declared here without `override` so that it overrides only where the base has it. This store

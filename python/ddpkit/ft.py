@@ -153,10 +153,14 @@ class Manager:
     quorum_timeout: how long start_step waits for a quorum (a timedelta or seconds). For DiLoCo,
         start the lighthouse with --join-timeout-ms of the same length.
     cross_group_timeout: the cross-group collectives' and heals' timeout.
+    cross_lazy_connections: cross groups connect two groups when a collective first needs them
+        (rings and trees) instead of every pair at each quorum change: for tens of groups or
+        sites (docs/scale.md).
     """
 
     def __init__(self, lighthouse=None, group_id=None, group=None, *, token=None, quorum_timeout=60.0,
-                 cross_group_timeout=30.0, heartbeat_interval=0.1, cross_gloo_threads=0, heal_connections=1):
+                 cross_group_timeout=30.0, heartbeat_interval=0.1, cross_gloo_threads=0, heal_connections=1,
+                 cross_lazy_connections=False):
         lighthouse = lighthouse or os.environ.get("DDPKIT_LIGHTHOUSE", "")
         if not lighthouse:
             raise ValueError("ddpkit.ft.Manager: no lighthouse (host:port): pass lighthouse= or set DDPKIT_LIGHTHOUSE")
@@ -168,7 +172,8 @@ class Manager:
         self._manager = _C.ft.Manager(
             _ddpkit_group(group), lighthouse, group_id, token, _seconds(quorum_timeout, "quorum_timeout"),
             _seconds(cross_group_timeout, "cross_group_timeout"),
-            _seconds(heartbeat_interval, "heartbeat_interval"), int(cross_gloo_threads), int(heal_connections))
+            _seconds(heartbeat_interval, "heartbeat_interval"), int(cross_gloo_threads), int(heal_connections),
+            bool(cross_lazy_connections))
 
     def register_state_dict(self, key, state_dict, load_state_dict, scope="shared"):
         """What a heal copies and a checkpoint keeps under `key`: state_dict() gives it (as

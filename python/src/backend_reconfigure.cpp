@@ -121,11 +121,7 @@ std::shared_ptr<ProcessGroup> ReconfigureEndpoint::connect(const Membership& m, 
                                                            ProcessGroupOptions options) {
   const std::string address = m.store_host + ":" + std::to_string(m.store_port);
   if (!client_ || client_address_ != address) {
-    c10d::TCPStoreOptions so = compat::tcp_store_options();
-    so.port = static_cast<uint16_t>(m.store_port);
-    so.isServer = false;
-    so.timeout = options.timeout();
-    client_ = c10::make_intrusive<c10d::TCPStore>(m.store_host, so);
+    client_ = compat::tcp_store_client(m.store_host, m.store_port, options.timeout());
     client_address_ = address;
   }
   client_->setTimeout(options.timeout());

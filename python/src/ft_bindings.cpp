@@ -107,7 +107,8 @@ void bind_ft(py::module& root) {
   py::class_<ft::Manager>(m, "Manager")
       .def(py::init([](std::shared_ptr<ProcessGroup> group, const std::string& lighthouse, const std::string& group_id,
                        const std::string& token, double quorum_timeout_s, double cross_group_timeout_s,
-                       double heartbeat_interval_s, int cross_gloo_threads, int heal_connections) {
+                       double heartbeat_interval_s, int cross_gloo_threads, int heal_connections,
+                       bool cross_lazy_connections) {
              ft::ManagerOptions o;
              o.lighthouse(lighthouse)
                  .group_id(group_id)
@@ -116,13 +117,14 @@ void bind_ft(py::module& root) {
                  .cross_group_timeout(ms_of(cross_group_timeout_s, "cross_group_timeout"))
                  .heartbeat_interval(ms_of(heartbeat_interval_s, "heartbeat_interval"))
                  .cross_gloo_threads(cross_gloo_threads)
-                 .heal_connections(heal_connections);
+                 .heal_connections(heal_connections)
+                 .cross_lazy_connections(cross_lazy_connections);
              py::gil_scoped_release nogil;  // collective over the group
              return std::make_unique<ft::Manager>(std::move(group), std::move(o));
            }),
            py::arg("group"), py::arg("lighthouse"), py::arg("group_id"), py::arg("token"), py::arg("quorum_timeout_s"),
            py::arg("cross_group_timeout_s"), py::arg("heartbeat_interval_s"), py::arg("cross_gloo_threads"),
-           py::arg("heal_connections"))
+           py::arg("heal_connections"), py::arg("cross_lazy_connections") = false)
       .def("register_state",
            [](ft::Manager& mgr, const std::string& key, py::object save, py::object load, const std::string& scope) {
              PyCallbacks cb(std::move(save), std::move(load));

@@ -21,12 +21,13 @@ WORKER = textwrap.dedent("""
     import sys, torch, torch.distributed as dist, ddpkit.ft
     lighthouse, group, steps, out, ckpt, resume = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], \\
         sys.argv[5], sys.argv[6] == "1"
+    lazy = sys.argv[7] == "1"
     dist.init_process_group("gloo")
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     data = torch.randn(64, 8, generator=torch.Generator().manual_seed(1))
-    manager = ddpkit.ft.Manager(lighthouse=lighthouse, group_id=f"g{group}")
+    manager = ddpkit.ft.Manager(lighthouse=lighthouse, group_id=f"g{group}", cross_lazy_connections=lazy)
     manager.register_state_dict("model", model.state_dict, model.load_state_dict)
     manager.register_state_dict("optimizer", opt.state_dict, opt.load_state_dict)
     if resume:
@@ -66,15 +67,18 @@ def reference(steps):
     return [p.detach() for p in model.parameters()]
 
 
-def run_groups(tmp_path, address, groups, steps, ckpt="", resume=False):
+def run_groups(tmp_path, address, groups, steps, ckpt="", resume=False, lazy=False):
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
     procs = []
     for g in groups:
         env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
                    OMP_NUM_THREADS="1", USE_LIBUV="0")  # Debian 13's torch 2.6: no libuv
+        if lazy:
+            env["DDPKIT_SHM"] = "0"  # the groups as on hosts of their own: the cross group over Gloo
         procs.append(subprocess.Popen([sys.executable, str(script), address, str(g), str(steps),
-                                       str(tmp_path / f"g{g}.pt"), ckpt, "1" if resume else "0"], env=env,
+                                       str(tmp_path / f"g{g}.pt"), ckpt, "1" if resume else "0", "1" if lazy else "0"],
+                                      env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     for p in procs:
         out, _ = p.communicate(timeout=120)
@@ -101,3 +105,15 @@ def test_two_groups_train_as_one_ddp_and_a_checkpoint_resumes_them(tmp_path):
             assert r["replica_count"] == 2 and r["stats"]["steps_committed"] == 3, r["stats"]
             assert all(torch.equal(a, b) for a, b in zip(r["params"], results[0]["params"]))
         assert lighthouse.quorums_formed >= 2
+
+
+def test_cross_groups_that_connect_lazily_train_the_same(tmp_path):
+    import ddpkit.ft
+    with ddpkit.ft.Lighthouse("127.0.0.1:0", min_replicas=2) as lighthouse:
+        results = run_groups(tmp_path, lighthouse.address, [0, 1], 4, lazy=True)
+    ref = reference(4)
+    for r in results:
+        assert r["stats"]["cross_transport"].startswith("gloo (pairs connected on demand)"), r["stats"]
+        assert r["stats"]["steps_committed"] == 4, r["stats"]
+        for mine, want in zip(r["params"], ref):
+            assert torch.allclose(mine, want, atol=1e-6)

@@ -14,8 +14,6 @@ namespace ddpkit {
 using detail::bytes_of;
 using detail::describe_tensor;
 
-namespace {
-
 std::shared_ptr<::gloo::transport::Device> make_gloo_device(const ProcessGroupOptions& o) {
   if (const char* ifname = std::getenv("GLOO_SOCKET_IFNAME")) {
     return c10d::ProcessGroupGloo::createDeviceForInterface(ifname);
@@ -32,7 +30,9 @@ std::shared_ptr<::gloo::transport::Device> make_gloo_device(const ProcessGroupOp
   return c10d::ProcessGroupGloo::createDefaultDevice();
 }
 
+namespace {
 void swallow_sigpipe(int) {}
+}  // namespace
 
 // Gloo writes to its sockets with writev, which raises SIGPIPE once the peer has gone; at the
 // signal's default that ends this process instead of failing the collective. Python ignores
@@ -53,7 +53,12 @@ void survive_writes_to_dead_peers() {
   });
 }
 
-}  // namespace
+std::unique_lock<std::mutex> lock_gloo_calls() {
+  // libtorch's Gloo records each collective in one process-wide flight recorder whose table of
+  // groups it fills without a lock (libtorch after 2.6): calls from two groups at once corrupt it.
+  static std::mutex gloo_calls;
+  return std::unique_lock<std::mutex>(gloo_calls);
+}
 
 GlooTransport::GlooTransport(GroupCore& core, const c10::intrusive_ptr<c10d::Store>& store) : Transport(core) {
   survive_writes_to_dead_peers();
@@ -69,12 +74,7 @@ GlooTransport::GlooTransport(GroupCore& core, const c10::intrusive_ptr<c10d::Sto
 
 GlooTransport::~GlooTransport() = default;
 
-detail::BackendCall GlooTransport::backend_call() {
-  // libtorch's Gloo records each collective in one process-wide flight recorder whose table of
-  // groups it fills without a lock (libtorch after 2.6): calls from two groups at once corrupt it.
-  static std::mutex gloo_calls;
-  return {std::unique_lock<std::mutex>(gloo_calls), backend_.get()};
-}
+detail::BackendCall GlooTransport::backend_call() { return {lock_gloo_calls(), backend_.get()}; }
 
 bool GlooTransport::point_to_point(const at::Tensor& t) const {
   return t.device().is_cpu() && !t.is_sparse();

@@ -9,10 +9,20 @@
 
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
 namespace ddpkit {
+
+// The Gloo device a group's connections use, from the options and the environment (an address or
+// interface to listen on).
+std::shared_ptr<::gloo::transport::Device> make_gloo_device(const ProcessGroupOptions& o);
+// Gloo's writes to a peer that has gone raise SIGPIPE: once per process, a handler that does
+// nothing, unless the program set its own, so that the collective fails instead of the process.
+void survive_writes_to_dead_peers();
+// Held around every call into a c10d Gloo backend, of any group (GlooTransport::backend_call).
+std::unique_lock<std::mutex> lock_gloo_calls();
 
 class GlooTransport final : public Transport {
  public:

@@ -14,7 +14,12 @@ using detail::describe_tensor;
 
 std::unique_ptr<Transport> create_network_transport(GroupCore& core, const c10::intrusive_ptr<c10d::Store>& setup_store,
                                                     const c10::intrusive_ptr<c10d::Store>& group_store) {
-  if (core.options().backend() == "nccl") return make_nccl_transport(core, group_store);
+  if (core.options().backend() == "nccl") {
+    DDPKIT_CHECK(!core.options().lazy_connections(), "lazy_connections is for the gloo backend (nccl connects lazily "
+                 "by itself)");
+    return make_nccl_transport(core, group_store);
+  }
+  if (core.options().lazy_connections() && core.size() > 1) return make_gloo_pairs_transport(core, group_store);
   return make_gloo_transport(core, setup_store);
 }
 

@@ -2,6 +2,8 @@
 // implementation per file, chosen once when the group is made (create_transport, transport.cpp):
 //
 //   gloo          c10d Gloo between any ranks (gloo_transport.cpp, point to point in gloo_exchange.cpp)
+//   gloo pairs    Gloo over pairs connected when a collective first needs them, rings and trees
+//                 (ProcessGroupOptions::lazy_connections; gloo_pairs_transport.cpp)
 //   nccl          c10d NCCL, CUDA tensors (nccl_transport.cpp)
 //   two-phase     allreduce as two alltoalls over an inner transport: fp16/bf16 on Gloo, and fp32
 //                 from ProcessGroupOptions::two_phase_min_bytes up (two_phase_transport.cpp)
@@ -122,6 +124,8 @@ class ForwardingTransport : public Transport {
 
 // The transports (one file each) and the choice between them.
 std::unique_ptr<Transport> make_gloo_transport(GroupCore& core, const c10::intrusive_ptr<c10d::Store>& store);
+// `store` must live as long as the group: pairs meet through it when first needed.
+std::unique_ptr<Transport> make_gloo_pairs_transport(GroupCore& core, const c10::intrusive_ptr<c10d::Store>& store);
 std::unique_ptr<Transport> make_nccl_transport(GroupCore& core, const c10::intrusive_ptr<c10d::Store>& store);
 std::unique_ptr<Transport> make_two_phase_transport(GroupCore& core, std::unique_ptr<Transport> inner);
 std::unique_ptr<Transport> make_checked_transport(GroupCore& core, std::unique_ptr<Transport> inner);
@@ -136,7 +140,8 @@ std::unique_ptr<Transport> make_hierarchical_transport(GroupCore& core, std::sha
 
 // The network transport for options().backend(): gloo, which meets its peers through
 // `setup_store` (its keys are deleted once every rank is connected), or nccl, whose rendezvous is
-// lazy (at its first collective) and so reads `group_store` for as long as the group lives.
+// lazy (at its first collective) and so reads `group_store` for as long as the group lives, as
+// gloo with lazy_connections does.
 std::unique_ptr<Transport> create_network_transport(GroupCore& core, const c10::intrusive_ptr<c10d::Store>& setup_store,
                                                     const c10::intrusive_ptr<c10d::Store>& group_store);
 // The group's transport: `network` as it is, or wrapped by two-phase, shared memory or
@@ -150,6 +155,8 @@ std::unique_ptr<Transport> create_transport(ProcessGroup& group, GroupCore& core
 // sequencer; completes `result` with `value`.
 void run_two_phase_over_backend(GroupCore& core, Transport& transport, const std::shared_ptr<TwoPhaseJob>& job,
                                 const at::Tensor& value, const std::string& what, const FuturePtr& result);
+// Piece p of a two-phase buffer (of `pieces` equal consecutive blocks).
+at::Tensor two_phase_block(const at::Tensor& t, int64_t pieces, int64_t p);
 // The checks every two_phase makes of its job's buffers.
 void check_two_phase(const GroupCore& core, const TwoPhaseJob& job, const std::string& what);
 

@@ -18,13 +18,14 @@ namespace ddpkit {
 using detail::bytes_of;
 using detail::describe_tensor;
 
-namespace {
-
-// Piece p of a two-phase buffer, and what one rank sends of it (counted like alltoall).
 at::Tensor two_phase_block(const at::Tensor& t, int64_t pieces, int64_t p) {
   const int64_t len = t.numel() / pieces;
   return t.view({-1}).narrow(0, p * len, len);
 }
+
+namespace {
+
+// What one rank sends of a two-phase buffer's piece (counted like alltoall).
 uint64_t two_phase_bytes(const at::Tensor& t, int64_t pieces, int64_t n) {
   return bytes_of(t) / pieces * (n - 1) / n;
 }

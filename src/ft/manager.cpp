@@ -260,11 +260,9 @@ struct Manager::Impl {
   // A connection of its own to the store at `address`, under `prefix`: a TCPStore client holds its
   // lock through a blocking wait, so a rendezvous given up on must not share one with the next.
   c10::intrusive_ptr<c10d::Store> store_at(const std::string& address, const std::string& prefix) const {
-    c10d::TCPStoreOptions so = compat::tcp_store_options();
-    so.port = static_cast<uint16_t>(std::stoi(address.substr(address.rfind(':') + 1)));
-    so.isServer = false;
-    so.timeout = options.cross_group_timeout();
-    return c10::make_intrusive<c10d::PrefixStore>(prefix, c10::make_intrusive<c10d::TCPStore>(host_of(address), so));
+    const int port = std::stoi(address.substr(address.rfind(':') + 1));
+    return c10::make_intrusive<c10d::PrefixStore>(
+        prefix, compat::tcp_store_client(host_of(address), port, options.cross_group_timeout()));
   }
 
   // The options of the groups this rank makes across the replica groups: Gloo listens on the
@@ -274,6 +272,7 @@ struct Manager::Impl {
     ProcessGroupOptions o = group->options();
     o.group_name(name).timeout(options.cross_group_timeout()).abortable(true).check_collectives(false);
     if (options.cross_gloo_threads() > 0) o.gloo_threads(options.cross_gloo_threads());
+    o.lazy_connections(options.cross_lazy_connections());
     const std::string towards = local_address_towards(host_of(store_address), 1);
     if (!towards.empty()) o.gloo_hostname(towards);
     return o;
@@ -299,7 +298,7 @@ struct Manager::Impl {
     const std::string prefix =
         "ddpkit-ft/q" + std::to_string(quorum) + "/heal/" + name + "/r" + std::to_string(group->rank());
     ProcessGroupOptions o = across_options("ft-heal", address);
-    o.gloo_connections(options.heal_connections());
+    o.gloo_connections(options.heal_connections()).lazy_connections(false);  // one pair, made at once
     const int64_t since = beats_now();
     return run_unless<std::shared_ptr<ProcessGroup>>(
         [this, address, prefix, rank, o] { return std::make_shared<ProcessGroup>(store_at(address, prefix), rank, 2, o); },

@@ -130,6 +130,10 @@ Fault tolerance across replica groups (docs/fault_tolerance.md):
   --heal-connections N    connections a heal streams a peer's state over where it cannot read
                           the peer's memory (between hosts; default 1: one TCP stream fills a
                           link unless the network caps each flow below it)
+  --cross-lazy-connections
+                          groups (sites) connect to each other when a collective first needs it,
+                          rings and trees, instead of all pairs at each quorum change: for tens
+                          of groups or sites (docs/scale.md)
   --step-log PATH         each group's rank 0 appends a line per step to PATH.<group id>: the
                           step, its end (Unix ms), its length (ms) and whether it committed
   With --checkpoint-dir, the quorum's first group writes the checkpoints (the replicas are equal;
@@ -346,7 +350,8 @@ std::vector<std::string> checkpoint_settings(const Flags& f) {
   return f.settings({"nproc", "epochs", "steps", "quiet", "no-eval", "timeout-s", "threads", "gloo-threads",
                      "gloo-connections", "piece-kb", "data-dir", "no-malloc-tuning", "no-divergence-guard",
                      "checkpoint-dir", "checkpoint-every", "resume", "max-restarts", "backend", "report-resources",
-                     "fault-tolerant", "replica-groups", "replica-group", "min-replicas", "lighthouse", "step-log", "heal-connections"});
+                     "fault-tolerant", "replica-groups", "replica-group", "min-replicas", "lighthouse", "step-log", "heal-connections",
+                     "cross-lazy-connections"});
 }
 
 TensorDict checkpoint_extra(const std::vector<std::string>& settings, int64_t epoch, int64_t samples_in_epoch) {

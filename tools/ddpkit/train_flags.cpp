@@ -19,7 +19,8 @@ namespace {
 const std::vector<std::string> kTrainSwitches = {
     "gradient-as-bucket-view", "find-unused-parameters", "no-ddp", "no-eval", "quiet", "no-malloc-tuning",
     "powersgd-batch-same-shape", "no-error-feedback", "no-warm-start", "int8-error-feedback", "optimizer-in-hook",
-    "zero-shard-buckets", "zero-bucket-view", "no-divergence-guard", "resume", "fault-tolerant", "outer-error-feedback"};
+    "zero-shard-buckets", "zero-bucket-view", "no-divergence-guard", "resume", "fault-tolerant", "outer-error-feedback",
+    "cross-lazy-connections"};
 
 compat::optional<at::ScalarType> fsdp_dtype(const Flags& f, const std::string& flag) {
   const std::string v = f.str(flag);
@@ -214,7 +215,9 @@ void check_fault_tolerance_flags(const Flags& f, TrainFlags& t) {
   t.lighthouse = f.str("lighthouse");
   t.replica_group = f.str("replica-group").empty() ? -1 : f.integer("replica-group");
   t.heal_connections = f.str("heal-connections").empty() ? 1 : f.integer("heal-connections");
+  t.cross_lazy_connections = f.on("cross-lazy-connections");
   if (!t.fault_tolerant) {
+    if (t.cross_lazy_connections) throw UsageError("--cross-lazy-connections needs --fault-tolerant");
     for (const char* flag : {"replica-group", "lighthouse", "step-log", "heal-connections"})
       if (!f.str(flag).empty()) throw UsageError(std::string("--") + flag + " needs --fault-tolerant");
     if (t.replica_groups != 1) throw UsageError("--replica-groups needs --fault-tolerant");

@@ -26,6 +26,7 @@ struct TrainFlags {
   // the fewest that may train on, and the lighthouse ("" : start one).
   bool fault_tolerant = false;
   int replica_groups = 1, replica_group = -1, min_replicas = 1;
+  bool cross_lazy_connections = false;  // ft::ManagerOptions::cross_lazy_connections
   int heal_connections = 1;  // connections of a heal's pair group (ft::ManagerOptions::heal_connections)
   std::string lighthouse;
   // --diloco H: DiLoCo across the replica groups (0: off), its outer optimizer and codec, and

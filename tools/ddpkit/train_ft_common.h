@@ -107,6 +107,7 @@ inline ft::ManagerOptions group_manager_options(const TrainFlags& t, const Fault
       .quorum_timeout(timeout)
       .cross_group_timeout(std::min(timeout, std::chrono::milliseconds(30000)))
       .heal_connections(t.heal_connections)
+      .cross_lazy_connections(t.cross_lazy_connections)
       .on_phase(fault.hook());
 }
 

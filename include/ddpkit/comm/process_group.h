@@ -107,6 +107,15 @@ struct ProcessGroupOptions {
   // (round robin), so with N > 1 a large fp32 allreduce is split into N slices that travel
   // concurrently on separate connections and worker threads.
   TORCH_ARG(int, gloo_connections) = 1;
+  // Gloo connects a pair of ranks the first time a collective needs it, instead of every pair
+  // when the group is made (a full mesh: N-1 connections and store reads per rank, which at tens
+  // of hosts dominate a short-lived group's cost: ft::Manager's cross groups at many sites).
+  // Collectives are then rings and trees: allreduce by recursive doubling (small) or a ring,
+  // broadcast by a binomial tree, allgather by a ring, so a rank connects to 2 + log2(N) peers;
+  // alltoall, reduce_scatter and two-phase collectives still need every pair (made at their first
+  // call). One collective runs at a time; monitored_barrier and with_backend() are refused.
+  // Gloo only. docs/scale.md has the costs.
+  TORCH_ARG(bool, lazy_connections) = false;
   // Address Gloo listens on. Empty: GLOO_SOCKET_IFNAME's interface if set, 127.0.0.1 when
   // MASTER_ADDR is a loopback address or unset, else the address this host's name resolves to.
   TORCH_ARG(std::string, gloo_hostname) = "";

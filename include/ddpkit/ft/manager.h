@@ -54,6 +54,12 @@ struct ManagerOptions {
   // the groups); 0: the replica group's. Over a long round trip more in flight fill the link
   // (DiLoCo's outer all-reduce: `ddpkit train --diloco` takes 4).
   TORCH_ARG(int, cross_gloo_threads) = 0;
+  // The cross-group process groups connect a pair of groups when a collective first needs it
+  // (ProcessGroupOptions::lazy_connections), not all pairs when a quorum changes: at tens of
+  // groups or sites a new quorum's group is ready in milliseconds instead of a full mesh's
+  // seconds, and a small all-reduce is a tree (bench/cross_group_sites.cpp, docs/scale.md).
+  // Off: Gloo's full mesh, whose collectives overlap (DDP's buckets across 2-8 groups).
+  TORCH_ARG(bool, cross_lazy_connections) = false;
   // The address this rank's state service listens on, as the other groups reach it; empty: this
   // host's address on the route to the lighthouse (127.0.0.1 when the lighthouse is on loopback).
   TORCH_ARG(std::string, state_host) = "";
