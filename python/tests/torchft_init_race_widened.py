@@ -1,4 +1,4 @@
-"""Widens torchft manager_integ_test's init race (torchft_init_race.py) so that it is hit every
+"""Widens torchft manager_integ_test's init race (torchft_test_races.py) so that it is hit every
 time: each replica sleeps inside INIT_LOCK after manual_seed(42), before its model draws its weights."""
 import time
 
