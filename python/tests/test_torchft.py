@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 from datetime import timedelta
 
 import pytest
@@ -36,8 +37,12 @@ TORCHFT_MODULES = [
 
 
 def _reruns(stderr):
-    """The tests torchft_test_races ran again after torchft's own upscale race failed them."""
-    return [line for line in stderr.splitlines() if line.startswith("torchft_test_races:")]
+    """The tests torchft_test_races ran again after torchft's own upscale race failed them, each also
+    a warning (pytest's summary shows warnings of passing tests too)."""
+    lines = [line for line in stderr.splitlines() if line.startswith("torchft_test_races:")]
+    for line in lines:
+        warnings.warn(line)
+    return lines
 
 
 @pytest.mark.parametrize("module", TORCHFT_MODULES)
