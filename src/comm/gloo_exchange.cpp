@@ -16,10 +16,7 @@ using detail::describe_tensor;
 
 namespace {
 
-// Point-to-point tags of the exchanges: a range of their own (ProcessGroup::kFirstInternalTag up),
-// apart from the small tags programs use for their own send/recv on the same Gloo group. Every
-// rank numbers its exchanges in issue order (the sequencer's), so a tag names the same exchange on
-// both ends of each message.
+// Point-to-point tags of the exchanges (exchange_tag).
 constexpr uint32_t kExchangeTagBase = static_cast<uint32_t>(ProcessGroup::kFirstInternalTag);
 constexpr uint32_t kExchangeTags = 0x00FFFFFFu;
 // monitored_barrier's two messages, above the exchanges': a rank that never calls it (the barrier
@@ -50,17 +47,28 @@ std::function<void()> putting_back(PutBack put_back) {
 
 }  // namespace
 
+int exchange_tag(uint32_t n) { return static_cast<int>(kExchangeTagBase + n % kExchangeTags); }
+
+void wait_for_messages(const std::vector<PeerMessage>& messages, std::chrono::steady_clock::time_point deadline,
+                       std::chrono::milliseconds timeout) {
+  for (const auto& m : messages) {
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+    try {
+      m.work->wait(std::max(left, std::chrono::milliseconds(1)));  // (a Gloo wait of 0 ms waits for ever)
+    } catch (const std::exception& e) {
+      throw std::runtime_error("rank " + std::to_string(m.peer) +
+                               (m.receive ? " sent nothing" : " took nothing this rank sent") + " within " +
+                               std::to_string(timeout.count()) + " ms (gloo: " + e.what() + ")");
+    }
+  }
+}
+
 void GlooTransport::exchange(const std::vector<at::Tensor>& sends, const std::vector<at::Tensor>& recvs,
                                  const std::string& what, const at::Tensor& value, const FuturePtr& result,
                                  std::function<void()> during, std::function<void()> after) {
-  struct Message {
-    c10::intrusive_ptr<c10d::Work> work;
-    int peer;
-    bool receive;
-  };
-  std::vector<Message> messages;
+  std::vector<PeerMessage> messages;
   try {
-    const int tag = static_cast<int>(kExchangeTagBase + exchange_count_++ % kExchangeTags);
+    const int tag = exchange_tag(exchange_count_++);
     for (int peer = 0; peer < core_.size(); ++peer) {
       if (peer == core_.rank()) continue;
       std::vector<at::Tensor> out{sends[peer]}, in{recvs[peer]};
@@ -79,16 +87,7 @@ void GlooTransport::exchange(const std::vector<at::Tensor>& sends, const std::ve
                           during = std::move(during), after = std::move(after)] {
     try {
       if (during) during();
-      for (const auto& m : messages) {
-        const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
-        try {
-          m.work->wait(std::max(left, std::chrono::milliseconds(1)));
-        } catch (const std::exception& e) {
-          throw std::runtime_error("rank " + std::to_string(m.peer) +
-                                   (m.receive ? " sent nothing" : " took nothing this rank sent") + " within " +
-                                   std::to_string(timeout.count()) + " ms (gloo: " + e.what() + ")");
-        }
-      }
+      wait_for_messages(messages, deadline, timeout);
       if (after) after();
       result->markCompleted(c10::IValue(value));
     } catch (...) {

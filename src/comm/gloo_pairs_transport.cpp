@@ -40,7 +40,6 @@ using detail::bytes_of;
 using detail::describe_tensor;
 
 using Clock = std::chrono::steady_clock;
-using WorkPtr = c10::intrusive_ptr<c10d::Work>;
 
 // Below this, allreduce is recursive doubling (latency: log2 N rounds); from it, a ring
 // (bandwidth: each rank sends 2(N-1)/N of the tensor).
@@ -95,11 +94,6 @@ class GlooPairsTransport final : public Transport {
     survive_writes_to_dead_peers();
     device_ = make_gloo_device(o);
     runner_ = std::make_unique<JobThread>();
-  }
-
-  ~GlooPairsTransport() override {
-    runner_.reset();  // finishes what is queued (each bounded by the timeout)
-    pairs_.clear();
   }
 
   std::string name() const override { return "gloo (pairs connected on demand)"; }
@@ -174,7 +168,7 @@ class GlooPairsTransport final : public Transport {
       // Phase 1 of `window` pieces in flight, and as many phase 2s: over a long round trip a
       // piece's wait overlaps the others' transfers (as Gloo's workers do for two_phase there).
       const int64_t window = std::max(2, core_.options().gloo_threads());
-      std::deque<std::vector<Message>> firsts, seconds;
+      std::deque<std::vector<PeerMessage>> firsts, seconds;
       for (int64_t p = 0; p < std::min(window, job->pieces); ++p) firsts.push_back(first(p));
       int64_t decoded = 0;
       auto decode_oldest = [&] {
@@ -259,44 +253,25 @@ class GlooPairsTransport final : public Transport {
       if (!e.empty()) throw std::runtime_error(e + " (first needed by " + what + ")");
   }
 
-  struct Message {
-    WorkPtr work;
-    int peer;
-    bool receive;
-  };
-
-  // Posts one message. A Gloo send writes to the socket on the calling thread, so only where
-  // libtorch records Gloo calls in its process-wide table (after 2.6; lock_gloo_calls) is it made
-  // one at a time with every other group's calls.
-  Message post(bool send, int peer, const at::Tensor& bytes, int tag) {
+  // Posts one message, one call into Gloo at a time across the process (lock_gloo_calls).
+  PeerMessage post(bool send, int peer, const at::Tensor& bytes, int tag) {
     std::vector<at::Tensor> t{bytes};
-#if DDPKIT_TORCH_AT_LEAST(2, 7)
     auto lock = lock_gloo_calls();
-#endif
     auto& pair = *pairs_.at(peer);
     const int other = core_.rank() < peer ? 1 : 0;
     return {send ? pair.send(t, other, tag) : pair.recv(t, other, tag), peer, !send};
   }
 
-  void wait(const std::vector<Message>& messages, Clock::time_point deadline) {
-    for (const auto& m : messages) {
-      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
-      try {
-        m.work->wait(std::max(left, std::chrono::milliseconds(1)));  // (Gloo waits for ever on 0)
-      } catch (const std::exception& e) {
-        throw std::runtime_error("rank " + std::to_string(m.peer) +
-                                 (m.receive ? " sent nothing" : " took nothing this rank sent") + " within " +
-                                 std::to_string(core_.timeout().count()) + " ms (gloo: " + e.what() + ")");
-      }
-    }
+  void wait(const std::vector<PeerMessage>& messages, Clock::time_point deadline) const {
+    wait_for_messages(messages, deadline, core_.timeout());
   }
 
   // One tag per collective: messages of one collective between two ranks match in order.
-  int next_tag() { return static_cast<int>(ProcessGroup::kFirstInternalTag + (collectives_++ % 0x00FFFFFFu)); }
+  int next_tag() { return exchange_tag(collectives_++); }
 
   // Sends `send` to `to` and receives `recv` from `from` at once (either may be -1: none).
   void send_recv(int to, const at::Tensor& send, int from, const at::Tensor& recv, int tag, Clock::time_point deadline) {
-    std::vector<Message> m;
+    std::vector<PeerMessage> m;
     if (from >= 0) m.push_back(post(false, from, recv, tag));
     if (to >= 0) m.push_back(post(true, to, send, tag));
     wait(m, deadline);
@@ -416,10 +391,10 @@ class GlooPairsTransport final : public Transport {
 
   // Block r of `in` to rank r, block r of `out` from rank r: one message each way with every
   // (connected) peer, posted; this rank's own block copied.
-  std::vector<Message> post_alltoall(const at::Tensor& out, const at::Tensor& in, int tag) {
+  std::vector<PeerMessage> post_alltoall(const at::Tensor& out, const at::Tensor& in, int tag) {
     const int n = core_.size(), me = core_.rank();
     const int64_t block = in.numel() / n;
-    std::vector<Message> m;
+    std::vector<PeerMessage> m;
     // Round i sends to me + i and receives from me - i, as Gloo's alltoall does: every rank starts
     // on a different peer instead of all on rank 0.
     for (int i = 1; i < n; ++i) {
@@ -442,6 +417,8 @@ class GlooPairsTransport final : public Transport {
   std::shared_ptr<::gloo::transport::Device> device_;
   std::map<int, c10::intrusive_ptr<c10d::ProcessGroupGloo>> pairs_;  // on the runner only
   uint32_t collectives_ = 0;                                         // on the runner only
+  // Last, so destroyed first: it finishes what is queued (each bounded by the timeout) while the
+  // pairs are still there.
   std::unique_ptr<JobThread> runner_;
 };
 

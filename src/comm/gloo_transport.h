@@ -7,6 +7,7 @@
 #include "local_address.h"
 #include "transport.h"
 
+#include <chrono>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -23,6 +24,21 @@ std::shared_ptr<::gloo::transport::Device> make_gloo_device(const ProcessGroupOp
 void survive_writes_to_dead_peers();
 // Held around every call into a c10d Gloo backend, of any group (GlooTransport::backend_call).
 std::unique_lock<std::mutex> lock_gloo_calls();
+
+// A point-to-point message in flight: its Gloo work and the peer it goes to or comes from.
+struct PeerMessage {
+  c10::intrusive_ptr<c10d::Work> work;
+  int peer;
+  bool receive;
+};
+// Waits for each message until `deadline`; one that fails or is late throws, naming the peer and
+// which way ("rank 2 sent nothing within 30000 ms (gloo: ...)"), `timeout` being the group's.
+void wait_for_messages(const std::vector<PeerMessage>& messages, std::chrono::steady_clock::time_point deadline,
+                       std::chrono::milliseconds timeout);
+// The tag of a group's n-th point-to-point exchange: a range of their own (ProcessGroup::
+// kFirstInternalTag up), apart from the small tags programs use for their own send/recv. Every rank
+// numbers its exchanges in issue order, so a tag names the same exchange on both ends.
+int exchange_tag(uint32_t n);
 
 class GlooTransport final : public Transport {
  public:
