@@ -1,8 +1,8 @@
 // What a new quorum's cross group costs at many sites: every site (one rank, a thread of this
-// process, over loopback TCP as between hosts: no shared memory) makes the group through one
-// TCPStore, as ft::Manager does after a quorum change, then runs a small all-reduce, then
-// DiLoCo's outer weighted mean of a pseudo-gradient. Per site count it prints the slowest site's
-// times, and the sockets and threads each site holds.
+// process with a host key of its own, over loopback TCP as between hosts: no shared memory) makes
+// the group through one TCPStore, as ft::Manager does after a quorum change, then runs a small
+// all-reduce, then DiLoCo's outer weighted mean of a pseudo-gradient. Per site count it prints
+// the slowest site's times, and the sockets and threads each site holds.
 //
 //   build/cross_group_sites [--sites 8,16,32,64] [--connections all,lazy] [--numel 1048576]
 //                           [--codecs fp32,int4] [--repeat 3]
@@ -20,6 +20,8 @@
 #include <ddpkit/comm/process_group.h>
 #include <ddpkit/diloco/outer_allreduce.h>
 #include <ddpkit/error.h>
+
+#include "host_key_override.h"
 
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
@@ -128,8 +130,10 @@ void run(int sites, bool lazy, int64_t numel, const std::vector<std::string>& co
     threads.emplace_back([&, s] {
       SiteTimes& t = times[static_cast<size_t>(s)];
       try {
+        // Each site a host of its own, as in a job (they are threads of one machine here).
+        ScopedHostKey host("site-" + std::to_string(s));
         auto store = c10::make_intrusive<c10d::PrefixStore>(
-            "q" + std::to_string(sites) + (lazy ? "-lazy" : ""),
+            "q" + std::to_string(sites),
             compat::tcp_store_client("127.0.0.1", server->getPort(), std::chrono::seconds(120)));
         connected.arrive_and_wait();
         const auto t0 = Clock::now();

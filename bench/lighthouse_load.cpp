@@ -29,6 +29,7 @@
 #include "lighthouse.pb.h"
 #include "torchft_lighthouse.pb.h"
 
+#include <absl/synchronization/mutex.h>
 #include <grpcpp/generic/generic_stub.h>
 #include <grpcpp/grpcpp.h>
 
@@ -621,6 +622,9 @@ class Driver {
 
 int main(int argc, char** argv) {
   const Config cfg = parse(argc, argv);
+  // As ddpkit's own gRPC processes (src/ps/grpc_common.h): Debian's Abseil records a lock graph on
+  // every gRPC mutex acquisition unless told not to; the driver's CPU is shared with either lighthouse.
+  absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
   // A connection per group: room for them all.
   struct rlimit files;
   if (getrlimit(RLIMIT_NOFILE, &files) == 0 && files.rlim_cur < files.rlim_max) {

@@ -12,7 +12,8 @@ lag (more than 1% of ticks skipped, or p99 above the step period).
 
 Columns: q = quorum latency from a group's ask to its reply; rnd = a step's round at the lighthouse,
 from the moment the last ask of the step was handed to gRPC to the last reply (the load
-generator's own time to issue G asks left out); skip% = step ticks a group skipped, still waiting;
+generator's own time to issue G asks left out); out = ddpkit's lighthouse's own time to hand a
+round's replies to gRPC, as it reports at exit (Lighthouse::round_times; not known for torchft); skip% = step ticks a group skipped, still waiting;
 hb = heartbeat latency and rate per sender; false = heartbeat replies naming a live group lost;
 det = detection of a silent group (the first heartbeat reply naming it or the survivors' quorum
 without it); surv = the survivors' quorum without it; join = a restarted group's first quorum; LH =
@@ -102,6 +103,7 @@ class Lighthouse:
         self.idle_rss_mib = rss_mib(self.pid)
 
     def stop(self):
+        """Stops it; returns ddpkit's own round times from its last words ({} for torchft's)."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
@@ -109,6 +111,13 @@ class Lighthouse:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        rest = self.proc.stdout.read() if self.proc.stdout else ""
+        m = re.search(r"rounds: asks in p50 ([\d.]+) p99 ([\d.]+) ms, replies out p50 ([\d.]+) p99 ([\d.]+) max ([\d.]+)",
+                      rest)
+        if not m:
+            return {}
+        keys = ("lh_intake_p50_ms", "lh_intake_p99_ms", "lh_replies_p50_ms", "lh_replies_p99_ms", "lh_replies_max_ms")
+        return dict(zip(keys, map(float, m.groups())))
 
 
 def run_load(args, side, groups, ranks, rate, kills, seconds):
@@ -131,9 +140,10 @@ def run_load(args, side, groups, ranks, rate, kills, seconds):
         row["side"] = side
         row["lighthouse_idle_rss_mib"] = lh.idle_rss_mib
         row["driver_stderr"] = p.stderr.strip()[-400:]
-        return row
     finally:
-        lh.stop()
+        own = lh.stop()
+    row.update(own)
+    return row
 
 
 def fmt(v, digits=1):
@@ -142,10 +152,10 @@ def fmt(v, digits=1):
 
 def print_header():
     print(f"{'side':<13} {'G':>5} {'W':>2} {'ranks':>6} {'q p50':>8} {'q p99':>8} {'rnd p50':>8} {'rnd p99':>8} "
-          f"{'skip%':>6} {'q/g/s':>6} "
+          f"{'out p50':>8} {'out p99':>8} {'skip%':>6} {'q/g/s':>6} "
           f"{'hb p99':>7} {'hb/s':>5} {'false':>5} {'det p50':>8} {'det max':>8} {'surv p50':>8} {'surv max':>8} "
           f"{'join':>7} {'LH cores':>8} {'LH MiB':>7} {'idle':>5} {'drv':>5}")
-    print(f"{'':<13} {'':>5} {'':>2} {'':>6} {'ms':>8} {'ms':>8} {'ms':>8} {'ms':>8} {'':>6} {'':>6} {'ms':>7} "
+    print(f"{'':<13} {'':>5} {'':>2} {'':>6} {'ms':>8} {'ms':>8} {'ms':>8} {'ms':>8} {'ms':>8} {'ms':>8} {'':>6} {'':>6} {'ms':>7} "
           f"{'':>5} {'':>5} "
           f"{'ms':>8} {'ms':>8} {'ms':>8} {'ms':>8} {'ms':>7} {'':>8} {'peak':>7} {'MiB':>5} {'cores':>5}")
 
@@ -154,7 +164,8 @@ def print_row(steady, churn):
     s, c = steady, churn or {}
     print(f"{s['side']:<13} {s['groups']:>5} {s['ranks']:>2} {s['groups'] * s['ranks']:>6} "
           f"{fmt(s['quorum_p50_ms']):>8} {fmt(s['quorum_p99_ms']):>8} {fmt(s['round_p50_ms']):>8} "
-          f"{fmt(s['round_p99_ms']):>8} {100 * s['ticks_skipped']:>6.1f} "
+          f"{fmt(s['round_p99_ms']):>8} {fmt(s.get('lh_replies_p50_ms', -1)):>8} {fmt(s.get('lh_replies_p99_ms', -1)):>8} "
+          f"{100 * s['ticks_skipped']:>6.1f} "
           f"{s['quorums_per_group_s']:>6.2f} {fmt(s['heartbeat_p99_ms']):>7} {s['heartbeats_per_sender_s']:>5.1f} "
           f"{s['false_losses'] + c.get('false_losses', 0):>5} {fmt(c.get('detect_p50_ms', -1), 0):>8} "
           f"{fmt(c.get('detect_max_ms', -1), 0):>8} {fmt(c.get('survivors_p50_ms', -1), 0):>8} "

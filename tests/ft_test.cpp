@@ -342,6 +342,29 @@ TEST(Lighthouse, StoresDoNotOutliveTheQuorumAfterNext) {
   EXPECT_THAT(error_of([&] { store_client(addresses[0], 300ms)->set("late", {1}); }), ::testing::Not(::testing::IsEmpty()));
 }
 
+// The lighthouse times its own part of each round: the asks coming in (a group 200 ms late shows
+// there) and its replies handed to gRPC; rounds that sent a whole quorum are counted apart.
+TEST(Lighthouse, TimesItsOwnPartOfEachRound) {
+  Lighthouse lh(LighthouseOptions().expected_groups(2));
+  lh.start();
+  auto ca = client_of(lh), cb = client_of(lh);
+  for (int k = 0; k < 5; ++k) {
+    auto qa = std::async(std::launch::async, [&] { return ca->quorum(group("a", k), 10s); });
+    if (k == 3) std::this_thread::sleep_for(200ms);
+    cb->quorum(group("b", k), 10s);
+    qa.get();
+  }
+  const auto t = lh.round_times();
+  EXPECT_EQ(t.whole_rounds, 1);  // the first: neither group held a quorum
+  EXPECT_EQ(t.rounds, 4);
+  EXPECT_GE(t.intake_p99_ms, 100.0);
+  EXPECT_LT(t.intake_p50_ms, 100.0);
+  EXPECT_GE(t.replies_p50_ms, 0.0);
+  EXPECT_LE(t.replies_p50_ms, t.replies_p99_ms);
+  EXPECT_LE(t.replies_p99_ms, t.replies_max_ms);
+  EXPECT_GE(t.whole_replies_max_ms, 0.0);
+}
+
 // Ranks beat through their group: rank 0 alone calls the lighthouse and the others read its
 // reply in the group's store; when one of them stops beating, the group is lost.
 TEST(GroupBeats, RanksBeatThroughRankZeroAndASilentRankLosesTheGroup) {

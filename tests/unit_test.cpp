@@ -1,6 +1,8 @@
 // Bucket assignment, codecs and process-group collectives.
 #include "harness.h"
 
+#include "host_key_override.h"
+
 #include <ddpkit/comm/host_topology.h>
 #include <ddpkit/optim/adam.h>
 #include <ddpkit/optim/sgd.h>
@@ -397,6 +399,36 @@ TEST(HostTopology, EachGroupFindsItsOwn) {
     EXPECT_EQ(sub->topology().local_size(), 2);
     EXPECT_EQ(sub->topology().local_rank(), rank % 2);
   });
+}
+
+// Ranks each on a host of its own (a cross group) are known from two counters; any host with two
+// ranks takes every rank's key. Hosts simulated by labels on one machine.
+TEST(HostTopology, RanksOnHostsOfTheirOwnAndSharedHosts) {
+  auto discover = [](const std::vector<std::string>& labels) {
+    auto store = c10::make_intrusive<c10d::HashStore>();
+    const int world = static_cast<int>(labels.size());
+    std::vector<HostTopology> got(labels.size());
+    std::vector<std::thread> threads;
+    for (int r = 0; r < world; ++r)
+      threads.emplace_back([&, r] {
+        ScopedHostKey host(labels[r]);
+        got[r] = discover_host_topology(*store, "g", r, world, std::chrono::seconds(10));
+      });
+    for (auto& t : threads) t.join();
+    return got;
+  };
+  const auto alone = discover({"a", "b", "c", "d", "e"});
+  for (int r = 0; r < 5; ++r) {
+    EXPECT_EQ(alone[r].hosts(), 5);
+    EXPECT_EQ(alone[r].host(), r);
+    EXPECT_EQ(alone[r].local_size(), 1);
+    EXPECT_EQ(alone[r].host_of_rank, (std::vector<int>{0, 1, 2, 3, 4}));
+  }
+  const auto shared = discover({"a", "b", "a", "c", "b"});
+  for (int r = 0; r < 5; ++r) {
+    EXPECT_EQ(shared[r].host_of_rank, (std::vector<int>{0, 1, 0, 2, 1})) << "rank " << r;
+    EXPECT_EQ(shared[r].ranks_of_host, (std::vector<std::vector<int>>{{0, 2}, {1, 4}, {3}})) << "rank " << r;
+  }
 }
 
 TEST(HostTopology, ARankThatNeverPublishesIsNamed) {

@@ -46,6 +46,19 @@ struct PyCallbacks {
   }
 };
 
+py::dict round_times_dict(const ft::Lighthouse::RoundTimes& t) {
+  py::dict d;
+  d["rounds"] = t.rounds;
+  d["intake_p50_ms"] = t.intake_p50_ms;
+  d["intake_p99_ms"] = t.intake_p99_ms;
+  d["replies_p50_ms"] = t.replies_p50_ms;
+  d["replies_p99_ms"] = t.replies_p99_ms;
+  d["replies_max_ms"] = t.replies_max_ms;
+  d["whole_rounds"] = t.whole_rounds;
+  d["whole_replies_max_ms"] = t.whole_replies_max_ms;
+  return d;
+}
+
 py::dict manager_stats(const ft::ManagerStats& s) {
   py::dict d;
   d["quorums"] = s.quorums;
@@ -103,6 +116,7 @@ void bind_ft(py::module& root) {
            py::arg("heartbeat_timeout_s"), py::arg("token"))
       .def_property_readonly("address", &ft::Lighthouse::address)
       .def_property_readonly("quorums_formed", &ft::Lighthouse::quorums_formed)
+      .def_property_readonly("round_times", [](const ft::Lighthouse& lh) { return round_times_dict(lh.round_times()); })
       .def("shutdown", &ft::Lighthouse::shutdown, py::call_guard<py::gil_scoped_release>());
   py::class_<ft::Manager>(m, "Manager")
       .def(py::init([](std::shared_ptr<ProcessGroup> group, const std::string& lighthouse, const std::string& group_id,

@@ -105,6 +105,9 @@ def test_two_groups_train_as_one_ddp_and_a_checkpoint_resumes_them(tmp_path):
             assert r["replica_count"] == 2 and r["stats"]["steps_committed"] == 3, r["stats"]
             assert all(torch.equal(a, b) for a, b in zip(r["params"], results[0]["params"]))
         assert lighthouse.quorums_formed >= 2
+        rounds = lighthouse.round_times  # every quorum formed is one round, steady or whole
+        assert rounds["rounds"] + rounds["whole_rounds"] == lighthouse.quorums_formed, rounds
+        assert 0 <= rounds["replies_p50_ms"] <= rounds["replies_max_ms"], rounds
 
 
 def test_cross_groups_that_connect_lazily_train_the_same(tmp_path):

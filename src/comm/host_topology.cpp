@@ -66,14 +66,44 @@ HostTopology topology_from_keys(const std::vector<std::string>& keys, int rank) 
   return t;
 }
 
+namespace {
+
+// Every rank's key, read from the store (the general case: 2N keys through one store per rank).
+std::vector<std::string> every_host_key(c10d::Store& store, const std::vector<std::string>& names, int rank,
+                                        const std::string& mine) {
+  std::vector<std::string> others;
+  for (int r = 0; r < static_cast<int>(names.size()); ++r)
+    if (r != rank) others.push_back(names[r]);
+  const auto values = compat::multi_get(store, others);  // one batch: over a long round trip each get costs two
+  std::vector<std::string> keys;
+  for (int r = 0, i = 0; r < static_cast<int>(names.size()); ++r) {
+    if (r == rank) {
+      keys.push_back(mine);
+      continue;
+    }
+    keys.emplace_back(values[i].begin(), values[i].end());
+    ++i;
+  }
+  return keys;
+}
+
+}  // namespace
+
 HostTopology discover_host_topology(c10d::Store& store, const std::string& prefix, int rank, int world,
                                     std::chrono::milliseconds timeout) {
   const std::string mine = this_host_key() + (ScopedHostKey::current().empty() ? "" : "#" + ScopedHostKey::current());
-  store.set(prefix + "/host/" + std::to_string(rank), std::vector<uint8_t>(mine.begin(), mine.end()));
   std::vector<std::string> names;
   for (int r = 0; r < world; ++r) names.push_back(prefix + "/host/" + std::to_string(r));
+  store.set(names[rank], std::vector<uint8_t>(mine.begin(), mine.end()));
+  // Hosts counted, not listed: the first rank on a host counts it, and the last rank to arrive says
+  // so. When there are as many hosts as ranks (a cross group: one rank per replica group, each on
+  // its own hosts) every rank knows the topology from two counters, O(1) store calls, instead of
+  // reading every rank's key (at 64 sites the group's build was mostly these reads:
+  // bench/cross_group_sites, docs/scale.md).
+  if (store.add(prefix + "/on/" + mine, 1) == 1) store.add(prefix + "/hosts", 1);
+  if (store.add(prefix + "/arrived", 1) == world) store.set(prefix + "/all", std::vector<uint8_t>{1});
   try {
-    store.wait(names, timeout);
+    store.wait({prefix + "/all"}, timeout);
   } catch (const std::exception& e) {
     std::string missing;
     for (int r = 0; r < world; ++r)
@@ -82,21 +112,16 @@ HostTopology discover_host_topology(c10d::Store& store, const std::string& prefi
                     std::to_string(world) + ": rank(s) " + missing + " did not publish their host within " +
                     std::to_string(timeout.count()) + " ms (" + e.what() + ")");
   }
-  // The others' keys in one batch (over a long round trip each get costs two).
-  std::vector<std::string> others;
-  for (int r = 0; r < world; ++r)
-    if (r != rank) others.push_back(names[r]);
-  const auto values = compat::multi_get(store, others);
-  std::vector<std::string> keys;
-  for (int r = 0, i = 0; r < world; ++r) {
-    if (r == rank) {
-      keys.push_back(mine);
-      continue;
+  if (store.add(prefix + "/hosts", 0) == world) {
+    HostTopology t;
+    t.rank = rank;
+    for (int r = 0; r < world; ++r) {
+      t.host_of_rank.push_back(r);
+      t.ranks_of_host.push_back({r});
     }
-    keys.emplace_back(values[i].begin(), values[i].end());
-    ++i;
+    return t;
   }
-  return topology_from_keys(keys, rank);
+  return topology_from_keys(every_host_key(store, names, rank, mine), rank);
 }
 
 }  // namespace ddpkit

@@ -24,6 +24,8 @@
 #include <set>
 #include <sstream>
 #include <thread>
+#include <unordered_map>
+#include <utility>
 
 namespace ddpkit {
 namespace ft {
@@ -77,13 +79,15 @@ struct Lighthouse::Impl {
     int world_size = 0;
     std::map<int, Clock::time_point> last;  // rank -> last heartbeat
     Clock::time_point last_any;             // the newest of them (for forgetting long-dead groups)
+    Clock::time_point oldest;               // the oldest of them (settle()): liveness in O(1)
   };
 
   LighthouseOptions options;
   const std::string instance;  // QuorumReply.lighthouse
   mutable std::mutex mu;
   std::map<std::string, std::shared_ptr<QuorumWaiter>> waiting;  // by group id
-  std::map<std::string, Beats> beats;                            // by group id
+  // By group id; hashed: the lost groups are recomputed a hundred times a second from a thousand lookups.
+  std::unordered_map<std::string, Beats> beats;
   Quorum last;
   std::set<std::string> reported_lost;  // groups of `last` whose loss on_event has been told
   std::vector<std::string> events;       // for on_event, which the ticker calls outside mu
@@ -109,6 +113,17 @@ struct Lighthouse::Impl {
   std::thread ticker;
   std::condition_variable ticker_cv;
 
+  // The last kRounds quorum rounds' times (round_times()): how long a quorum's asks took to come
+  // in, and to hand its replies to gRPC, the part of a round that is the lighthouse's own.
+  static constexpr size_t kRounds = 1024;
+  // Rounds whose every reply was a delta; those where a caller got the whole quorum (the first, a
+  // restarted group's) are counted apart: their replies are G members each.
+  std::deque<std::pair<double, double>> rounds;  // (intake ms, replies ms)
+  int64_t rounds_total = 0, whole_rounds = 0;
+  double whole_replies_max_ms = 0;
+  std::optional<double> formed_intake_ms;  // set by try_form for the caller that sends its replies
+  bool formed_whole = false;
+
   static constexpr auto kLostRefresh = std::chrono::milliseconds(10);
   static constexpr auto kTick = std::chrono::milliseconds(20);
 
@@ -126,23 +141,21 @@ struct Lighthouse::Impl {
     auto it = beats.find(group);
     return it != beats.end() && live(it->second, now);
   }
+  // (`last` holds exactly ranks 0..world_size-1 once the size is known: register_group.)
   bool live(const Beats& b, Clock::time_point now) const {
-    if (b.world_size <= 0) {
-      for (const auto& kv : b.last)
-        if (now - kv.second > options.heartbeat_timeout()) return false;
-      return !b.last.empty();
-    }
-    for (int r = 0; r < b.world_size; ++r) {
-      auto it = b.last.find(r);
-      if (it == b.last.end() || now - it->second > options.heartbeat_timeout()) return false;
-    }
-    return true;
+    if (b.last.empty() || (b.world_size > 0 && static_cast<int>(b.last.size()) < b.world_size)) return false;
+    return now - b.oldest <= options.heartbeat_timeout();
   }
 
+  // Each change of `last` is followed by settle(b) (a group's beat names all its ranks at once).
   void heard(Beats& b, int rank, Clock::time_point when) {
     auto& t = b.last[rank];
     t = std::max(t, when);
     b.last_any = std::max(b.last_any, when);
+  }
+  static void settle(Beats& b) {
+    b.oldest = Clock::time_point::max();
+    for (const auto& kv : b.last) b.oldest = std::min(b.oldest, kv.second);
   }
 
   // The group's rank 0 asked for a quorum: (re)register its incarnation and ranks.
@@ -157,6 +170,7 @@ struct Lighthouse::Impl {
     for (auto it = b.last.begin(); it != b.last.end();) it = it->first >= g.world_size ? b.last.erase(it) : std::next(it);
     for (int r = 0; r < g.world_size; ++r) b.last.emplace(r, now);  // not yet heard from: from now
     heard(b, 0, now);
+    settle(b);
   }
 
   // The last quorum's participants that are gone: not live, or restarted since (the process
@@ -183,6 +197,7 @@ struct Lighthouse::Impl {
   // Under mu: forms the next quorum if the rule allows; its participants' answers go to `out`.
   void try_form(Clock::time_point now, std::vector<Answer>& out) {
     report_losses(now);  // before a quorum without them replaces the one they were lost from
+    if (waiting.empty()) return;  // nobody to answer: the ticker's pass costs nothing between steps
     std::vector<std::shared_ptr<QuorumWaiter>> joining;
     bool every_live_group_asked = true;
     for (const auto& kv : beats) {
@@ -200,6 +215,7 @@ struct Lighthouse::Impl {
     const bool waited = now - first >= options.join_timeout();
     if (!every_live_group_asked && !waited) return;
     if (formed == 0 && static_cast<int>(joining.size()) < options.expected_groups() && !waited) return;
+    formed_intake_ms = std::chrono::duration<double, std::milli>(now - first).count();
     std::sort(joining.begin(), joining.end(),
               [](const auto& a, const auto& b) { return a->info.group_id < b->info.group_id; });
     Quorum q;
@@ -245,6 +261,7 @@ struct Lighthouse::Impl {
       }
       out.push_back(Answer{w, grpc::Status::OK, reply});
     }
+    formed_whole = full != nullptr;
     if (options.on_event() && q.quorum_id != last.quorum_id) events.push_back(describe_change(q));
     last = std::move(q);
     lost_cache_valid = false;
@@ -313,6 +330,7 @@ struct Lighthouse::Impl {
     std::vector<std::string> live_groups, asked;
     for (const auto& kv : beats)
       if (live(kv.second, now)) live_groups.push_back(kv.first);
+    std::sort(live_groups.begin(), live_groups.end());
     for (const auto& kv : waiting) asked.push_back(kv.first);
     std::ostringstream os;
     os << "no quorum within " << w.timeout_ms << " ms: live groups [" << joined(live_groups) << "], asking ["
@@ -358,6 +376,24 @@ struct Lighthouse::Impl {
     answers.clear();
   }
 
+  // Outside mu: sends the answers of a try_form under mu that formed a quorum (its intake taken
+  // with the lock held) and records the round.
+  void send_round(std::vector<Answer>& answers, std::optional<double> intake_ms, bool whole) {
+    const auto start = Clock::now();
+    send(answers);
+    if (!intake_ms) return;
+    const double replies_ms = std::chrono::duration<double, std::milli>(Clock::now() - start).count();
+    std::lock_guard<std::mutex> lock(mu);
+    if (whole) {
+      ++whole_rounds;
+      whole_replies_max_ms = std::max(whole_replies_max_ms, replies_ms);
+      return;
+    }
+    rounds.emplace_back(*intake_ms, replies_ms);
+    if (rounds.size() > kRounds) rounds.pop_front();
+    ++rounds_total;
+  }
+
   grpc::Status check_token(const grpc::CallbackServerContext* ctx) const {
     const std::string refusal = ps::token_refusal(ctx->client_metadata(), options.token(), "lighthouse");
     return refusal.empty() ? grpc::Status::OK : grpc::Status(grpc::StatusCode::UNAUTHENTICATED, refusal);
@@ -387,6 +423,8 @@ struct Lighthouse::Impl {
     w->known_quorum_id = req.known_quorum_id();
     const std::string& id = w->info.group_id;
     std::vector<Answer> answers;
+    std::optional<double> intake;
+    bool whole = false;
     {
       std::lock_guard<std::mutex> lock(mu);
       if (stopping) {
@@ -421,10 +459,12 @@ struct Lighthouse::Impl {
           // complete a quorum at once; otherwise the ticker decides (a lost group's timeout,
           // join_timeout): one pass over the groups per quorum, not one per ask.
           if (waiting.size() + lost_now(now).size() >= beats.size()) try_form(now, answers);
+          intake = std::exchange(formed_intake_ms, std::nullopt);
+          whole = formed_whole;
         }
       }
     }
-    send(answers);
+    send_round(answers, intake, whole);
   }
 
   // The caller went away (a killed process's connection closes): its wait ends.
@@ -465,6 +505,7 @@ struct Lighthouse::Impl {
     } else {
       heard(b, req.rank(), now);
     }
+    settle(b);
     reply->set_quorum_id(last.quorum_id);
     for (const auto& g : lost_now(now)) reply->add_lost(g);
     return grpc::Status::OK;
@@ -556,12 +597,14 @@ void Lighthouse::start() {
     while (!im.stopping) {
       const auto now = Clock::now();
       im.try_form(now, answers);
+      const auto intake = std::exchange(im.formed_intake_ms, std::nullopt);
+      const bool whole = im.formed_whole;
       im.expire(now, answers);
       if (!answers.empty() || !im.events.empty()) {
         std::vector<std::string> events;
         events.swap(im.events);
         lock.unlock();
-        im.send(answers);
+        im.send_round(answers, intake, whole);
         for (const auto& e : events) im.options.on_event()(e);
         lock.lock();
         continue;
@@ -577,6 +620,33 @@ int Lighthouse::port() const { return impl_->bound_port; }
 int64_t Lighthouse::quorums_formed() const {
   std::lock_guard<std::mutex> lock(impl_->mu);
   return impl_->formed;
+}
+
+Lighthouse::RoundTimes Lighthouse::round_times() const {
+  std::vector<double> intake, replies;
+  RoundTimes t;
+  {
+    std::lock_guard<std::mutex> lock(impl_->mu);
+    t.rounds = impl_->rounds_total;
+    t.whole_rounds = impl_->whole_rounds;
+    t.whole_replies_max_ms = impl_->whole_replies_max_ms;
+    for (const auto& r : impl_->rounds) {
+      intake.push_back(r.first);
+      replies.push_back(r.second);
+    }
+  }
+  if (intake.empty()) return t;
+  auto at = [](std::vector<double>& v, double q) {
+    const size_t i = std::min(v.size() - 1, static_cast<size_t>(q * static_cast<double>(v.size())));
+    std::nth_element(v.begin(), v.begin() + static_cast<std::ptrdiff_t>(i), v.end());
+    return v[i];
+  };
+  t.intake_p50_ms = at(intake, 0.5);
+  t.intake_p99_ms = at(intake, 0.99);
+  t.replies_p50_ms = at(replies, 0.5);
+  t.replies_p99_ms = at(replies, 0.99);
+  t.replies_max_ms = *std::max_element(replies.begin(), replies.end());
+  return t;
 }
 
 Lighthouse::StoreUse Lighthouse::store_use() const {

@@ -114,9 +114,16 @@ int run_lighthouse(const std::vector<std::string>& args) {
   const int sig = wait_for_stop_signal();
   const int64_t formed = lighthouse.quorums_formed();
   const auto stores = lighthouse.store_use();
+  const auto rounds = lighthouse.round_times();
   lighthouse.shutdown();
   std::cout << "ddpkit lighthouse: stopped by signal " << sig << " after " << formed << " quorums (" << stores.keys
             << " keys in the last " << stores.stores << " quorums' stores)" << std::endl;
+  if (rounds.rounds > 0)
+    std::cout << std::fixed << std::setprecision(2) << "ddpkit lighthouse: last " << std::min<int64_t>(rounds.rounds, 1024)
+              << " rounds: asks in p50 " << rounds.intake_p50_ms << " p99 " << rounds.intake_p99_ms
+              << " ms, replies out p50 " << rounds.replies_p50_ms << " p99 " << rounds.replies_p99_ms << " max "
+              << rounds.replies_max_ms << " ms; " << rounds.whole_rounds << " rounds with whole quorums, replies out max "
+              << rounds.whole_replies_max_ms << " ms" << std::endl;
   return 0;
 }
 

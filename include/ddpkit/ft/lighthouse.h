@@ -118,6 +118,21 @@ class Lighthouse {
   };
   StoreUse store_use() const;
 
+  // The lighthouse's own part of the last 1,024 quorum rounds whose replies were all deltas (every
+  // caller held the last quorum: the steady state): `intake`, from a round's first ask to the ask
+  // that completed it (the groups' spread plus the lighthouse taking their asks in); `replies`,
+  // from the quorum formed to its last reply handed to gRPC (a write per group's connection).
+  // What a group waits beyond these is its network and its own process. Rounds where a caller got
+  // the whole quorum (the first; a restarted group's) are counted apart, with their longest replies.
+  struct RoundTimes {
+    int64_t rounds = 0;  // delta rounds so far
+    double intake_p50_ms = 0, intake_p99_ms = 0;
+    double replies_p50_ms = 0, replies_p99_ms = 0, replies_max_ms = 0;
+    int64_t whole_rounds = 0;
+    double whole_replies_max_ms = 0;
+  };
+  RoundTimes round_times() const;
+
  struct Impl;  // internal (the gRPC service reaches it)
 
  private:
