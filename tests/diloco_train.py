@@ -18,6 +18,7 @@ MODE:
   kill-sync   3 groups, int2 outer codec with error feedback; group 1 dies just after issuing an
               outer average (its peers mid-transfer): the survivors redo that sync among themselves,
               lose no inner step, stay identical; group 1 restarts, heals at a later sync and ends alike
+              (a run whose sync completed because group 1's part had all landed is run again, twice at most)
   kill-inner  the same with group 1 killed in its inner steps
   stop        3 groups; group 1 SIGSTOPped mid-run (silent: no RST, no FIN, its heartbeats stop): the
               others' sync with it ends within 2 s, and they finish every inner step, alike (5 s
@@ -185,20 +186,29 @@ def rounds_mode():
 def kill_mode(phase, step, extra=(), extra_env=None):
     # Long enough (~20 s here) that the killed group restarts and heals before the others end.
     steps = 3000
-    reps, err = run(["--replica-groups", "3", "--nproc", "1", "--steps", str(steps), "--diloco", "8",
-                     "--max-restarts", "2", "--optimizer", "adamw", "--lr", "0.001", "--no-eval"] + list(extra),
-                    env=dict({"DDPKIT_FT_FAULT": f"{phase}:{step}:1:0"}, **(extra_env or {})), dims="64,512,512,10")
-    if "DDPKIT_FT_FAULT: dying" not in err:
-        sys.exit(f"FAILED: group 1 did not die at {phase}:\n{err[-3000:]}")
-    check_alike(reps, 3, phase)
-    survivors = [reps[0], reps[2]]
-    for r in survivors:
-        if r["steps_run"] != steps:
-            sys.exit(f"FAILED: a survivor lost inner steps ({r['steps_run']} of {steps} run): {r}")
-    if phase == "outer-issued" and not any(r["sync_retries"] >= 1 for r in survivors):
-        sys.exit(f"FAILED: no survivor redid the sync group 1 died in: {survivors}")
-    if reps[1]["heals"] < 1:
-        sys.exit(f"FAILED: group 1 did not heal: {reps[1]}")
+    # Group 1 dies just after issuing its part of the sync; when all of that part has already
+    # reached the others (a small int2 message, written at once), their sync completes without it,
+    # which is correct but does not show the retry: that run is done again (at most twice more).
+    attempts = 3 if phase == "outer-issued" else 1
+    for attempt in range(attempts):
+        reps, err = run(["--replica-groups", "3", "--nproc", "1", "--steps", str(steps), "--diloco", "8",
+                         "--max-restarts", "2", "--optimizer", "adamw", "--lr", "0.001", "--no-eval"] + list(extra),
+                        env=dict({"DDPKIT_FT_FAULT": f"{phase}:{step}:1:0"}, **(extra_env or {})), dims="64,512,512,10")
+        if "DDPKIT_FT_FAULT: dying" not in err:
+            sys.exit(f"FAILED: group 1 did not die at {phase}:\n{err[-3000:]}")
+        check_alike(reps, 3, phase)
+        survivors = [reps[0], reps[2]]
+        for r in survivors:
+            if r["steps_run"] != steps:
+                sys.exit(f"FAILED: a survivor lost inner steps ({r['steps_run']} of {steps} run): {r}")
+        if reps[1]["heals"] < 1:
+            sys.exit(f"FAILED: group 1 did not heal: {reps[1]}")
+        if phase != "outer-issued" or any(r["sync_retries"] >= 1 for r in survivors):
+            break
+        if attempt + 1 == attempts:
+            sys.exit(f"FAILED: in {attempts} runs no survivor redid the sync group 1 died in: {survivors}")
+        print(f"run {attempt + 1}: the survivors' sync completed with group 1's part, which had landed before it "
+              "died (no retry to show); running again")
     print(f"group 1 killed at {phase}: survivors ran {steps} of {steps} inner steps, retries "
           f"{[r['sync_retries'] for r in survivors]}, group 1 healed ({reps[1]['heal_bytes']} B) and ends alike")
     return reps
