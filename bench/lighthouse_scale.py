@@ -13,7 +13,8 @@ lag (more than 1% of ticks skipped, or p99 above the step period).
 Columns: q = quorum latency from a group's ask to its reply; rnd = a step's round at the lighthouse,
 from the moment the last ask of the step was handed to gRPC to the last reply (the load
 generator's own time to issue G asks left out); out = ddpkit's lighthouse's own time to hand a
-round's replies to gRPC, as it reports at exit (Lighthouse::round_times; not known for torchft); skip% = step ticks a group skipped, still waiting;
+round's replies to gRPC, as it reports at exit (Lighthouse::round_times; not known for torchft);
+skip% = step ticks a group skipped, still waiting;
 hb = heartbeat latency and rate per sender; false = heartbeat replies naming a live group lost;
 det = detection of a silent group (the first heartbeat reply naming it or the survivors' quorum
 without it); surv = the survivors' quorum without it; join = a restarted group's first quorum; LH =

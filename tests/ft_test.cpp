@@ -357,6 +357,7 @@ TEST(Lighthouse, TimesItsOwnPartOfEachRound) {
   const auto t = lh.round_times();
   EXPECT_EQ(t.whole_rounds, 1);  // the first: neither group held a quorum
   EXPECT_EQ(t.rounds, 4);
+  EXPECT_EQ(t.sampled, 4);
   EXPECT_GE(t.intake_p99_ms, 100.0);
   EXPECT_LT(t.intake_p50_ms, 100.0);
   EXPECT_GE(t.replies_p50_ms, 0.0);

@@ -136,7 +136,8 @@ class Lighthouse:
         """The lighthouse's own part of its last 1,024 steady rounds (every reply a delta), in ms:
         intake_p50_ms/intake_p99_ms (a round's first ask to the one completing it),
         replies_p50_ms/replies_p99_ms/replies_max_ms (the quorum formed to its last reply handed
-        to gRPC); rounds; whole_rounds and whole_replies_max_ms for rounds that sent a whole quorum."""
+        to gRPC); rounds, and sampled (those the percentiles are over); whole_rounds and
+        whole_replies_max_ms for rounds that sent a whole quorum."""
         return self._lighthouse.round_times
 
     def shutdown(self):

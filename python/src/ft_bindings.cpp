@@ -49,6 +49,7 @@ struct PyCallbacks {
 py::dict round_times_dict(const ft::Lighthouse::RoundTimes& t) {
   py::dict d;
   d["rounds"] = t.rounds;
+  d["sampled"] = t.sampled;
   d["intake_p50_ms"] = t.intake_p50_ms;
   d["intake_p99_ms"] = t.intake_p99_ms;
   d["replies_p50_ms"] = t.replies_p50_ms;

@@ -68,7 +68,7 @@ HostTopology topology_from_keys(const std::vector<std::string>& keys, int rank) 
 
 namespace {
 
-// Every rank's key, read from the store (the general case: 2N keys through one store per rank).
+// Every rank's key, the others' read from the store (the general case: N-1 keys a rank).
 std::vector<std::string> every_host_key(c10d::Store& store, const std::vector<std::string>& names, int rank,
                                         const std::string& mine) {
   std::vector<std::string> others;

@@ -25,7 +25,6 @@
 #include <sstream>
 #include <thread>
 #include <unordered_map>
-#include <utility>
 
 namespace ddpkit {
 namespace ft {
@@ -121,8 +120,6 @@ struct Lighthouse::Impl {
   std::deque<std::pair<double, double>> rounds;  // (intake ms, replies ms)
   int64_t rounds_total = 0, whole_rounds = 0;
   double whole_replies_max_ms = 0;
-  std::optional<double> formed_intake_ms;  // set by try_form for the caller that sends its replies
-  bool formed_whole = false;
 
   static constexpr auto kLostRefresh = std::chrono::milliseconds(10);
   static constexpr auto kTick = std::chrono::milliseconds(20);
@@ -194,10 +191,17 @@ struct Lighthouse::Impl {
     return lost_cache;
   }
 
+  // A quorum try_form formed, for the round's times: its intake (first ask to now), and whether
+  // any caller got the whole quorum.
+  struct Formed {
+    double intake_ms = 0;
+    bool whole = false;
+  };
+
   // Under mu: forms the next quorum if the rule allows; its participants' answers go to `out`.
-  void try_form(Clock::time_point now, std::vector<Answer>& out) {
+  std::optional<Formed> try_form(Clock::time_point now, std::vector<Answer>& out) {
     report_losses(now);  // before a quorum without them replaces the one they were lost from
-    if (waiting.empty()) return;  // nobody to answer: the ticker's pass costs nothing between steps
+    if (waiting.empty()) return std::nullopt;  // nobody to answer: the ticker's pass costs nothing between steps
     std::vector<std::shared_ptr<QuorumWaiter>> joining;
     bool every_live_group_asked = true;
     for (const auto& kv : beats) {
@@ -209,13 +213,12 @@ struct Lighthouse::Impl {
         joining.push_back(w->second);
       }
     }
-    if (joining.empty() || static_cast<int>(joining.size()) < options.min_replicas()) return;
+    if (joining.empty() || static_cast<int>(joining.size()) < options.min_replicas()) return std::nullopt;
     Clock::time_point first = now;
     for (const auto& w : joining) first = std::min(first, w->since);
     const bool waited = now - first >= options.join_timeout();
-    if (!every_live_group_asked && !waited) return;
-    if (formed == 0 && static_cast<int>(joining.size()) < options.expected_groups() && !waited) return;
-    formed_intake_ms = std::chrono::duration<double, std::milli>(now - first).count();
+    if (!every_live_group_asked && !waited) return std::nullopt;
+    if (formed == 0 && static_cast<int>(joining.size()) < options.expected_groups() && !waited) return std::nullopt;
     std::sort(joining.begin(), joining.end(),
               [](const auto& a, const auto& b) { return a->info.group_id < b->info.group_id; });
     Quorum q;
@@ -261,12 +264,12 @@ struct Lighthouse::Impl {
       }
       out.push_back(Answer{w, grpc::Status::OK, reply});
     }
-    formed_whole = full != nullptr;
     if (options.on_event() && q.quorum_id != last.quorum_id) events.push_back(describe_change(q));
     last = std::move(q);
     lost_cache_valid = false;
     reported_lost.clear();
     ++formed;
+    return Formed{std::chrono::duration<double, std::milli>(now - first).count(), full != nullptr};
   }
 
   // Under mu: the store of quorum `id`, made when the id is new (the oldest but one goes).
@@ -376,20 +379,20 @@ struct Lighthouse::Impl {
     answers.clear();
   }
 
-  // Outside mu: sends the answers of a try_form under mu that formed a quorum (its intake taken
-  // with the lock held) and records the round.
-  void send_round(std::vector<Answer>& answers, std::optional<double> intake_ms, bool whole) {
+  // Outside mu: sends the answers, among them those of the quorum try_form formed under mu (if it
+  // did), and records that round.
+  void send_round(std::vector<Answer>& answers, const std::optional<Formed>& formed_now) {
     const auto start = Clock::now();
     send(answers);
-    if (!intake_ms) return;
+    if (!formed_now) return;
     const double replies_ms = std::chrono::duration<double, std::milli>(Clock::now() - start).count();
     std::lock_guard<std::mutex> lock(mu);
-    if (whole) {
+    if (formed_now->whole) {
       ++whole_rounds;
       whole_replies_max_ms = std::max(whole_replies_max_ms, replies_ms);
       return;
     }
-    rounds.emplace_back(*intake_ms, replies_ms);
+    rounds.emplace_back(formed_now->intake_ms, replies_ms);
     if (rounds.size() > kRounds) rounds.pop_front();
     ++rounds_total;
   }
@@ -423,8 +426,7 @@ struct Lighthouse::Impl {
     w->known_quorum_id = req.known_quorum_id();
     const std::string& id = w->info.group_id;
     std::vector<Answer> answers;
-    std::optional<double> intake;
-    bool whole = false;
+    std::optional<Formed> formed_now;
     {
       std::lock_guard<std::mutex> lock(mu);
       if (stopping) {
@@ -458,13 +460,11 @@ struct Lighthouse::Impl {
           // Only when every group the lighthouse knows has asked (or is lost) can this ask
           // complete a quorum at once; otherwise the ticker decides (a lost group's timeout,
           // join_timeout): one pass over the groups per quorum, not one per ask.
-          if (waiting.size() + lost_now(now).size() >= beats.size()) try_form(now, answers);
-          intake = std::exchange(formed_intake_ms, std::nullopt);
-          whole = formed_whole;
+          if (waiting.size() + lost_now(now).size() >= beats.size()) formed_now = try_form(now, answers);
         }
       }
     }
-    send_round(answers, intake, whole);
+    send_round(answers, formed_now);
   }
 
   // The caller went away (a killed process's connection closes): its wait ends.
@@ -596,15 +596,13 @@ void Lighthouse::start() {
     std::vector<Answer> answers;
     while (!im.stopping) {
       const auto now = Clock::now();
-      im.try_form(now, answers);
-      const auto intake = std::exchange(im.formed_intake_ms, std::nullopt);
-      const bool whole = im.formed_whole;
+      const auto formed_now = im.try_form(now, answers);
       im.expire(now, answers);
       if (!answers.empty() || !im.events.empty()) {
         std::vector<std::string> events;
         events.swap(im.events);
         lock.unlock();
-        im.send_round(answers, intake, whole);
+        im.send_round(answers, formed_now);
         for (const auto& e : events) im.options.on_event()(e);
         lock.lock();
         continue;
@@ -628,6 +626,7 @@ Lighthouse::RoundTimes Lighthouse::round_times() const {
   {
     std::lock_guard<std::mutex> lock(impl_->mu);
     t.rounds = impl_->rounds_total;
+    t.sampled = static_cast<int64_t>(impl_->rounds.size());
     t.whole_rounds = impl_->whole_rounds;
     t.whole_replies_max_ms = impl_->whole_replies_max_ms;
     for (const auto& r : impl_->rounds) {

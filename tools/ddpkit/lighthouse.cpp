@@ -119,7 +119,7 @@ int run_lighthouse(const std::vector<std::string>& args) {
   std::cout << "ddpkit lighthouse: stopped by signal " << sig << " after " << formed << " quorums (" << stores.keys
             << " keys in the last " << stores.stores << " quorums' stores)" << std::endl;
   if (rounds.rounds > 0)
-    std::cout << std::fixed << std::setprecision(2) << "ddpkit lighthouse: last " << std::min<int64_t>(rounds.rounds, 1024)
+    std::cout << std::fixed << std::setprecision(2) << "ddpkit lighthouse: last " << rounds.sampled
               << " rounds: asks in p50 " << rounds.intake_p50_ms << " p99 " << rounds.intake_p99_ms
               << " ms, replies out p50 " << rounds.replies_p50_ms << " p99 " << rounds.replies_p99_ms << " max "
               << rounds.replies_max_ms << " ms; " << rounds.whole_rounds << " rounds with whole quorums, replies out max "

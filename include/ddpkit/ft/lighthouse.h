@@ -125,7 +125,8 @@ class Lighthouse {
   // What a group waits beyond these is its network and its own process. Rounds where a caller got
   // the whole quorum (the first; a restarted group's) are counted apart, with their longest replies.
   struct RoundTimes {
-    int64_t rounds = 0;  // delta rounds so far
+    int64_t rounds = 0;   // delta rounds so far
+    int64_t sampled = 0;  // of which the percentiles are over (the last 1,024 at most)
     double intake_p50_ms = 0, intake_p99_ms = 0;
     double replies_p50_ms = 0, replies_p99_ms = 0, replies_max_ms = 0;
     int64_t whole_rounds = 0;
