@@ -305,8 +305,8 @@ def ddpkit_diloco(args, model):
     print(json.dumps({"replica_group": args.group, "steps_run": args.steps, "train_seconds": train_s,
                       "parameters": sum(p.numel() for p in model.parameters()),
                       "fragment_parameters": [sum(p.numel() for p in f) for f in diloco.fragments],
-                      "outer_codec": args.codec, "outer_syncs": d["syncs"], "sync_retries": d["sync_retries"],
-                      "sync_wait_seconds": d["wait_seconds"], "sync_transfer_seconds": d["transfer_seconds"],
+                      "outer_codec": args.codec, "outer_syncs": d["outer_syncs"], "sync_retries": d["sync_retries"],
+                      "sync_wait_seconds": d["sync_wait_seconds"], "sync_transfer_seconds": d["sync_transfer_seconds"],
                       "cross_bytes_sent": m["cross_bytes_sent"],
                       "cross_bytes_per_step": m["cross_bytes_sent"] / args.steps,
                       "test_loss": test_loss(model, test_x, test_y)}), flush=True)

@@ -66,6 +66,7 @@ void subtract_flat(std::vector<at::Tensor>& ts, const at::Tensor& step) {
 struct RankEnd {
   std::vector<at::Tensor> globals, locals;  // per fragment, flat
   diloco::DiLoCoStats stats;
+  ft::ManagerStats manager;
   uint64_t cross_bytes = 0;
   std::string cross_transport;  // what the last cross group ran on
   std::vector<double> transfer_per_sync;  // each committed sync's transfer time
@@ -73,8 +74,16 @@ struct RankEnd {
 
 // Runs `sites` sites of `ranks` thread-ranks each for `steps` inner steps (inner_step above), every
 // rank with its own Manager over its site's group and a DiLoCo with `options`.
+// What a test changes in a run: each site's starting parameters (default: the same everywhere),
+// and something done to a site after its inner step t (before DiLoCo sees the step).
+struct SiteHooks {
+  std::function<std::vector<std::vector<at::Tensor>>(int site)> initial;
+  std::function<void(int site, int t, diloco::DiLoCo&)> after_step;
+};
+
 std::vector<std::vector<RankEnd>> run_sites(const Shapes& model, int sites, int ranks, int steps,
-                                           diloco::DiLoCoOptions options, bool lazy_connections = false) {
+                                           diloco::DiLoCoOptions options, bool lazy_connections = false,
+                                           const SiteHooks& hooks = {}) {
   ft::Lighthouse lighthouse(ft::LighthouseOptions().expected_groups(sites).heartbeat_timeout(2s));
   lighthouse.start();
   std::vector<std::vector<RankEnd>> ends(static_cast<size_t>(sites), std::vector<RankEnd>(static_cast<size_t>(ranks)));
@@ -95,12 +104,13 @@ std::vector<std::vector<RankEnd>> run_sites(const Shapes& model, int sites, int 
                                   .quorum_timeout(60s)
                                   .cross_group_timeout(60s)
                                   .cross_lazy_connections(lazy_connections));
-          std::vector<std::vector<at::Tensor>> params = initial_fragments(model);
+          std::vector<std::vector<at::Tensor>> params = hooks.initial ? hooks.initial(s) : initial_fragments(model);
           diloco::DiLoCo dl(manager, params, options);
           RankEnd& end = ends[static_cast<size_t>(s)][static_cast<size_t>(rank)];
           dl.start();
           for (int t = 0; t < steps; ++t) {
             for (size_t f = 0; f < params.size(); ++f) subtract_flat(params[f], inner_step(numel_of(model, f), s, t, f));
+            if (hooks.after_step) hooks.after_step(s, t, dl);
             const double transfer_before = dl.stats().transfer_seconds;
             const int64_t syncs_before = dl.stats().syncs;
             dl.after_inner_step();
@@ -113,6 +123,7 @@ std::vector<std::vector<RankEnd>> run_sites(const Shapes& model, int sites, int 
             end.locals.push_back(flat(params[f]).clone());
           }
           end.stats = dl.stats();
+          end.manager = manager.stats();
           end.cross_bytes = manager.stats().cross_bytes_sent;
           end.cross_transport = manager.stats().cross_transport;
           ProcessGroup::wait(pg->barrier());
@@ -138,9 +149,10 @@ struct Reference {
   std::vector<std::vector<at::Tensor>> locals;           // per site, per fragment
   std::vector<std::unique_ptr<torch::optim::SGD>> optimizers;
 
-  Reference(int sites, int steps, int64_t sync_every, double lr, double momentum, double alpha) {
+  // Every site starts from `init` (default: initial_fragments(kSmall)).
+  Reference(int sites, int steps, int64_t sync_every, double lr, double momentum, double alpha,
+            const std::vector<std::vector<at::Tensor>>& init = initial_fragments(kSmall)) {
     const size_t fragments = kSmall.size();
-    const std::vector<std::vector<at::Tensor>> init = initial_fragments(kSmall);
     for (size_t f = 0; f < fragments; ++f) {
       globals.push_back(flat(init[f]).clone().set_requires_grad(true));
       optimizers.push_back(std::make_unique<torch::optim::SGD>(
@@ -212,6 +224,69 @@ TEST(DiLoCoSites, OuterStepIsTorchSgdNesterovWithAlphaMixing) {
 TEST(DiLoCoSites, OuterStepOverLazilyConnectedCrossGroups) {
   expect_torch_sgd_nesterov(3, 2, /*lazy_connections=*/true);
   expect_torch_sgd_nesterov(5, 1, /*lazy_connections=*/true);
+}
+
+// Sites seeded differently (each its own starting parameters, as separate jobs seeding themselves
+// would) start from the first site's: its first quorum copies them to the others (init sync), so
+// every site ends where torch's SGD(nesterov) puts sites that all started from site 0's.
+TEST(DiLoCoSites, SitesSeededDifferentlyStartFromTheFirstSitesParameters) {
+  const int sites = 3, steps = 24;
+  auto seeded = [](int site) {
+    auto params = initial_fragments(kSmall);
+    for (auto& fragment : params)
+      for (auto& p : fragment) p.add_(testing::seeded_randn(p.sizes().vec(), 77 + static_cast<uint64_t>(site)));
+    return params;
+  };
+  const Reference ref(sites, steps, 4, 0.7, 0.9, 0.5, seeded(0));
+  SiteHooks hooks;
+  hooks.initial = seeded;
+  for (int ranks : {1, 2}) {
+    const auto ends = run_sites(kSmall, sites, ranks, steps,
+                                diloco::DiLoCoOptions().sync_every(4).outer_lr(0.7).outer_momentum(0.9).fragment_alpha(0.5),
+                                false, hooks);
+    for (int s = 0; s < sites; ++s)
+      for (int r = 0; r < ranks; ++r) {
+        const std::string where = "site " + std::to_string(s) + " rank " + std::to_string(r) + " of " + std::to_string(ranks);
+        const RankEnd& e = ends[s][r];
+        EXPECT_EQ(e.manager.init_syncs, s == 0 ? 0 : 1) << where;
+        EXPECT_EQ(e.manager.heals, 0) << where;
+        EXPECT_EQ(e.stats.heals, 0) << where;
+        EXPECT_EQ(e.stats.checksum_mismatches, 0) << where;
+        for (size_t f = 0; f < kSmall.size(); ++f) {
+          EXPECT_TRUE(at::equal(e.globals[f], ends[0][0].globals[f])) << where << ", fragment " << f;
+          EXPECT_LT(max_abs_diff(e.globals[f], ref.globals[f].detach()), 1e-6) << where << ", fragment " << f << ": global";
+          EXPECT_LT(max_abs_diff(e.locals[f], ref.locals[s][f]), 1e-6) << where << ", fragment " << f << ": local";
+        }
+      }
+  }
+}
+
+// A site whose global parameters are corrupted mid-run (as a bit flip in memory would): the next
+// sync's checksums name it on every site, its pseudo-gradient is left out of that mean, and it
+// copies the others' state at once; every site ends bit-identical, and the count and the message
+// say which site and when.
+TEST(DiLoCoSites, ASiteWhoseGlobalParametersDifferIsLeftOutAndHealed) {
+  const int sites = 3, steps = 24;
+  for (int ranks : {1, 2}) {
+    SiteHooks hooks;
+    hooks.after_step = [](int site, int t, diloco::DiLoCo& dl) {
+      if (site != 2 || t != 9) return;
+      for (size_t f = 0; f < dl.fragments(); ++f) dl.global_parameters(f).add_(0.01);
+    };
+    const auto ends = run_sites(kSmall, sites, ranks, steps, diloco::DiLoCoOptions().sync_every(4), false, hooks);
+    for (int s = 0; s < sites; ++s)
+      for (int r = 0; r < ranks; ++r) {
+        const std::string where = "site " + std::to_string(s) + " rank " + std::to_string(r) + " of " + std::to_string(ranks);
+        const RankEnd& e = ends[s][r];
+        EXPECT_EQ(e.stats.checksum_mismatches, 1) << where;
+        EXPECT_THAT(e.stats.last_checksum_mismatch, ::testing::HasSubstr("the global parameters of [site2] differed"))
+            << where;
+        EXPECT_EQ(e.stats.heals, s == 2 ? 1 : 0) << where;
+        EXPECT_EQ(e.stats.syncs, 1 + steps / 2) << where;  // no sync lost
+        for (size_t f = 0; f < kSmall.size(); ++f)
+          EXPECT_TRUE(at::equal(e.globals[f], ends[0][0].globals[f])) << where << ", fragment " << f << ": global";
+      }
+  }
 }
 
 // A site of W ranks sends what a site of one rank sends: each rank carries 1/W of the

@@ -8,6 +8,8 @@
 #include <ddpkit/diloco/diloco.h>
 #include <ddpkit/diloco/outer_allreduce.h>
 
+#include <gmock/gmock.h>
+
 namespace ddpkit {
 namespace {
 
@@ -112,11 +114,26 @@ TEST(OuterAllreduce, WithoutAGroupASiteKeepsItsOwnValues) {
   EXPECT_TRUE(alone.eq(0).all().item<bool>());
 }
 
-TEST(OuterAllreduce, OwnersNoticeSitesWhoseChecksumsDiffer) {
+// A site whose checksum differs from the others' is named on every rank and left out of the mean
+// (its global parameters are not the others': its pseudo-gradient would pull every site off). On
+// a tie the lowest rank's checksum is the reference.
+TEST(OuterAllreduce, OwnersNoticeSitesWhoseChecksumsDifferAndLeaveThemOut) {
   MeanRun run = run_mean(3, 5000, "fp32", {1, 1, 1}, true, {1, 1, 2});
-  for (const auto& i : run.info) EXPECT_FALSE(i.checksums_agree);
+  const at::Tensor without_2 = reference_mean(3, 5000, {1, 1, 0});
+  for (int r = 0; r < 3; ++r) {
+    EXPECT_FALSE(run.info[r].checksums_agree);
+    EXPECT_THAT(run.info[r].disagreeing, ::testing::ElementsAre(2)) << "rank " << r;
+    EXPECT_DOUBLE_EQ(run.info[r].total_weight, 2.0);
+    EXPECT_EQ(run.info[r].ranks_weighted, 2);
+    EXPECT_LT(testing::relative_error(run.results[r], without_2), 1e-6) << "rank " << r;
+  }
+  MeanRun tie = run_mean(2, 5000, "fp32", {1, 1}, true, {7, 9});
+  for (const auto& i : tie.info) EXPECT_THAT(i.disagreeing, ::testing::ElementsAre(1));
   MeanRun weightless = run_mean(3, 5000, "fp32", {1, 0, 1}, true, {1, 2, 1});  // a healer's is not compared
-  for (const auto& i : weightless.info) EXPECT_TRUE(i.checksums_agree);
+  for (const auto& i : weightless.info) {
+    EXPECT_TRUE(i.checksums_agree);
+    EXPECT_TRUE(i.disagreeing.empty());
+  }
 }
 
 // Two quantizations whatever the number of sites: the error against the fp32 mean stays flat

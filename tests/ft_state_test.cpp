@@ -4,6 +4,10 @@
 
 #include <ddpkit/ft/lighthouse.h>
 #include <ddpkit/ft/manager.h>
+#include <ddpkit/training/checkpoint.h>
+
+#include <torch/nn/modules/linear.h>
+#include <torch/optim/sgd.h>
 
 #include <stdlib.h>
 
@@ -137,6 +141,88 @@ TEST(ManagerState, CheckpointsKeepEveryScopeAndTheStep) {
   });
   lighthouse.shutdown();
   std::filesystem::remove_all(dir);
+}
+
+// Fault-tolerant DDP groups seeded differently (separate jobs that each seed their own model): the
+// first quorum copies group a's model and optimizer to b and c (init sync: a is the first by id),
+// so they train one model, a's, bit-identical. Group c's model is then corrupted and c asks to heal
+// (request_heal): its next quorum copies the others' again. A group alone builds no cross group.
+TEST(ManagerState, GroupsSeededDifferentlyTrainOneModel) {
+  ft::Lighthouse lighthouse(ft::LighthouseOptions().expected_groups(3));
+  lighthouse.start();
+  constexpr int kSteps = 8;
+  auto batch = [](int step) { return testing::seeded_randn({16, 8}, 500 + static_cast<uint64_t>(step)); };
+  struct End {
+    std::vector<at::Tensor> params;
+    ft::ManagerStats stats;
+  };
+  std::vector<End> ends(3);
+  std::vector<std::thread> groups;
+  for (int g = 0; g < 3; ++g)
+    groups.emplace_back([&, g] {
+      testing::spawn_ranks(1, [&](int, std::shared_ptr<ProcessGroup> pg) {
+        torch::nn::Linear lin(8, 4);
+        {
+          at::NoGradGuard no_grad;
+          for (auto& p : lin->parameters()) p.copy_(testing::seeded_randn(p.sizes().vec(), 10 + static_cast<uint64_t>(g)));
+        }
+        torch::optim::SGD opt(lin->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+        TrainingState state;
+        state.module(lin.ptr()).optimizer(&opt);
+        ft::Manager m(pg, state, options_for(lighthouse, std::string(1, static_cast<char>('a' + g))));
+        while (m.step() < kSteps) {
+          m.start_step();
+          lin(batch(static_cast<int>(m.step()))).pow(2).mean().backward();
+          std::vector<at::Tensor> grads;
+          for (auto& p : lin->parameters()) grads.push_back(p.grad());
+          m.allreduce(grads);
+          if (m.should_commit()) opt.step();
+          opt.zero_grad();
+          if (g == 2 && m.step() == 4) {  // c's model found to differ (here: made to)
+            at::NoGradGuard no_grad;
+            lin->weight.add_(1.0);
+            m.request_heal("test: c's weights were changed");
+          }
+        }
+        m.close();
+        for (auto& p : lin->parameters()) ends[g].params.push_back(p.detach().clone());
+        ends[g].stats = m.stats();
+      });
+    });
+  for (auto& t : groups) t.join();
+  // a's model trained alone on the same batches: what every group's must be.
+  torch::nn::Linear ref(8, 4);
+  {
+    at::NoGradGuard no_grad;
+    for (auto& p : ref->parameters()) p.copy_(testing::seeded_randn(p.sizes().vec(), 10));
+  }
+  torch::optim::SGD ref_opt(ref->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  for (int step = 0; step < kSteps; ++step) {
+    ref(batch(step)).pow(2).mean().backward();
+    ref_opt.step();
+    ref_opt.zero_grad();
+  }
+  for (int g = 0; g < 3; ++g) {
+    SCOPED_TRACE("group " + std::to_string(g));
+    EXPECT_EQ(ends[g].stats.init_syncs, g == 0 ? 0 : 1);
+    EXPECT_EQ(ends[g].stats.heals, g == 2 ? 1 : 0);
+    EXPECT_EQ(ends[g].stats.reconfigurations, 1);  // one cross group, built at the first quorum
+    for (size_t i = 0; i < ends[g].params.size(); ++i) {
+      EXPECT_TRUE(at::equal(ends[g].params[i], ends[0].params[i]));
+      EXPECT_LT((ends[g].params[i] - ref->parameters()[i].detach()).abs().max().item<double>(), 1e-6);
+    }
+  }
+  // Alone: every quorum is the group itself, and no cross group is built.
+  testing::spawn_ranks(1, [&](int, std::shared_ptr<ProcessGroup> pg) {
+    ft::Manager m(pg, options_for(lighthouse, "solo"));
+    for (int i = 0; i < 5; ++i) {
+      m.start_step();
+      m.should_commit();
+    }
+    EXPECT_EQ(m.stats().quorums, 5);
+    EXPECT_EQ(m.stats().reconfigurations, 0);
+  });
+  lighthouse.shutdown();
 }
 
 TEST(ManagerState, BadRegistrationsAreNamed) {

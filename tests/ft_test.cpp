@@ -21,6 +21,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <future>
 #include <mutex>
@@ -143,6 +144,177 @@ TEST(Lighthouse, TellsQuorumChangesAndLostGroupsAsTheyHappen) {
   const auto told_after = std::chrono::duration_cast<std::chrono::milliseconds>(events[1].first - b_silent);
   EXPECT_GE(told_after.count(), 300);
   EXPECT_LT(told_after.count(), 600);  // a 20 ms tick, on a loaded machine
+}
+
+// A group that asks to heal (its first quorum under init_sync, or its state found to differ) copies
+// from a participant at the quorum's step that did not ask; when every one asked (groups starting
+// together), the first by id keeps its state and the others copy it.
+TEST(Lighthouse, AGroupAskingToHealCopiesFromOneThatDidNot) {
+  auto asking = [](GroupInfo g) {
+    g.heal = true;
+    return g;
+  };
+  {
+    Lighthouse lh(LighthouseOptions().expected_groups(3));
+    lh.start();
+    auto a = std::async(std::launch::async, [&] { return client_of(lh)->quorum(asking(group("a", 5)), 10s); });
+    auto b = std::async(std::launch::async, [&] { return client_of(lh)->quorum(group("b", 5), 10s); });
+    auto c = std::async(std::launch::async, [&] { return client_of(lh)->quorum(asking(group("c", 5)), 10s); });
+    const Quorum q = a.get();
+    b.get(), c.get();
+    EXPECT_THAT(q.heal_sources, ::testing::ElementsAre(1, -1, 1));  // a and c from b, the one that did not ask
+  }
+  {
+    Lighthouse lh(LighthouseOptions().expected_groups(3));
+    lh.start();
+    auto a = std::async(std::launch::async, [&] { return client_of(lh)->quorum(asking(group("a", 0)), 10s); });
+    auto b = std::async(std::launch::async, [&] { return client_of(lh)->quorum(asking(group("b", 0)), 10s); });
+    auto c = std::async(std::launch::async, [&] { return client_of(lh)->quorum(asking(group("c", 0)), 10s); });
+    const Quorum q = c.get();
+    a.get(), b.get();
+    EXPECT_THAT(q.heal_sources, ::testing::ElementsAre(-1, 0, 0));  // all asked: a, the first, is kept
+  }
+}
+
+// A second process given a running group's id is refused, named as a duplicate, and the running
+// group is never displaced (its beats and quorums go on). A real restart (the old incarnation
+// silent for the heartbeat timeout) still takes the group's place.
+TEST(Lighthouse, ADuplicateGroupIdIsRefusedAndNeverDisplacesTheRunningGroup) {
+  std::mutex mu;
+  std::vector<std::string> events;
+  Lighthouse lh(LighthouseOptions().heartbeat_timeout(300ms).on_event([&](const std::string& e) {
+    std::lock_guard<std::mutex> lock(mu);
+    events.push_back(e);
+  }));
+  lh.start();
+  ASSERT_EQ(client_of(lh)->quorum(group("g", 0), 10s).participants.size(), 1u);
+  auto beater = client_of(lh);
+  std::atomic<bool> beating{true};
+  std::thread keep_alive([&] {
+    while (beating) {
+      EXPECT_TRUE(beater->heartbeat("g", 0, "g-1").lost.empty());
+      std::this_thread::sleep_for(50ms);
+    }
+  });
+  GroupInfo copy = group("g", 0);
+  copy.incarnation = "g-2";
+  copy.hosts = {"other-host"};
+  const auto asked = std::chrono::steady_clock::now();
+  const std::string error = error_of([&] { client_of(lh)->quorum(copy, 10s); });
+  const auto waited = std::chrono::steady_clock::now() - asked;
+  EXPECT_THAT(error, HasSubstr("duplicate group id 'g': incarnation g-1 on host host is running"));
+  EXPECT_THAT(error, HasSubstr("this process (incarnation g-2 on host other-host)"));
+  EXPECT_LT(waited, 2s);  // a heartbeat timeout and a little, not the 10 s asked for
+  EXPECT_THAT(error_of([&] { client_of(lh)->heartbeat("g", 0, "g-2"); }), HasSubstr("is live as incarnation g-1"));
+  const Quorum still = client_of(lh)->quorum(group("g", 1), 10s);  // the running group goes on
+  ASSERT_EQ(still.participants.size(), 1u);
+  EXPECT_EQ(still.participants[0].incarnation, "g-1");
+  beating = false;
+  keep_alive.join();
+  // g-1 dies: a restart, asking at once, is taken once g-1 has been silent for the timeout.
+  GroupInfo restart = group("g", 0);
+  restart.incarnation = "g-3";
+  const Quorum back = client_of(lh)->quorum(restart, 10s);
+  ASSERT_EQ(back.participants.size(), 1u);
+  EXPECT_EQ(back.participants[0].incarnation, "g-3");
+  std::this_thread::sleep_for(100ms);
+  std::lock_guard<std::mutex> lock(mu);
+  EXPECT_THAT(events, ::testing::Contains(HasSubstr("group g: refused a second process (incarnation g-2) while "
+                                                    "incarnation g-1 is running: a duplicate group id")));
+}
+
+// A group that ran its last step leaves: the next quorum goes on without it at once (no heartbeat
+// timeout), and it is not reported lost. When the last group of the job leaves, the job is
+// finished: a group lost before the end, back from an older step, is refused (JobFinished) rather
+// than training alone; groups that left may start a new run from a checkpoint.
+TEST(Lighthouse, AGroupThatLeftIsOutAtOnceAndALostOneBackAfterTheEndIsRefused) {
+  std::mutex mu;
+  std::vector<std::string> events;
+  Lighthouse lh(LighthouseOptions().heartbeat_timeout(600ms).expected_groups(3).on_event([&](const std::string& e) {
+    std::lock_guard<std::mutex> lock(mu);
+    events.push_back(e);
+  }));
+  lh.start();
+  std::atomic<bool> beat_a{true}, beat_b{true}, stop{false};
+  auto beater = client_of(lh);
+  std::thread beats([&] {
+    while (!stop) {
+      if (beat_a) beater->heartbeat("a", 0, "a-1");
+      if (beat_b) beater->heartbeat("b", 0, "b-1");
+      std::this_thread::sleep_for(50ms);
+    }
+  });
+  auto together = [&](std::vector<GroupInfo> groups) {
+    std::vector<std::future<Quorum>> asks;
+    for (const auto& g : groups) asks.push_back(std::async(std::launch::async, [&lh, g] { return client_of(lh)->quorum(g, 10s); }));
+    Quorum q;
+    for (auto& f : asks) q = f.get();
+    return q;
+  };
+  struct Joiner {  // an assertion that returns early still stops the beats
+    std::function<void()> fn;
+    ~Joiner() { fn(); }
+  } join_beats{[&] {
+    stop = true;
+    if (beats.joinable()) beats.join();
+  }};
+  ASSERT_EQ(together({group("a", 0), group("b", 0), group("c", 0)}).participants.size(), 3u);
+  std::this_thread::sleep_for(700ms);  // c is killed: silent past the timeout
+  EXPECT_THAT(together({group("a", 10), group("b", 10)}).dropped, ::testing::ElementsAre("c"));
+  beat_a = false;
+  client_of(lh)->leave("a", "a-1", 10);
+  const auto alone = std::chrono::steady_clock::now();
+  const Quorum b_alone = client_of(lh)->quorum(group("b", 10), 10s);
+  EXPECT_LT(std::chrono::steady_clock::now() - alone, 400ms) << "waited for the group that left";
+  ASSERT_EQ(b_alone.participants.size(), 1u);
+  EXPECT_THAT(client_of(lh)->heartbeat("b", 0, "b-1").lost, ::testing::Not(::testing::Contains("a")));
+  beat_b = false;
+  client_of(lh)->leave("b", "b-1", 12);
+  // c restarted after the end, from step 0: refused at once, naming the job's end.
+  GroupInfo c2 = group("c", 0);
+  c2.incarnation = "c-2";
+  const auto asked = std::chrono::steady_clock::now();
+  try {
+    client_of(lh)->quorum(c2, 10s);
+    ADD_FAILURE() << "c trained on alone after the job finished";
+  } catch (const JobFinished& e) {
+    EXPECT_THAT(e.what(), HasSubstr("the job has finished: groups [b] left after step 12"));
+    EXPECT_THAT(e.what(), HasSubstr("group c (at step 0, lost before the end)"));
+  }
+  EXPECT_LT(std::chrono::steady_clock::now() - asked, 1s);
+  // a, which left, starts a new run from its step-8 checkpoint: not refused.
+  GroupInfo a2 = group("a", 8);
+  a2.incarnation = "a-2";
+  EXPECT_EQ(client_of(lh)->quorum(a2, 10s).max_step, 8);
+  join_beats.fn();
+  std::this_thread::sleep_for(100ms);
+  std::lock_guard<std::mutex> lock(mu);
+  EXPECT_THAT(events, ::testing::Contains("group a left after step 10"));
+  EXPECT_THAT(events, ::testing::Contains(HasSubstr("job finished at step 12")));
+  EXPECT_THAT(events, ::testing::Contains(HasSubstr("group c refused: the job has finished")));
+  EXPECT_THAT(events, ::testing::Not(::testing::Contains(HasSubstr("group a lost"))));
+}
+
+// A lighthouse that cannot be reached (a wrong address) is named at the first refusal, and asked
+// again until the timeout.
+TEST(Lighthouse, AnUnreachableLighthouseIsNamedAtTheFirstRefusal) {
+  int port = 0;
+  {
+    Lighthouse gone{LighthouseOptions()};
+    gone.start();
+    port = gone.port();
+  }  // nothing listens there now
+  LighthouseClient client(LighthouseClientOptions().address("127.0.0.1:" + std::to_string(port)));
+  ::testing::internal::CaptureStderr();
+  const auto asked = std::chrono::steady_clock::now();
+  const std::string error = error_of([&] { client.quorum(group("a", 0), 1500ms); });
+  const auto waited = std::chrono::steady_clock::now() - asked;
+  const std::string printed = ::testing::internal::GetCapturedStderr();
+  EXPECT_THAT(printed, HasSubstr("group a: the lighthouse at 127.0.0.1:" + std::to_string(port) + " cannot be reached"));
+  EXPECT_THAT(printed, HasSubstr("asking again every 100 ms"));
+  EXPECT_EQ(std::count(printed.begin(), printed.end(), '\n'), 1) << printed;  // once, not at every try
+  EXPECT_GE(waited, 1400ms);
+  EXPECT_THAT(error, HasSubstr("quorum failed"));
 }
 
 TEST(Lighthouse, BelowMinReplicasTimesOutNamingTheGroups) {
@@ -318,7 +490,8 @@ TEST(Lighthouse, AGroupBeatsForItsRanksAndASilentRankLosesIt) {
 // the last goes with its keys: after 30 changes of members (a group restarting each time) the
 // lighthouse holds two stores and the keys written in them alone.
 TEST(Lighthouse, StoresDoNotOutliveTheQuorumAfterNext) {
-  Lighthouse lh{LighthouseOptions()};
+  // A restart is taken once the old incarnation has been silent for the heartbeat timeout: short here.
+  Lighthouse lh{LighthouseOptions().heartbeat_timeout(100ms)};
   lh.start();
   auto client = client_of(lh);
   auto store_client = [](const std::string& address, std::chrono::milliseconds timeout) {

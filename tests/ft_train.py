@@ -339,8 +339,9 @@ PHASES = {
     "cross-group allreduce": (["crossing:40:1:0"], ["--zero", "1"], {1}),
     # Group 1 dies at step 40; its heal source (the lighthouse names the first up-to-date group,
     # 0) dies as it publishes: group 1 heals from group 2, and so does group 0. FSDP's shards cross
-    # after backward (Manager::allreduce).
-    "heal source dies": (["forward:40:1:0", "heal-publish:0:0:0"], ["--fsdp", "full_shard"], {0, 1}),
+    # after backward (Manager::allreduce). (Step 1: group 0 also publishes at step 0, as the source
+    # the others copy at their first quorum.)
+    "heal source dies": (["forward:40:1:0", "heal-publish:1:0:0"], ["--fsdp", "full_shard"], {0, 1}),
     # Group 1 dies at step 40, and again, restarted, after copying its state, before loading it.
     "healing group dies": (["forward:40:1:0", "heal-fetched:0:1:0:1"], ["--hook", "int8", "--int8-error-feedback"], {1}),
     # Group 1 dies at step 40, and again, restarted, as the cross-group rendezvous with it begins:

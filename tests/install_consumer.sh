@@ -47,6 +47,27 @@ if [ -e "$work/prefix/lib/cmake/ddpkit/ddpkitFtTargets.cmake" ]; then
   [[ "$libs" == *"$work/prefix/lib/libddpkit_ft.so"* ]] || { echo "diloco_sites does not load the installed libddpkit_ft:"; echo "$libs"; exit 1; }
 fi
 
+if [ -e "$work/prefix/lib/cmake/ddpkit/ddpkitFtTargets.cmake" ]; then
+  echo "== a program using ft::Manager, linked with the README's own CMake lines"
+  # The block under "Using ddpkit from your project", as a user would copy it.
+  readme_lines=$(awk '/^## Using ddpkit from your project/ {in_section = 1}
+                      in_section && /^```cmake/ {in_block = 1; next}
+                      in_block && /^```/ {exit}
+                      in_block {print}' "$src/README.md")
+  [[ "$readme_lines" == *find_package* ]] || { echo "no cmake block in the README's 'Using ddpkit from your project'"; exit 1; }
+  mkdir -p "$work/readme_app"
+  cp "$src/tests/readme_consumer/app.cpp" "$work/readme_app/"
+  printf 'cmake_minimum_required(VERSION 3.21)\nproject(app LANGUAGES CXX)\nset(CMAKE_CXX_STANDARD 17)\nadd_executable(app app.cpp)\n%s\n' \
+    "$readme_lines" >"$work/readme_app/CMakeLists.txt"
+  cmake -S "$work/readme_app" -B "$work/readme_app/build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
+    -DCMAKE_PREFIX_PATH="$work/prefix" -DCMAKE_CXX_COMPILER_LAUNCHER="$(command -v ccache || true)" \
+    >"$work/readme_app.cfg.log" || { cat "$work/readme_app/CMakeLists.txt" "$work/readme_app.cfg.log"; exit 1; }
+  cmake --build "$work/readme_app/build" -j2 >"$work/readme_app.build.log" \
+    || { cat "$work/readme_app/CMakeLists.txt"; tail -40 "$work/readme_app.build.log"; exit 1; }
+  "$work/prefix/bin/ddpkit" launch --nproc 1 "$work/readme_app/build/app" | tee "$work/readme_app.log"
+  grep -q "readme app: 3 steps committed" "$work/readme_app.log"
+fi
+
 echo "== the Python package from the prefix"
 pydirs=("$work"/prefix/lib/python3*/*-packages)
 if [ -d "${pydirs[0]}/ddpkit" ]; then

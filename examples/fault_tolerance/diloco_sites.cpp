@@ -69,6 +69,7 @@ static int train(int argc, char** argv) {
                                      static_cast<long long>(inner_step), loss_value), std::fflush(stdout);
   }
   diloco.finish();  // the fragment in flight
+  manager.close();  // the site leaves the job at once; heartbeats, state service and cross groups freed
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   // The model the sites agree on: every fragment's global parameters.
   std::vector<at::Tensor> global;

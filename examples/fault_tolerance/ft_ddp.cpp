@@ -66,6 +66,7 @@ static int train(int argc, char** argv) {
     if (pg->rank() == 0) std::printf("group %s step %lld loss %.4f\n", flags.str("group").c_str(),
                                      static_cast<long long>(manager.step()), loss_value), std::fflush(stdout);
   }
+  manager.close();  // the group leaves the job at once; heartbeats, state service and cross groups freed
   const auto& s = manager.stats();
   if (pg->rank() == 0)
     std::printf("{\"group\": %ld, \"steps\": %lld, \"steps_run\": %lld, \"heals\": %lld, \"steps_not_committed\": "

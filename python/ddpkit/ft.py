@@ -6,30 +6,42 @@ restarted group must copy, and follows the per-step commit protocol:
 
     import torch.distributed as dist, ddpkit.ft
     dist.init_process_group("gloo")                      # or "ddpkit"; the group's own ranks
-    manager = ddpkit.ft.Manager(lighthouse="host:29510", group_id="replica-0")
-    manager.register_state_dict("model", model.state_dict, model.load_state_dict)
-    manager.register_state_dict("optimizer", optimizer.state_dict, optimizer.load_state_dict)
-    while manager.step < steps:
-        manager.start_step()                             # the quorum; a group behind heals here
-        loss = loss_fn(model(x), y); loss.backward()     # DDP inside the group, if several ranks
-        manager.allreduce_gradients(model)               # averaged across the quorum's groups
-        if manager.should_commit():                      # every rank of every group succeeded
-            optimizer.step()
-        optimizer.zero_grad()
+    with ddpkit.ft.Manager(lighthouse="host:29510", group_id="replica-0") as manager:
+        manager.register_state_dict("model", model.state_dict, model.load_state_dict)
+        manager.register_state_dict("optimizer", optimizer.state_dict, optimizer.load_state_dict)
+        while manager.step < steps:
+            manager.start_step()                         # the quorum; a group behind heals here
+            loss = loss_fn(model(x), y); loss.backward() # DDP inside the group, if several ranks
+            manager.allreduce_gradients(model)           # averaged across the quorum's groups
+            if manager.should_commit():                  # every rank of every group succeeded
+                optimizer.step()
+            optimizer.zero_grad()
+    # leaving the block: close() (the group leaves the job; everything is freed at once)
 
-A group that dies is out of the next quorum; the survivors go on without a restart, and a group
-that comes back copies the registered state from a live one (no checkpoint is read). State goes
-through state_dict()-style functions: nested dicts and lists of CPU tensors and plain values.
+Every group starts from one group's state: at a group's first quorum the registered state is copied
+from a group already running, or, when the groups start together, from the first by group_id
+(init_sync=False turns this off). A group that dies is out of the next quorum; the survivors go on
+without a restart, and a group that comes back copies the registered state from a live one (no
+checkpoint is read). State goes through state_dict()-style functions: nested dicts and lists of CPU
+tensors and plain values. Once every group has closed its Manager after its last step, the job is
+finished: a group started again from an older step gets JobFinished instead of training alone.
 See docs/fault_tolerance.md.
 """
 import os
 import pickle
+import weakref
 
 import torch
 
 from . import _C, _seconds
 
-__all__ = ["Lighthouse", "Manager", "SCOPES"]
+__all__ = ["JobFinished", "Lighthouse", "Manager", "SCOPES"]
+
+# Raised by Manager.start_step when the job this group would join has finished: every group of its
+# last quorum closed its Manager after its last step, and this group is behind their step (it has
+# nobody to copy the job's state from). A subclass of ddpkit.CommError; a restarted process that
+# gets it has nothing left to do.
+JobFinished = _C.ft.JobFinished
 
 # Where registered state goes (ddpkit::ft::StateScope): "shared", the same on every rank of every
 # group (a heal copies it, a checkpoint keeps one copy); "shared_per_rank", the same across groups
@@ -112,15 +124,26 @@ class Lighthouse:
     min_replicas: fewest groups a quorum may have. join_timeout: how long a quorum waits for a live
     group that has not asked (for DiLoCo: as long as the sites' quorum_timeout, as a site asks only
     at its syncs). expected_groups: the first quorum waits up to join_timeout for that many.
+    on_event: called with a line for each event `ddpkit lighthouse` prints (on the lighthouse's own
+    thread, in order, within ~20 ms of the change; keep it short, e.g. print or queue.put):
+        "quorum Q: groups [a, b]" (", dropped [c]", ", joined [d]": the participants changed)
+        "group G lost: rank R silent for N ms" / "group G lost: restarted (incarnation I)"
+        "group G left after step S"            (its Manager closed after its last step)
+        "job finished at step S: every group of quorum Q left"
+        "group G: refused a second process (...): a duplicate group id"
+        "group G refused: the job has finished ..."  (started again after the job finished)
+    An exception it raises is reported through sys.unraisablehook and the lighthouse goes on.
     """
 
     def __init__(self, address="0.0.0.0:29510", *, min_replicas=1, join_timeout=10.0, expected_groups=0,
-                 heartbeat_timeout=1.0, token=None):
+                 heartbeat_timeout=1.0, token=None, on_event=None):
         if token is None:
             token = os.environ.get("DDPKIT_FT_TOKEN", "")
+        if on_event is not None and not callable(on_event):
+            raise TypeError(f"ddpkit.ft.Lighthouse: on_event must be callable, got {on_event!r}")
         self._lighthouse = _C.ft.Lighthouse(address, int(min_replicas), _seconds(join_timeout, "join_timeout"),
                                             int(expected_groups), _seconds(heartbeat_timeout, "heartbeat_timeout"),
-                                            token)
+                                            token, on_event)
 
     @property
     def address(self):
@@ -165,11 +188,21 @@ class Manager:
     cross_lazy_connections: cross groups connect two groups when a collective first needs them
         (rings and trees) instead of every pair at each quorum change: for tens of groups or
         sites (docs/scale.md).
+    init_sync: at this group's first quorum, copy the registered state from a group already
+        running, or, when the groups start together, from the first by group_id (which copies
+        nothing): groups seeded differently still train one model. False: they must start equal.
+        A group that resumed from a checkpoint (restore_checkpoint) keeps the state it loaded.
+
+    Use it as a context manager, or call close() after the last step: the group leaves the job at
+    once and its threads, sockets and cross-group process groups are freed before close returns.
+    A block left by an exception frees the same, without leaving (the others see the group lost,
+    and it may come back). A lighthouse that cannot be reached is named on stderr at the first
+    refused attempt and asked again until quorum_timeout.
     """
 
     def __init__(self, lighthouse=None, group_id=None, group=None, *, token=None, quorum_timeout=60.0,
                  cross_group_timeout=30.0, heartbeat_interval=0.1, cross_gloo_threads=0, heal_connections=1,
-                 cross_lazy_connections=False):
+                 cross_lazy_connections=False, init_sync=True):
         lighthouse = lighthouse or os.environ.get("DDPKIT_LIGHTHOUSE", "")
         if not lighthouse:
             raise ValueError("ddpkit.ft.Manager: no lighthouse (host:port): pass lighthouse= or set DDPKIT_LIGHTHOUSE")
@@ -182,7 +215,10 @@ class Manager:
             _ddpkit_group(group), lighthouse, group_id, token, _seconds(quorum_timeout, "quorum_timeout"),
             _seconds(cross_group_timeout, "cross_group_timeout"),
             _seconds(heartbeat_interval, "heartbeat_interval"), int(cross_gloo_threads), int(heal_connections),
-            bool(cross_lazy_connections))
+            bool(cross_lazy_connections), bool(init_sync))
+        self._keys = []  # registered state: unregistered by close(), which drops the callbacks
+        self._attached = weakref.WeakSet()  # DiLoCo objects over this Manager: closed first
+        self._closed = False
 
     def register_state_dict(self, key, state_dict, load_state_dict, scope="shared"):
         """What a heal copies and a checkpoint keeps under `key`: state_dict() gives it (as
@@ -190,14 +226,61 @@ class Manager:
         rank. Called only when a heal or a checkpoint needs it; loaded in the order registered."""
         if scope not in SCOPES:
             raise ValueError(f"ddpkit.ft: scope must be one of {SCOPES}, got {scope!r}")
+        self._check_open("register_state_dict")
         self._manager.register_state(key, lambda: flatten_state(state_dict()),
                                      lambda d: load_state_dict(unflatten_state(d)), scope)
+        if key not in self._keys:
+            self._keys.append(key)
 
     def unregister_state_dict(self, key):
         self._manager.unregister_state(key)
+        if key in self._keys:
+            self._keys.remove(key)
+
+    def request_heal(self, why):
+        """This group's state differs from the others' (a check of your own found it): the next
+        start_step copies the registered state from a group at the quorum's step. Call it on every
+        rank of the group. (DiLoCo does this itself when a sync's checksums disagree.)"""
+        self._manager.request_heal(str(why))
+
+    def close(self, leave=True):
+        """After the last step, on every rank: the group leaves the job (the lighthouse drops it at
+        once; when every group has left, the job is finished), then heartbeats, the state service
+        and the cross-group process groups are stopped and freed before this returns, and the
+        registered state_dict functions are dropped (no reference cycle is left through them).
+        leave=False frees the same without leaving (a group stopping on a failure). stats(), step
+        and the other properties still answer; nothing else may be called. A second call does nothing."""
+        if self._closed:
+            return
+        for diloco in list(self._attached):
+            diloco.close()
+        self._manager.close(bool(leave))
+        for key in list(self._keys):
+            self.unregister_state_dict(key)
+        self._closed = True
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, value, traceback):
+        self.close(leave=kind is None)
+        return False
+
+    def _check_open(self, what):
+        if self._closed:
+            raise RuntimeError(f"ddpkit.ft.Manager.{what}: the Manager is closed")
+
+    def _attach(self, diloco):
+        self._check_open("DiLoCo")
+        self._attached.add(diloco)
 
     def start_step(self):
-        """Collective over the group: joins the quorum for the next step; a group behind heals."""
+        """Collective over the group: joins the quorum for the next step; a group behind heals (and,
+        with init_sync, every group at its first quorum but the one the others copy). Raises
+        ddpkit.CommError when no quorum forms within quorum_timeout (the message names the live and
+        lost groups, a duplicate group id, or an unreachable lighthouse), JobFinished when the job
+        has finished."""
+        self._check_open("start_step")
         self._manager.start_step()
 
     def allreduce(self, tensors):
@@ -245,4 +328,21 @@ class Manager:
         return self._manager.group_id
 
     def stats(self):
+        """This rank's figures, a dict (the same names as `ddpkit train --fault-tolerant`'s JSON):
+
+        quorums                 quorums taken part in
+        reconfigurations        cross-group process groups built (a group alone builds none)
+        reconfiguration_seconds, longest_reconfiguration_seconds   building them
+        heals                   times this rank copied its state from another group: it was
+                                behind the quorum, or asked to (request_heal; DiLoCo's checksums)
+        init_syncs              1 once the first quorum copied the state from another group (init_sync)
+        heal_bytes, heal_seconds, heal_fetch_seconds   all copies: bytes, fetch and load, fetch alone
+        serve_seconds           as a source: serving the state until the healers released it
+        heals_single_copy       copies read from the source's memory (same host)
+        heal_route              how the last copy was read: "process_vm_readv", or the pair group's transport
+        steps_committed, steps_not_committed
+        last_error              why the last step did not commit ("" if none failed)
+        cross_transport         what the last cross-group process group runs on
+        cross_bytes_sent        bytes this rank sent to the other groups, all quorums so far
+        """
         return self._manager.stats()

@@ -60,15 +60,21 @@ py::dict round_times_dict(const ft::Lighthouse::RoundTimes& t) {
   return d;
 }
 
+// The keys are the CLI's JSON fields of the same meaning (tools/ddpkit/train_ft.cpp, train_diloco.cpp);
+// docs/python.md lists them.
 py::dict manager_stats(const ft::ManagerStats& s) {
   py::dict d;
   d["quorums"] = s.quorums;
   d["reconfigurations"] = s.reconfigurations;
   d["reconfiguration_seconds"] = s.reconfiguration_seconds;
+  d["longest_reconfiguration_seconds"] = s.longest_reconfiguration_seconds;
   d["heals"] = s.heals;
+  d["init_syncs"] = s.init_syncs;
   d["heal_bytes"] = s.heal_bytes;
   d["heal_seconds"] = s.heal_seconds;
+  d["heal_fetch_seconds"] = s.heal_fetch_seconds;
   d["serve_seconds"] = s.serve_seconds;
+  d["heals_single_copy"] = s.heals_single_copy;
   d["heal_route"] = s.heal_route;
   d["steps_committed"] = s.steps_committed;
   d["steps_not_committed"] = s.steps_not_committed;
@@ -81,17 +87,19 @@ py::dict manager_stats(const ft::ManagerStats& s) {
 py::dict diloco_stats(const diloco::DiLoCoStats& s) {
   py::dict d;
   d["inner_steps"] = s.inner_steps;
-  d["syncs"] = s.syncs;
+  d["outer_syncs"] = s.syncs;
   d["sync_retries"] = s.sync_retries;
   d["heals"] = s.heals;
   d["checksum_mismatches"] = s.checksum_mismatches;
+  d["last_checksum_mismatch"] = s.last_checksum_mismatch;
   d["last_sites"] = s.last_sites;
   d["last_sites_weighted"] = s.last_sites_weighted;
-  d["blocked_seconds"] = s.blocked_seconds;
-  d["longest_blocked_seconds"] = s.longest_blocked_seconds;
-  d["transfer_seconds"] = s.transfer_seconds;
+  d["sync_blocked_seconds"] = s.blocked_seconds;
+  d["longest_sync_blocked_seconds"] = s.longest_blocked_seconds;
+  d["longest_later_sync_blocked_seconds"] = s.longest_later_blocked_seconds;
+  d["sync_transfer_seconds"] = s.transfer_seconds;
   d["site_gather_seconds"] = s.site_gather_seconds;
-  d["wait_seconds"] = s.wait_seconds;
+  d["sync_wait_seconds"] = s.wait_seconds;
   d["last_error"] = s.last_error;
   return d;
 }
@@ -100,21 +108,43 @@ py::dict diloco_stats(const diloco::DiLoCoStats& s) {
 
 void bind_ft(py::module& root) {
   py::module m = root.def_submodule("ft", "ddpkit's fault-tolerant Manager (see ddpkit.ft)");
+  static py::exception<ft::JobFinished> job_finished(m, "JobFinished", root.attr("CommError"));
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const ft::JobFinished& e) {
+      PyErr_SetString(job_finished.ptr(), e.what());
+    }
+  });
   py::class_<ft::Lighthouse>(m, "Lighthouse")
       .def(py::init([](const std::string& address, int min_replicas, double join_timeout_s, int expected_groups,
-                       double heartbeat_timeout_s, const std::string& token) {
-             auto lh = std::make_unique<ft::Lighthouse>(ft::LighthouseOptions()
-                                                            .address(address)
-                                                            .min_replicas(min_replicas)
-                                                            .join_timeout(ms_of(join_timeout_s, "join_timeout"))
-                                                            .expected_groups(expected_groups)
-                                                            .heartbeat_timeout(ms_of(heartbeat_timeout_s, "heartbeat_timeout"))
-                                                            .token(token));
+                       double heartbeat_timeout_s, const std::string& token, py::object on_event) {
+             ft::LighthouseOptions o;
+             o.address(address)
+                 .min_replicas(min_replicas)
+                 .join_timeout(ms_of(join_timeout_s, "join_timeout"))
+                 .expected_groups(expected_groups)
+                 .heartbeat_timeout(ms_of(heartbeat_timeout_s, "heartbeat_timeout"))
+                 .token(token);
+             if (!on_event.is_none()) {
+               // Called on the lighthouse's ticker thread: the GIL is taken for the call, and an
+               // exception it raises is reported (sys.unraisablehook), not passed into the lighthouse.
+               PyCallbacks cb(on_event, py::none());
+               o.on_event([cb](const std::string& event) {
+                 py::gil_scoped_acquire gil;
+                 try {
+                   (*cb.save)(event);
+                 } catch (py::error_already_set& e) {
+                   e.discard_as_unraisable("ddpkit.ft.Lighthouse on_event");
+                 }
+               });
+             }
+             auto lh = std::make_unique<ft::Lighthouse>(std::move(o));
              lh->start();
              return lh;
            }),
            py::arg("address"), py::arg("min_replicas"), py::arg("join_timeout_s"), py::arg("expected_groups"),
-           py::arg("heartbeat_timeout_s"), py::arg("token"))
+           py::arg("heartbeat_timeout_s"), py::arg("token"), py::arg("on_event") = py::none())
       .def_property_readonly("address", &ft::Lighthouse::address)
       .def_property_readonly("quorums_formed", &ft::Lighthouse::quorums_formed)
       .def_property_readonly("round_times", [](const ft::Lighthouse& lh) { return round_times_dict(lh.round_times()); })
@@ -123,7 +153,7 @@ void bind_ft(py::module& root) {
       .def(py::init([](std::shared_ptr<ProcessGroup> group, const std::string& lighthouse, const std::string& group_id,
                        const std::string& token, double quorum_timeout_s, double cross_group_timeout_s,
                        double heartbeat_interval_s, int cross_gloo_threads, int heal_connections,
-                       bool cross_lazy_connections) {
+                       bool cross_lazy_connections, bool init_sync) {
              ft::ManagerOptions o;
              o.lighthouse(lighthouse)
                  .group_id(group_id)
@@ -133,13 +163,14 @@ void bind_ft(py::module& root) {
                  .heartbeat_interval(ms_of(heartbeat_interval_s, "heartbeat_interval"))
                  .cross_gloo_threads(cross_gloo_threads)
                  .heal_connections(heal_connections)
-                 .cross_lazy_connections(cross_lazy_connections);
+                 .cross_lazy_connections(cross_lazy_connections)
+                 .init_sync(init_sync);
              py::gil_scoped_release nogil;  // collective over the group
              return std::make_unique<ft::Manager>(std::move(group), std::move(o));
            }),
            py::arg("group"), py::arg("lighthouse"), py::arg("group_id"), py::arg("token"), py::arg("quorum_timeout_s"),
            py::arg("cross_group_timeout_s"), py::arg("heartbeat_interval_s"), py::arg("cross_gloo_threads"),
-           py::arg("heal_connections"), py::arg("cross_lazy_connections") = false)
+           py::arg("heal_connections"), py::arg("cross_lazy_connections") = false, py::arg("init_sync") = true)
       .def("register_state",
            [](ft::Manager& mgr, const std::string& key, py::object save, py::object load, const std::string& scope) {
              PyCallbacks cb(std::move(save), std::move(load));
@@ -161,6 +192,8 @@ void bind_ft(py::module& root) {
       .def("allreduce", &ft::Manager::allreduce, py::call_guard<py::gil_scoped_release>())
       .def("should_commit", &ft::Manager::should_commit, py::call_guard<py::gil_scoped_release>())
       .def("fail_step", &ft::Manager::fail_step)
+      .def("request_heal", &ft::Manager::request_heal)
+      .def("close", &ft::Manager::close, py::arg("leave") = true, py::call_guard<py::gil_scoped_release>())
       .def("resume_at", &ft::Manager::resume_at)
       .def("save_checkpoint", &ft::Manager::save_checkpoint, py::arg("dir"), py::arg("keep") = 3,
            py::call_guard<py::gil_scoped_release>())

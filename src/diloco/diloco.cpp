@@ -7,6 +7,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstring>
+#include <iostream>
 
 namespace ddpkit {
 namespace diloco {
@@ -169,10 +170,11 @@ struct DiLoCo::Impl {
 
   // Joins the quorum; true when this site healed in it (its state was replaced).
   bool join_quorum() {
-    const int64_t heals_before = manager.stats().heals;
+    const ft::ManagerStats& m = manager.stats();
+    const int64_t heals_before = m.heals, copies_before = m.heals + m.init_syncs;
     manager.start_step();
-    if (manager.stats().heals == heals_before) return false;
-    ++stats.heals;
+    if (m.heals + m.init_syncs == copies_before) return false;
+    if (m.heals != heals_before) ++stats.heals;  // the first quorum's copy (init sync) is not a heal
     // A fresh local copy: what this site sends from now on is its own progress only; what it had
     // not yet sent belonged to the progress it has just dropped.
     for (auto& f : fragments) {
@@ -315,7 +317,43 @@ struct DiLoCo::Impl {
     stats.longest_blocked_seconds = std::max(stats.longest_blocked_seconds, sync.blocked);
     if (stats.syncs > 1) stats.longest_later_blocked_seconds = std::max(stats.longest_later_blocked_seconds, sync.blocked);
     applied = r.total_weight > 0;
+    if (!r.disagreeing.empty()) heal_disagreeing(r.disagreeing);
     return true;
+  }
+
+  // A sync found sites whose global parameters differ from the others' (their pseudo-gradients
+  // were left out of the mean): every site joins a quorum now, in which those sites copy the
+  // others' state (outer state, model, inner optimizer) before their next inner step. Every site
+  // names the same ones (each sees every site's checksum), so all of them take this quorum.
+  void heal_disagreeing(const std::vector<int>& disagreeing) {
+    const int me = manager.replica_rank();
+    bool mine = std::find(disagreeing.begin(), disagreeing.end(), me) != disagreeing.end();
+    if (site_world > 1) {  // under FSDP each rank compares its own shards: the site heals as one
+      at::Tensor flag = at::tensor({mine ? 1 : 0}, at::kInt);
+      ProcessGroup::wait(site->allreduce(flag, c10d::ReduceOp::MAX));
+      mine = flag.item<int>() == 1;
+    }
+    std::string names;
+    for (int r : disagreeing) {
+      const auto& p = manager.quorum().participants;
+      names += (names.empty() ? "" : ", ") + (r < static_cast<int>(p.size()) ? p[static_cast<size_t>(r)].group_id
+                                                                            : "replica " + std::to_string(r));
+    }
+    stats.last_checksum_mismatch = "outer step " + std::to_string(outer_steps_total()) + " (Manager step " +
+                                   std::to_string(manager.step()) + "): the global parameters of [" + names +
+                                   "] differed from the other sites'; left out of that mean and healed from them";
+    if (site_rank == 0)
+      std::cerr << "ddpkit DiLoCo: site " << manager.group_id() << ": " << stats.last_checksum_mismatch << std::endl;
+    if (mine) manager.request_heal(stats.last_checksum_mismatch);
+    const auto t0 = Clock::now();
+    join_quorum();
+    stats.blocked_seconds += seconds_since(t0);
+  }
+
+  int64_t outer_steps_total() const {
+    int64_t n = 0;
+    for (const auto& f : fragments) n += f.outer_steps;
+    return n;
   }
 };
 

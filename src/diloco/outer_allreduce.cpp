@@ -3,6 +3,8 @@
 #include <ddpkit/error.h>
 
 #include <cstring>
+#include <map>
+#include <mutex>
 
 namespace ddpkit {
 namespace diloco {
@@ -20,6 +22,7 @@ struct Job {
   uint64_t checksum = 0;
   std::shared_ptr<WeightedMeanResult> result;
   std::shared_ptr<MeanErrorFeedback> feedback;
+  mutable std::mutex result_mu;
 
   int64_t offset(int64_t p, int64_t r) const { return std::min((p * world + r) * chunk, numel); }
   int64_t valid(int64_t p, int64_t r) const { return std::min(chunk, numel - offset(p, r)); }
@@ -42,26 +45,36 @@ struct Job {
   void reduce(int64_t p) const {
     std::vector<float> weights(static_cast<size_t>(world));
     std::vector<uint64_t> sums(static_cast<size_t>(world));
-    double total = 0;
-    int weighted = 0;
     for (int64_t r = 0; r < world; ++r) {
       const uint8_t* trailer = slot1(recv1, p, r).data_ptr<uint8_t>() + s1 - kTrailer;
       std::memcpy(&weights[r], trailer, sizeof(float));
       std::memcpy(&sums[r], trailer + 8, sizeof(uint64_t));
+    }
+    // The checksum most weighted ranks passed (ties: the lowest such rank's); the others' values
+    // stay out of the mean: a site whose global parameters differ would pull every site off.
+    std::map<uint64_t, int> votes;
+    for (int64_t r = 0; r < world; ++r)
+      if (weights[r] > 0) ++votes[sums[r]];
+    uint64_t majority = 0;
+    int most = 0;
+    for (int64_t r = 0; r < world; ++r)
+      if (weights[r] > 0 && votes[sums[r]] > most) {
+        most = votes[sums[r]];
+        majority = sums[r];
+      }
+    std::vector<int> disagreeing;
+    for (int64_t r = 0; r < world; ++r)
+      if (weights[r] > 0 && sums[r] != majority) {
+        disagreeing.push_back(static_cast<int>(r));
+        weights[r] = 0;
+      }
+    double total = 0;
+    int weighted = 0;
+    for (int64_t r = 0; r < world; ++r)
       if (weights[r] > 0) {
         total += weights[r];
         ++weighted;
       }
-    }
-    bool agree = true;
-    uint64_t first = 0;
-    bool seen = false;
-    for (int64_t r = 0; r < world; ++r) {
-      if (!(weights[r] > 0)) continue;
-      if (seen && sums[r] != first) agree = false;
-      first = sums[r];
-      seen = true;
-    }
     at::Tensor mean = at::zeros({chunk}, at::kFloat);
     bool started = false;
     for (int64_t r = 0; r < world && total > 0; ++r) {
@@ -81,10 +94,12 @@ struct Job {
     }
     for (int64_t r = 0; r < world; ++r)
       if (r != me) slot2(send2, p, r).copy_(mine);
-    if (result) {
+    if (result) {  // every piece finds the same; pieces may be reduced on several threads
+      std::lock_guard<std::mutex> lock(result_mu);
       result->total_weight = total;
       result->ranks_weighted = weighted;
-      result->checksums_agree = result->checksums_agree && agree;
+      result->checksums_agree = disagreeing.empty();
+      result->disagreeing = disagreeing;
     }
   }
 

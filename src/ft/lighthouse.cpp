@@ -79,12 +79,32 @@ struct Lighthouse::Impl {
     std::map<int, Clock::time_point> last;  // rank -> last heartbeat
     Clock::time_point last_any;             // the newest of them (for forgetting long-dead groups)
     Clock::time_point oldest;               // the oldest of them (settle()): liveness in O(1)
+    std::string host;                       // its rank 0's, once it asked (for naming a duplicate)
+  };
+  // A group that left after its last step (Leave): its incarnation and the steps it committed.
+  struct Left {
+    std::string incarnation;
+    int64_t step = 0;
   };
 
   LighthouseOptions options;
   const std::string instance;  // QuorumReply.lighthouse
   mutable std::mutex mu;
   std::map<std::string, std::shared_ptr<QuorumWaiter>> waiting;  // by group id
+  // Asks from a new incarnation of a group whose current one is still live: a restart whose old
+  // processes have not yet been silent for heartbeat_timeout, or a second process given the same
+  // group id. Admitted once the old one is not live; refused as a duplicate if it stays live.
+  std::vector<std::shared_ptr<QuorumWaiter>> pretenders;
+  std::map<std::string, Left> left;  // groups that left (Leave), until they ask again
+  // Set when every group of the last quorum has left: the job is over at that step, and a group
+  // of it that was lost before the end, asking from an older step, is refused (it has nobody to
+  // heal from). Cleared by the next quorum formed (a new run: groups that left, resumed from a
+  // checkpoint, or new ones).
+  int64_t finished_step = -1;
+  std::string finished_groups;
+  // Groups dropped from a quorum without leaving (lost), until they are in one again: once the
+  // job has finished, such a group asking from an older step is refused (JobFinished).
+  std::set<std::string> lost_members;
   // By group id; hashed: the lost groups are recomputed a hundred times a second from a thousand lookups.
   std::unordered_map<std::string, Beats> beats;
   Quorum last;
@@ -164,6 +184,8 @@ struct Lighthouse::Impl {
     }
     b.incarnation = g.incarnation;
     b.world_size = g.world_size;
+    b.host = g.hosts.empty() ? "" : g.hosts[0];
+    left.erase(g.group_id);
     for (auto it = b.last.begin(); it != b.last.end();) it = it->first >= g.world_size ? b.last.erase(it) : std::next(it);
     for (int r = 0; r < g.world_size; ++r) b.last.emplace(r, now);  // not yet heard from: from now
     heard(b, 0, now);
@@ -175,11 +197,17 @@ struct Lighthouse::Impl {
   std::vector<std::string> lost_of_last(Clock::time_point now) const {
     std::vector<std::string> lost;
     for (const auto& p : last.participants) {
+      if (has_left(p)) continue;  // done, not lost: its collectives are over
       auto it = beats.find(p.group_id);
       if (it == beats.end() || it->second.incarnation != p.incarnation || !live(it->second, now))
         lost.push_back(p.group_id);
     }
     return lost;
+  }
+
+  bool has_left(const GroupInfo& p) const {
+    auto it = left.find(p.group_id);
+    return it != left.end() && it->second.incarnation == p.incarnation;
   }
 
   const std::vector<std::string>& lost_now(Clock::time_point now) {
@@ -234,16 +262,16 @@ struct Lighthouse::Impl {
              last.participants[i].incarnation == q.participants[i].incarnation;
     q.quorum_id = same ? last.quorum_id : last.quorum_id + 1;
     q.store_address = host + ":" + std::to_string(store_of(q.quorum_id)->getPort());
-    std::vector<int> sources;
-    for (size_t i = 0; i < q.participants.size(); ++i)
-      if (q.participants[i].step == q.max_step) sources.push_back(static_cast<int>(i));
-    size_t next = 0;
-    for (const auto& p : q.participants)
-      q.heal_sources.push_back(p.step < q.max_step ? sources[next++ % sources.size()] : -1);
+    finished_step = -1;  // a quorum after the job finished: a new run (resumed from a checkpoint)
+    q.heal_sources = heal_sources_of(q);
     std::set<std::string> ids;
     for (const auto& p : q.participants) ids.insert(p.group_id);
     for (const auto& p : last.participants)
-      if (!ids.count(p.group_id)) q.dropped.push_back(p.group_id);
+      if (!ids.count(p.group_id)) {
+        q.dropped.push_back(p.group_id);
+        if (!has_left(p)) lost_members.insert(p.group_id);
+      }
+    for (const auto& id : ids) lost_members.erase(id);
     // Each reply built once: a delta for a caller holding this quorum's predecessor (or this
     // quorum, when the participants are the same), the whole quorum for any other.
     std::shared_ptr<const wire::QuorumReply> full, from_last;
@@ -270,6 +298,31 @@ struct Lighthouse::Impl {
     reported_lost.clear();
     ++formed;
     return Formed{std::chrono::duration<double, std::milli>(now - first).count(), full != nullptr};
+  }
+
+  // Who heals from whom (Quorum::heal_sources): a participant behind max_step, or one that asked
+  // (GroupInfo::heal), from the participants at max_step that did not ask, in turn; when all at
+  // max_step asked (a job's first quorum under init sync), from the first of them, which keeps its own.
+  static std::vector<int> heal_sources_of(const Quorum& q) {
+    std::vector<int> sources;
+    int keeper = -1;
+    for (size_t i = 0; i < q.participants.size(); ++i) {
+      if (q.participants[i].step != q.max_step) continue;
+      if (!q.participants[i].heal)
+        sources.push_back(static_cast<int>(i));
+      else if (keeper < 0)
+        keeper = static_cast<int>(i);
+    }
+    if (!sources.empty()) keeper = -1;
+    else sources.push_back(keeper);
+    std::vector<int> out;
+    size_t next = 0;
+    for (size_t i = 0; i < q.participants.size(); ++i) {
+      const GroupInfo& p = q.participants[i];
+      const bool heals = p.step < q.max_step || (p.heal && static_cast<int>(i) != keeper);
+      out.push_back(heals ? sources[next++ % sources.size()] : -1);
+    }
+    return out;
   }
 
   // Under mu: the store of quorum `id`, made when the id is new (the oldest but one goes).
@@ -402,6 +455,139 @@ struct Lighthouse::Impl {
     return refusal.empty() ? grpc::Status::OK : grpc::Status(grpc::StatusCode::UNAUTHENTICATED, refusal);
   }
 
+  // Under mu: takes `w`'s ask into the quorum being formed (its incarnation becomes the group's);
+  // forms the quorum when this ask completes it.
+  std::optional<Formed> admit(const std::shared_ptr<QuorumWaiter>& w, Clock::time_point now, std::vector<Answer>& out) {
+    const std::string& id = w->info.group_id;
+    if (refuse_if_finished(w, out)) return std::nullopt;
+    auto it = waiting.find(id);
+    if (it != waiting.end() && it->second->info.incarnation == w->info.incarnation) {
+      w->finished = true;
+      out.push_back(Answer{w, grpc::Status(grpc::StatusCode::ALREADY_EXISTS, "group " + id + " (incarnation " +
+                                                                           w->info.incarnation + ") already waits for a quorum"), {}});
+      return std::nullopt;
+    }
+    if (it != waiting.end()) {
+      it->second->finished = true;
+      out.push_back(Answer{it->second,
+                           grpc::Status(grpc::StatusCode::ABORTED, "superseded: group " + id + " (incarnation " +
+                                                                       it->second->info.incarnation +
+                                                                       ") asked again as incarnation " + w->info.incarnation),
+                           {}});
+      waiting.erase(it);
+    }
+    register_group(w->info, now);
+    waiting[id] = w;
+    // Only when every group the lighthouse knows has asked (or is lost) can this ask complete a
+    // quorum at once; otherwise the ticker decides (a lost group's timeout, join_timeout): one
+    // pass over the groups per quorum, not one per ask.
+    if (waiting.size() + lost_now(now).size() >= beats.size()) return try_form(now, out);
+    return std::nullopt;
+  }
+
+  // Under mu: a group of the job that was lost (not left), asking from a step older than the one
+  // the job finished at, has nobody to heal from: refused (JobFinished) rather than left to train
+  // on alone from its own old state. True when refused.
+  bool refuse_if_finished(const std::shared_ptr<QuorumWaiter>& w, std::vector<Answer>& out) {
+    if (finished_step < 0 || !lost_members.count(w->info.group_id) || w->info.step >= finished_step) return false;
+    w->finished = true;
+    std::ostringstream os;
+    os << "the job has finished: groups [" << finished_groups << "] left after step " << finished_step
+       << ", and no live group holds that step's state for group " << w->info.group_id << " (at step "
+       << w->info.step << ", lost before the end) to heal from: its work is done. To train on, resume it from a "
+          "checkpoint of step "
+       << finished_step << "; a new job needs a lighthouse of its own";
+    out.push_back(Answer{w, grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, os.str()), {}});
+    if (options.on_event()) events.push_back("group " + w->info.group_id + " refused: " + os.str());
+    return true;
+  }
+
+  // Under mu, on the ticker: each pretender (an ask of a group's new incarnation while the old one
+  // was live) is admitted once the old one is not live: a restart, whose old processes stopped
+  // beating. If the old one is still live a heartbeat timeout (and two ticks) after the ask, it is
+  // running: the ask is a second process given the same group id, refused as such; the running
+  // group is never displaced.
+  void review_pretenders(Clock::time_point now, std::vector<Answer>& out) {
+    for (auto it = pretenders.begin(); it != pretenders.end();) {
+      const std::shared_ptr<QuorumWaiter> w = *it;
+      auto b = beats.find(w->info.group_id);
+      if (w->finished) {
+        it = pretenders.erase(it);
+      } else if (b == beats.end() || b->second.incarnation == w->info.incarnation || !live(b->second, now)) {
+        it = pretenders.erase(it);
+        admit(w, now, out);
+      } else if (now - w->since > options.heartbeat_timeout() + 2 * kTick + std::chrono::milliseconds(100)) {
+        it = pretenders.erase(it);
+        w->finished = true;
+        const auto heard = std::chrono::duration_cast<std::chrono::milliseconds>(now - b->second.last_any).count();
+        std::ostringstream os;
+        os << "duplicate group id '" << w->info.group_id << "': incarnation " << b->second.incarnation;
+        if (!b->second.host.empty()) os << " on host " << b->second.host;
+        os << " is running (heard from " << heard << " ms ago); this process (incarnation " << w->info.incarnation
+           << (w->info.hosts.empty() ? "" : " on host " + w->info.hosts[0]) << ") waited "
+           << std::chrono::duration_cast<std::chrono::milliseconds>(now - w->since).count()
+           << " ms for it to stop and is refused. Every replica group needs an id of its own; a restart of a group is "
+              "taken once its old processes have been silent for the heartbeat timeout ("
+           << options.heartbeat_timeout().count() << " ms)";
+        out.push_back(Answer{w, grpc::Status(grpc::StatusCode::ALREADY_EXISTS, os.str()), {}});
+        if (options.on_event())
+          events.push_back("group " + w->info.group_id + ": refused a second process (incarnation " + w->info.incarnation +
+                           ") while incarnation " + b->second.incarnation + " is running: a duplicate group id");
+      } else if (now >= w->deadline) {
+        it = pretenders.erase(it);
+        w->finished = true;
+        out.push_back(Answer{w, grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED,
+                                             "no quorum within " + std::to_string(w->timeout_ms) + " ms: incarnation " +
+                                                 b->second.incarnation + " of group " + w->info.group_id +
+                                                 " was still live"), {}});
+      } else {
+        ++it;
+      }
+    }
+  }
+
+  // A group that ran its last step leaves (Manager::close): out of every quorum from now on, not
+  // lost (the others' collectives with it are over); once every group of the last quorum has
+  // left, the job has finished at their step.
+  grpc::Status leave(const grpc::CallbackServerContext* ctx, const wire::LeaveRequest& req) {
+    if (auto s = check_token(ctx); !s.ok()) return s;
+    if (!wire::valid_name(req.group_id()) || !wire::valid_name(req.incarnation()) || req.step() < 0)
+      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "leave: a group id, its incarnation and a step >= 0");
+    std::vector<std::string> told;
+    std::vector<Answer> answers;
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      auto b = beats.find(req.group_id());
+      if (b == beats.end() || b->second.incarnation != req.incarnation()) return grpc::Status::OK;  // not the live one
+      beats.erase(b);
+      left[req.group_id()] = Left{req.incarnation(), req.step()};
+      lost_members.erase(req.group_id());
+      lost_cache_valid = false;
+      told.push_back("group " + req.group_id() + " left after step " + std::to_string(req.step()));
+      bool all_left = !last.participants.empty();
+      int64_t step = 0;
+      std::vector<std::string> ids;
+      for (const auto& p : last.participants) {
+        all_left = all_left && has_left(p);
+        if (has_left(p)) step = std::max(step, left[p.group_id].step);
+        ids.push_back(p.group_id);
+      }
+      if (all_left) {
+        finished_step = step;
+        finished_groups = joined(ids);
+        told.push_back("job finished at step " + std::to_string(step) + ": every group of quorum " +
+                       std::to_string(last.quorum_id) + " left");
+      }
+      if (options.on_event()) events.insert(events.end(), told.begin(), told.end());
+      if (all_left)  // a lost group already asking again is answered now
+        for (auto it = waiting.begin(); it != waiting.end();)
+          it = refuse_if_finished(it->second, answers) ? waiting.erase(it) : std::next(it);
+    }
+    send(answers);
+    ticker_cv.notify_all();  // quorums waiting for the group go on without it
+    return grpc::Status::OK;
+  }
+
   // Starts a quorum call: answered now (a bad request, or the quorum it completes) or later.
   void quorum(const grpc::CallbackServerContext* ctx, const wire::QuorumRequest& req,
               const std::shared_ptr<QuorumWaiter>& w) {
@@ -438,29 +624,12 @@ struct Lighthouse::Impl {
         const auto now = Clock::now();
         w->since = now;
         w->deadline = now + std::chrono::milliseconds(req.timeout_ms());
-        auto it = waiting.find(id);
-        if (it != waiting.end() && it->second->info.incarnation == w->info.incarnation) {
-          w->finished = true;
-          answers.push_back(Answer{w, grpc::Status(grpc::StatusCode::ALREADY_EXISTS,
-                                                   "group " + id + " (incarnation " + w->info.incarnation +
-                                                       ") already waits for a quorum"), {}});
+        auto b = beats.find(id);
+        if (b != beats.end() && !b->second.incarnation.empty() && b->second.incarnation != w->info.incarnation &&
+            live(b->second, now)) {
+          pretenders.push_back(w);  // another incarnation is live: a restart too soon, or a duplicate
         } else {
-          if (it != waiting.end()) {
-            it->second->finished = true;
-            answers.push_back(Answer{it->second,
-                                     grpc::Status(grpc::StatusCode::ABORTED,
-                                                  "superseded: group " + id + " (incarnation " +
-                                                      it->second->info.incarnation + ") asked again as incarnation " +
-                                                      w->info.incarnation),
-                                     {}});
-            waiting.erase(it);
-          }
-          register_group(w->info, now);
-          waiting[id] = w;
-          // Only when every group the lighthouse knows has asked (or is lost) can this ask
-          // complete a quorum at once; otherwise the ticker decides (a lost group's timeout,
-          // join_timeout): one pass over the groups per quorum, not one per ask.
-          if (waiting.size() + lost_now(now).size() >= beats.size()) formed_now = try_form(now, answers);
+          formed_now = admit(w, now, answers);
         }
       }
     }
@@ -475,6 +644,7 @@ struct Lighthouse::Impl {
       w->finished = true;
       auto it = waiting.find(w->info.group_id);
       if (it != waiting.end() && it->second == w) waiting.erase(it);
+      pretenders.erase(std::remove(pretenders.begin(), pretenders.end(), w), pretenders.end());
     }
     w->reactor->Finish(grpc::Status::CANCELLED);
   }
@@ -486,7 +656,17 @@ struct Lighthouse::Impl {
     if (!bad.empty()) return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "heartbeat: " + bad);
     std::lock_guard<std::mutex> lock(mu);
     const auto now = Clock::now();
+    auto gone = left.find(req.group_id());
+    if (gone != left.end() && gone->second.incarnation == req.incarnation()) {  // a beat that crossed its Leave
+      reply->set_quorum_id(last.quorum_id);
+      return grpc::Status::OK;
+    }
     Beats& b = beats[req.group_id()];
+    if (!b.incarnation.empty() && b.incarnation != req.incarnation() && live(b, now))
+      return grpc::Status(grpc::StatusCode::ALREADY_EXISTS,
+                          "heartbeat: group " + req.group_id() + " is live as incarnation " + b.incarnation +
+                              "; incarnation " + req.incarnation() + " is not counted (a restart is, once the old one "
+                              "has been silent for the heartbeat timeout; two running groups need two ids)");
     if (b.incarnation != req.incarnation()) {
       // A new incarnation (the group restarted) replaces the old one's ranks. Its size is known
       // once its rank 0 asks for a quorum.
@@ -543,6 +723,12 @@ class Service final : public wire::Lighthouse::CallbackService {
     reactor->Finish(impl_->heartbeat(ctx, *req, reply));
     return reactor;
   }
+  grpc::ServerUnaryReactor* Leave(grpc::CallbackServerContext* ctx, const wire::LeaveRequest* req,
+                                  wire::LeaveReply*) override {
+    auto* reactor = ctx->DefaultReactor();
+    reactor->Finish(impl_->leave(ctx, *req));
+    return reactor;
+  }
 
  private:
   Lighthouse::Impl* impl_;
@@ -596,6 +782,7 @@ void Lighthouse::start() {
     std::vector<Answer> answers;
     while (!im.stopping) {
       const auto now = Clock::now();
+      im.review_pretenders(now, answers);
       const auto formed_now = im.try_form(now, answers);
       im.expire(now, answers);
       if (!answers.empty() || !im.events.empty()) {
@@ -668,6 +855,12 @@ void Lighthouse::shutdown() {
       answers.push_back(Answer{kv.second, grpc::Status(grpc::StatusCode::UNAVAILABLE, "the lighthouse is shutting down"), {}});
     }
     im.waiting.clear();
+    for (auto& w : im.pretenders) {
+      if (w->finished) continue;
+      w->finished = true;
+      answers.push_back(Answer{w, grpc::Status(grpc::StatusCode::UNAVAILABLE, "the lighthouse is shutting down"), {}});
+    }
+    im.pretenders.clear();
   }
   im.ticker_cv.notify_all();
   if (im.ticker.joinable()) im.ticker.join();

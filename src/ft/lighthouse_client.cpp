@@ -11,6 +11,7 @@
 #include <grpcpp/grpcpp.h>
 
 #include <algorithm>
+#include <iostream>
 #include <mutex>
 #include <optional>
 #include <thread>
@@ -68,6 +69,7 @@ Quorum LighthouseClient::quorum(const GroupInfo& self, std::chrono::milliseconds
   wire::QuorumReply reply;
   // A lighthouse that is away (restarting) is asked again until the timeout.
   const auto give_up = std::chrono::steady_clock::now() + timeout;
+  bool refused_before = false;
   for (;;) {
     grpc::ClientContext ctx;
     const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(give_up - std::chrono::steady_clock::now());
@@ -75,8 +77,17 @@ Quorum LighthouseClient::quorum(const GroupInfo& self, std::chrono::milliseconds
     impl_->prepare(ctx, std::max(left, std::chrono::milliseconds(1)) + impl_->options.rpc_timeout());
     const grpc::Status s = impl_->stub->Quorum(&ctx, req, &reply);
     if (s.ok()) break;
+    if (s.error_code() == grpc::StatusCode::FAILED_PRECONDITION)
+      throw JobFinished("ddpkit: lighthouse " + impl_->options.address() + ": " + s.error_message());
     if (s.error_code() != grpc::StatusCode::UNAVAILABLE || std::chrono::steady_clock::now() >= give_up)
       impl_->fail("quorum", s);
+    if (!refused_before) {
+      // Said at once: a wrong address is refused at every try, and the timeout may be a minute away.
+      refused_before = true;
+      std::cerr << "ddpkit: group " << self.group_id << ": the lighthouse at " << impl_->options.address()
+                << " cannot be reached (" << s.error_message() << "); asking again every 100 ms for "
+                << std::max<int64_t>(0, left.count()) << " ms more (the quorum timeout)" << std::endl;
+    }
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
   }
   std::lock_guard<std::mutex> lock(impl_->known_mu);
@@ -113,6 +124,18 @@ LighthouseClient::Beat LighthouseClient::heartbeat_for_group(const std::string& 
   req.set_incarnation(incarnation);
   for (int64_t age : rank_ages_ms) req.add_rank_ages_ms(std::max<int64_t>(0, age));
   return impl_->beat(req);
+}
+
+void LighthouseClient::leave(const std::string& group_id, const std::string& incarnation, int64_t step) {
+  wire::LeaveRequest req;
+  req.set_group_id(group_id);
+  req.set_incarnation(incarnation);
+  req.set_step(step);
+  wire::LeaveReply reply;
+  grpc::ClientContext ctx;
+  impl_->prepare(ctx, impl_->options.rpc_timeout());
+  const grpc::Status s = impl_->stub->Leave(&ctx, req, &reply);
+  if (!s.ok()) impl_->fail("leave", s);
 }
 
 LighthouseClient::Beat LighthouseClient::Impl::beat(const wire::HeartbeatRequest& req) {

@@ -19,6 +19,7 @@
 
 #include <atomic>
 #include <condition_variable>
+#include <iostream>
 #include <map>
 #include <mutex>
 #include <random>
@@ -199,6 +200,14 @@ struct Manager::Impl {
     return "";
   }
 
+  // This group asks its next quorum to copy its state from another (GroupInfo::heal): for its
+  // first quorum under init_sync (unless it resumed from a checkpoint: its state is the job's
+  // already), and after request_heal; cleared by the next quorum that succeeds.
+  bool init_sync_pending = false;
+  bool heal_requested = false;
+  bool first_quorum = true;  // no quorum has succeeded yet
+  bool closed = false;
+
   std::thread heartbeats;
   std::mutex beat_mu;
   std::condition_variable beat_cv;
@@ -259,10 +268,16 @@ struct Manager::Impl {
 
   // A connection of its own to the store at `address`, under `prefix`: a TCPStore client holds its
   // lock through a blocking wait, so a rendezvous given up on must not share one with the next.
-  c10::intrusive_ptr<c10d::Store> store_at(const std::string& address, const std::string& prefix) const {
+  // Its waits end at once when `abandoned` is set (run_unless sets it when it gives the rendezvous
+  // up), so a given-up rendezvous's thread does not outlive it by the store's timeout. Static: the
+  // thread making the group holds only what it was given, never this Impl.
+  static c10::intrusive_ptr<c10d::Store> store_at(const std::string& address, const std::string& prefix,
+                                                  std::chrono::milliseconds timeout,
+                                                  std::shared_ptr<std::atomic<bool>> abandoned) {
     const int port = std::stoi(address.substr(address.rfind(':') + 1));
     return c10::make_intrusive<c10d::PrefixStore>(
-        prefix, compat::tcp_store_client(host_of(address), port, options.cross_group_timeout()));
+        prefix, c10::make_intrusive<AbandonableStore>(compat::tcp_store_client(host_of(address), port, timeout),
+                                                      std::move(abandoned)));
   }
 
   // The options of the groups this rank makes across the replica groups: Gloo listens on the
@@ -300,18 +315,28 @@ struct Manager::Impl {
     ProcessGroupOptions o = across_options("ft-heal", address);
     o.gloo_connections(options.heal_connections()).lazy_connections(false);  // one pair, made at once
     const int64_t since = beats_now();
+    auto abandoned = std::make_shared<std::atomic<bool>>(false);
+    const auto timeout = options.cross_group_timeout();
     return run_unless<std::shared_ptr<ProcessGroup>>(
-        [this, address, prefix, rank, o] { return std::make_shared<ProcessGroup>(store_at(address, prefix), rank, 2, o); },
-        [this, peer, quorum, since] { return given_up({peer}, quorum, since); }, detached);
+        [address, prefix, rank, o, timeout, abandoned] {
+          return std::make_shared<ProcessGroup>(store_at(address, prefix, timeout, abandoned), rank, 2, o);
+        },
+        [this, peer, quorum, since] { return given_up({peer}, quorum, since); }, detached, abandoned);
   }
 
   // This rank's cross-group group for quorum `q` (none when this group is alone in it). Its
   // rendezvous is given up (CommError) when a participant is lost or a newer quorum forms
   // meanwhile: a group that stopped before joining holds the others for a heartbeat timeout,
   // not for the rendezvous's.
-  void rebuild(const Quorum& q, int replica) {
+  // True when it built one.
+  bool rebuild(const Quorum& q, int replica) {
     retire_cross();
-    if (q.participants.size() < 2) return;
+    if (q.participants.size() < 2) {  // alone: nothing to build, and nothing again until the quorum changes
+      std::lock_guard<std::mutex> lock(cross_mu);
+      cross_quorum = q.quorum_id;
+      cross_store = q.store_address;
+      return false;
+    }
     const std::string prefix = "ddpkit-ft/q" + std::to_string(q.quorum_id) + "/r" + std::to_string(group->rank());
     struct Made {
       std::shared_ptr<ProcessGroup> pg;
@@ -326,16 +351,18 @@ struct Manager::Impl {
     for (const auto& p : q.participants)
       if (p.group_id != options.group_id()) others.insert(p.group_id);
     const int64_t since = beats_now();
+    auto abandoned = std::make_shared<std::atomic<bool>>(false);
+    const auto timeout = options.cross_group_timeout();
     Made made = run_unless<Made>(
-        [this, address = q.store_address, prefix, replica, size, o, numel, blocks] {
+        [address = q.store_address, prefix, replica, size, o, numel, blocks, timeout, abandoned] {
           Made m;
-          m.pg = std::make_shared<ProcessGroup>(store_at(address, prefix), replica, size, o);
+          m.pg = std::make_shared<ProcessGroup>(store_at(address, prefix, timeout, abandoned), replica, size, o);
           // Collective over the new group: every participant made its reduction before its first quorum.
           if (numel > 0) m.staging = m.pg->allreduce_buffer(numel, at::kFloat);
           if (!blocks.empty()) m.arena = m.pg->gradient_arena(blocks);
           return m;
         },
-        [this, others, &q, since] { return given_up(others, q.quorum_id, since); }, detached);
+        [this, others, &q, since] { return given_up(others, q.quorum_id, since); }, detached, abandoned);
     std::lock_guard<std::mutex> lock(cross_mu);
     cross = std::move(made.pg);
     staging = std::move(made.staging);
@@ -343,6 +370,32 @@ struct Manager::Impl {
     cross_groups = others;
     cross_quorum = q.quorum_id;
     cross_store = q.store_address;
+    return true;
+  }
+
+  // Stops the heartbeats, the state service and the cross-group process groups, and waits for
+  // their threads; `leave`: rank 0 first tells the lighthouse that the group ran its last step.
+  void stop(bool leave, int64_t step) {
+    {
+      std::lock_guard<std::mutex> lock(beat_mu);
+      if (closed) return;
+      closed = true;
+      stopping = true;
+    }
+    beat_cv.notify_all();
+    if (heartbeats.joinable()) heartbeats.join();
+    if (leave && group->rank() == 0 && client) {
+      try {
+        client->leave(options.group_id(), incarnation, step);
+      } catch (const std::exception& e) {
+        // Not fatal: the group is then out of the quorums at its heartbeat timeout, as if lost.
+        std::cerr << "ddpkit: group " << options.group_id() << " could not tell the lighthouse it left: " << e.what()
+                  << std::endl;
+      }
+    }
+    server.reset();  // first: its streams' threads make their groups through this Impl
+    retire_cross();
+    detached.join_all();
   }
 };
 
@@ -370,6 +423,7 @@ Manager::Manager(std::shared_ptr<ProcessGroup> group, TrainingState* state, Mana
   Impl& im = *impl_;
   im.extra = std::move(extra);
   im.load_extra = std::move(load_extra);
+  im.init_sync_pending = im.options.init_sync();
   ProcessGroup& pg = *im.group;
   im.incarnation = broadcast_string(pg, pg.rank() == 0 ? new_incarnation() : "");
   // Every rank of the group must be one group: the same id everywhere.
@@ -391,17 +445,15 @@ Manager::Manager(std::shared_ptr<ProcessGroup> group, TrainingState* state, Mana
   im.heartbeats = std::thread([&im] { im.heartbeat_loop(); });
 }
 
-Manager::~Manager() {
-  Impl& im = *impl_;
-  {
-    std::lock_guard<std::mutex> lock(im.beat_mu);
-    im.stopping = true;
-  }
-  im.beat_cv.notify_all();
-  if (im.heartbeats.joinable()) im.heartbeats.join();
-  im.server.reset();  // first: its streams' threads make their groups through this Impl
-  im.retire_cross();
-  im.detached.join_all();
+Manager::~Manager() { impl_->stop(/*leave=*/false, step_); }
+
+void Manager::close(bool leave) { impl_->stop(leave, step_); }
+
+void Manager::request_heal(const std::string& why) {
+  if (!impl_->heal_requested && impl_->group->rank() == 0)
+    std::cerr << "ddpkit: group " << impl_->options.group_id() << " asks to copy the others' state at its next quorum: "
+              << why << std::endl;
+  impl_->heal_requested = true;
 }
 
 const std::string& Manager::group_id() const { return impl_->options.group_id(); }
@@ -444,10 +496,12 @@ void Manager::resume_at(int64_t step) {
   DDPKIT_CHECK(stats_.quorums == 0, "ft::Manager::resume_at: before the first start_step");
   DDPKIT_CHECK(step >= 0, "ft::Manager::resume_at: step must be >= 0, got ", step);
   step_ = step;
+  impl_->init_sync_pending = false;  // its state is its checkpoint's (a DiLoCo site's own, say)
 }
 
 void Manager::start_step() {
   Impl& im = *impl_;
+  DDPKIT_CHECK(!im.closed, "ft::Manager::start_step: the Manager is closed");
   ProcessGroup& pg = *im.group;
   const auto give_up = std::chrono::steady_clock::now() + im.options.quorum_timeout();
   for (;;) {
@@ -456,16 +510,20 @@ void Manager::start_step() {
     if (pg.rank() == 0) {
       try {
         GroupInfo self{im.options.group_id(), step_, pg.size(), im.addresses, im.hosts, im.incarnation};
+        self.heal = im.heal_requested || im.init_sync_pending;
         const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(give_up - std::chrono::steady_clock::now());
         const Quorum q = im.client->quorum(self, std::max(left, std::chrono::milliseconds(1)), im.broken);
         wire::QuorumReply reply;
         wire::to_wire(q, &reply);
         payload = "Q" + reply.SerializeAsString();
+      } catch (const JobFinished& e) {
+        payload = std::string("F") + e.what();
       } catch (const std::exception& e) {
         payload = std::string("E") + e.what();
       }
     }
     payload = broadcast_string(pg, payload);
+    if (!payload.empty() && payload[0] == 'F') throw JobFinished(payload.substr(1));
     if (payload.empty() || payload[0] != 'Q')
       throw CommError("ddpkit: replica group " + im.options.group_id() + " has no quorum: " +
                       (payload.empty() ? std::string("(no answer)") : payload.substr(1)));
@@ -484,11 +542,12 @@ void Manager::start_step() {
       try {
         im.phase("rendezvous", step_);
         const auto began = std::chrono::steady_clock::now();
-        im.rebuild(quorum_, me);
-        const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - began).count();
-        ++stats_.reconfigurations;
-        stats_.reconfiguration_seconds += took;
-        stats_.longest_reconfiguration_seconds = std::max(stats_.longest_reconfiguration_seconds, took);
+        if (im.rebuild(quorum_, me)) {
+          const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - began).count();
+          ++stats_.reconfigurations;
+          stats_.reconfiguration_seconds += took;
+          stats_.longest_reconfiguration_seconds = std::max(stats_.longest_reconfiguration_seconds, took);
+        }
         if (auto cross = im.crossing().group) stats_.cross_transport = cross->transport_name();
       } catch (const std::exception& e) {
         ok = false;
@@ -526,13 +585,22 @@ void Manager::start_step() {
     }
     const int source = quorum_.heal_sources[me];
     if (source < 0) {
+      // Not healing: up to date, or the source the others copy (an asked heal is answered either way).
+      im.heal_requested = im.init_sync_pending = false;
+      im.first_quorum = false;
       im.clear_failure();
       return;
     }
     ok = copy_state_from(source, &why);
     if (all_of(pg, ok)) {
+      // The first quorum's copy of a group that was not behind is the init sync; any other a heal.
+      if (im.first_quorum && step_ == quorum_.max_step)
+        ++stats_.init_syncs;
+      else
+        ++stats_.heals;
       step_ = quorum_.max_step;
-      ++stats_.heals;
+      im.heal_requested = im.init_sync_pending = false;
+      im.first_quorum = false;
       im.clear_failure();
       return;
     }

@@ -75,6 +75,7 @@ inline void to_wire(const GroupInfo& g, Member* m) {
   for (const auto& a : g.state_addresses) m->add_state_addresses(a);
   for (const auto& h : g.hosts) m->add_hosts(h);
   m->set_incarnation(g.incarnation);
+  m->set_heal(g.heal);
 }
 
 inline GroupInfo from_wire(const Member& m) {
@@ -85,6 +86,7 @@ inline GroupInfo from_wire(const Member& m) {
   g.state_addresses.assign(m.state_addresses().begin(), m.state_addresses().end());
   g.hosts.assign(m.hosts().begin(), m.hosts().end());
   g.incarnation = m.incarnation();
+  g.heal = m.heal();
   return g;
 }
 

@@ -63,6 +63,7 @@ nlohmann::json diloco_report(const TrainFlags& t, const std::vector<std::vector<
   j["sync_retries"] = d.sync_retries;
   j["heals"] = d.heals;
   j["checksum_mismatches"] = d.checksum_mismatches;
+  j["last_checksum_mismatch"] = d.last_checksum_mismatch;
   j["last_sites"] = d.last_sites;
   j["last_sites_weighted"] = d.last_sites_weighted;
   j["sync_blocked_seconds"] = d.blocked_seconds;
@@ -76,6 +77,7 @@ nlohmann::json diloco_report(const TrainFlags& t, const std::vector<std::vector<
   j["reconfigurations"] = s.reconfigurations;
   j["reconfiguration_seconds"] = s.reconfiguration_seconds;
   j["longest_reconfiguration_seconds"] = s.longest_reconfiguration_seconds;
+  j["init_syncs"] = s.init_syncs;
   j["heal_bytes"] = s.heal_bytes;
   j["heal_seconds"] = s.heal_seconds;
   j["cross_transport"] = s.cross_transport;
@@ -221,6 +223,7 @@ int run_diloco_rank(const Flags& f, const TrainFlags& t) {
   }
   dl.finish();
   r.train_seconds = ms_since(train_start) / 1000;
+  manager.close();  // the site leaves the job at once; its threads and cross groups are freed
   progress.finish();
   report_site(f, t, run, run_data, manager, dl, fragments, r, memory);
   ProcessGroup::wait(pg->barrier());

@@ -130,6 +130,7 @@ std::string ft_report(const TrainFlags& t, const ft::Manager& manager, const Tra
   j["reconfiguration_seconds"] = s.reconfiguration_seconds;
   j["longest_reconfiguration_seconds"] = s.longest_reconfiguration_seconds;
   j["heals"] = s.heals;
+  j["init_syncs"] = s.init_syncs;
   j["heal_bytes"] = s.heal_bytes;
   j["heal_seconds"] = s.heal_seconds;
   j["heal_fetch_seconds"] = s.heal_fetch_seconds;
@@ -197,6 +198,7 @@ int run_ft_rank(const Flags& f, const TrainFlags& t) {
     progress.update("step", manager.step(), schedule.total_steps, last_loss, median(rec.step_ms));
   }
   progress.finish();
+  manager.close();  // the group leaves the job at once; its threads and cross groups are freed
   const TestScore score = f.on("no-eval") ? TestScore{-1, -1} : evaluate(run.model, run_data.data.test, run.sharded_model.get(), pg.get());
   memory.stop();
   if (pg->rank() == 0)
@@ -211,7 +213,13 @@ int run_fault_tolerant(const Flags& f, const TrainFlags& t, const std::vector<st
   if (in_distributed_env()) {
     if (t.replica_group < 0)
       throw UsageError("--fault-tolerant under a launcher that sets RANK/WORLD_SIZE: give --replica-group and --lighthouse");
-    return t.diloco > 0 ? run_diloco_rank(f, t) : run_ft_rank(f, t);
+    try {
+      return t.diloco > 0 ? run_diloco_rank(f, t) : run_ft_rank(f, t);
+    } catch (const ft::JobFinished& e) {
+      // Started again after every group finished: its work is done (a launcher need not retry it).
+      std::cerr << "ddpkit train: replica group " << t.replica_group << ": " << e.what() << std::endl;
+      return 0;
+    }
   }
   if (t.replica_group >= 0) return launch_local(t.nproc, argv, "/proc/self/exe", t.max_restarts);
   return run_replica_groups(f, t, argv);

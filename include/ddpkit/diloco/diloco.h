@@ -5,11 +5,12 @@
 // (global parameters at the last sync minus local ones) over the quorum and apply an outer
 // optimizer (SGD with Nesterov momentum; its state in fp32) to the global parameters.
 //
-//   ft::Manager manager(group, state, options, [&] { return diloco.state(); }, ...);
+//   ft::Manager manager(group, state, options);   // DiLoCo registers its own state with it
 //   diloco::DiLoCo diloco(manager, {parameters}, diloco::DiLoCoOptions().sync_every(64));
 //   diloco.start();                       // the first quorum: a late or restarted site heals here
 //   for (...) { loss.backward(); inner.step(); diloco.after_inner_step(); }
 //   diloco.finish();                      // the fragment in flight, if any
+//   manager.close();                      // the site leaves the job
 //
 // Streaming: with P fragments (lists of parameters), a fragment is synced every H / P inner
 // steps, round robin (every site the same one: the schedule is part of state()); its average is started
@@ -22,8 +23,14 @@
 // is weighted by its weight (1; 0 for a site that has just healed, which contributes nothing that
 // round; a time-budgeted round weights each by its inner steps). A site that joins or comes back heals from a live one at the next sync point (global
 // parameters, outer momentum, the schedule, with what TrainingState and the caller's extra carry:
-// its inner optimizer, its data position) and takes part in that sync with weight 0. Each sync
-// carries a checksum of the fragment's global parameters: the sites compare them (stats()).
+// its inner optimizer, its data position) and takes part in that sync with weight 0. Sites that
+// start together begin from the first site's state (the Manager's init sync). Each sync carries
+// a checksum of the fragment's global parameters, and every site sees every site's: a site whose
+// checksum differs from the one most sites sent is left out of that mean, and copies the others'
+// state in a quorum right after it (stats().checksum_mismatches, last_checksum_mismatch).
+//
+// sync_every (H) is a multiple of the fragment count P; start() is itself a sync (the first
+// quorum, and one exchange of weight 0 of the first fragment's size that applies no outer step).
 //
 // A site of several ranks: every rank makes its own Manager (over the site's group) and DiLoCo. When
 // they hold the same parameters (DDP, ZeRO, PowerSGD inside the site) rank k carries the k-th 1/W
@@ -98,7 +105,12 @@ struct DiLoCoStats {
   int64_t syncs = 0;              // committed (the first quorum's, of weight 0 everywhere, included)
   int64_t sync_retries = 0;       // attempts redone among survivors after a failure
   int64_t heals = 0;              // times this site's state was copied from another
-  int64_t checksum_mismatches = 0;  // syncs whose sites' global parameters differed (should be 0)
+  // Syncs that found sites whose global parameters differed from the others' (should be 0): their
+  // pseudo-gradients were left out of that mean, and they copied the others' state at once (a
+  // heal; on a tie between two sites, the one of the lower replica rank is kept). Each is named in
+  // last_checksum_mismatch and printed to stderr.
+  int64_t checksum_mismatches = 0;
+  std::string last_checksum_mismatch;
   int last_sites = 0;             // sites in the last committed sync, and those of weight > 0
   int last_sites_weighted = 0;
   double blocked_seconds = 0;     // the training thread waiting in syncs (quorum, transfer, commit)

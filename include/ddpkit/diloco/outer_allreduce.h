@@ -14,6 +14,7 @@
 #include <ddpkit/comm/process_group.h>
 
 #include <memory>
+#include <vector>
 
 namespace ddpkit {
 namespace diloco {
@@ -34,6 +35,10 @@ struct WeightedMeanResult {
   int ranks_weighted = 0;    // ranks with a weight above 0
   // Whether every rank with a weight above 0 passed the same `checksum` (the owners compare them).
   bool checksums_agree = true;
+  // The weighted ranks whose checksum differs from the one most of them passed (on a tie, the one
+  // the lowest of the tied ranks passed), ascending: their values are left out of the mean, as if
+  // their weight were 0. Every rank sees every rank's checksum, so all of them name the same ranks.
+  std::vector<int> disagreeing;
 };
 
 // Error feedback for both quantizations (DiLoCoOptions::error_feedback): what each encoding rounded

@@ -19,6 +19,7 @@
 //   lh.start();   // lh.address() is what the groups are given
 #pragma once
 
+#include <ddpkit/error.h>
 #include <ddpkit/ps/parameter_server.h>  // TlsFiles
 
 #include <torch/arg.h>
@@ -55,8 +56,11 @@ struct LighthouseOptions {
   // Certificate and key set: TLS; otherwise plaintext.
   TORCH_ARG(TlsFiles, tls) = {};
   // Called with a line for each change an operator watches: "group G lost: rank R silent for
-  // N ms" as the heartbeat timeout expires for a group of the last quorum, and "quorum Q: groups
-  // [...]" (with those dropped and joined) when a quorum's participants differ from the last's.
+  // N ms" as the heartbeat timeout expires for a group of the last quorum, "quorum Q: groups
+  // [...]" (with those dropped and joined) when a quorum's participants differ from the last's,
+  // "group G left after step S" (Manager::close) and "job finished at step S: ..." when the last
+  // of a quorum's groups has left, "group G: refused a second process ...: a duplicate group id",
+  // and "group G refused: the job has finished ..." (a group asking from an older step after that).
   // Called in order on the lighthouse's ticker thread, outside its lock (within ~20 ms of the
   // change; a slow callback delays only quorums formed by join_timeout). `ddpkit lighthouse`
   // prints them with a UTC time.
@@ -81,6 +85,10 @@ struct GroupInfo {
   std::vector<std::string> state_addresses;  // each rank's state service, host:port
   std::vector<std::string> hosts;            // each rank's host name
   std::string incarnation;       // new each time the group's processes start
+  // Asks to copy its state from another group at the quorum's step although it is not behind (its
+  // first quorum under ManagerOptions::init_sync, or its state was found to differ): the quorum
+  // names a source for it, as for a group behind (see Quorum::heal_sources).
+  bool heal = false;
 };
 
 struct Quorum {
@@ -88,7 +96,11 @@ struct Quorum {
   std::vector<GroupInfo> participants;  // ordered by group_id; index = replica rank
   int64_t max_step = 0;
   std::string store_address;            // host:port of the lighthouse's TCPStore
-  std::vector<int> heal_sources;        // per participant: index of the group it heals from, or -1
+  // Per participant: the index of the group it heals from, or -1. A participant heals when it is
+  // behind max_step, or asked to (GroupInfo::heal); its source is a participant at max_step that
+  // did not ask (spread over them in turn), or, when every one at max_step asked (the first quorum
+  // of a job whose groups start together), the first of them by group_id, which copies nothing.
+  std::vector<int> heal_sources;
   std::vector<std::string> dropped;     // groups of the previous quorum not in this one
 
   // Index of `group_id` in participants, or -1.
@@ -148,6 +160,15 @@ struct LighthouseClientOptions {
   TORCH_ARG(std::chrono::milliseconds, rpc_timeout) = std::chrono::seconds(5);
 };
 
+// A quorum refused because the job has finished: every group of its last quorum left after its
+// last step (Manager::close), and this group, lost before the end (killed, then restarted), is
+// behind that step with no live group to heal from. Its work is done; what() names the groups and
+// the step. (Groups that left, resuming from a checkpoint, start a new run and are not refused.)
+class JobFinished : public CommError {
+ public:
+  using CommError::CommError;
+};
+
 class LighthouseClient {
  public:
   explicit LighthouseClient(LighthouseClientOptions options);
@@ -156,7 +177,10 @@ class LighthouseClient {
   LighthouseClient& operator=(const LighthouseClient&) = delete;
 
   // Blocks until the quorum that includes `self` forms, or throws CommError after `timeout`
-  // (naming what the lighthouse said: too few live groups for min_replicas, a refused request).
+  // (naming what the lighthouse said: too few live groups for min_replicas, a refused request, a
+  // duplicate group id), JobFinished when the job it would join has finished. A lighthouse that
+  // cannot be reached is asked again every 100 ms until the timeout; the first refusal is printed
+  // to stderr at once (a wrong address shows then, not at the timeout).
   // `broken`: this group's cross-group collective failed, so the quorum gets a new id.
   Quorum quorum(const GroupInfo& self, std::chrono::milliseconds timeout, bool broken = false);
   struct Beat {
@@ -169,6 +193,9 @@ class LighthouseClient {
   // passes the lighthouse's heartbeat timeout makes the group lost, as a silent rank does.
   Beat heartbeat_for_group(const std::string& group_id, const std::string& incarnation,
                            const std::vector<int64_t>& rank_ages_ms);
+  // This group ran its last step (`step` committed): it leaves every quorum at once. Throws
+  // CommError when the lighthouse cannot be told within the rpc timeout.
+  void leave(const std::string& group_id, const std::string& incarnation, int64_t step);
 
  private:
   struct Impl;

@@ -18,6 +18,15 @@
 // no checkpoint is read. A group that did not commit a step the others did heals the same way, so
 // the live replicas are identical after every step. The source serves its live tensors and holds
 // its start_step until its healers have read them (or are lost).
+//
+// Groups start from one group's state (init_sync, on by default, as torchft's): at a group's first
+// quorum it copies the state from a group already running at the quorum's step or, when all of
+// them start together, from the first by group id (which copies nothing). So groups seeded
+// differently (separate jobs that each call manual_seed(site)) still train one model.
+//
+// After its last step each rank calls close(): its group leaves the quorums at once, and once
+// every group has left, the job is finished: a group lost before the end and started again after
+// it is refused with JobFinished instead of training on alone from its own old state.
 #pragma once
 
 #include <ddpkit/comm/process_group.h>
@@ -67,6 +76,11 @@ struct ManagerOptions {
   // fills a link unless the network caps each flow below it (as clouds do); each connection
   // costs Gloo a rendezvous of its own when the group is made (docs/fault_tolerance.md).
   TORCH_ARG(int, heal_connections) = 1;
+  // Copy the state at this group's first quorum from another group at the quorum's step (see the
+  // top of this file); false: the groups must start equal by construction (the same seed). A group
+  // that resumed from a checkpoint (restore_checkpoint, resume_at) keeps its own: it is the job's
+  // state already (a DiLoCo site's own inner model, say).
+  TORCH_ARG(bool, init_sync) = true;
   // Called at each point of the protocol with the step: "quorum" (a quorum received),
   // "rendezvous" (the cross-group process group of a new membership about to be made),
   // "heal-publish" (this rank, a heal source, published its state), "heal-fetched" (this rank
@@ -93,12 +107,14 @@ using LoadState = std::function<void(const TensorDict&)>;
 
 struct ManagerStats {
   int64_t quorums = 0;           // quorums taken part in
-  int64_t reconfigurations = 0;  // cross-group process groups built
+  int64_t reconfigurations = 0;  // cross-group process groups built (a group alone builds none)
   double reconfiguration_seconds = 0;       // building them (rendezvous over the lighthouse's store)
   double longest_reconfiguration_seconds = 0;
-  int64_t heals = 0;             // times this rank copied its state from a peer
-  int64_t heal_bytes = 0;
-  double heal_seconds = 0;       // fetch and load, all heals
+  int64_t heals = 0;             // times this rank copied its state from a peer: behind the quorum, or
+                                 // asked to (request_heal: its state differed); not the first quorum's
+  int64_t init_syncs = 0;        // 1 once the first quorum copied this rank's state from another group (init_sync)
+  int64_t heal_bytes = 0;        // all copies, the init sync's included
+  double heal_seconds = 0;       // fetch and load, all copies
   double heal_fetch_seconds = 0; // of which copying the bytes (waiting for the source included)
   double serve_seconds = 0;      // as a source: serving its state until the healers released it
   int64_t heals_single_copy = 0; // heals read from the source's memory (same host)
@@ -126,7 +142,7 @@ class Manager {
   [[deprecated("pass the loop's own state with Manager::register_state(key, save, load, scope)")]]
   Manager(std::shared_ptr<ProcessGroup> group, TrainingState& state, ManagerOptions options,
           std::function<TensorDict()> extra, std::function<void(const TensorDict&)> load_extra = nullptr);
-  ~Manager();
+  ~Manager();  // as close(), except that the group does not leave (it may be unwinding from a failure)
   Manager(const Manager&) = delete;
   Manager& operator=(const Manager&) = delete;
 
@@ -154,6 +170,19 @@ class Manager {
   // must be reported with fail_step, which keeps the step from committing.
   std::shared_ptr<ProcessGroup> cross_group();
   void fail_step(const std::string& why);
+  // This group's state differs from the others' (a check found it: DiLoCo's checksums): its next
+  // start_step copies the state from a group at the quorum's step that did not ask, as a group
+  // behind does. Call it on every rank of the group.
+  void request_heal(const std::string& why);
+
+  // After the last step, on every rank: the group leaves the quorums at once (rank 0 tells the
+  // lighthouse; the others are not held for its heartbeat timeout), and heartbeats, the state
+  // service and the cross-group process groups are stopped and freed before it returns. When
+  // every group of the last quorum has left, the job is finished (JobFinished for a group of it
+  // lost before the end asking later from an older step). Nothing else may be called after it; calling it again does nothing.
+  // `leave` false: the same teardown for a group that stops on a failure (an exception unwinding
+  // its loop): it does not leave, so the others see it lost and it may come back.
+  void close(bool leave = true);
 
   // The loop's own state, beside TrainingState's: `save` gives its tensors (CPU; shared with the
   // live state is fine, a heal source holds still until read), `load` takes back what a save gave
