@@ -216,7 +216,6 @@ class Manager:
             _seconds(cross_group_timeout, "cross_group_timeout"),
             _seconds(heartbeat_interval, "heartbeat_interval"), int(cross_gloo_threads), int(heal_connections),
             bool(cross_lazy_connections), bool(init_sync))
-        self._keys = []  # registered state: unregistered by close(), which drops the callbacks
         self._attached = weakref.WeakSet()  # DiLoCo objects over this Manager: closed first
         self._closed = False
 
@@ -226,16 +225,11 @@ class Manager:
         rank. Called only when a heal or a checkpoint needs it; loaded in the order registered."""
         if scope not in SCOPES:
             raise ValueError(f"ddpkit.ft: scope must be one of {SCOPES}, got {scope!r}")
-        self._check_open("register_state_dict")
         self._manager.register_state(key, lambda: flatten_state(state_dict()),
                                      lambda d: load_state_dict(unflatten_state(d)), scope)
-        if key not in self._keys:
-            self._keys.append(key)
 
     def unregister_state_dict(self, key):
         self._manager.unregister_state(key)
-        if key in self._keys:
-            self._keys.remove(key)
 
     def request_heal(self, why):
         """This group's state differs from the others' (a check of your own found it): the next
@@ -254,9 +248,7 @@ class Manager:
             return
         for diloco in list(self._attached):
             diloco.close()
-        self._manager.close(bool(leave))
-        for key in list(self._keys):
-            self.unregister_state_dict(key)
+        self._manager.close(bool(leave))  # which drops the registered functions too
         self._closed = True
 
     def __enter__(self):
@@ -266,12 +258,9 @@ class Manager:
         self.close(leave=kind is None)
         return False
 
-    def _check_open(self, what):
-        if self._closed:
-            raise RuntimeError(f"ddpkit.ft.Manager.{what}: the Manager is closed")
-
     def _attach(self, diloco):
-        self._check_open("DiLoCo")
+        if self._closed:
+            raise RuntimeError("ddpkit.diloco.DiLoCo: the Manager is closed")
         self._attached.add(diloco)
 
     def start_step(self):
@@ -280,7 +269,6 @@ class Manager:
         ddpkit.CommError when no quorum forms within quorum_timeout (the message names the live and
         lost groups, a duplicate group id, or an unreachable lighthouse), JobFinished when the job
         has finished."""
-        self._check_open("start_step")
         self._manager.start_step()
 
     def allreduce(self, tensors):

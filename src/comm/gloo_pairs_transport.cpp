@@ -21,6 +21,7 @@
 // for as long as the store lives (the peer may read them late). monitored_barrier and the raw
 // c10d backend (ProcessGroup::with_backend) are refused by name: there is no one backend.
 #include "gloo_transport.h"
+#include "polling_store.h"
 
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
@@ -59,31 +60,6 @@ void combine(const at::Tensor& dst, const at::Tensor& src, c10d::ReduceOp op) {
   throw std::invalid_argument("reduce op " + std::to_string(static_cast<int>(op)) +
                               " is not supported over lazily connected pairs (SUM, AVG, PRODUCT, MIN, MAX are)");
 }
-
-// The store pairs meet through: a rank may be making several pairs at once, over one store client.
-// A TCPStore client runs one call at a time, and a wait for a peer's key blocks its others
-// (sites waiting on each other's keys in a cycle then time out): here waits poll instead, each
-// call short.
-class PollingStore final : public compat::ForwardingStore {
- public:
-  using compat::ForwardingStore::ForwardingStore;
-  std::vector<uint8_t> get(const std::string& key) override {
-    wait({key}, getTimeout());
-    return inner_->get(key);
-  }
-  void wait(const std::vector<std::string>& keys) override { wait(keys, getTimeout()); }
-  void wait(const std::vector<std::string>& keys, const std::chrono::milliseconds& timeout) override {
-    const auto deadline = Clock::now() + timeout;
-    auto pause = std::chrono::microseconds(500);
-    while (!inner_->check(keys)) {
-      if (Clock::now() >= deadline)
-        throw std::runtime_error("timed out after " + std::to_string(timeout.count()) + " ms waiting for " +
-                                 std::to_string(keys.size()) + " key(s), first '" + keys.front() + "'");
-      std::this_thread::sleep_for(pause);
-      pause = std::min(pause * 2, std::chrono::microseconds(20000));
-    }
-  }
-};
 
 class GlooPairsTransport final : public Transport {
  public:

@@ -334,12 +334,11 @@ struct DiLoCo::Impl {
       mine = flag.item<int>() == 1;
     }
     std::string names;
-    for (int r : disagreeing) {
-      const auto& p = manager.quorum().participants;
+    const auto& p = manager.quorum().participants;
+    for (int r : disagreeing)
       names += (names.empty() ? "" : ", ") + (r < static_cast<int>(p.size()) ? p[static_cast<size_t>(r)].group_id
                                                                             : "replica " + std::to_string(r));
-    }
-    stats.last_checksum_mismatch = "outer step " + std::to_string(outer_steps_total()) + " (Manager step " +
+    stats.last_checksum_mismatch = "outer step " + std::to_string(fragments[0].outer_steps) + " (Manager step " +
                                    std::to_string(manager.step()) + "): the global parameters of [" + names +
                                    "] differed from the other sites'; left out of that mean and healed from them";
     if (site_rank == 0)
@@ -348,12 +347,6 @@ struct DiLoCo::Impl {
     const auto t0 = Clock::now();
     join_quorum();
     stats.blocked_seconds += seconds_since(t0);
-  }
-
-  int64_t outer_steps_total() const {
-    int64_t n = 0;
-    for (const auto& f : fragments) n += f.outer_steps;
-    return n;
   }
 };
 

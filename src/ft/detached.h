@@ -3,7 +3,6 @@
 // rendezvous given up on. Each thread holds what it uses, so nothing it touches goes before it.
 #pragma once
 
-#include <ddpkit/compat.h>
 #include <ddpkit/error.h>
 
 #include <atomic>
@@ -12,7 +11,6 @@
 #include <exception>
 #include <functional>
 #include <memory>
-#include <algorithm>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -82,46 +80,12 @@ class DetachedThreads {
   std::vector<Entry> threads_;
 };
 
-// A store whose waits poll, and end at once (CommError) when `abandoned` is set: the store a
-// rendezvous given up on meets through, so that its thread ends within ~20 ms instead of holding
-// on until the store's timeout (and a Manager closing after it, waiting for that thread).
-class AbandonableStore final : public compat::ForwardingStore {
- public:
-  AbandonableStore(c10::intrusive_ptr<c10d::Store> inner, std::shared_ptr<std::atomic<bool>> abandoned)
-      : compat::ForwardingStore(std::move(inner)), abandoned_(std::move(abandoned)) {}
-  std::vector<uint8_t> get(const std::string& key) override {
-    wait({key}, getTimeout());
-    return inner_->get(key);
-  }
-#if DDPKIT_TORCH_AT_LEAST(2, 1)
-  std::vector<std::vector<uint8_t>> multiGet(const std::vector<std::string>& keys) override {
-    wait(keys, getTimeout());
-    return inner_->multiGet(keys);
-  }
-#endif
-  void wait(const std::vector<std::string>& keys) override { wait(keys, getTimeout()); }
-  void wait(const std::vector<std::string>& keys, const std::chrono::milliseconds& timeout) override {
-    const auto deadline = std::chrono::steady_clock::now() + timeout;
-    auto pause = std::chrono::microseconds(500);
-    while (!inner_->check(keys)) {
-      if (*abandoned_) throw CommError("ddpkit: a rendezvous given up on (waiting for '" + keys.front() + "')");
-      if (std::chrono::steady_clock::now() >= deadline)
-        throw CommError("ddpkit: timed out after " + std::to_string(timeout.count()) + " ms waiting for '" +
-                        keys.front() + "' in the store");
-      std::this_thread::sleep_for(pause);
-      pause = std::min(pause * 2, std::chrono::microseconds(20000));
-    }
-  }
-
- private:
-  std::shared_ptr<std::atomic<bool>> abandoned_;
-};
-
 // Runs make() on a thread of `detached` and waits for it while stop() names no reason (polled
-// every 10 ms). Given a reason, sets `abandoned` (which make()'s store watches: it then ends at
-// once), leaves the thread to finish alone (what it still makes is destroyed there) and throws
-// CommError(reason). What make() throws is rethrown. For rendezvous, which nothing else can
-// interrupt: a peer that stops before joining would otherwise hold this caller until the store's timeout.
+// every 10 ms). Given a reason, sets `abandoned` (which make()'s store, a PollingStore, watches:
+// it then ends at once), leaves the thread to finish alone (what it still makes is destroyed
+// there) and throws CommError(reason). What make() throws is rethrown. For rendezvous, which
+// nothing else interrupts: a peer that stops before joining would otherwise hold this caller until
+// the store's timeout.
 template <typename T>
 T run_unless(std::function<T()> make, const std::function<std::string()>& stop, DetachedThreads& detached,
              const std::shared_ptr<std::atomic<bool>>& abandoned = nullptr) {

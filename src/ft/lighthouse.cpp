@@ -96,14 +96,8 @@ struct Lighthouse::Impl {
   // group id. Admitted once the old one is not live; refused as a duplicate if it stays live.
   std::vector<std::shared_ptr<QuorumWaiter>> pretenders;
   std::map<std::string, Left> left;  // groups that left (Leave), until they ask again
-  // Set when every group of the last quorum has left: the job is over at that step, and a group
-  // of it that was lost before the end, asking from an older step, is refused (it has nobody to
-  // heal from). Cleared by the next quorum formed (a new run: groups that left, resumed from a
-  // checkpoint, or new ones).
-  int64_t finished_step = -1;
-  std::string finished_groups;
   // Groups dropped from a quorum without leaving (lost), until they are in one again: once the
-  // job has finished, such a group asking from an older step is refused (JobFinished).
+  // job has finished (finished_step), such a group asking from an older step is refused (JobFinished).
   std::set<std::string> lost_members;
   // By group id; hashed: the lost groups are recomputed a hundred times a second from a thousand lookups.
   std::unordered_map<std::string, Beats> beats;
@@ -210,6 +204,18 @@ struct Lighthouse::Impl {
     return it != left.end() && it->second.incarnation == p.incarnation;
   }
 
+  // The step the job finished at: every group of the last quorum has left (the highest step they
+  // left after), or -1. A new quorum (a new run: groups that left, resumed from a checkpoint, or new
+  // ones), or a group of it asking again, ends that.
+  int64_t finished_step() const {
+    int64_t step = -1;
+    for (const auto& p : last.participants) {
+      if (!has_left(p)) return -1;
+      step = std::max(step, left.at(p.group_id).step);
+    }
+    return step;
+  }
+
   const std::vector<std::string>& lost_now(Clock::time_point now) {
     if (!lost_cache_valid || now - lost_cache_at >= kLostRefresh) {
       lost_cache = lost_of_last(now);
@@ -262,7 +268,6 @@ struct Lighthouse::Impl {
              last.participants[i].incarnation == q.participants[i].incarnation;
     q.quorum_id = same ? last.quorum_id : last.quorum_id + 1;
     q.store_address = host + ":" + std::to_string(store_of(q.quorum_id)->getPort());
-    finished_step = -1;  // a quorum after the job finished: a new run (resumed from a checkpoint)
     q.heal_sources = heal_sources_of(q);
     std::set<std::string> ids;
     for (const auto& p : q.participants) ids.insert(p.group_id);
@@ -489,14 +494,18 @@ struct Lighthouse::Impl {
   // the job finished at, has nobody to heal from: refused (JobFinished) rather than left to train
   // on alone from its own old state. True when refused.
   bool refuse_if_finished(const std::shared_ptr<QuorumWaiter>& w, std::vector<Answer>& out) {
-    if (finished_step < 0 || !lost_members.count(w->info.group_id) || w->info.step >= finished_step) return false;
+    if (!lost_members.count(w->info.group_id)) return false;
+    const int64_t finished = finished_step();
+    if (finished < 0 || w->info.step >= finished) return false;
     w->finished = true;
+    std::vector<std::string> groups;
+    for (const auto& p : last.participants) groups.push_back(p.group_id);
     std::ostringstream os;
-    os << "the job has finished: groups [" << finished_groups << "] left after step " << finished_step
+    os << "the job has finished: groups [" << joined(groups) << "] left after step " << finished
        << ", and no live group holds that step's state for group " << w->info.group_id << " (at step "
        << w->info.step << ", lost before the end) to heal from: its work is done. To train on, resume it from a "
           "checkpoint of step "
-       << finished_step << "; a new job needs a lighthouse of its own";
+       << finished << "; a new job needs a lighthouse of its own";
     out.push_back(Answer{w, grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, os.str()), {}});
     if (options.on_event()) events.push_back("group " + w->info.group_id + " refused: " + os.str());
     return true;
@@ -564,22 +573,12 @@ struct Lighthouse::Impl {
       lost_members.erase(req.group_id());
       lost_cache_valid = false;
       told.push_back("group " + req.group_id() + " left after step " + std::to_string(req.step()));
-      bool all_left = !last.participants.empty();
-      int64_t step = 0;
-      std::vector<std::string> ids;
-      for (const auto& p : last.participants) {
-        all_left = all_left && has_left(p);
-        if (has_left(p)) step = std::max(step, left[p.group_id].step);
-        ids.push_back(p.group_id);
-      }
-      if (all_left) {
-        finished_step = step;
-        finished_groups = joined(ids);
-        told.push_back("job finished at step " + std::to_string(step) + ": every group of quorum " +
+      const int64_t finished = finished_step();
+      if (finished >= 0)
+        told.push_back("job finished at step " + std::to_string(finished) + ": every group of quorum " +
                        std::to_string(last.quorum_id) + " left");
-      }
       if (options.on_event()) events.insert(events.end(), told.begin(), told.end());
-      if (all_left)  // a lost group already asking again is answered now
+      if (finished >= 0)  // a lost group already asking again is answered now
         for (auto it = waiting.begin(); it != waiting.end();)
           it = refuse_if_finished(it->second, answers) ? waiting.erase(it) : std::next(it);
     }

@@ -5,6 +5,7 @@
 #include <ddpkit/error.h>
 
 #include "../comm/local_address.h"
+#include "../comm/polling_store.h"
 #include "cross_group_buckets.h"
 #include "detached.h"
 #include "group_beats.h"
@@ -17,6 +18,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <condition_variable>
 #include <iostream>
@@ -205,8 +207,59 @@ struct Manager::Impl {
   // already), and after request_heal; cleared by the next quorum that succeeds.
   bool init_sync_pending = false;
   bool heal_requested = false;
-  bool first_quorum = true;  // no quorum has succeeded yet
   bool closed = false;
+
+  // A quorum went through (healed or not): what this group asked of it is answered.
+  void quorum_done() {
+    heal_requested = init_sync_pending = false;
+    clear_failure();
+  }
+
+  // Rank 0 asks the lighthouse for the quorum of `self`; every rank of the group gets the answer
+  // (or the error: JobFinished, or a CommError naming what the lighthouse said) from it.
+  Quorum ask_quorum(const GroupInfo& self, std::chrono::steady_clock::time_point give_up) {
+    ProcessGroup& pg = *group;
+    std::string payload;
+    if (pg.rank() == 0) {
+      try {
+        const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(give_up - std::chrono::steady_clock::now());
+        const Quorum q = client->quorum(self, std::max(left, std::chrono::milliseconds(1)), broken);
+        wire::QuorumReply reply;
+        wire::to_wire(q, &reply);
+        payload = "Q" + reply.SerializeAsString();
+      } catch (const JobFinished& e) {
+        payload = std::string("F") + e.what();
+      } catch (const std::exception& e) {
+        payload = std::string("E") + e.what();
+      }
+    }
+    payload = broadcast_string(pg, payload);
+    if (!payload.empty() && payload[0] == 'F') throw JobFinished(payload.substr(1));
+    if (payload.empty() || payload[0] != 'Q')
+      throw CommError("ddpkit: replica group " + options.group_id() + " has no quorum: " +
+                      (payload.empty() ? std::string("(no answer)") : payload.substr(1)));
+    wire::QuorumReply reply;
+    DDPKIT_CHECK(reply.ParseFromString(payload.substr(1)), "fault tolerance: a malformed quorum from rank 0");
+    return wire::from_wire(reply);
+  }
+
+  // As a heal source of quorum `q` (participant `me`): publishes this rank's state from the live
+  // tensors (nothing changes them until read) and holds until its healers have read it or are
+  // lost. Returns the seconds it served.
+  double serve_healers(const Quorum& q, int me, int64_t step) {
+    const auto start = std::chrono::steady_clock::now();
+    std::set<std::string> healers;
+    for (size_t j = 0; j < q.heal_sources.size(); ++j)
+      if (q.heal_sources[j] == me) healers.insert(q.participants[j].group_id);
+    TensorDict published = extra ? extra() : TensorDict{};
+    for (auto& [name, value] : registry.heal_entries()) published[name] = std::move(value);
+    server->publish(step, state.snapshot(published), healers);
+    phase("heal-publish", step);
+    const int64_t serving = q.quorum_id, since = beats_now();
+    server->wait_released(start + options.cross_group_timeout(),
+                          [&](const std::string& h) { return !given_up({h}, serving, since).empty(); });
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  }
 
   std::thread heartbeats;
   std::mutex beat_mu;
@@ -276,7 +329,7 @@ struct Manager::Impl {
                                                   std::shared_ptr<std::atomic<bool>> abandoned) {
     const int port = std::stoi(address.substr(address.rfind(':') + 1));
     return c10::make_intrusive<c10d::PrefixStore>(
-        prefix, c10::make_intrusive<AbandonableStore>(compat::tcp_store_client(host_of(address), port, timeout),
+        prefix, c10::make_intrusive<PollingStore>(compat::tcp_store_client(host_of(address), port, timeout),
                                                       std::move(abandoned)));
   }
 
@@ -396,6 +449,7 @@ struct Manager::Impl {
     server.reset();  // first: its streams' threads make their groups through this Impl
     retire_cross();
     detached.join_all();
+    registry.clear();  // the loop's callbacks (and what they hold: a Python object, say) go now
   }
 };
 
@@ -462,6 +516,7 @@ int Manager::replica_rank() const { return quorum_.replica_rank(impl_->options.g
 int Manager::replica_count() const { return static_cast<int>(quorum_.participants.size()); }
 
 void Manager::register_state(const std::string& key, SaveState save, LoadState load, StateScope scope) {
+  DDPKIT_CHECK(!impl_->closed, "ft::Manager::register_state: the Manager is closed");
   impl_->registry.add(key, std::move(save), std::move(load), scope);
 }
 
@@ -505,31 +560,9 @@ void Manager::start_step() {
   ProcessGroup& pg = *im.group;
   const auto give_up = std::chrono::steady_clock::now() + im.options.quorum_timeout();
   for (;;) {
-    // Rank 0 asks; the group learns the answer (or the error) from it.
-    std::string payload;
-    if (pg.rank() == 0) {
-      try {
-        GroupInfo self{im.options.group_id(), step_, pg.size(), im.addresses, im.hosts, im.incarnation};
-        self.heal = im.heal_requested || im.init_sync_pending;
-        const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(give_up - std::chrono::steady_clock::now());
-        const Quorum q = im.client->quorum(self, std::max(left, std::chrono::milliseconds(1)), im.broken);
-        wire::QuorumReply reply;
-        wire::to_wire(q, &reply);
-        payload = "Q" + reply.SerializeAsString();
-      } catch (const JobFinished& e) {
-        payload = std::string("F") + e.what();
-      } catch (const std::exception& e) {
-        payload = std::string("E") + e.what();
-      }
-    }
-    payload = broadcast_string(pg, payload);
-    if (!payload.empty() && payload[0] == 'F') throw JobFinished(payload.substr(1));
-    if (payload.empty() || payload[0] != 'Q')
-      throw CommError("ddpkit: replica group " + im.options.group_id() + " has no quorum: " +
-                      (payload.empty() ? std::string("(no answer)") : payload.substr(1)));
-    wire::QuorumReply reply;
-    DDPKIT_CHECK(reply.ParseFromString(payload.substr(1)), "fault tolerance: a malformed quorum from rank 0");
-    quorum_ = wire::from_wire(reply);
+    GroupInfo self{im.options.group_id(), step_, pg.size(), im.addresses, im.hosts, im.incarnation};
+    self.heal = im.heal_requested || im.init_sync_pending;
+    quorum_ = im.ask_quorum(self, give_up);
     ++stats_.quorums;
     im.phase("quorum", step_);
     const int me = quorum_.replica_rank(im.options.group_id());
@@ -563,45 +596,25 @@ void Manager::start_step() {
     }
     im.broken = false;
 
-    // A source publishes what its healers copy; a group behind the quorum copies it.
-    bool is_source = false;
-    for (int s : quorum_.heal_sources) is_source = is_source || s == me;
-    if (is_source) {
-      // Served from the live tensors: nothing changes them until the healers have read them.
-      const auto start = std::chrono::steady_clock::now();
-      std::set<std::string> healers;
-      for (size_t j = 0; j < quorum_.heal_sources.size(); ++j)
-        if (quorum_.heal_sources[j] == me) healers.insert(quorum_.participants[j].group_id);
-      TensorDict extra = im.extra ? im.extra() : TensorDict{};
-      for (auto& [name, value] : im.registry.heal_entries()) extra[name] = std::move(value);
-      im.server->publish(step_, im.state.snapshot(extra), healers);
-      im.phase("heal-publish", step_);
-      const int64_t serving = quorum_.quorum_id, since = im.beats_now();
-      im.server->wait_released(start + im.options.cross_group_timeout(),
-                               [&](const std::string& h) { return !im.given_up({h}, serving, since).empty(); });
-      stats_.serve_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    } else {
+    // A source publishes what its healers copy; a group behind the quorum (or asking) copies it.
+    if (std::count(quorum_.heal_sources.begin(), quorum_.heal_sources.end(), me) > 0)
+      stats_.serve_seconds += im.serve_healers(quorum_, me, step_);
+    else
       im.server->clear();
-    }
     const int source = quorum_.heal_sources[me];
-    if (source < 0) {
-      // Not healing: up to date, or the source the others copy (an asked heal is answered either way).
-      im.heal_requested = im.init_sync_pending = false;
-      im.first_quorum = false;
-      im.clear_failure();
+    if (source < 0) {  // up to date, or the source the others copy: an asked heal is answered either way
+      im.quorum_done();
       return;
     }
     ok = copy_state_from(source, &why);
     if (all_of(pg, ok)) {
-      // The first quorum's copy of a group that was not behind is the init sync; any other a heal.
-      if (im.first_quorum && step_ == quorum_.max_step)
+      // A copy at the quorum's step while the init sync is pending is the init sync; any other a heal.
+      if (im.init_sync_pending && step_ == quorum_.max_step)
         ++stats_.init_syncs;
       else
         ++stats_.heals;
       step_ = quorum_.max_step;
-      im.heal_requested = im.init_sync_pending = false;
-      im.first_quorum = false;
-      im.clear_failure();
+      im.quorum_done();
       return;
     }
     // Some rank could not copy (its source died mid-heal): ask again; the new quorum names

@@ -14,6 +14,7 @@ class StateRegistry {
  public:
   void add(const std::string& key, SaveState save, LoadState load, StateScope scope);
   void remove(const std::string& key);
+  void clear() { entries_.clear(); }  // the callbacks go (Manager::close)
 
   // What a heal source sends: every entry a heal copies, under "<key>/", with a marker per key so
   // a healer can tell a key its source never registered from one that saved nothing.

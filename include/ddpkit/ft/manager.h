@@ -177,7 +177,8 @@ class Manager {
 
   // After the last step, on every rank: the group leaves the quorums at once (rank 0 tells the
   // lighthouse; the others are not held for its heartbeat timeout), and heartbeats, the state
-  // service and the cross-group process groups are stopped and freed before it returns. When
+  // service and the cross-group process groups are stopped and freed, and the registered state's
+  // callbacks dropped, before it returns. When
   // every group of the last quorum has left, the job is finished (JobFinished for a group of it
   // lost before the end asking later from an older step). Nothing else may be called after it; calling it again does nothing.
   // `leave` false: the same teardown for a group that stops on a failure (an exception unwinding
