@@ -176,6 +176,50 @@ TEST(Lighthouse, AGroupAskingToHealCopiesFromOneThatDidNot) {
   }
 }
 
+// A group copying a heal named at the quorum before (async quorum) asks "healing", claiming the
+// step it will hold: it is no heal source and its claim is not the quorum's step; a claim the
+// others did not reach (its source's step failed) makes it behind, with a source named. The flags
+// reach a caller whose reply is a delta too.
+TEST(Lighthouse, AHealingGroupIsNoSourceAndAClaimNobodyReachedIsBehind) {
+  auto healing = [](GroupInfo g) {
+    g.healing = true;
+    return g;
+  };
+  {
+    Lighthouse lh(LighthouseOptions().expected_groups(3));
+    lh.start();
+    auto ca = client_of(lh), cb = client_of(lh), cc = client_of(lh);  // each keeps the quorum it holds
+    auto a = std::async(std::launch::async, [&] { return ca->quorum(healing(group("a", 6)), 10s); });
+    auto b = std::async(std::launch::async, [&] { return cb->quorum(group("b", 6), 10s); });
+    auto c = std::async(std::launch::async, [&] { return cc->quorum(group("c", 2), 10s); });
+    const Quorum q = c.get();
+    a.get(), b.get();
+    EXPECT_EQ(q.max_step, 6);
+    EXPECT_THAT(q.heal_sources, ::testing::ElementsAre(-1, -1, 1));  // c copies from b, never from a
+    EXPECT_TRUE(q.participants[0].healing);
+    // The next step as a delta against it: a still healing (step 7 now), b at 7, c healing too.
+    auto a2 = std::async(std::launch::async, [&] { return ca->quorum(healing(group("a", 7)), 10s); });
+    auto b2 = std::async(std::launch::async, [&] { return cb->quorum(group("b", 7), 10s); });
+    auto c2 = std::async(std::launch::async, [&] { return cc->quorum(healing(group("c", 7)), 10s); });
+    const Quorum d = b2.get();
+    a2.get(), c2.get();
+    EXPECT_TRUE(d.participants[0].healing && !d.participants[1].healing && d.participants[2].healing);
+    EXPECT_THAT(d.heal_sources, ::testing::ElementsAre(-1, -1, -1));
+  }
+  {
+    Lighthouse lh(LighthouseOptions().expected_groups(2));
+    lh.start();
+    auto a = std::async(std::launch::async, [&] { return client_of(lh)->quorum(healing(group("a", 9)), 10s); });
+    auto b = std::async(std::launch::async, [&] { return client_of(lh)->quorum(group("b", 8), 10s); });
+    const Quorum q = a.get();
+    b.get();
+    EXPECT_EQ(q.max_step, 8);  // a's claim is not a step anybody holds
+    EXPECT_FALSE(q.participants[0].healing);
+    EXPECT_LT(q.participants[0].step, 8);
+    EXPECT_THAT(q.heal_sources, ::testing::ElementsAre(1, -1));
+  }
+}
+
 // A second process given a running group's id is refused, named as a duplicate, and the running
 // group is never displaced (its beats and quorums go on). A real restart (the old incarnation
 // silent for the heartbeat timeout) still takes the group's place.

@@ -49,7 +49,7 @@ static int train(int argc, char** argv) {
   int64_t steps_run = 0;
   double loss_value = 0;
   for (;;) {
-    manager.start_step();  // the quorum: a group behind heals here
+    manager.start_step();  // asks for the quorum; forward and backward go on meanwhile
     if (manager.step() >= flags.integer("steps")) break;
     const at::Tensor idx = sampler.batch(manager.step());
     optimizer.zero_grad();

@@ -10,7 +10,7 @@ restarted group must copy, and follows the per-step commit protocol:
         manager.register_state_dict("model", model.state_dict, model.load_state_dict)
         manager.register_state_dict("optimizer", optimizer.state_dict, optimizer.load_state_dict)
         while manager.step < steps:
-            manager.start_step()                         # the quorum; a group behind heals here
+            manager.start_step()                         # asks for the quorum; the step goes on
             loss = loss_fn(model(x), y); loss.backward() # DDP inside the group, if several ranks
             manager.allreduce_gradients(model)           # averaged across the quorum's groups
             if manager.should_commit():                  # every rank of every group succeeded
@@ -57,12 +57,54 @@ class _TensorRef:
         self.index = index
 
 
-def flatten_state(state):
-    """A state dict (nested dicts, lists and tuples of CPU tensors and picklable values) as the flat
-    {name: tensor} the Manager carries: the tensors as they are, the rest pickled as bytes."""
-    tensors = {}
+class _DTensorRef(_TensorRef):
+    """Where a DTensor (FSDP2's parameters and their optimizer state) stood: its local shard is
+    carried, and its placements and global size, to make it again on the loading rank's mesh."""
 
-    def strip(x):
+    def __init__(self, index, placements, size, stride):
+        super().__init__(index)
+        self.placements, self.size, self.stride = placements, size, stride
+
+
+def _dtensor_type():
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:
+        try:
+            from torch.distributed._tensor import DTensor
+        except ImportError:
+            return None
+    return DTensor
+
+
+def _walk(x, path=()):
+    """(path, leaf) of every leaf of nested dicts, lists and tuples."""
+    if isinstance(x, dict):
+        for k, v in x.items():
+            yield from _walk(v, path + (k,))
+    elif isinstance(x, (list, tuple)) and type(x) in (list, tuple):
+        for i, v in enumerate(x):
+            yield from _walk(v, path + (i,))
+    else:
+        yield path, x
+
+
+def flatten_state(state, scope="shared"):
+    """A state dict (nested dicts, lists and tuples of CPU tensors, FSDP2's DTensors and picklable
+    values) as the flat {name: tensor} the Manager carries: the tensors as they are (a DTensor's
+    local shard), the rest pickled as bytes. A sharded DTensor under scope "shared" is refused: each
+    rank holds its own shard, which a checkpoint of the shared scope would keep one rank's of."""
+    tensors = {}
+    dtensor = _dtensor_type()
+
+    def strip(x, path):
+        if dtensor is not None and isinstance(x, dtensor):
+            if scope == "shared" and any(p.is_shard() for p in x.placements):
+                raise ValueError(f"ddpkit.ft: state entry {'/'.join(map(str, path))} is a sharded DTensor (FSDP2): "
+                                 "each rank holds its own shard; register it with scope='shared_per_rank'")
+            index = len(tensors)
+            tensors[f"t/{index}"] = x.to_local().detach().contiguous()
+            return _DTensorRef(index, tuple(x.placements), tuple(x.size()), tuple(x.stride()))
         if isinstance(x, torch.Tensor):
             if x.device.type != "cpu":
                 raise ValueError(f"ddpkit.ft: state holds a tensor on {x.device}; the Manager carries CPU tensors")
@@ -70,31 +112,53 @@ def flatten_state(state):
             tensors[f"t/{index}"] = x.detach().contiguous()
             return _TensorRef(index)
         if isinstance(x, dict):
-            return type(x)((k, strip(v)) for k, v in x.items())
+            return type(x)((k, strip(v, path + (k,))) for k, v in x.items())
         if isinstance(x, (list, tuple)) and type(x) in (list, tuple):
-            return type(x)(strip(v) for v in x)
+            return type(x)(strip(v, path + (i,)) for i, v in enumerate(x))
         return x
 
-    skeleton = pickle.dumps(strip(state))
+    skeleton = pickle.dumps(strip(state, ()))
     tensors["skeleton"] = torch.frombuffer(bytearray(skeleton), dtype=torch.uint8)
     return tensors
 
 
-def unflatten_state(tensors):
-    """flatten_state's input back from its output."""
+def unflatten_state(tensors, like=None, known_meshes=None):
+    """flatten_state's input back from its output. `like`: this rank's state dict of the same
+    structure (called only when the state holds DTensors), whose DTensors give the device meshes
+    the copied shards are placed on; an entry it lacks (a fresh optimizer's state) goes on the one
+    mesh this rank's states have shown (`known_meshes`, a list kept across calls)."""
     if "skeleton" not in tensors:
         raise ValueError("ddpkit.ft: the state holds no skeleton (not made by flatten_state)")
+    meshes = None
+    known = known_meshes if known_meshes is not None else []
 
-    def fill(x):
+    def mesh_for(path):
+        nonlocal meshes
+        if meshes is None:
+            if like is None:
+                raise ValueError("ddpkit.ft: the state holds DTensors and no state dict to place them like")
+            meshes = {p: v.device_mesh for p, v in _walk(like()) if hasattr(v, "device_mesh")}
+            known.extend(m for m in meshes.values() if m not in known)
+        if path in meshes:
+            return meshes[path]
+        if len(known) == 1:
+            return known[0]
+        raise ValueError(f"ddpkit.ft: state entry {'/'.join(map(str, path))} is a DTensor in the copy; this rank's "
+                         f"state dict has none there and {len(known)} device meshes to choose from")
+
+    def fill(x, path):
+        if isinstance(x, _DTensorRef):
+            return _dtensor_type().from_local(tensors[f"t/{x.index}"], mesh_for(path), x.placements, run_check=False,
+                                              shape=torch.Size(x.size), stride=x.stride)
         if isinstance(x, _TensorRef):
             return tensors[f"t/{x.index}"]
         if isinstance(x, dict):
-            return type(x)((k, fill(v)) for k, v in x.items())
+            return type(x)((k, fill(v, path + (k,))) for k, v in x.items())
         if isinstance(x, (list, tuple)) and type(x) in (list, tuple):
-            return type(x)(fill(v) for v in x)
+            return type(x)(fill(v, path + (i,)) for i, v in enumerate(x))
         return x
 
-    return fill(pickle.loads(tensors["skeleton"].numpy().tobytes()))
+    return fill(pickle.loads(tensors["skeleton"].numpy().tobytes()), ())
 
 
 def _ddpkit_group(group):
@@ -192,6 +256,15 @@ class Manager:
         running, or, when the groups start together, from the first by group_id (which copies
         nothing): groups seeded differently still train one model. False: they must start equal.
         A group that resumed from a checkpoint (restore_checkpoint) keeps the state it loaded.
+    quorum_mode: "async" (default): start_step asks for the quorum and returns; forward and
+        backward run while it forms (and while a new membership's process group is made), and the
+        first allreduce waits for it. A group that must heal trains that step on its old state,
+        adds zeros to the allreduce (which divides by the groups adding their own), copies the
+        source's state meanwhile and loads it in should_commit, before its optimizer step:
+        should_commit is False for the step in between (skip optimizer.step() then, as always).
+        The source calls the registered state_dict functions at its next start_step, a step
+        boundary, so an FSDP2 model is read sharded, never mid-forward. "sync": every step
+        waits for its quorum and heals in start_step. Every group of a job takes the same.
 
     Use it as a context manager, or call close() after the last step: the group leaves the job at
     once and its threads, sockets and cross-group process groups are freed before close returns.
@@ -202,7 +275,7 @@ class Manager:
 
     def __init__(self, lighthouse=None, group_id=None, group=None, *, token=None, quorum_timeout=60.0,
                  cross_group_timeout=30.0, heartbeat_interval=0.1, cross_gloo_threads=0, heal_connections=1,
-                 cross_lazy_connections=False, init_sync=True):
+                 cross_lazy_connections=False, init_sync=True, quorum_mode="async"):
         lighthouse = lighthouse or os.environ.get("DDPKIT_LIGHTHOUSE", "")
         if not lighthouse:
             raise ValueError("ddpkit.ft.Manager: no lighthouse (host:port): pass lighthouse= or set DDPKIT_LIGHTHOUSE")
@@ -215,18 +288,23 @@ class Manager:
             _ddpkit_group(group), lighthouse, group_id, token, _seconds(quorum_timeout, "quorum_timeout"),
             _seconds(cross_group_timeout, "cross_group_timeout"),
             _seconds(heartbeat_interval, "heartbeat_interval"), int(cross_gloo_threads), int(heal_connections),
-            bool(cross_lazy_connections), bool(init_sync))
+            bool(cross_lazy_connections), bool(init_sync), str(quorum_mode))
         self._attached = weakref.WeakSet()  # DiLoCo objects over this Manager: closed first
+        self._meshes = []  # the device meshes of the DTensors its states hold (FSDP2): a copy is placed on them
         self._closed = False
 
     def register_state_dict(self, key, state_dict, load_state_dict, scope="shared"):
         """What a heal copies and a checkpoint keeps under `key`: state_dict() gives it (as
         torch.nn.Module.state_dict does), load_state_dict(d) takes back what one gave on a matching
-        rank. Called only when a heal or a checkpoint needs it; loaded in the order registered."""
+        rank. Called only when a heal or a checkpoint needs it, on the thread that calls
+        start_step/should_commit, at a step boundary (a source's start_step: an FSDP2 model is
+        sharded then, never mid-forward); loaded in the order registered. An FSDP2 model's and its
+        optimizer's state_dict hold DTensors: register them with scope="shared_per_rank" (each
+        rank's shard crosses to the matching rank, and is placed on that rank's device mesh)."""
         if scope not in SCOPES:
             raise ValueError(f"ddpkit.ft: scope must be one of {SCOPES}, got {scope!r}")
-        self._manager.register_state(key, lambda: flatten_state(state_dict()),
-                                     lambda d: load_state_dict(unflatten_state(d)), scope)
+        self._manager.register_state(key, lambda: flatten_state(state_dict(), scope),
+                                     lambda d: load_state_dict(unflatten_state(d, state_dict, self._meshes)), scope)
 
     def unregister_state_dict(self, key):
         self._manager.unregister_state(key)
@@ -272,9 +350,13 @@ class Manager:
         self._manager.start_step()
 
     def allreduce(self, tensors):
-        """Averages CPU `tensors` across the quorum's groups, in place; a failure leaves them as they
-        were and marks the step not to commit."""
-        self._manager.allreduce(list(tensors))
+        """Averages CPU `tensors` across the quorum's groups, in place (a DTensor's local shard: FSDP2's
+        gradients, rank r of every group holding the same elements); a failure leaves them as they
+        were and marks the step not to commit. Under the async quorum the first call waits for the
+        step's quorum, and a group healing this step adds zeros (the average is the others')."""
+        dtensor = _dtensor_type()
+        self._manager.allreduce([t.to_local() if dtensor is not None and isinstance(t, dtensor) else t
+                                 for t in tensors])
 
     def allreduce_gradients(self, module_or_parameters):
         """allreduce of the gradients of a module's (or a list of) parameters."""
@@ -329,6 +411,9 @@ class Manager:
         heals_single_copy       copies read from the source's memory (same host)
         heal_route              how the last copy was read: "process_vm_readv", or the pair group's transport
         steps_committed, steps_not_committed
+        steps_healing           steps trained on a state a heal was replacing ("async"): not committed, not failures
+        quorum_wait_seconds     the steps' waits for their quorum
+        snapshot_seconds        as a source ("async"): copying the state it serves, at step boundaries
         last_error              why the last step did not commit ("" if none failed)
         cross_transport         what the last cross-group process group runs on
         cross_bytes_sent        bytes this rank sent to the other groups, all quorums so far

@@ -78,6 +78,9 @@ py::dict manager_stats(const ft::ManagerStats& s) {
   d["heal_route"] = s.heal_route;
   d["steps_committed"] = s.steps_committed;
   d["steps_not_committed"] = s.steps_not_committed;
+  d["steps_healing"] = s.steps_healing;
+  d["quorum_wait_seconds"] = s.quorum_wait_seconds;
+  d["snapshot_seconds"] = s.snapshot_seconds;
   d["last_error"] = s.last_error;
   d["cross_transport"] = s.cross_transport;
   d["cross_bytes_sent"] = s.cross_bytes_sent;
@@ -153,7 +156,9 @@ void bind_ft(py::module& root) {
       .def(py::init([](std::shared_ptr<ProcessGroup> group, const std::string& lighthouse, const std::string& group_id,
                        const std::string& token, double quorum_timeout_s, double cross_group_timeout_s,
                        double heartbeat_interval_s, int cross_gloo_threads, int heal_connections,
-                       bool cross_lazy_connections, bool init_sync) {
+                       bool cross_lazy_connections, bool init_sync, const std::string& quorum_mode) {
+             if (quorum_mode != "async" && quorum_mode != "sync")
+               throw py::value_error("ddpkit.ft.Manager: quorum_mode is 'async' or 'sync', got '" + quorum_mode + "'");
              ft::ManagerOptions o;
              o.lighthouse(lighthouse)
                  .group_id(group_id)
@@ -164,13 +169,15 @@ void bind_ft(py::module& root) {
                  .cross_gloo_threads(cross_gloo_threads)
                  .heal_connections(heal_connections)
                  .cross_lazy_connections(cross_lazy_connections)
-                 .init_sync(init_sync);
+                 .init_sync(init_sync)
+                 .quorum_mode(quorum_mode == "sync" ? ft::QuorumMode::kSync : ft::QuorumMode::kAsync);
              py::gil_scoped_release nogil;  // collective over the group
              return std::make_unique<ft::Manager>(std::move(group), std::move(o));
            }),
            py::arg("group"), py::arg("lighthouse"), py::arg("group_id"), py::arg("token"), py::arg("quorum_timeout_s"),
            py::arg("cross_group_timeout_s"), py::arg("heartbeat_interval_s"), py::arg("cross_gloo_threads"),
-           py::arg("heal_connections"), py::arg("cross_lazy_connections") = false, py::arg("init_sync") = true)
+           py::arg("heal_connections"), py::arg("cross_lazy_connections") = false, py::arg("init_sync") = true,
+           py::arg("quorum_mode") = "async")
       .def("register_state",
            [](ft::Manager& mgr, const std::string& key, py::object save, py::object load, const std::string& scope) {
              PyCallbacks cb(std::move(save), std::move(load));
@@ -188,7 +195,7 @@ void bind_ft(py::module& root) {
            },
            py::arg("key"), py::arg("save"), py::arg("load"), py::arg("scope"))
       .def("unregister_state", &ft::Manager::unregister_state)
-      .def("start_step", &ft::Manager::start_step, py::call_guard<py::gil_scoped_release>())
+      .def("start_step", py::overload_cast<>(&ft::Manager::start_step), py::call_guard<py::gil_scoped_release>())
       .def("allreduce", &ft::Manager::allreduce, py::call_guard<py::gil_scoped_release>())
       .def("should_commit", &ft::Manager::should_commit, py::call_guard<py::gil_scoped_release>())
       .def("fail_step", &ft::Manager::fail_step)

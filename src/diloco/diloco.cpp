@@ -172,7 +172,8 @@ struct DiLoCo::Impl {
   bool join_quorum() {
     const ft::ManagerStats& m = manager.stats();
     const int64_t heals_before = m.heals, copies_before = m.heals + m.init_syncs;
-    manager.start_step();
+    // Synchronous whatever the Manager's mode: a site that heals sends weight 0 in this very sync.
+    manager.start_step(ft::QuorumMode::kSync);
     if (m.heals + m.init_syncs == copies_before) return false;
     if (m.heals != heals_before) ++stats.heals;  // the first quorum's copy (init sync) is not a heal
     // A fresh local copy: what this site sends from now on is its own progress only; what it had

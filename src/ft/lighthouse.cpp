@@ -257,11 +257,22 @@ struct Lighthouse::Impl {
               [](const auto& a, const auto& b) { return a->info.group_id < b->info.group_id; });
     Quorum q;
     bool broken = false;
+    int64_t settled = -1;  // the highest step of the groups not healing (a healing group's is a claim)
     for (const auto& w : joining) {
       q.participants.push_back(w->info);
       q.max_step = std::max(q.max_step, w->info.step);
+      if (!w->info.healing) settled = std::max(settled, w->info.step);
       broken = broken || w->broken;
     }
+    if (settled >= 0) q.max_step = settled;
+    // A healing group whose claim is not the quorum's step (its source did not commit the step
+    // it serves from) copies again, from a source this quorum names.
+    for (auto& p : q.participants)
+      if (p.healing && p.step != q.max_step) {
+        p.healing = false;
+        p.step = std::min(p.step, q.max_step - 1);  // behind: a source is named for it
+        if (p.step < 0) p.step = 0, p.heal = true;
+      }
     bool same = !broken && last.participants.size() == q.participants.size();
     for (size_t i = 0; same && i < q.participants.size(); ++i)
       same = last.participants[i].group_id == q.participants[i].group_id &&
@@ -306,14 +317,15 @@ struct Lighthouse::Impl {
   }
 
   // Who heals from whom (Quorum::heal_sources): a participant behind max_step, or one that asked
-  // (GroupInfo::heal), from the participants at max_step that did not ask, in turn; when all at
+  // (GroupInfo::heal), from the participants at max_step that did not ask and are not healing, in turn; when all at
   // max_step asked (a job's first quorum under init sync), from the first of them, which keeps its own.
   static std::vector<int> heal_sources_of(const Quorum& q) {
     std::vector<int> sources;
     int keeper = -1;
     for (size_t i = 0; i < q.participants.size(); ++i) {
-      if (q.participants[i].step != q.max_step) continue;
-      if (!q.participants[i].heal)
+      const GroupInfo& p = q.participants[i];
+      if (p.step != q.max_step || p.healing) continue;  // a healing group's state is not yet its step's
+      if (!p.heal)
         sources.push_back(static_cast<int>(i));
       else if (keeper < 0)
         keeper = static_cast<int>(i);

@@ -1,457 +1,10 @@
 // The Manager (include/ddpkit/ft/manager.h): quorum, cross-group process groups, heals, commits.
-#include <ddpkit/ft/manager.h>
-
-#include <ddpkit/comm/gradient_arena.h>
-#include <ddpkit/error.h>
-
-#include "../comm/local_address.h"
-#include "../comm/polling_store.h"
-#include "cross_group_buckets.h"
-#include "detached.h"
-#include "group_beats.h"
-#include "state_registry.h"
-#include "state_transfer.h"
-#include "wire.h"
+#include "manager_impl.h"
 
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
-#include <torch/csrc/distributed/c10d/TCPStore.hpp>
-
-#include <unistd.h>
-
-#include <algorithm>
-#include <atomic>
-#include <condition_variable>
-#include <iostream>
-#include <map>
-#include <mutex>
-#include <random>
-#include <set>
-#include <thread>
 
 namespace ddpkit {
 namespace ft {
-
-namespace {
-
-// ---- small collectives over the group (strings) ------------------------------------------------
-
-std::string broadcast_string(ProcessGroup& pg, const std::string& s) {
-  at::Tensor n = at::tensor({static_cast<int64_t>(s.size())}, at::kLong);
-  ProcessGroup::wait(pg.broadcast(n, 0));
-  at::Tensor bytes = at::empty({n.item<int64_t>()}, at::kByte);
-  if (pg.rank() == 0 && !s.empty()) std::memcpy(bytes.data_ptr(), s.data(), s.size());
-  if (bytes.numel() > 0) ProcessGroup::wait(pg.broadcast(bytes, 0));
-  return std::string(static_cast<const char*>(bytes.data_ptr()), static_cast<size_t>(bytes.numel()));
-}
-
-std::vector<std::string> allgather_strings(ProcessGroup& pg, const std::string& mine) {
-  constexpr int64_t kMax = 512;
-  DDPKIT_CHECK(static_cast<int64_t>(mine.size()) < kMax, "fault tolerance: '", mine, "' is too long");
-  at::Tensor in = at::zeros({kMax}, at::kByte);
-  std::memcpy(in.data_ptr(), mine.data(), mine.size());
-  at::Tensor out = at::empty({kMax * pg.size()}, at::kByte);
-  ProcessGroup::wait(pg.allgather_into_tensor(out, in));
-  std::vector<std::string> all;
-  for (int r = 0; r < pg.size(); ++r) all.emplace_back(static_cast<const char*>(out[r * kMax].data_ptr()));
-  return all;
-}
-
-// Every rank of the group passes `ok`: true only when all did.
-bool all_of(ProcessGroup& pg, bool ok) {
-  at::Tensor flag = at::tensor({ok ? 1 : 0}, at::kInt);
-  ProcessGroup::wait(pg.allreduce(flag, c10d::ReduceOp::MIN));
-  return flag.item<int>() == 1;
-}
-
-std::string host_name() {
-  char name[256] = {0};
-  if (gethostname(name, sizeof(name) - 1) != 0 || !name[0]) return "localhost";
-  return name;
-}
-
-// "host" of "host:port" (or "[v6]:port").
-std::string host_of(const std::string& address) {
-  const size_t colon = address.rfind(':');
-  DDPKIT_CHECK(colon != std::string::npos && colon > 0, "fault tolerance: '", address, "' is not host:port");
-  std::string host = address.substr(0, colon);
-  if (host.size() > 2 && host.front() == '[' && host.back() == ']') host = host.substr(1, host.size() - 2);
-  return host;
-}
-
-// Where the other groups reach this rank's state service: the given host, else this host's address
-// on the route to the lighthouse (they reach the lighthouse, so they reach that network).
-std::string state_host_for(const ManagerOptions& o) {
-  if (!o.state_host().empty()) return o.state_host();
-  const std::string host = host_of(o.lighthouse());
-  const std::string towards = local_address_towards(host, 1);
-  DDPKIT_CHECK(!towards.empty(), "ft::Manager: no route to the lighthouse host '", host,
-               "' to pick this rank's state service address from; set ManagerOptions::state_host");
-  return towards;
-}
-
-// What a cross-group process group sent to the other groups: over the network and through shared memory.
-uint64_t bytes_to_other_groups(const CommStats& s) { return s.bytes_sent + s.shm_bytes_sent; }
-
-std::string new_incarnation() {
-  std::random_device rd;
-  char buf[64];
-  std::snprintf(buf, sizeof(buf), "%d-%08x%08x", static_cast<int>(getpid()), rd(), rd());
-  return buf;
-}
-
-}  // namespace
-
-struct Manager::Impl {
-  std::shared_ptr<ProcessGroup> group;
-  std::unique_ptr<TrainingState> owned_state;  // the Manager made without one
-  TrainingState& state;
-  ManagerOptions options;
-  std::function<TensorDict()> extra;  // the deprecated constructor's
-  std::function<void(const TensorDict&)> load_extra;
-  StateRegistry registry;
-
-  std::unique_ptr<LighthouseClient> client;
-  std::unique_ptr<GroupBeats> group_beats;  // a group of several ranks beats through its rank 0
-  std::unique_ptr<StateServer> server;
-  std::string incarnation;
-  std::vector<std::string> addresses, hosts;
-
-  // The cross-group process group of this rank (the matching ranks of every group in the quorum).
-  std::mutex cross_mu;
-  std::shared_ptr<ProcessGroup> cross;
-  std::set<std::string> cross_groups;  // the other groups it spans
-  int64_t staging_numel = 0;           // float32 elements of DDP's gradients (cross_group_reduction)
-  at::Tensor staging;                  // the cross group's allreduce_buffer of them
-  // Groups of one rank: the block sizes of DDP's float32 gradients, and the memory of the cross
-  // group they are born in, so that its allreduce sums them where they lie (as DDP's own arena
-  // does inside a group of several ranks).
-  std::vector<int64_t> arena_blocks;
-  std::shared_ptr<GradientArena> arena;
-  int64_t cross_quorum = -1;
-  std::string cross_store;
-  uint64_t retired_bytes = 0;  // sent through cross groups since retired
-
-  uint64_t cross_bytes() {
-    std::lock_guard<std::mutex> lock(cross_mu);
-    return retired_bytes + (cross ? bytes_to_other_groups(cross->stats()) : 0);
-  }
-  // Groups destroyed off the training path (an aborted group's Gloo work ends by its timeout, and
-  // even a finished group's teardown takes a while), and rendezvous given up on.
-  DetachedThreads detached;
-
-  void reap(std::shared_ptr<ProcessGroup> pg) {
-    detached.start([pg = std::move(pg)]() mutable { pg.reset(); });
-  }
-
-  // Set from collective callbacks too (DDP's buckets cross on the transports' threads).
-  std::atomic<bool> failed{false};  // this step cannot commit
-  std::atomic<bool> broken{false};  // the cross-group group must be rebuilt
-  std::mutex failure_mu;
-  std::string failure;  // why the step cannot commit
-
-  void fail(const std::string& why) {
-    {
-      std::lock_guard<std::mutex> lock(failure_mu);
-      if (!failed) failure = why;
-    }
-    failed = true;
-    broken = true;
-  }
-
-  void phase(const char* name, int64_t step) {
-    if (options.on_phase()) options.on_phase()(name, step);
-  }
-
-  void clear_failure() {
-    std::lock_guard<std::mutex> lock(failure_mu);
-    failure.clear();
-    failed = false;
-  }
-
-  // What this step's cross-group collectives use; no group when none is to be issued.
-  Crossing crossing() {
-    std::lock_guard<std::mutex> lock(cross_mu);
-    return failed ? Crossing{} : Crossing{cross, staging};
-  }
-
-  // Why a group the lighthouse reports lost is: its heartbeats stopped, or it restarted since the quorum.
-  std::string lost_reason(const std::string& g) const {
-    return "replica group " + g + " is lost (no heartbeat at the lighthouse " + options.lighthouse() +
-           ", or it restarted since the quorum formed)";
-  }
-
-  // What the last heartbeat said: the newest quorum's lost groups, and its id; heartbeats answered.
-  std::mutex seen_mu;
-  std::set<std::string> lost_now;
-  int64_t newest_quorum = -1;
-  int64_t beats = 0;
-  int64_t beats_now() {
-    std::lock_guard<std::mutex> lock(seen_mu);
-    return beats;
-  }
-  // Why work of quorum `quorum` with `groups` is given up: one of them is lost, or a newer quorum
-  // formed; "" if neither. Only heartbeats answered after the `since`-th count (the one in flight
-  // then may have been answered before the quorum formed, naming a group since restarted).
-  std::string given_up(const std::set<std::string>& groups, int64_t quorum, int64_t since) {
-    std::lock_guard<std::mutex> lock(seen_mu);
-    if (beats < since + 2) return "";
-    for (const auto& g : groups)
-      if (lost_now.count(g)) return lost_reason(g);
-    if (newest_quorum > quorum)
-      return "a newer quorum (" + std::to_string(newest_quorum) + ") replaced quorum " + std::to_string(quorum);
-    return "";
-  }
-
-  // This group asks its next quorum to copy its state from another (GroupInfo::heal): for its
-  // first quorum under init_sync (unless it resumed from a checkpoint: its state is the job's
-  // already), and after request_heal; cleared by the next quorum that succeeds.
-  bool init_sync_pending = false;
-  bool heal_requested = false;
-  bool closed = false;
-
-  // A quorum went through (healed or not): what this group asked of it is answered.
-  void quorum_done() {
-    heal_requested = init_sync_pending = false;
-    clear_failure();
-  }
-
-  // Rank 0 asks the lighthouse for the quorum of `self`; every rank of the group gets the answer
-  // (or the error: JobFinished, or a CommError naming what the lighthouse said) from it.
-  Quorum ask_quorum(const GroupInfo& self, std::chrono::steady_clock::time_point give_up) {
-    ProcessGroup& pg = *group;
-    std::string payload;
-    if (pg.rank() == 0) {
-      try {
-        const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(give_up - std::chrono::steady_clock::now());
-        const Quorum q = client->quorum(self, std::max(left, std::chrono::milliseconds(1)), broken);
-        wire::QuorumReply reply;
-        wire::to_wire(q, &reply);
-        payload = "Q" + reply.SerializeAsString();
-      } catch (const JobFinished& e) {
-        payload = std::string("F") + e.what();
-      } catch (const std::exception& e) {
-        payload = std::string("E") + e.what();
-      }
-    }
-    payload = broadcast_string(pg, payload);
-    if (!payload.empty() && payload[0] == 'F') throw JobFinished(payload.substr(1));
-    if (payload.empty() || payload[0] != 'Q')
-      throw CommError("ddpkit: replica group " + options.group_id() + " has no quorum: " +
-                      (payload.empty() ? std::string("(no answer)") : payload.substr(1)));
-    wire::QuorumReply reply;
-    DDPKIT_CHECK(reply.ParseFromString(payload.substr(1)), "fault tolerance: a malformed quorum from rank 0");
-    return wire::from_wire(reply);
-  }
-
-  // As a heal source of quorum `q` (participant `me`): publishes this rank's state from the live
-  // tensors (nothing changes them until read) and holds until its healers have read it or are
-  // lost. Returns the seconds it served.
-  double serve_healers(const Quorum& q, int me, int64_t step) {
-    const auto start = std::chrono::steady_clock::now();
-    std::set<std::string> healers;
-    for (size_t j = 0; j < q.heal_sources.size(); ++j)
-      if (q.heal_sources[j] == me) healers.insert(q.participants[j].group_id);
-    TensorDict published = extra ? extra() : TensorDict{};
-    for (auto& [name, value] : registry.heal_entries()) published[name] = std::move(value);
-    server->publish(step, state.snapshot(published), healers);
-    phase("heal-publish", step);
-    const int64_t serving = q.quorum_id, since = beats_now();
-    server->wait_released(start + options.cross_group_timeout(),
-                          [&](const std::string& h) { return !given_up({h}, serving, since).empty(); });
-    return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  }
-
-  std::thread heartbeats;
-  std::mutex beat_mu;
-  std::condition_variable beat_cv;
-  bool stopping = false;
-
-  Impl(std::shared_ptr<ProcessGroup> g, TrainingState* s, ManagerOptions o)
-      : group(std::move(g)),
-        owned_state(s ? nullptr : std::make_unique<TrainingState>()),
-        state(s ? *s : *owned_state),
-        options(std::move(o)) {}
-
-  void retire_cross() {
-    std::lock_guard<std::mutex> lock(cross_mu);
-    if (!cross) return;
-    retired_bytes += bytes_to_other_groups(cross->stats());
-    reap(std::move(cross));
-    cross.reset();
-    staging = at::Tensor();
-    // A gradient born in it may still be written by an aborted collective: none is born there again.
-    if (arena) arena->retire();
-    arena.reset();
-    cross_groups.clear();
-    cross_quorum = -1;
-  }
-
-  void heartbeat_loop() {
-    std::unique_lock<std::mutex> lock(beat_mu);
-    while (!stopping) {
-      lock.unlock();
-      try {
-        const std::optional<LighthouseClient::Beat> fresh =
-            group_beats ? group_beats->beat(*client, incarnation)
-                        : client->heartbeat(options.group_id(), group->rank(), incarnation);
-        if (fresh) {
-          const LighthouseClient::Beat& beat = *fresh;
-          {
-            std::lock_guard<std::mutex> guard(seen_mu);
-            lost_now = std::set<std::string>(beat.lost.begin(), beat.lost.end());
-            newest_quorum = beat.quorum_id;
-            ++beats;
-          }
-          std::lock_guard<std::mutex> guard(cross_mu);
-          // Only what the lighthouse says of the quorum the cross group was made for: a reply about
-          // an older one may name a group since restarted and back in this one.
-          for (const auto& lost : beat.lost) {
-            if (!cross || beat.quorum_id != cross_quorum || !cross_groups.count(lost)) continue;
-            cross->abort(lost_reason(lost));
-            break;
-          }
-        }
-      } catch (const std::exception&) {
-        // The lighthouse is away (restarting): the next quorum waits for it; collectives go on.
-      }
-      lock.lock();
-      beat_cv.wait_for(lock, options.heartbeat_interval(), [&] { return stopping; });
-    }
-  }
-
-  // A connection of its own to the store at `address`, under `prefix`: a TCPStore client holds its
-  // lock through a blocking wait, so a rendezvous given up on must not share one with the next.
-  // Its waits end at once when `abandoned` is set (run_unless sets it when it gives the rendezvous
-  // up), so a given-up rendezvous's thread does not outlive it by the store's timeout. Static: the
-  // thread making the group holds only what it was given, never this Impl.
-  static c10::intrusive_ptr<c10d::Store> store_at(const std::string& address, const std::string& prefix,
-                                                  std::chrono::milliseconds timeout,
-                                                  std::shared_ptr<std::atomic<bool>> abandoned) {
-    const int port = std::stoi(address.substr(address.rfind(':') + 1));
-    return c10::make_intrusive<c10d::PrefixStore>(
-        prefix, c10::make_intrusive<PollingStore>(compat::tcp_store_client(host_of(address), port, timeout),
-                                                      std::move(abandoned)));
-  }
-
-  // The options of the groups this rank makes across the replica groups: Gloo listens on the
-  // address the other groups reach this host at, the one on the route to the store they meet at
-  // (the group's own address may be loopback: its ranks share a host).
-  ProcessGroupOptions across_options(const std::string& name, const std::string& store_address) const {
-    ProcessGroupOptions o = group->options();
-    o.group_name(name).timeout(options.cross_group_timeout()).abortable(true).check_collectives(false);
-    if (options.cross_gloo_threads() > 0) o.gloo_threads(options.cross_gloo_threads());
-    o.lazy_connections(options.cross_lazy_connections());
-    const std::string towards = local_address_towards(host_of(store_address), 1);
-    if (!towards.empty()) o.gloo_hostname(towards);
-    return o;
-  }
-
-  // pair_group as the state service and fetch_state take it.
-  PairGroupFactory pair_groups() {
-    return [this](const std::string& name, int rank, const std::string& peer) { return pair_group(name, rank, peer); };
-  }
-
-  // The group of one heal (StateServer / fetch_state): this rank and the matching rank of `peer`,
-  // the source or healer group, met under `name` on the store of the current quorum's cross
-  // groups. Given up (CommError) when the peer is lost or a newer quorum forms meanwhile.
-  std::shared_ptr<ProcessGroup> pair_group(const std::string& name, int rank, const std::string& peer) {
-    std::string address;
-    int64_t quorum = -1;
-    {
-      std::lock_guard<std::mutex> lock(cross_mu);
-      address = cross_store;
-      quorum = cross_quorum;
-    }
-    DDPKIT_CHECK(quorum >= 0, "fault tolerance: no cross-group store to meet a heal's pair group at");
-    const std::string prefix =
-        "ddpkit-ft/q" + std::to_string(quorum) + "/heal/" + name + "/r" + std::to_string(group->rank());
-    ProcessGroupOptions o = across_options("ft-heal", address);
-    o.gloo_connections(options.heal_connections()).lazy_connections(false);  // one pair, made at once
-    const int64_t since = beats_now();
-    auto abandoned = std::make_shared<std::atomic<bool>>(false);
-    const auto timeout = options.cross_group_timeout();
-    return run_unless<std::shared_ptr<ProcessGroup>>(
-        [address, prefix, rank, o, timeout, abandoned] {
-          return std::make_shared<ProcessGroup>(store_at(address, prefix, timeout, abandoned), rank, 2, o);
-        },
-        [this, peer, quorum, since] { return given_up({peer}, quorum, since); }, detached, abandoned);
-  }
-
-  // This rank's cross-group group for quorum `q` (none when this group is alone in it). Its
-  // rendezvous is given up (CommError) when a participant is lost or a newer quorum forms
-  // meanwhile: a group that stopped before joining holds the others for a heartbeat timeout,
-  // not for the rendezvous's.
-  // True when it built one.
-  bool rebuild(const Quorum& q, int replica) {
-    retire_cross();
-    if (q.participants.size() < 2) {  // alone: nothing to build, and nothing again until the quorum changes
-      std::lock_guard<std::mutex> lock(cross_mu);
-      cross_quorum = q.quorum_id;
-      cross_store = q.store_address;
-      return false;
-    }
-    const std::string prefix = "ddpkit-ft/q" + std::to_string(q.quorum_id) + "/r" + std::to_string(group->rank());
-    struct Made {
-      std::shared_ptr<ProcessGroup> pg;
-      at::Tensor staging;
-      std::shared_ptr<GradientArena> arena;
-    };
-    const ProcessGroupOptions o = across_options("ft-cross", q.store_address);
-    const int size = static_cast<int>(q.participants.size());
-    const int64_t numel = staging_numel;
-    const std::vector<int64_t> blocks = arena_blocks;
-    std::set<std::string> others;
-    for (const auto& p : q.participants)
-      if (p.group_id != options.group_id()) others.insert(p.group_id);
-    const int64_t since = beats_now();
-    auto abandoned = std::make_shared<std::atomic<bool>>(false);
-    const auto timeout = options.cross_group_timeout();
-    Made made = run_unless<Made>(
-        [address = q.store_address, prefix, replica, size, o, numel, blocks, timeout, abandoned] {
-          Made m;
-          m.pg = std::make_shared<ProcessGroup>(store_at(address, prefix, timeout, abandoned), replica, size, o);
-          // Collective over the new group: every participant made its reduction before its first quorum.
-          if (numel > 0) m.staging = m.pg->allreduce_buffer(numel, at::kFloat);
-          if (!blocks.empty()) m.arena = m.pg->gradient_arena(blocks);
-          return m;
-        },
-        [this, others, &q, since] { return given_up(others, q.quorum_id, since); }, detached, abandoned);
-    std::lock_guard<std::mutex> lock(cross_mu);
-    cross = std::move(made.pg);
-    staging = std::move(made.staging);
-    arena = std::move(made.arena);
-    cross_groups = others;
-    cross_quorum = q.quorum_id;
-    cross_store = q.store_address;
-    return true;
-  }
-
-  // Stops the heartbeats, the state service and the cross-group process groups, and waits for
-  // their threads; `leave`: rank 0 first tells the lighthouse that the group ran its last step.
-  void stop(bool leave, int64_t step) {
-    {
-      std::lock_guard<std::mutex> lock(beat_mu);
-      if (closed) return;
-      closed = true;
-      stopping = true;
-    }
-    beat_cv.notify_all();
-    if (heartbeats.joinable()) heartbeats.join();
-    if (leave && group->rank() == 0 && client) {
-      try {
-        client->leave(options.group_id(), incarnation, step);
-      } catch (const std::exception& e) {
-        // Not fatal: the group is then out of the quorums at its heartbeat timeout, as if lost.
-        std::cerr << "ddpkit: group " << options.group_id() << " could not tell the lighthouse it left: " << e.what()
-                  << std::endl;
-      }
-    }
-    server.reset();  // first: its streams' threads make their groups through this Impl
-    retire_cross();
-    detached.join_all();
-    registry.clear();  // the loop's callbacks (and what they hold: a Python object, say) go now
-  }
-};
 
 Manager::Manager(std::shared_ptr<ProcessGroup> group, TrainingState& state, ManagerOptions options)
     : Manager(std::move(group), &state, std::move(options), nullptr, nullptr) {}
@@ -475,6 +28,7 @@ Manager::Manager(std::shared_ptr<ProcessGroup> group, TrainingState* state, Mana
                options.cross_gloo_threads());
   impl_ = std::make_unique<Impl>(std::move(group), state, std::move(options));
   Impl& im = *impl_;
+  im.owner = this;
   im.extra = std::move(extra);
   im.load_extra = std::move(load_extra);
   im.init_sync_pending = im.options.init_sync();
@@ -488,6 +42,12 @@ Manager::Manager(std::shared_ptr<ProcessGroup> group, TrainingState* state, Mana
   if (pg.size() > 1 && pg.store()) {
     im.group_beats = std::make_unique<GroupBeats>(pg.store(), im.options.group_id(), pg.rank(), pg.size());
     im.group_beats->prepare();  // before the collectives below: every rank's first beat finds rank 0's reply key
+  }
+  if (im.options.quorum_mode() == QuorumMode::kAsync && pg.size() > 1) {
+    // The round's collectives wait as long as rank 0 waits for the lighthouse, then a rebuild.
+    ProcessGroupOptions o = pg.options();
+    o.group_name("ft-control").timeout(im.options.quorum_timeout() + im.options.cross_group_timeout());
+    im.control = pg.new_subgroup(pg.rank(), pg.size(), o);
   }
   im.server = std::make_unique<StateServer>(state_host_for(im.options), im.options.token(), im.pair_groups());
   im.addresses = allgather_strings(pg, im.server->address());
@@ -512,8 +72,12 @@ void Manager::request_heal(const std::string& why) {
 
 const std::string& Manager::group_id() const { return impl_->options.group_id(); }
 const std::shared_ptr<ProcessGroup>& Manager::group() const { return impl_->group; }
-int Manager::replica_rank() const { return quorum_.replica_rank(impl_->options.group_id()); }
-int Manager::replica_count() const { return static_cast<int>(quorum_.participants.size()); }
+const Quorum& Manager::quorum() const {
+  impl_->wait_round_quietly();
+  return quorum_;
+}
+int Manager::replica_rank() const { return quorum().replica_rank(impl_->options.group_id()); }
+int Manager::replica_count() const { return static_cast<int>(quorum().participants.size()); }
 
 void Manager::register_state(const std::string& key, SaveState save, LoadState load, StateScope scope) {
   DDPKIT_CHECK(!impl_->closed, "ft::Manager::register_state: the Manager is closed");
@@ -554,51 +118,39 @@ void Manager::resume_at(int64_t step) {
   impl_->init_sync_pending = false;  // its state is its checkpoint's (a DiLoCo site's own, say)
 }
 
-void Manager::start_step() {
+void Manager::start_step() { start_step(impl_->options.quorum_mode()); }
+
+void Manager::start_step(QuorumMode mode) {
   Impl& im = *impl_;
   DDPKIT_CHECK(!im.closed, "ft::Manager::start_step: the Manager is closed");
+  if (mode == QuorumMode::kAsync)
+    im.start_step_async();
+  else
+    start_step_sync();
+}
+
+void Manager::start_step_sync() {
+  Impl& im = *impl_;
+  im.join_round();  // a step of the other mode before: its round is over
+  im.drop_heal();
+  im.serve_at.reset();
+  if (im.serving.joinable()) im.serving.join();
   ProcessGroup& pg = *im.group;
   const auto give_up = std::chrono::steady_clock::now() + im.options.quorum_timeout();
   for (;;) {
     GroupInfo self{im.options.group_id(), step_, pg.size(), im.addresses, im.hosts, im.incarnation};
     self.heal = im.heal_requested || im.init_sync_pending;
-    quorum_ = im.ask_quorum(self, give_up);
-    ++stats_.quorums;
-    im.phase("quorum", step_);
+    const auto asked = std::chrono::steady_clock::now();
+    quorum_ = im.take_quorum(self, give_up, pg);
+    im.contribution = Contribution::of(quorum_, quorum_.replica_rank(im.options.group_id()), /*async=*/false);
+    stats_.quorum_wait_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - asked).count();
     const int me = quorum_.replica_rank(im.options.group_id());
-    DDPKIT_CHECK(me >= 0, "fault tolerance: the quorum does not include group ", im.options.group_id());
-
     bool ok = true;
     std::string why;
-    const bool changed = im.broken || quorum_.quorum_id != im.cross_quorum || quorum_.store_address != im.cross_store;
-    if (changed) {
-      try {
-        im.phase("rendezvous", step_);
-        const auto began = std::chrono::steady_clock::now();
-        if (im.rebuild(quorum_, me)) {
-          const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - began).count();
-          ++stats_.reconfigurations;
-          stats_.reconfiguration_seconds += took;
-          stats_.longest_reconfiguration_seconds = std::max(stats_.longest_reconfiguration_seconds, took);
-        }
-        if (auto cross = im.crossing().group) stats_.cross_transport = cross->transport_name();
-      } catch (const std::exception& e) {
-        ok = false;
-        why = std::string("rebuilding the cross-group process group: ") + e.what();
-      }
-    }
-    if (!all_of(pg, ok)) {
-      im.retire_cross();
-      im.broken = true;
-      stats_.last_error = why.empty() ? "a rank of this group could not rebuild its cross-group process group" : why;
-      if (std::chrono::steady_clock::now() >= give_up) throw CommError("ddpkit: replica group " + im.options.group_id() + ": " + stats_.last_error);
-      continue;
-    }
-    im.broken = false;
 
     // A source publishes what its healers copy; a group behind the quorum (or asking) copies it.
     if (std::count(quorum_.heal_sources.begin(), quorum_.heal_sources.end(), me) > 0)
-      stats_.serve_seconds += im.serve_healers(quorum_, me, step_);
+      im.served_seconds = im.served_seconds.load() + im.serve_healers(quorum_, me, step_);
     else
       im.server->clear();
     const int source = quorum_.heal_sources[me];
@@ -679,8 +231,9 @@ CrossReplicaReduction Manager::cross_group_reduction(const std::vector<at::Tenso
   im->staging_numel = numel;
   std::function<void()> issued;
   if (im->options.on_phase()) issued = [this] { impl_->options.on_phase()("crossing", step_); };
-  auto buckets = std::make_shared<CrossGroupBuckets>([im] { return im->crossing(); },
-                                                     [im](const std::string& why) { im->fail(why); }, issued);
+  auto buckets = std::make_shared<CrossGroupBuckets>(
+      [im](std::function<void(Crossing)> then) { im->when_round_done([im, then] { then(im->crossing()); }); },
+      [im](const std::string& why) { im->fail(why); }, issued);
   CrossReplicaReduction reduction;
   reduction.reduce = [buckets](const BucketCrossing& bucket) { return (*buckets)(bucket); };
   reduction.gradient_arena = [im]() -> std::shared_ptr<GradientArena> {
@@ -692,7 +245,8 @@ CrossReplicaReduction Manager::cross_group_reduction(const std::vector<at::Tenso
 
 void Manager::allreduce(const std::vector<at::Tensor>& tensors) {
   Impl& im = *impl_;
-  std::shared_ptr<ProcessGroup> cross = im.crossing().group;
+  const Crossing crossing = im.crossing();
+  const std::shared_ptr<ProcessGroup>& cross = crossing.group;
   if (!cross || tensors.empty()) return;
   std::vector<at::Tensor> flat;
   for (const auto& t : tensors) {
@@ -702,12 +256,15 @@ void Manager::allreduce(const std::vector<at::Tensor>& tensors) {
   }
   // A fresh buffer: an aborted collective may write into its tensor after the abort.
   at::Tensor all = at::cat(flat);
+  const Contribution c = crossing.contribution;
+  c.prepare(all);
   try {
-    ProcessGroup::wait(cross->allreduce(all, c10d::ReduceOp::AVG));
+    ProcessGroup::wait(cross->allreduce(all, c10d::ReduceOp::SUM));
   } catch (const std::exception& e) {
     im.fail(e.what());
     return;
   }
+  c.average(all);
   int64_t offset = 0;
   for (const auto& t : tensors) {
     t.copy_(all.narrow(0, offset, t.numel()).view(t.sizes()));
@@ -721,24 +278,11 @@ void Manager::fail_step(const std::string& why) { impl_->fail(why); }
 
 const ManagerStats& Manager::stats() const {
   stats_.cross_bytes_sent = impl_->cross_bytes();
+  stats_.serve_seconds = impl_->served_seconds.load();
   return stats_;
 }
 
-bool Manager::should_commit() {
-  Impl& im = *impl_;
-  const bool commit = all_of(*im.group, !im.failed);
-  if (commit) {
-    ++step_;
-    ++stats_.steps_committed;
-  } else {
-    ++stats_.steps_not_committed;
-    std::lock_guard<std::mutex> lock(im.failure_mu);
-    stats_.last_error = im.failure.empty() ? "another rank of this group failed its step" : im.failure;
-    im.broken = true;
-  }
-  im.clear_failure();
-  return commit;
-}
+bool Manager::should_commit() { return impl_->commit_step(); }
 
 }  // namespace ft
 }  // namespace ddpkit

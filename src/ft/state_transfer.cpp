@@ -503,7 +503,13 @@ Fetched fetch_state(const std::string& address, int64_t step, const FetchOptions
     if (!waiting || std::chrono::steady_clock::now() >= deadline)
       throw fail(refused.empty() ? s.error_message() : "it still " + refused + " after " +
                  std::to_string(options.timeout.count()) + " ms");
-    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    if (options.stop) {  // a source lost before it published (it serves from its next step boundary)
+      const std::string why = options.stop();
+      if (!why.empty()) throw fail(why);
+    }
+    // Asked again soon, then every 20 ms: under the async quorum a healer waits here for its
+    // source's next step boundary, and the source's step should not pay for many answers.
+    std::this_thread::sleep_for(std::chrono::milliseconds(refused.empty() ? 5 : 20));
   }
   const int64_t total = head.total_bytes();
   if (total < 0 || total > kMaxTotal) throw fail("malformed description (" + std::to_string(total) + " bytes)");

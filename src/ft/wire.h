@@ -62,6 +62,7 @@ inline std::string check_reply(const QuorumReply& q) {
     const int s = q.heal_sources(i);
     if (s < -1 || s >= q.participants_size() || s == i) return "heal source " + std::to_string(s) + " out of range";
     if (s >= 0 && q.participants(s).step() != q.max_step()) return "a heal source is behind max_step";
+    if (s >= 0 && q.participants(s).healing()) return "a heal source is itself healing";
     if (q.participants(i).step() > q.max_step()) return "a participant is ahead of max_step";
   }
   if (q.store_address().rfind(':') == std::string::npos) return "store address '" + q.store_address() + "' is not host:port";
@@ -76,6 +77,7 @@ inline void to_wire(const GroupInfo& g, Member* m) {
   for (const auto& h : g.hosts) m->add_hosts(h);
   m->set_incarnation(g.incarnation);
   m->set_heal(g.heal);
+  m->set_healing(g.healing);
 }
 
 inline GroupInfo from_wire(const Member& m) {
@@ -87,6 +89,7 @@ inline GroupInfo from_wire(const Member& m) {
   g.hosts.assign(m.hosts().begin(), m.hosts().end());
   g.incarnation = m.incarnation();
   g.heal = m.heal();
+  g.healing = m.healing();
   return g;
 }
 
@@ -128,11 +131,14 @@ inline QuorumReply delta_reply(const Quorum& q, const Quorum& known) {
   }
   for (const auto& kv : had) r.add_dropped(kv.first);
   for (size_t i = 0; i < q.participants.size(); ++i) {
-    if (q.participants[i].step == q.max_step && q.heal_sources[i] < 0) continue;
+    const GroupInfo& p = q.participants[i];
+    if (p.step == q.max_step && q.heal_sources[i] < 0 && !p.heal && !p.healing) continue;
     auto* b = r.add_behind();
     b->set_index(static_cast<int>(i));
-    b->set_step(q.participants[i].step);
+    b->set_step(p.step);
     b->set_heal_source(q.heal_sources[i]);
+    b->set_heal(p.heal);
+    b->set_healing(p.healing);
   }
   return r;
 }
@@ -151,6 +157,8 @@ inline QuorumReply apply_delta(const QuorumReply& delta, const Quorum& known) {
   whole.set_lighthouse(delta.lighthouse());
   for (auto& kv : members) {
     kv.second.set_step(delta.max_step());
+    kv.second.set_heal(false);
+    kv.second.set_healing(false);
     *whole.add_participants() = std::move(kv.second);
     whole.add_heal_sources(-1);
   }
@@ -162,6 +170,8 @@ inline QuorumReply apply_delta(const QuorumReply& delta, const Quorum& known) {
     }
     whole.mutable_participants(b.index())->set_step(b.step());
     whole.set_heal_sources(b.index(), b.heal_source());
+    whole.mutable_participants(b.index())->set_heal(b.heal());
+    whole.mutable_participants(b.index())->set_healing(b.healing());
   }
   return whole;
 }

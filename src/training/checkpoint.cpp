@@ -444,9 +444,18 @@ void put_bucket_layout(TensorDict& d, DistributedDataParallelBase& ddp) {
   }
   d["ddp/bucket_sizes"] = at::tensor(sizes, at::kLong);
   d["ddp/buckets"] = at::tensor(flat, at::kLong);
+  // Before its first iteration a layout is not final: DDP rebuilds it in gradient-ready order after
+  // that iteration (the same order on every replica of the model).
+  d["ddp/buckets_final"] = at::tensor({ddp.reducer().buckets_rebuilt() ? int64_t{1} : int64_t{0}}, at::kLong);
 }
 
 void load_bucket_layout(const TensorDict& d, DistributedDataParallelBase& ddp, const std::string& what) {
+  // A layout saved before the first iteration (a job's first quorum copying the first group's
+  // state) is not restored for good: the loading replica rebuilds after its first iteration, as the
+  // saving one does, and both come to the same layout. Frozen here, it would keep the initial
+  // layout while the source rebuilt, and their buckets would cross mismatched from then on.
+  auto final = d.find("ddp/buckets_final");
+  if (final != d.end() && final->second.numel() == 1 && final->second.item<int64_t>() == 0) return;
   const at::Tensor sizes = entry_of(d, "ddp/bucket_sizes", what).contiguous();
   const at::Tensor flat = entry_of(d, "ddp/buckets", what).contiguous();
   DDPKIT_CHECK(sizes.scalar_type() == at::kLong && flat.scalar_type() == at::kLong && sizes.dim() == 1 &&

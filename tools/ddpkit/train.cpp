@@ -134,6 +134,10 @@ Fault tolerance across replica groups (docs/fault_tolerance.md):
                           groups (sites) connect to each other when a collective first needs it,
                           rings and trees, instead of all pairs at each quorum change: for tens
                           of groups or sites (docs/scale.md)
+  --quorum-mode MODE      async (default): the quorum, a new membership's process group and a
+                          heal run beside forward and backward, and a healing group adds zeros
+                          for a step; sync: each step waits for its quorum and its heals. Every
+                          group of a job takes the same (DiLoCo's syncs are always sync)
   --step-log PATH         each group's rank 0 appends a line per step to PATH.<group id>: the
                           step, its end (Unix ms), its length (ms) and whether it committed
   With --checkpoint-dir, the quorum's first group writes the checkpoints (the replicas are equal;
@@ -351,7 +355,7 @@ std::vector<std::string> checkpoint_settings(const Flags& f) {
                      "gloo-connections", "piece-kb", "data-dir", "no-malloc-tuning", "no-divergence-guard",
                      "checkpoint-dir", "checkpoint-every", "resume", "max-restarts", "backend", "report-resources",
                      "fault-tolerant", "replica-groups", "replica-group", "min-replicas", "lighthouse", "step-log", "heal-connections",
-                     "cross-lazy-connections"});
+                     "cross-lazy-connections", "quorum-mode"});
 }
 
 TensorDict checkpoint_extra(const std::vector<std::string>& settings, int64_t epoch, int64_t samples_in_epoch) {

@@ -216,9 +216,10 @@ void check_fault_tolerance_flags(const Flags& f, TrainFlags& t) {
   t.replica_group = f.str("replica-group").empty() ? -1 : f.integer("replica-group");
   t.heal_connections = f.str("heal-connections").empty() ? 1 : f.integer("heal-connections");
   t.cross_lazy_connections = f.on("cross-lazy-connections");
+  if (!f.str("quorum-mode").empty()) t.quorum_mode = f.str("quorum-mode");
   if (!t.fault_tolerant) {
     if (t.cross_lazy_connections) throw UsageError("--cross-lazy-connections needs --fault-tolerant");
-    for (const char* flag : {"replica-group", "lighthouse", "step-log", "heal-connections"})
+    for (const char* flag : {"replica-group", "lighthouse", "step-log", "heal-connections", "quorum-mode"})
       if (!f.str(flag).empty()) throw UsageError(std::string("--") + flag + " needs --fault-tolerant");
     if (t.replica_groups != 1) throw UsageError("--replica-groups needs --fault-tolerant");
     if (t.min_replicas != 1) throw UsageError("--min-replicas needs --fault-tolerant");
@@ -230,6 +231,8 @@ void check_fault_tolerance_flags(const Flags& f, TrainFlags& t) {
   if (t.min_replicas < 1 || t.min_replicas > t.replica_groups)
     throw UsageError("--min-replicas must be in 1..--replica-groups (" + std::to_string(t.replica_groups) + "), got " +
                      std::to_string(t.min_replicas));
+  if (t.quorum_mode != "async" && t.quorum_mode != "sync")
+    throw UsageError("--quorum-mode is async or sync, got '" + t.quorum_mode + "'");
   if (t.heal_connections < 1 || t.heal_connections > 64)
     throw UsageError("--heal-connections must be in 1..64, got " + std::to_string(t.heal_connections));
   if (t.replica_group != -1 && (t.replica_group < 0 || t.replica_group >= t.replica_groups))
@@ -265,7 +268,7 @@ Flags parse_train_flags(const std::vector<std::string>& args) {
                     {"zero-precision", "fp32"}, {"checkpoint-dir", ""}, {"checkpoint-every", "100"},
                     {"max-restarts", ""}, {"report-resources", "0"}, {"replica-groups", "1"},
                     {"replica-group", ""}, {"min-replicas", "1"}, {"lighthouse", ""},
-                    {"step-log", ""}, {"heal-connections", ""}, {"diloco", ""}, {"outer-lr", ""},
+                    {"step-log", ""}, {"heal-connections", ""}, {"quorum-mode", ""}, {"diloco", ""}, {"outer-lr", ""},
                     {"outer-momentum", ""}, {"outer-codec", ""}, {"fragments", ""}, {"fragment-delay", ""},
                     {"fragment-alpha", ""}, {"fragment-layout", ""}, {"round-seconds", ""}}),
                kTrainSwitches);

@@ -27,6 +27,7 @@ struct TrainFlags {
   bool fault_tolerant = false;
   int replica_groups = 1, replica_group = -1, min_replicas = 1;
   bool cross_lazy_connections = false;  // ft::ManagerOptions::cross_lazy_connections
+  std::string quorum_mode = "async";     // ft::ManagerOptions::quorum_mode: async or sync
   int heal_connections = 1;  // connections of a heal's pair group (ft::ManagerOptions::heal_connections)
   std::string lighthouse;
   // --diloco H: DiLoCo across the replica groups (0: off), its outer optimizer and codec, and

@@ -91,6 +91,8 @@ int run_replica_groups(const Flags& f, const TrainFlags& t, const std::vector<st
 // the step's ms, committed or not).
 struct StepRecord {
   std::vector<double> step_ms, quorum_ms;
+  std::vector<double> serving_ms;  // the steps at whose start this rank copied a state it served (a heal source)
+  double first_commit_s = -1;      // from the rank's start to its first committed step
   std::unique_ptr<std::ofstream> log;
   StepRecord(const Flags& f, bool lead, const std::string& group_id) {
     if (!lead || f.str("step-log").empty()) return;
@@ -121,6 +123,8 @@ std::string ft_report(const TrainFlags& t, const ft::Manager& manager, const Tra
   j["steps"] = manager.step();
   j["median_step_ms"] = ms.empty() ? 0.0 : median(ms);
   j["median_quorum_ms"] = median(rec.quorum_ms);
+  j["serving_step_ms"] = rec.serving_ms.empty() ? 0.0 : *std::max_element(rec.serving_ms.begin(), rec.serving_ms.end());
+  j["first_commit_s"] = rec.first_commit_s;
   j["longest_step_ms"] = ms.empty() ? 0.0 : *std::max_element(ms.begin(), ms.end());
   j["final_loss"] = last_loss;
   j["test_accuracy"] = score.accuracy;
@@ -142,6 +146,10 @@ std::string ft_report(const TrainFlags& t, const ft::Manager& manager, const Tra
   j["checkpoints_written"] = checkpoints_written;
   j["steps_committed"] = s.steps_committed;
   j["steps_not_committed"] = s.steps_not_committed;
+  j["steps_healing"] = s.steps_healing;
+  j["quorum_wait_seconds"] = s.quorum_wait_seconds;
+  j["snapshot_seconds"] = s.snapshot_seconds;
+  j["quorum_mode"] = t.quorum_mode;
   j["cross_bytes_per_step"] = ms.empty() ? 0.0 : static_cast<double>(s.cross_bytes_sent) / static_cast<double>(ms.size());
   j["parameter_checksum"] = parameter_checksum(run.params);
   j["peak_rss_bytes"] = peak_rss_bytes;
@@ -151,6 +159,7 @@ std::string ft_report(const TrainFlags& t, const ft::Manager& manager, const Tra
 // One rank of replica group t.replica_group: the library's loop (docs/fault_tolerance.md), with
 // the CLI's flags, output and fault points.
 int run_ft_rank(const Flags& f, const TrainFlags& t) {
+  const auto rank_start = std::chrono::steady_clock::now();
   PeakMemorySampler memory;
   set_compute_threads(t.threads);
   std::shared_ptr<ProcessGroup> pg = join_group(f, t);
@@ -172,9 +181,11 @@ int run_ft_rank(const Flags& f, const TrainFlags& t) {
   double last_loss = 0;
   for (;;) {
     const auto t0 = std::chrono::steady_clock::now();
+    const double snapshots_before = manager.stats().snapshot_seconds;
     // Also once after the last step: a group that did not commit it (its cross-group average
     // failed where the others' did not) heals in that last quorum rather than finishing alone.
     manager.start_step();
+    const bool serving = manager.stats().snapshot_seconds != snapshots_before;
     rec.quorum_ms.push_back(ms_since(t0));
     const int64_t step = manager.step();
     if (step >= schedule.total_steps) break;
@@ -195,6 +206,8 @@ int run_ft_rank(const Flags& f, const TrainFlags& t) {
       }
     }
     rec.add(step, ms_since(t0), committed);
+    if (serving) rec.serving_ms.push_back(rec.step_ms.back());
+    if (committed && rec.first_commit_s < 0) rec.first_commit_s = ms_since(rank_start) / 1000;
     progress.update("step", manager.step(), schedule.total_steps, last_loss, median(rec.step_ms));
   }
   progress.finish();

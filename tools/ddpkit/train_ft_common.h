@@ -108,6 +108,7 @@ inline ft::ManagerOptions group_manager_options(const TrainFlags& t, const Fault
       .cross_group_timeout(std::min(timeout, std::chrono::milliseconds(30000)))
       .heal_connections(t.heal_connections)
       .cross_lazy_connections(t.cross_lazy_connections)
+      .quorum_mode(t.quorum_mode == "sync" ? ft::QuorumMode::kSync : ft::QuorumMode::kAsync)
       .on_phase(fault.hook());
 }
 

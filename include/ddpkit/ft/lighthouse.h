@@ -89,6 +89,10 @@ struct GroupInfo {
   // first quorum under ManagerOptions::init_sync, or its state was found to differ): the quorum
   // names a source for it, as for a group behind (see Quorum::heal_sources).
   bool heal = false;
+  // Loads, at the end of this step, the state a heal named at the previous quorum is copying
+  // (async quorum): `step` is the step it will hold then. It adds zeros to this step's cross-group
+  // sums and is no heal source.
+  bool healing = false;
 };
 
 struct Quorum {
@@ -98,7 +102,7 @@ struct Quorum {
   std::string store_address;            // host:port of the lighthouse's TCPStore
   // Per participant: the index of the group it heals from, or -1. A participant heals when it is
   // behind max_step, or asked to (GroupInfo::heal); its source is a participant at max_step that
-  // did not ask (spread over them in turn), or, when every one at max_step asked (the first quorum
+  // did not ask and is not healing (spread over them in turn), or, when every one at max_step asked (the first quorum
   // of a job whose groups start together), the first of them by group_id, which copies nothing.
   std::vector<int> heal_sources;
   std::vector<std::string> dropped;     // groups of the previous quorum not in this one

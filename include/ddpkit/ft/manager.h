@@ -3,7 +3,7 @@
 // Every rank of every replica group makes one Manager over its own group's process group. Each
 // step:
 //
-//   manager.start_step();                  // collective over the group: the quorum; heals if behind
+//   manager.start_step();                  // asks for the quorum and returns (QuorumMode::kAsync)
 //   loss = train forward and backward;     // DDP / ZeRO / FSDP inside the group, as usual
 //   manager.allreduce(grads);              // average across the groups of the quorum (DDP: set
 //                                          //   cross_group_reduction() instead; it overlaps)
@@ -16,8 +16,26 @@
 // group. A group that starts late, or restarts, joins at the next quorum and first copies the
 // state the step depends on (TrainingState::snapshot) from a live group, rank by matching rank:
 // no checkpoint is read. A group that did not commit a step the others did heals the same way, so
-// the live replicas are identical after every step. The source serves its live tensors and holds
-// its start_step until its healers have read them (or are lost).
+// the live replicas are identical after every step.
+//
+// The quorum is asynchronous by default (QuorumMode::kAsync, as torchft's async quorum, but safe
+// under FSDP): start_step asks for it on a thread of its own and returns; forward and backward run
+// meanwhile, and the step's first cross-group collective (DDP's first bucket crossing, allreduce,
+// cross_group) waits for it. The cross-group process group of a new membership is made on that
+// thread too. A group that must heal trains that step on the state it has, adds zeros to the
+// step's cross-group sums (which every group divides by the groups that add their own, not by the
+// quorum's size), copies the source's state on a thread of its own while it trains, and loads it in
+// should_commit, before its optimizer step (which then applies the average of the others). The
+// source never waits for it: at its next step boundary (its next start_step, when nothing in
+// forward, a reshard or an optimizer step is changing the state) it copies its state once and
+// serves that snapshot on the state service's threads until the healers have read it or are lost.
+// A heal therefore lands one step after the quorum that names it: the healing group's should_commit
+// returns false for the step in between (docs/fault_tolerance.md draws one step). A group asking to
+// copy its state anyway (its first quorum under init_sync, request_heal) waits for its quorum in
+// start_step, and so do the groups that start a job together: they copy the first group's state
+// before their first forward, as under QuorumMode::kSync. Every group of a job takes one mode.
+// kSync: start_step waits for the quorum, and a source serves its live tensors, holding its
+// start_step until its healers have read them.
 //
 // Groups start from one group's state (init_sync, on by default, as torchft's): at a group's first
 // quorum it copies the state from a group already running at the quorum's step or, when all of
@@ -44,6 +62,12 @@
 
 namespace ddpkit {
 namespace ft {
+
+// How start_step takes the quorum (see the top of this file).
+enum class QuorumMode {
+  kAsync,  // asked on a thread of its own while forward and backward run; heals overlap the step
+  kSync,   // start_step waits for the quorum and any heal
+};
 
 struct ManagerOptions {
   TORCH_ARG(std::string, lighthouse) = "";  // host:port
@@ -81,6 +105,8 @@ struct ManagerOptions {
   // that resumed from a checkpoint (restore_checkpoint, resume_at) keeps its own: it is the job's
   // state already (a DiLoCo site's own inner model, say).
   TORCH_ARG(bool, init_sync) = true;
+  // How start_step takes the quorum; every group of a job must take the same.
+  TORCH_ARG(QuorumMode, quorum_mode) = QuorumMode::kAsync;
   // Called at each point of the protocol with the step: "quorum" (a quorum received),
   // "rendezvous" (the cross-group process group of a new membership about to be made),
   // "heal-publish" (this rank, a heal source, published its state), "heal-fetched" (this rank
@@ -121,7 +147,12 @@ struct ManagerStats {
   std::string heal_route;        // how the last heal was read: "process_vm_readv", or the pair
                                  // group's transport ("gloo", "shared memory (single copy refused: ...)")
   int64_t steps_committed = 0;
-  int64_t steps_not_committed = 0;
+  int64_t steps_not_committed = 0;   // failed steps (a lost group, an aborted collective, fail_step)
+  int64_t steps_healing = 0;         // steps trained on a state being replaced by a heal (kAsync):
+                                     // zeros added across the groups, should_commit false; not failures
+  double quorum_wait_seconds = 0;    // the steps' waits for their quorum (kAsync: at the first
+                                     // cross-group collective or should_commit; kSync: in start_step)
+  double snapshot_seconds = 0;       // as a source (kAsync): copying the state it serves, at a step boundary
   std::string last_error;        // why the last step did not commit
   std::string cross_transport;   // what the last cross-group process group runs on
   // Bytes this rank sent to the other groups through its cross-group process groups (network
@@ -147,8 +178,12 @@ class Manager {
   Manager& operator=(const Manager&) = delete;
 
   // Collective over the group: joins the quorum for the next step (rebuilding the cross-group
-  // process group when the participants changed) and, when this group is behind, heals it.
+  // process group when the participants changed); a group behind heals (see the top of this file:
+  // under kAsync the quorum, the rebuild and the heal go on while the step runs).
   void start_step();
+  // This step in `mode` whatever the options say: DiLoCo takes its syncs' quorums with kSync, as
+  // it weighs a site's pseudo-gradient by whether the site healed in the quorum.
+  void start_step(QuorumMode mode);
   // DDP's gradients averaged across the groups of the quorum bucket by bucket, while backward goes
   // on: register it with ddp.reducer().set_cross_replica_reduction(...) before the first
   // start_step, passing DDP's parameters (float32 ones get a staging area in shared memory on one
@@ -163,11 +198,15 @@ class Manager {
   // group, an aborted collective) leaves them as they were and marks the step not to commit.
   void allreduce(const std::vector<at::Tensor>& tensors);
   // Collective over the group: true when every rank's step succeeded, and then step() advances.
+  // Waits for the step's quorum if nothing did yet, and loads a heal due this step (kAsync). False
+  // also while this group is healing (stats().steps_healing): skip the optimizer step then.
   bool should_commit();
   // This step's process group across the quorum's groups (this rank and the matching rank of
   // each), for a caller's own cross-group collectives (DiLoCo's outer average); null when this
   // group is alone in the quorum or the step has already failed. A collective on it that fails
-  // must be reported with fail_step, which keeps the step from committing.
+  // must be reported with fail_step, which keeps the step from committing. Under kAsync it waits
+  // for the step's quorum, and a group healing this step is in it too: average gradients with
+  // allreduce (which adds its zeros and divides by the contributors), not with a mean of your own.
   std::shared_ptr<ProcessGroup> cross_group();
   void fail_step(const std::string& why);
   // This group's state differs from the others' (a check found it: DiLoCo's checksums): its next
@@ -210,9 +249,10 @@ class Manager {
   // before the first start_step, on every rank of the group. The quorum takes the highest step
   // of its groups; a group behind it heals.
   void resume_at(int64_t step);
+  // The current quorum (these wait for the step's, under kAsync).
   int replica_rank() const;   // in the current quorum
   int replica_count() const;  // groups in the current quorum
-  const Quorum& quorum() const { return quorum_; }
+  const Quorum& quorum() const;
   const ManagerStats& stats() const;  // cross_bytes_sent as of this call
   const std::string& group_id() const;
   // The replica group's own process group (the one the Manager was made over): its ranks' fast network.
@@ -223,6 +263,7 @@ class Manager {
           std::function<TensorDict()> extra, std::function<void(const TensorDict&)> load_extra);
   // This rank's state from the matching rank of participant `source`; false with `why` on failure.
   bool copy_state_from(int source, std::string* why);
+  void start_step_sync();
 
   struct Impl;
   std::unique_ptr<Impl> impl_;
