@@ -234,6 +234,7 @@ void Manager::Impl::start_fetch(const Quorum& q, int source, int64_t target) {
   h->thread = std::thread([raw, address, target, fo] {
     try {
       raw->got = fetch_state(address, target, fo);
+      raw->fetched_seconds = seconds_since(raw->started);
       raw->ok = true;
     } catch (const std::exception& e) {
       raw->why = "healing from " + raw->what + ": " + e.what();
@@ -258,7 +259,11 @@ bool Manager::Impl::finish_heal() {
   std::string why = h.why;
   if (ok) {
     try {
-      stats.heal_fetch_seconds += seconds_since(h.started);
+      // The copy and the load, as a synchronous heal counts them; not the wait for the source's
+      // boundary (this group trained meanwhile).
+      const double copying = std::max(0.0, h.fetched_seconds - h.got.waited_seconds);
+      stats.heal_fetch_seconds += copying;
+      const auto loading = Clock::now();
       stats.heal_route = h.got.single_copy ? "process_vm_readv" : h.got.pair->transport_name();
       if (!h.got.single_copy_refused.empty()) stats.heal_route += " (single copy refused: " + h.got.single_copy_refused + ")";
       if (h.got.pair) reap(std::move(h.got.pair));
@@ -266,7 +271,7 @@ bool Manager::Impl::finish_heal() {
       const TensorDict extras = state.load_snapshot(h.got.state, h.what);
       if (load_extra) load_extra(StateRegistry::without_registered(extras));
       registry.load_heal_entries(extras, h.what);
-      stats.heal_seconds += seconds_since(h.started);  // from the quorum that named it: the copy waits for the source's boundary
+      stats.heal_seconds += copying + seconds_since(loading);
     } catch (const std::exception& e) {
       ok = false;
       why = "loading " + h.what + ": " + e.what();

@@ -308,6 +308,7 @@ struct Manager::Impl {
     std::string why;
     Fetched got;
     std::chrono::steady_clock::time_point started;
+    double fetched_seconds = 0;  // from started to the copy's end (the wait for the source's boundary included)
   };
   std::unique_ptr<HealInFlight> heal;
   // The heal this group serves from its state at its next step boundary (its start_step at `step`).

@@ -488,6 +488,7 @@ Fetched fetch_state(const std::string& address, int64_t step, const FetchOptions
     return CommError("ddpkit: fetching the state of step " + std::to_string(step) + " from " + address + " failed: " + why);
   };
   auto stub = stub_for(address);
+  const auto asked = std::chrono::steady_clock::now();
   wire::StateReply head;
   std::string refused;  // the source's last "not yet": what a timeout reports
   for (;;) {
@@ -518,6 +519,7 @@ Fetched fetch_state(const std::string& address, int64_t step, const FetchOptions
   if (!why.empty()) throw fail("malformed description: " + why);
   Fetched out;
   out.bytes = total;
+  out.waited_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - asked).count();
   if (options.same_host) {
     out.single_copy_refused = copy_from_process(head, into);
     out.single_copy = out.single_copy_refused.empty();

@@ -76,6 +76,7 @@ struct FetchOptions {
 struct Fetched {
   TensorDict state;  // fresh tensors, the server's bytes
   int64_t bytes = 0;
+  double waited_seconds = 0;  // for the server to publish the step (its next step boundary, under the async quorum)
   bool single_copy = false;  // read from the server's memory, not streamed
   std::string single_copy_refused;  // same_host, yet streamed: why
   // The pair group it was streamed over (none when single_copy), still to be destroyed: that

@@ -141,7 +141,8 @@ struct ManagerStats {
   int64_t init_syncs = 0;        // 1 once the first quorum copied this rank's state from another group (init_sync)
   int64_t heal_bytes = 0;        // all copies, the init sync's included
   double heal_seconds = 0;       // fetch and load, all copies
-  double heal_fetch_seconds = 0; // of which copying the bytes (waiting for the source included)
+  double heal_fetch_seconds = 0; // of which copying the bytes (kSync: waiting for the source included;
+                                 // kAsync: not the wait for its step boundary, during which this group trains)
   double serve_seconds = 0;      // as a source: serving its state until the healers released it
   int64_t heals_single_copy = 0; // heals read from the source's memory (same host)
   std::string heal_route;        // how the last heal was read: "process_vm_readv", or the pair
