@@ -211,25 +211,14 @@ void Manager::Impl::start_fetch(const Quorum& q, int source, int64_t target) {
   drop_heal();
   auto h = std::make_unique<HealInFlight>();
   const GroupInfo& from = q.participants[static_cast<size_t>(source)];
-  const int rank = group->rank();
   h->target = target;
-  h->what = "the state of group " + from.group_id + " rank " + std::to_string(rank) + " (" +
-            from.state_addresses[static_cast<size_t>(rank)] + "), step " + std::to_string(target);
-  FetchOptions fo;
-  fo.token = options.token();
-  fo.healer = options.group_id();
-  fo.source = from.group_id;
-  fo.same_host = from.hosts[static_cast<size_t>(rank)] == hosts[static_cast<size_t>(rank)];
-  fo.pair_group = pair_groups();
+  h->what = copy_what(from, target);
   HealInFlight* raw = h.get();
-  const int64_t quorum = q.quorum_id, since = beats_now();
-  fo.stop = [this, raw, source_id = from.group_id, quorum, since]() -> std::string {
-    if (raw->cancel) return "the heal was given up (the Manager closed, or the quorum moved past it)";
-    return given_up({source_id}, quorum, since);
-  };
   // The source serves from its next step boundary: a step of its own, then the copy.
-  fo.timeout = options.quorum_timeout() + options.cross_group_timeout();
-  const std::string address = from.state_addresses[static_cast<size_t>(rank)];
+  FetchOptions fo = fetch_options(from, q.quorum_id, options.quorum_timeout() + options.cross_group_timeout(), [raw] {
+    return std::string(raw->cancel ? "the heal was given up (the Manager closed, or the quorum moved past it)" : "");
+  });
+  const std::string address = from.state_addresses[static_cast<size_t>(group->rank())];
   h->started = std::chrono::steady_clock::now();
   h->thread = std::thread([raw, address, target, fo] {
     try {
@@ -264,13 +253,7 @@ bool Manager::Impl::finish_heal() {
       const double copying = std::max(0.0, h.fetched_seconds - h.got.waited_seconds);
       stats.heal_fetch_seconds += copying;
       const auto loading = Clock::now();
-      stats.heal_route = h.got.single_copy ? "process_vm_readv" : h.got.pair->transport_name();
-      if (!h.got.single_copy_refused.empty()) stats.heal_route += " (single copy refused: " + h.got.single_copy_refused + ")";
-      if (h.got.pair) reap(std::move(h.got.pair));
-      phase("heal-fetched", h.target);
-      const TensorDict extras = state.load_snapshot(h.got.state, h.what);
-      if (load_extra) load_extra(StateRegistry::without_registered(extras));
-      registry.load_heal_entries(extras, h.what);
+      load_copy(h.got, h.target, h.what, stats);
       stats.heal_seconds += copying + seconds_since(loading);
     } catch (const std::exception& e) {
       ok = false;

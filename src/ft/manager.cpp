@@ -179,31 +179,14 @@ void Manager::start_step_sync() {
 
 bool Manager::copy_state_from(int source, std::string* why) {
   Impl& im = *impl_;
-  ProcessGroup& pg = *im.group;
   const GroupInfo& from = quorum_.participants[source];
-  const std::string what = "the state of group " + from.group_id + " rank " + std::to_string(pg.rank()) + " (" +
-                           from.state_addresses[pg.rank()] + "), step " + std::to_string(quorum_.max_step);
+  const std::string what = im.copy_what(from, quorum_.max_step);
   try {
     const auto start = std::chrono::steady_clock::now();
-    FetchOptions fo;
-    fo.token = im.options.token();
-    fo.healer = im.options.group_id();
-    fo.source = from.group_id;
-    fo.same_host = from.hosts[pg.rank()] == im.hosts[pg.rank()];
-    fo.pair_group = im.pair_groups();
-    // A source lost mid-heal (or a newer quorum) gives the heal up at once.
-    const int64_t quorum = quorum_.quorum_id, since = im.beats_now();
-    fo.stop = [&im, from, quorum, since] { return im.given_up({from.group_id}, quorum, since); };
-    fo.timeout = im.options.cross_group_timeout();
-    Fetched got = fetch_state(from.state_addresses[pg.rank()], quorum_.max_step, fo);
+    Fetched got = fetch_state(from.state_addresses[im.group->rank()], quorum_.max_step,
+                              im.fetch_options(from, quorum_.quorum_id, im.options.cross_group_timeout()));
     stats_.heal_fetch_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    stats_.heal_route = got.single_copy ? "process_vm_readv" : got.pair->transport_name();
-    if (!got.single_copy_refused.empty()) stats_.heal_route += " (single copy refused: " + got.single_copy_refused + ")";
-    if (got.pair) im.reap(std::move(got.pair));
-    im.phase("heal-fetched", quorum_.max_step);
-    const TensorDict extra = im.state.load_snapshot(got.state, what);
-    if (im.load_extra) im.load_extra(StateRegistry::without_registered(extra));
-    im.registry.load_heal_entries(extra, what);
+    im.load_copy(got, quorum_.max_step, what, stats_);
     stats_.heal_bytes += got.bytes;
     stats_.heal_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     stats_.heals_single_copy += got.single_copy ? 1 : 0;

@@ -177,10 +177,6 @@ struct Manager::Impl {
   // the step's quorum (kAsync): this is where a step first needs it.
   Crossing crossing() {
     if (!wait_round_quietly()) return Crossing{};
-    return crossing_now();
-  }
-  // crossing() once the round has ended.
-  Crossing crossing_now() {
     std::lock_guard<std::mutex> lock(cross_mu);
     if (failed) return Crossing{};
     if (cross && contribution.contributors < 1) {
@@ -274,6 +270,43 @@ struct Manager::Impl {
     server->wait_released(start + options.cross_group_timeout(),
                           [&](const std::string& h) { return !given_up({h}, serving, since).empty(); });
     return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  }
+
+  // ---- copying a source's state (both modes) ------------------------------------------------------
+  // "the state of group G rank R (address), step S": what errors name.
+  std::string copy_what(const GroupInfo& from, int64_t step) const {
+    const size_t r = static_cast<size_t>(group->rank());
+    return "the state of group " + from.group_id + " rank " + std::to_string(r) + " (" + from.state_addresses[r] +
+           "), step " + std::to_string(step);
+  }
+  // How this rank fetches from `from`, named by quorum `quorum_id`: given up at once when the
+  // source is lost or a newer quorum forms, or when `cancelled` gives a reason.
+  FetchOptions fetch_options(const GroupInfo& from, int64_t quorum_id, std::chrono::milliseconds timeout,
+                             std::function<std::string()> cancelled = nullptr) {
+    const size_t r = static_cast<size_t>(group->rank());
+    FetchOptions fo;
+    fo.token = options.token();
+    fo.healer = options.group_id();
+    fo.source = from.group_id;
+    fo.same_host = from.hosts[r] == hosts[r];
+    fo.pair_group = pair_groups();
+    const int64_t since = beats_now();
+    fo.stop = [this, source = from.group_id, quorum_id, since, cancelled]() -> std::string {
+      const std::string why = cancelled ? cancelled() : "";
+      return why.empty() ? given_up({source}, quorum_id, since) : why;
+    };
+    fo.timeout = timeout;
+    return fo;
+  }
+  // Loads a fetched copy into TrainingState and the registered state, and notes how it came.
+  void load_copy(Fetched& got, int64_t step, const std::string& what, ManagerStats& stats) {
+    stats.heal_route = got.single_copy ? "process_vm_readv" : got.pair->transport_name();
+    if (!got.single_copy_refused.empty()) stats.heal_route += " (single copy refused: " + got.single_copy_refused + ")";
+    if (got.pair) reap(std::move(got.pair));
+    phase("heal-fetched", step);
+    const TensorDict extras = state.load_snapshot(got.state, what);
+    if (load_extra) load_extra(StateRegistry::without_registered(extras));
+    registry.load_heal_entries(extras, what);
   }
 
   // ---- the asynchronous quorum (QuorumMode::kAsync; async_round.cpp) ------------------------------
